@@ -1,0 +1,274 @@
+//! Prompts, completions, groups and their scores: what flows from the data loader
+//! through rollout and reward to the trainer.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, PeriodId, PolicyVersion, PromptId, Result};
+
+/// A token id in the model's vocabulary.
+pub type TokenId = u32;
+
+/// One prompt, as released by the data loader for a period.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Prompt {
+    /// Stable identity (record or item index); the de-duplication key with the period.
+    pub id: PromptId,
+    /// The prompt as text, after any chat template was applied.
+    pub text: String,
+    /// The prompt's token ids, as the policy sees them.
+    pub tokens: Vec<TokenId>,
+    /// The reference answer a verifier compares against, when the task has one.
+    pub reference: Option<String>,
+    /// Task-specific fields (e.g. `numbers` and `target` for countdown), as strings so
+    /// that every serialisation format carries them. Ordered, so encodings are stable.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Why generation of a response stopped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// A stop token (end of sequence) was sampled.
+    #[default]
+    Stop,
+    /// A configured stop string appeared in the text.
+    StopString,
+    /// The maximum number of new tokens, or the context length, was reached.
+    Length,
+    /// Generation was cancelled (shutdown, or the period was abandoned).
+    Aborted,
+}
+
+/// One sampled response to a prompt.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// Index of this response within its group, `0..G`; an input of the seed rule.
+    pub sample_index: u32,
+    /// The generated token ids (stop token included when one ended the response).
+    pub tokens: Vec<TokenId>,
+    /// The behaviour log-probability of each generated token, aligned with `tokens`,
+    /// under the distribution the engine actually sampled from (the engine documents
+    /// whether that is before or after temperature and truncation).
+    pub logprobs: Vec<f32>,
+    /// The response decoded to text, for rewards.
+    pub text: String,
+    /// Why the response ended.
+    pub finish_reason: FinishReason,
+    /// The policy version whose weights sampled every token of this response.
+    pub version: PolicyVersion,
+}
+
+/// Wall-clock facts about one group's generation, for metrics and timelines.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GroupTiming {
+    /// Seconds from the period's start until the group's first response began.
+    pub started_s: f64,
+    /// Seconds from the period's start until the group's last response finished.
+    pub finished_s: f64,
+}
+
+/// One prompt and its `G` responses: the unit that GRPO normalises over and that the
+/// pipeline moves, scores and trains.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Group {
+    /// The period whose batch released this prompt.
+    pub period: PeriodId,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// The responses, ordered by `sample_index`.
+    pub completions: Vec<Completion>,
+    /// When the group was generated.
+    pub timing: GroupTiming,
+}
+
+impl Group {
+    /// The key under which a group is counted exactly once: (period, prompt id).
+    #[must_use]
+    pub fn key(&self) -> GroupKey {
+        GroupKey { period: self.period, prompt: self.prompt.id }
+    }
+
+    /// The oldest policy version among the responses (the group's staleness is
+    /// measured from it), or `None` for an empty group.
+    #[must_use]
+    pub fn oldest_version(&self) -> Option<PolicyVersion> {
+        self.completions.iter().map(|c| c.version).min()
+    }
+
+    /// Checks the structural invariants every stage may rely on: at least one
+    /// response, sample indices `0..G` in order, log-probs aligned with tokens.
+    pub fn validate(&self) -> Result<()> {
+        let key = self.key();
+        if self.completions.is_empty() {
+            return Err(Error::invalid(format!("group {key}"), "has no completions"));
+        }
+        for (i, c) in self.completions.iter().enumerate() {
+            if c.sample_index as usize != i {
+                return Err(Error::invalid(
+                    format!("group {key}, completion {i}"),
+                    format!("has sample_index {} (expected {i})", c.sample_index),
+                ));
+            }
+            if c.logprobs.len() != c.tokens.len() {
+                return Err(Error::invalid(
+                    format!("group {key}, completion {i}"),
+                    format!("has {} log-probs for {} tokens", c.logprobs.len(), c.tokens.len()),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The identity of a group: the period that released its prompt and the prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GroupKey {
+    /// The releasing period.
+    pub period: PeriodId,
+    /// The prompt.
+    pub prompt: PromptId,
+}
+
+impl std::fmt::Display for GroupKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "(period {}, prompt {})", self.period, self.prompt)
+    }
+}
+
+/// The score of one completion.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Reward {
+    /// The scalar the advantage is computed from.
+    pub total: f32,
+    /// Named parts (e.g. `correct`, `format`, `length`), for metrics; may be empty.
+    pub parts: BTreeMap<String, f32>,
+    /// Set when scoring failed (timeout, panic, remote error); `total` then holds the
+    /// configured failure score. A failure is data, not an error: the run goes on.
+    pub failure: Option<String>,
+}
+
+impl Reward {
+    /// A reward with only a total.
+    #[must_use]
+    pub fn scalar(total: f32) -> Self {
+        Self { total, ..Self::default() }
+    }
+
+    /// A failed scoring with the given score and reason.
+    #[must_use]
+    pub fn failed(score: f32, reason: impl Into<String>) -> Self {
+        Self { total: score, parts: BTreeMap::new(), failure: Some(reason.into()) }
+    }
+}
+
+/// How rewards within a group become advantages.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageEstimator {
+    /// GRPO: `(r - mean) / (std + eps)`, population standard deviation.
+    #[default]
+    GroupNorm,
+    /// Dr. GRPO: `r - mean`, no division by the standard deviation.
+    GroupMean,
+    /// RLOO: `r_i - mean_{j != i} r_j`, the leave-one-out baseline.
+    LeaveOneOut,
+}
+
+/// The epsilon added to the standard deviation by [`AdvantageEstimator::GroupNorm`].
+pub const ADVANTAGE_STD_EPS: f32 = 1e-6;
+
+/// Summary statistics of a group's rewards.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GroupStats {
+    /// Mean reward.
+    pub mean: f32,
+    /// Population standard deviation of the rewards.
+    pub std: f32,
+    /// True when every reward is equal: the group carries no learning signal under
+    /// any group-relative estimator and contributes zero (it is counted, not trained).
+    pub all_equal: bool,
+}
+
+impl GroupStats {
+    /// Statistics of `rewards` (all zeros for an empty slice).
+    #[must_use]
+    pub fn of(rewards: &[f32]) -> Self {
+        if rewards.is_empty() {
+            return Self { mean: 0.0, std: 0.0, all_equal: true };
+        }
+        // Accumulate in f64 so the statistics do not depend on group size rounding.
+        let n = rewards.len() as f64;
+        let mean = rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n;
+        let var = rewards.iter().map(|&r| (f64::from(r) - mean).powi(2)).sum::<f64>() / n;
+        let all_equal = rewards.iter().all(|&r| r == rewards[0]);
+        Self { mean: mean as f32, std: var.sqrt() as f32, all_equal }
+    }
+}
+
+impl AdvantageEstimator {
+    /// Advantages for one group's rewards, in the same order. An all-equal group gets
+    /// exact zeros under every estimator.
+    #[must_use]
+    pub fn advantages(self, rewards: &[f32]) -> Vec<f32> {
+        let stats = GroupStats::of(rewards);
+        if stats.all_equal {
+            return vec![0.0; rewards.len()];
+        }
+        let mean = f64::from(stats.mean);
+        match self {
+            Self::GroupNorm => {
+                let denom = f64::from(stats.std) + f64::from(ADVANTAGE_STD_EPS);
+                rewards.iter().map(|&r| ((f64::from(r) - mean) / denom) as f32).collect()
+            }
+            Self::GroupMean => rewards.iter().map(|&r| (f64::from(r) - mean) as f32).collect(),
+            Self::LeaveOneOut => {
+                let n = rewards.len() as f64;
+                let sum: f64 = rewards.iter().map(|&r| f64::from(r)).sum();
+                rewards
+                    .iter()
+                    .map(|&r| {
+                        let r = f64::from(r);
+                        (r - (sum - r) / (n - 1.0)) as f32
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// A group with its rewards and advantages: what the trainer side receives.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ScoredGroup {
+    /// The generated group.
+    pub group: Group,
+    /// One reward per completion, in completion order.
+    pub rewards: Vec<Reward>,
+    /// One advantage per completion, in completion order.
+    pub advantages: Vec<f32>,
+    /// Statistics of the rewards.
+    pub stats: GroupStats,
+}
+
+impl ScoredGroup {
+    /// Attaches rewards to a group and computes advantages with `estimator`.
+    pub fn new(group: Group, rewards: Vec<Reward>, estimator: AdvantageEstimator) -> Result<Self> {
+        if rewards.len() != group.completions.len() {
+            return Err(Error::invalid(
+                format!("group {}", group.key()),
+                format!("has {} rewards for {} completions", rewards.len(), group.completions.len()),
+            ));
+        }
+        let totals: Vec<f32> = rewards.iter().map(|r| r.total).collect();
+        let stats = GroupStats::of(&totals);
+        let advantages = estimator.advantages(&totals);
+        Ok(Self { group, rewards, advantages, stats })
+    }
+
+    /// The group's identity.
+    #[must_use]
+    pub fn key(&self) -> GroupKey {
+        self.group.key()
+    }
+}

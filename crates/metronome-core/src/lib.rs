@@ -1,0 +1,44 @@
+//! The shared vocabulary and the stage contracts of Metronome.
+//!
+//! Metronome is a framework for reinforcement-learning post-training of language
+//! models (the GRPO family) that runs inference and training as separate stages and
+//! overlaps them with *periodic asynchrony* while staying exactly on-policy. This
+//! crate is the contract every stage agrees on:
+//!
+//! - identifiers ([`RunSeed`], [`PolicyVersion`], [`PromptId`], [`PeriodId`]) and the
+//!   seeded-randomness rule [`sample_seed`];
+//! - the data that flows between stages ([`Prompt`], [`Completion`], [`Group`],
+//!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
+//! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
+//! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],
+//!   [`GroupScorer`], [`Trainer`], [`GroupSender`]/[`GroupReceiver`],
+//!   [`WeightPublisher`]/[`WeightSubscriber`]).
+//!
+//! It deliberately holds no tensors, no async runtime and no I/O: third-party stage
+//! implementations should depend on this crate alone. The sibling crates implement
+//! the stages (`metronome-dataloader`, `-rollout`, `-reward`, `-trainer`,
+//! `-transport`), share the network (`metronome-model`) and layouts
+//! (`metronome-masking`), and `metronome-pipeline` wires them.
+
+mod data;
+mod error;
+mod ids;
+mod layout;
+mod stage;
+mod text;
+mod weights;
+
+pub use data::{
+    ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, FinishReason, Group, GroupKey, GroupStats,
+    GroupTiming, Prompt, Reward, ScoredGroup, TokenId,
+};
+pub use error::{Error, Result};
+pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
+pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};
+pub use stage::{
+    AccumulateReport, Acker, ControlMessage, Cursor, Delivery, GroupReceiver, GroupScorer, GroupSender,
+    GroupSink, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine, RolloutRequest, StepReport,
+    Trainer, WeightPublisher, WeightSubscriber,
+};
+pub use text::{ChatMessage, Tokenizer};
+pub use weights::{HostTensor, TensorData, WeightSnapshot};

@@ -1,0 +1,87 @@
+//! `cargo xtask`: Metronome's project automation, one small binary.
+//!
+//! - `cargo xtask ci`: everything CI checks, cheapest first: formatting, dependency
+//!   invariants, clippy with warnings denied, `cargo deny`, then the test suite.
+//! - `cargo xtask deps`: the dependency invariants of ARCHITECTURE.md.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+mod deps;
+
+const USAGE: &str = "usage: cargo xtask <task>
+
+tasks:
+  ci     formatting, dependency invariants, clippy (-D warnings), cargo deny, tests
+  deps   check the dependency invariants of ARCHITECTURE.md
+         (--manifest-path PATH checks another workspace)";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = workspace_root();
+    match args.first().map(String::as_str) {
+        Some("ci") => ci(&root),
+        Some("deps") => match args.get(1..).unwrap_or_default() {
+            [] => check_deps(&root.join("Cargo.toml")),
+            [flag, path] if flag == "--manifest-path" => check_deps(Path::new(path)),
+            _ => bail!("usage: cargo xtask deps [--manifest-path PATH]"),
+        },
+        Some("-h" | "--help" | "help") | None => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => bail!("unknown task `{other}`\n\n{USAGE}"),
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the root")
+        .to_path_buf()
+}
+
+fn check_deps(manifest: &Path) -> Result<()> {
+    let violations = deps::check_workspace(manifest)?;
+    if violations.is_empty() {
+        println!("deps: every dependency invariant holds");
+        return Ok(());
+    }
+    for v in &violations {
+        eprintln!("deps: {v}");
+    }
+    bail!("{} dependency invariant(s) broken (see ARCHITECTURE.md)", violations.len())
+}
+
+fn ci(root: &Path) -> Result<()> {
+    step(root, "fmt", &["fmt", "--all", "--", "--check"])?;
+    check_deps(&root.join("Cargo.toml"))?;
+    step(root, "clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    if Command::new(cargo()).args(["deny", "--version"]).output().is_ok_and(|o| o.status.success()) {
+        step(root, "deny", &["deny", "check", "bans", "licenses", "sources"])?;
+    } else {
+        bail!("cargo-deny is not installed: run `cargo install cargo-deny --locked` (.ci/run does this)");
+    }
+    step(root, "test", &["test", "--workspace", "--all-targets"])?;
+    // Doc tests are a separate harness; examples in docs must keep compiling.
+    step(root, "doctest", &["test", "--workspace", "--doc"])
+}
+
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn step(root: &Path, name: &str, args: &[&str]) -> Result<()> {
+    eprintln!("==> {name}: cargo {}", args.join(" "));
+    let status = Command::new(cargo())
+        .args(args)
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("starting cargo for {name}"))?;
+    if !status.success() {
+        bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
