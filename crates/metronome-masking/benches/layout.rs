@@ -1,0 +1,2 @@
+//! Layout construction benchmarks (work in progress).
+fn main() {}

@@ -1,0 +1,1 @@
+//! Training layouts (work in progress).
