@@ -1,0 +1,68 @@
+//! The trainer's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the trainer.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainerError {
+    /// A tensor operation failed (shape mismatch, device, dtype).
+    #[error("tensor operation failed: {0}")]
+    Tensor(#[from] candle_core::Error),
+    /// A configuration value is out of range; `key` is its dotted path.
+    #[error("config key `{key}` {reason}")]
+    Config {
+        /// The dotted key, e.g. `loss.clip_high`.
+        key: String,
+        /// What is wrong with its value.
+        reason: String,
+    },
+    /// Input that breaks a contract (batch, example, call order); `what` names it.
+    #[error("{what} {reason}")]
+    Invalid {
+        /// The place at fault.
+        what: String,
+        /// What is wrong there.
+        reason: String,
+    },
+    /// A checkpoint file is missing, unreadable or inconsistent.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A batch broke the shared layout contract.
+    #[error(transparent)]
+    Core(#[from] metronome_core::Error),
+    /// The trainer's own thread pool could not be built.
+    #[error("cannot build the trainer thread pool: {0}")]
+    ThreadPool(String),
+}
+
+impl TrainerError {
+    pub(crate) fn config(key: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Config { key: key.into(), reason: reason.into() }
+    }
+
+    pub(crate) fn invalid(what: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Invalid { what: what.into(), reason: reason.into() }
+    }
+
+    pub(crate) fn checkpoint(path: impl Into<PathBuf>, reason: impl ToString) -> Self {
+        Self::Checkpoint { path: path.into(), reason: reason.to_string() }
+    }
+}
+
+impl From<TrainerError> for metronome_core::Error {
+    fn from(e: TrainerError) -> Self {
+        match e {
+            TrainerError::Core(e) => e,
+            other => metronome_core::Error::stage("trainer", other),
+        }
+    }
+}
+
+/// `Result` with [`TrainerError`].
+pub type Result<T, E = TrainerError> = std::result::Result<T, E>;

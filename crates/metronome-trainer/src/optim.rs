@@ -1,0 +1,299 @@
+//! Gradient accumulation, gradient-norm clipping and AdamW with visible state.
+//!
+//! candle-nn's `AdamW` keeps its moments private, so a checkpoint could not restore
+//! them and a resumed run would diverge. This one exposes its state as named tensors.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use serde::{Deserialize, Serialize};
+
+use crate::{Result, TrainerError};
+
+/// Sums per-micro-batch gradients, keyed by parameter index.
+///
+/// Sums are kept in f64: each micro-batch's f32 gradient is exact in f64 and a sum of
+/// a few of them is (nearly always) exact too, so the total does not depend on the
+/// order in which micro-batches arrive. That is what makes completion-order training
+/// equal to synchronous training to the last bit in practice, not only to rounding.
+#[derive(Debug, Default)]
+pub struct GradAccumulator {
+    sums: Vec<Option<Tensor>>,
+    micro_batches: u64,
+}
+
+impl GradAccumulator {
+    /// An empty accumulator for `num_params` parameters.
+    #[must_use]
+    pub fn new(num_params: usize) -> Self {
+        Self { sums: vec![None; num_params], micro_batches: 0 }
+    }
+
+    /// Adds the gradients of `params` found in `grads`.
+    pub fn add(&mut self, params: &[(String, Var)], grads: &GradStore) -> Result<()> {
+        for (i, (_, var)) in params.iter().enumerate() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                let g = g.to_dtype(DType::F64)?;
+                self.sums[i] = Some(match self.sums[i].take() {
+                    Some(s) => (s + g)?,
+                    None => g,
+                });
+            }
+        }
+        self.micro_batches += 1;
+        Ok(())
+    }
+
+    /// Micro-batches added since the last clear.
+    #[must_use]
+    pub fn micro_batches(&self) -> u64 {
+        self.micro_batches
+    }
+
+    /// The summed f64 gradient of each parameter (`None` where none arrived).
+    #[must_use]
+    pub fn sums(&self) -> &[Option<Tensor>] {
+        &self.sums
+    }
+
+    /// Forgets everything accumulated.
+    pub fn clear(&mut self) {
+        self.sums.iter_mut().for_each(|s| *s = None);
+        self.micro_batches = 0;
+    }
+
+    /// The accumulated gradients times `scale`, as f32 tensors shaped like the
+    /// parameters (zeros where none arrived), and their global L2 norm (computed in
+    /// f64; non-finite when any element is).
+    pub fn finish(&self, params: &[(String, Var)], scale: f64) -> Result<(Vec<Tensor>, f64)> {
+        let mut out = Vec::with_capacity(params.len());
+        let mut sq = 0f64;
+        for ((_, var), sum) in params.iter().zip(&self.sums) {
+            match sum {
+                Some(s) => {
+                    let s = (s * scale)?;
+                    sq += s.sqr()?.sum_all()?.to_scalar::<f64>()?;
+                    out.push(s.to_dtype(var.dtype())?);
+                }
+                None => out.push(var.zeros_like()?),
+            }
+        }
+        Ok((out, sq.sqrt()))
+    }
+}
+
+/// Scales `grads` in place so that their global norm is at most `max_norm`; returns
+/// the factor applied (1 when the norm was already within bounds).
+pub fn clip_grad_norm(grads: &mut [Tensor], norm: f64, max_norm: f64) -> Result<f64> {
+    if norm <= max_norm || norm == 0.0 {
+        return Ok(1.0);
+    }
+    // The small epsilon matches PyTorch's clip_grad_norm_.
+    let factor = max_norm / (norm + 1e-6);
+    for g in grads.iter_mut() {
+        *g = (&*g * factor)?;
+    }
+    Ok(factor)
+}
+
+/// AdamW's hyper-parameters (the learning rate comes from the schedule).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdamWConfig {
+    /// Exponential decay of the first moment.
+    pub beta1: f64,
+    /// Exponential decay of the second moment.
+    pub beta2: f64,
+    /// Added to the denominator for stability.
+    pub eps: f64,
+    /// Decoupled weight decay, applied to matrices (rank ≥ 2) only: norms and biases
+    /// are not decayed, as in most LLM recipes.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+    }
+}
+
+impl AdamWConfig {
+    /// Checks the ranges; errors name the key under `prefix`.
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        for (name, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(TrainerError::config(format!("{prefix}.{name}"), format!("is {v}, expected 0 <= {name} < 1")));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(TrainerError::config(format!("{prefix}.eps"), format!("is {}, expected a positive number", self.eps)));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(TrainerError::config(
+                format!("{prefix}.weight_decay"),
+                format!("is {}, expected a number >= 0", self.weight_decay),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// AdamW (Loshchilov & Hutter) with PyTorch's update order and bias correction.
+#[derive(Debug)]
+pub struct AdamW {
+    cfg: AdamWConfig,
+    exp_avg: Vec<Tensor>,
+    exp_avg_sq: Vec<Tensor>,
+    steps: u64,
+}
+
+impl AdamW {
+    /// Zero moments for `params`.
+    pub fn new(cfg: AdamWConfig, params: &[(String, Var)]) -> Result<Self> {
+        let zeros = || params.iter().map(|(_, v)| v.zeros_like()).collect::<candle_core::Result<Vec<_>>>();
+        Ok(Self { cfg, exp_avg: zeros()?, exp_avg_sq: zeros()?, steps: 0 })
+    }
+
+    /// Optimiser steps applied so far (bias correction uses it).
+    #[must_use]
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// One update of every parameter with its gradient.
+    pub fn step(&mut self, params: &[(String, Var)], grads: &[Tensor], lr: f64) -> Result<()> {
+        if grads.len() != params.len() {
+            return Err(TrainerError::invalid(
+                "optimizer step",
+                format!("got {} gradients for {} parameters", grads.len(), params.len()),
+            ));
+        }
+        self.steps += 1;
+        let AdamWConfig { beta1, beta2, eps, weight_decay } = self.cfg;
+        let t = self.steps as i32;
+        let bc1 = 1.0 - beta1.powi(t);
+        let bc2 = 1.0 - beta2.powi(t);
+        for (i, ((_, var), g)) in params.iter().zip(grads).enumerate() {
+            let m = ((&self.exp_avg[i] * beta1)? + (g * (1.0 - beta1))?)?;
+            let v = ((&self.exp_avg_sq[i] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let theta = var.as_tensor();
+            let decay = if theta.rank() >= 2 { lr * weight_decay } else { 0.0 };
+            let theta = if decay > 0.0 { (theta * (1.0 - decay))? } else { theta.clone() };
+            let update = ((&m * (lr / bc1))? / ((&v * (1.0 / bc2))?.sqrt()? + eps)?)?;
+            var.set(&(theta - update)?)?;
+            self.exp_avg[i] = m;
+            self.exp_avg_sq[i] = v;
+        }
+        Ok(())
+    }
+
+    /// The moments as named tensors (`<param>.exp_avg`, `<param>.exp_avg_sq`), owned
+    /// copies for a checkpoint.
+    pub fn state(&self, params: &[(String, Var)]) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(2 * params.len());
+        for (i, (name, _)) in params.iter().enumerate() {
+            out.push((format!("{name}.exp_avg"), self.exp_avg[i].copy()?));
+            out.push((format!("{name}.exp_avg_sq"), self.exp_avg_sq[i].copy()?));
+        }
+        Ok(out)
+    }
+
+    /// Restores moments and the step count saved by [`AdamW::state`]; `lookup`
+    /// returns the tensor of a name.
+    pub fn restore(
+        &mut self,
+        params: &[(String, Var)],
+        steps: u64,
+        mut lookup: impl FnMut(&str) -> Option<Tensor>,
+    ) -> Result<()> {
+        for (i, (name, var)) in params.iter().enumerate() {
+            for (suffix, slot) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])] {
+                let key = format!("{name}.{suffix}");
+                let t = lookup(&key).ok_or_else(|| TrainerError::invalid("optimizer state", format!("lacks `{key}`")))?;
+                if t.dims() != var.dims() {
+                    return Err(TrainerError::invalid(
+                        format!("optimizer state `{key}`"),
+                        format!("has shape {:?}, the parameter has {:?}", t.dims(), var.dims()),
+                    ));
+                }
+                *slot = t.to_dtype(var.dtype())?.to_device(var.device())?;
+            }
+        }
+        self.steps = steps;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    #[test]
+    fn adamw_matches_hand_computed_first_two_steps() {
+        let w = Var::from_slice(&[1.0f32, -2.0, 0.5, 3.0], (2, 2), &Device::Cpu).unwrap();
+        let b = Var::from_slice(&[0.5f32], 1, &Device::Cpu).unwrap();
+        let params = vec![("w".to_string(), w.clone()), ("b".to_string(), b.clone())];
+        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let mut opt = AdamW::new(cfg, &params).unwrap();
+        let lr = 0.01;
+        let gw = [0.1f64, -0.2, 0.0, 1.0];
+        let gb = [2.0f64];
+        let mk = |g: &[f64], shape: &[usize]| Tensor::from_slice(&g.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape, &Device::Cpu).unwrap();
+        let grads = vec![mk(&gw, &[2, 2]), mk(&gb, &[1])];
+        opt.step(&params, &grads, lr).unwrap();
+        opt.step(&params, &grads, lr).unwrap();
+        // Independent f64 reference.
+        let reference = |theta0: f64, g: f64, decay: bool| {
+            let (mut th, mut m, mut v) = (theta0, 0.0, 0.0);
+            for t in 1..=2 {
+                if decay {
+                    th *= 1.0 - lr * 0.1;
+                }
+                m = 0.9 * m + 0.1 * g;
+                v = 0.99 * v + 0.01 * g * g;
+                let mh = m / (1.0 - 0.9f64.powi(t));
+                let vh = v / (1.0 - 0.99f64.powi(t));
+                th -= lr * mh / (vh.sqrt() + 1e-8);
+            }
+            th
+        };
+        let got_w: Vec<f32> = w.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        for (i, &th0) in [1.0, -2.0, 0.5, 3.0].iter().enumerate() {
+            let want = reference(th0, gw[i], true);
+            assert!((f64::from(got_w[i]) - want).abs() < 1e-6, "w[{i}] {} vs {want}", got_w[i]);
+        }
+        let got_b: Vec<f32> = b.as_tensor().to_vec1().unwrap();
+        assert!((f64::from(got_b[0]) - reference(0.5, 2.0, false)).abs() < 1e-6);
+        assert_eq!(opt.steps(), 2);
+    }
+
+    #[test]
+    fn clipping_bounds_the_norm() {
+        let mut g = vec![Tensor::from_slice(&[3.0f32, 4.0], 2, &Device::Cpu).unwrap()];
+        let f = clip_grad_norm(&mut g, 5.0, 1.0).unwrap();
+        assert!((f - 1.0 / (5.0 + 1e-6)).abs() < 1e-12);
+        let v: Vec<f32> = g[0].to_vec1().unwrap();
+        assert!((v[0] - 0.6).abs() < 1e-5 && (v[1] - 0.8).abs() < 1e-5);
+        assert_eq!(clip_grad_norm(&mut g, 0.5, 1.0).unwrap(), 1.0);
+    }
+
+    #[test]
+    fn accumulator_sums_scales_and_reports_norm() {
+        let x = Var::from_slice(&[1.0f32, 2.0], 2, &Device::Cpu).unwrap();
+        let params = vec![("x".to_string(), x.clone())];
+        let mut acc = GradAccumulator::new(1);
+        for k in [1.0, 3.0] {
+            let loss = (x.as_tensor() * k).unwrap().sum_all().unwrap();
+            acc.add(&params, &loss.backward().unwrap()).unwrap();
+        }
+        let (g, norm) = acc.finish(&params, 0.5).unwrap();
+        assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![2.0, 2.0]);
+        assert!((norm - 8f64.sqrt()).abs() < 1e-12);
+        assert_eq!(acc.micro_batches(), 2);
+        acc.clear();
+        let (g, norm) = acc.finish(&params, 1.0).unwrap();
+        assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
+        assert_eq!(norm, 0.0);
+    }
+}
