@@ -112,7 +112,10 @@ fn broken_rule(package: &str, dep: &str) -> Option<&'static str> {
 mod tests {
     use super::*;
 
-    fn meta(packages: &[(&str, &[(&str, Option<&str>)])]) -> Value {
+    /// A dependency: its name and its `kind` (`None` for normal).
+    type Dep<'a> = (&'a str, Option<&'a str>);
+
+    fn meta(packages: &[(&str, &[Dep<'_>])]) -> Value {
         let packages: Vec<Value> = packages
             .iter()
             .map(|(name, deps)| {

@@ -28,6 +28,11 @@ fn main() -> Result<()> {
             [flag, path] if flag == "--manifest-path" => check_deps(Path::new(path)),
             _ => bail!("usage: cargo xtask deps [--manifest-path PATH]"),
         },
+        Some(task @ ("e2e" | "bench")) => {
+            bail!(
+                "`cargo xtask {task}` runs the pipeline, which is not built yet (metronome-pipeline, issue 10)"
+            )
+        }
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -69,6 +74,16 @@ fn ci(root: &Path) -> Result<()> {
     step(root, "doctest", &["test", "--workspace", "--doc"])
 }
 
+/// Test binaries already run their tests on parallel threads; one rayon and candle
+/// thread per test keeps them from oversubscribing a 2-core machine (DESIGN.md §6).
+/// A caller's explicit setting wins.
+fn test_thread_env() -> Vec<(&'static str, String)> {
+    ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
+        .into_iter()
+        .map(|var| (var, std::env::var(var).unwrap_or_else(|_| "1".into())))
+        .collect()
+}
+
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
@@ -77,6 +92,7 @@ fn step(root: &Path, name: &str, args: &[&str]) -> Result<()> {
     eprintln!("==> {name}: cargo {}", args.join(" "));
     let status = Command::new(cargo())
         .args(args)
+        .envs(test_thread_env())
         .current_dir(root)
         .status()
         .with_context(|| format!("starting cargo for {name}"))?;
