@@ -1,0 +1,83 @@
+//! Completions scored per second on one core (the bench thread) by the math verifier
+//! and the countdown checker, over a fixed corpus of realistic completions.
+//!
+//! `cargo bench -p metronome-reward`; criterion reports throughput in elements
+//! (completions) per second.
+
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use metronome_core::{Completion, Prompt, RewardFn};
+use metronome_reward::{CountdownChecker, MathVerifier};
+
+const REASONING: &str = "Let me think step by step. First we compute the partial sums, then we check the \
+    remaining cases carefully and simplify the expression. Each step follows from the previous one. ";
+
+fn math_corpus() -> Vec<(Prompt, Completion)> {
+    let answers = [
+        (r"\boxed{42}", "42"),
+        ("#### 1,234", "1234"),
+        (r"The answer is $\frac{3}{4}$.", "0.75"),
+        (r"<answer>-7.5</answer>", "-15/2"),
+        (r"\boxed{12\text{ cm}}", "12"),
+        ("so 18 apples remain", "18"),
+        (r"\boxed{50\%}", "0.5"),
+        (r"\boxed{\frac{\pi}{2}}", r"\frac{\pi}{2}"),
+        ("I am not sure.", "3"),
+        (r"\boxed{41}", "42"),
+    ];
+    answers
+        .iter()
+        .map(|(answer, reference)| {
+            let prompt = Prompt { reference: Some((*reference).to_owned()), ..Prompt::default() };
+            let text = format!("{}{answer}", REASONING.repeat(4));
+            (prompt, Completion { text, ..Completion::default() })
+        })
+        .collect()
+}
+
+fn countdown_corpus() -> Vec<(Prompt, Completion)> {
+    let answers = [
+        "<answer>(25 - 5) * 3</answer>",
+        "<answer>6 / (1 - 3 / 4)</answer>",
+        "<answer>25 * 3 - 5 - 10</answer>",
+        "<answer>5 * 5</answer>",
+        "<answer>(100 + 4) / 8</answer>",
+        "The answer is (3 + 25) * 5 - 100 = 40.",
+        "<answer>((25 + 5) * (3 - 1))</answer>",
+        "<answer>3 + * 4</answer>",
+    ];
+    answers
+        .iter()
+        .map(|answer| {
+            let metadata = [("numbers", "[25, 5, 3, 100, 4, 8, 1, 6, 10]"), ("target", "60")]
+                .map(|(k, v)| (k.into(), v.into()));
+            let prompt = Prompt { metadata: metadata.into_iter().collect(), ..Prompt::default() };
+            let text = format!("<think>{}</think>\n{answer}", REASONING.repeat(4));
+            (prompt, Completion { text, ..Completion::default() })
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion, name: &str, scorer: &dyn RewardFn, corpus: &[(Prompt, Completion)]) {
+    let mut group = c.benchmark_group(name);
+    group.throughput(Throughput::Elements(corpus.len() as u64));
+    group.bench_function("completions", |b| {
+        b.iter(|| {
+            let mut sum = 0.0f32;
+            for (p, comp) in corpus {
+                sum += scorer.score(black_box(p), black_box(comp)).total;
+            }
+            sum
+        });
+    });
+    group.finish();
+}
+
+fn scorers(c: &mut Criterion) {
+    bench(c, "math_verifier", &MathVerifier::new(), &math_corpus());
+    bench(c, "countdown_checker", &CountdownChecker::new(), &countdown_corpus());
+}
+
+criterion_group!(benches, scorers);
+criterion_main!(benches);

@@ -1,0 +1,47 @@
+//! The crate's error type.
+//!
+//! Errors here are configuration and transport problems. A completion that cannot be
+//! parsed or verified is not an error: it is a score (and a part in the breakdown),
+//! and a scorer that panics or hangs is a counted failure inside a [`metronome_core::Reward`].
+
+/// Errors of the reward stage.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A configuration value is unusable; `field` names it.
+    #[error("reward config field `{field}` {reason}")]
+    Config {
+        /// The field at fault, e.g. `format.pattern`.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The worker pool could not start its threads.
+    #[error("reward worker pool could not start a thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// The remote scorer could not be built.
+    #[error("remote scorer at {url}: {source}")]
+    Remote {
+        /// The scorer's URL.
+        url: String,
+        /// The HTTP client's error.
+        #[source]
+        source: reqwest::Error,
+    },
+}
+
+impl Error {
+    /// An [`Error::Config`].
+    pub(crate) fn config(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Config { field: field.into(), reason: reason.into() }
+    }
+}
+
+impl From<Error> for metronome_core::Error {
+    fn from(e: Error) -> Self {
+        metronome_core::Error::stage("reward", e)
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,55 @@
+//! Metronome's reward stage: verifiable, rule-based rewards for reasoning tasks that
+//! never stall or crash a run.
+//!
+//! - Scorers are synchronous [`metronome_core::RewardFn`]s (closures are scorers too):
+//!   [`MathVerifier`] (final-answer extraction, normalisation and numeric or exact
+//!   comparison), [`ExactMatch`], [`FormatReward`] (regular expressions, e.g. the
+//!   `<think>…</think><answer>…</answer>` structure), [`CountdownChecker`] (exact
+//!   rational arithmetic over the given numbers), [`LengthShaping`] (DAPO's overlong
+//!   shaping) and a weighted [`Composite`].
+//! - [`PoolScorer`] is the [`metronome_core::GroupScorer`] the pipeline holds: it scores a
+//!   group's completions in parallel on a [`WorkerPool`] with a time limit per call and
+//!   panic isolation. A timeout, panic or non-finite score becomes the configured
+//!   failure score with a reason in [`metronome_core::Reward::failure`] and a count in
+//!   `metronome_reward_failures_total{reason}`; the run goes on. A stuck scorer costs
+//!   one thread, which is replaced up to a bound (see [`pool`]).
+//! - [`RemoteScorer`] is a [`metronome_core::GroupScorer`] for reward models served
+//!   over HTTP (JSON), with timeout, retries with backoff and a concurrency limit.
+//! - [`RewardConfig`] / [`ScorerConfig`] are serde configs that build all of the above.
+//!
+//! Parsers bound their own work: they read only the tail of a completion, cap the
+//! length of an extracted answer or expression, the nesting depth and the digits of a
+//! number, and charge their steps to a [`Meter`], so adversarial text costs linear time.
+//!
+//! This crate does not tokenise, generate or train, and it does not depend on other
+//! stage crates: it sees only `metronome-core` types. The pipeline
+//! (`metronome-pipeline`) puts a scorer between the rollout stage (`metronome-rollout`)
+//! and the trainer (`metronome-trainer`); the data loader (`metronome-dataloader`)
+//! supplies each prompt's `reference` and metadata (countdown's `numbers` and `target`).
+
+mod composite;
+mod config;
+mod countdown;
+mod error;
+mod extract;
+mod length;
+mod math;
+mod meter;
+mod metric;
+pub mod pool;
+mod rational;
+mod remote;
+mod text;
+
+pub use composite::{Component, Composite};
+pub use config::{ComponentConfig, CompositeConfig, RewardConfig, ScorerConfig};
+pub use countdown::{CountdownChecker, CountdownConfig, CountdownVerdict, Invalid};
+pub use error::{Error, Result};
+pub use extract::{Extractor, extract, tail};
+pub use length::{LengthConfig, LengthShaping, LengthUnit};
+pub use math::{Answer, MathConfig, MathVerdict, MathVerifier, Number, answers_match, parse_answer};
+pub use meter::Meter;
+pub use pool::{Outcome, PoolConfig, PoolScorer, PoolStats, WorkerPool};
+pub use rational::Rational;
+pub use remote::{RemoteConfig, RemoteRequest, RemoteResponse, RemoteReward, RemoteScorer};
+pub use text::{ExactMatch, ExactMatchConfig, FormatConfig, FormatReward, THINK_ANSWER_PATTERN};

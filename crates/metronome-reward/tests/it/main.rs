@@ -1,0 +1,10 @@
+//! Integration tests of metronome-reward: one binary, one module per area.
+
+mod common;
+mod config;
+mod countdown;
+mod math;
+mod pool;
+mod props;
+mod remote;
+mod text;
