@@ -1,0 +1,64 @@
+//! Metronome's data loader: which prompts form each period, released at the period's
+//! start, resumable exactly after a restart.
+//!
+//! [`PromptLoader`] implements [`metronome_core::PromptSource`]. Each call of
+//! `next_batch` releases the batch of `B` prompts of the next period, already rendered
+//! (optionally through the model's chat template) and tokenised through a
+//! [`metronome_core::Tokenizer`] trait object. The crate offers:
+//!
+//! - **Sources** ([`SourceConfig`]): JSONL and Parquet files read through a
+//!   [`FieldMapping`] (prompt, reference answer, metadata; dotted paths into nested
+//!   fields; a prompt may be a string or a list of chat messages), and procedural
+//!   tasks: [`ArithmeticTask`] (operators, digits, number of terms) and
+//!   [`CountdownTask`] (instances built from a solution, so always solvable), each with
+//!   its reference answer in `Prompt::reference` and task fields in
+//!   `Prompt::metadata` (countdown: `numbers` as `3,7,25`, `target` as `88`;
+//!   both: `task`). The built-in default task for the embedded run is short sums,
+//!   `12+7=` → `19`. Any other [`Dataset`] implementation plugs in too.
+//! - **Order**: a Fisher–Yates shuffle per epoch seeded by
+//!   `stream_seed(run, SHUFFLE_STREAM, epoch)` (a fixed algorithm pinned by golden
+//!   values), every prompt exactly once per epoch, batches that run across epoch
+//!   boundaries, a finite or unbounded number of epochs.
+//! - **Resumption**: the [`metronome_core::Cursor`] (period, epoch, offset into the
+//!   epoch's order) fully determines every future batch; restoring it reproduces the
+//!   uninterrupted sequence exactly.
+//! - **Prefetching**: the next period's batch is read, rendered and tokenised on a
+//!   background thread while the current period runs.
+//! - **Bad input**: errors name the file, line or row, and field; a
+//!   [`BadRecordPolicy`] skips and counts bad records instead; over-long prompts are
+//!   skipped (counted, ids logged) or rejected per [`OverlongPolicy`].
+//!
+//! Metrics (through the `metrics` facade): `metronome_dataloader_batches_released_total`,
+//! `_prompts_released_total`, `_prompt_tokens_total`, `_prompts_skipped_total{reason}`,
+//! `_records_loaded_total{format}`, `_records_skipped_total{format}`, the
+//! `_epoch` gauge and the `_batch_wait_seconds` histogram (how long `next_batch`
+//! waited; near zero when prefetching keeps up).
+//!
+//! It is not a tokenizer (those live in `metronome-model`, behind the core trait), nor
+//! a reward: verifiers in `metronome-reward` read `Prompt::reference` and
+//! `Prompt::metadata`. It knows nothing of rollout, training or transport; the
+//! `metronome-pipeline` crate calls it once per period and saves its cursor with each
+//! checkpoint. It depends on `metronome-core` only, among Metronome's crates.
+
+mod config;
+mod dataset;
+mod error;
+mod file;
+mod loader;
+mod plan;
+mod render;
+mod rng;
+mod tasks;
+
+pub use config::{FileSourceConfig, LoaderConfig, OpenedSource, SourceConfig};
+pub use dataset::{Dataset, PromptContent, Record};
+pub use error::{Error, Location, Result};
+pub use file::{BadRecordPolicy, FieldMapping, FileDataset, FileFormat, LoadReport};
+pub use loader::{LoaderStats, PromptLoader};
+pub use plan::ReleaseConfig;
+pub use render::{OverlongPolicy, PromptConfig};
+pub use rng::{SHUFFLE_STREAM, epoch_order};
+pub use tasks::{
+    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, COUNTDOWN_STREAM, CountdownConfig, CountdownItem,
+    CountdownTask, Operator, Span,
+};

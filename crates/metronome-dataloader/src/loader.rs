@@ -1,0 +1,206 @@
+//! [`PromptLoader`]: the [`PromptSource`] that releases one batch per period, with
+//! the next batch prepared in the background.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use metronome_core::{Cursor, PromptBatch, PromptSource, RunSeed, Tokenizer};
+use tokio::sync::oneshot;
+
+use crate::dataset::Dataset;
+use crate::error::{Error, Result};
+use crate::file::LoadReport;
+use crate::plan::{Planned, Planner, ReleaseConfig};
+use crate::render::{PromptConfig, Renderer};
+
+/// Counters since the loader was built (they are not part of the cursor).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoaderStats {
+    /// Batches released.
+    pub batches: u64,
+    /// Prompts released.
+    pub prompts: u64,
+    /// Prompt tokens released.
+    pub tokens: u64,
+    /// Prompts skipped because they were longer than the maximum.
+    pub skipped_too_long: u64,
+    /// Batches that had already been prepared when they were asked for.
+    pub prefetched_ready: u64,
+}
+
+/// A batch being planned on a background thread, from cursor `from`.
+#[derive(Debug)]
+struct Pending {
+    from: Cursor,
+    result: oneshot::Receiver<Result<Planned>>,
+}
+
+/// Releases one batch of `B` prompts per period from a [`Dataset`], tokenised through
+/// the model's [`Tokenizer`], in a shuffled order derived from the run seed, and can
+/// resume exactly from a saved [`Cursor`].
+///
+/// With prefetching on, the batch of period `k + 1` is read, rendered and tokenised
+/// on a background thread as soon as batch `k` is released, so `next_batch` at the
+/// start of the next period usually returns at once. Prefetching never changes what
+/// is released: a batch is a pure function of the cursor.
+#[derive(Debug)]
+pub struct PromptLoader {
+    planner: Arc<Planner>,
+    cursor: Cursor,
+    pending: Option<Pending>,
+    stats: LoaderStats,
+    load_report: Option<LoadReport>,
+}
+
+impl PromptLoader {
+    /// A loader over `dataset` at the start of epoch 0 (period 0). With prefetching on,
+    /// the first batch starts being prepared at once.
+    pub fn new(
+        dataset: Arc<dyn Dataset>,
+        tokenizer: Arc<dyn Tokenizer>,
+        seed: RunSeed,
+        release: ReleaseConfig,
+        prompt: PromptConfig,
+    ) -> Result<Self> {
+        release.validate()?;
+        prompt.validate()?;
+        if dataset.is_empty() {
+            return Err(Error::config("source", format!("the dataset {dataset:?} has no records")));
+        }
+        let planner = Arc::new(Planner::new(dataset, Renderer::new(tokenizer, prompt), seed, release));
+        let mut loader = Self {
+            planner,
+            cursor: Cursor::default(),
+            pending: None,
+            stats: LoaderStats::default(),
+            load_report: None,
+        };
+        loader.prefetch();
+        Ok(loader)
+    }
+
+    /// Attaches the report of the file the dataset was read from.
+    #[must_use]
+    pub fn with_load_report(mut self, report: LoadReport) -> Self {
+        self.load_report = Some(report);
+        self
+    }
+
+    /// The report of the file the dataset was read from, if it came from a file.
+    #[must_use]
+    pub fn load_report(&self) -> Option<&LoadReport> {
+        self.load_report.as_ref()
+    }
+
+    /// The dataset.
+    #[must_use]
+    pub fn dataset(&self) -> &Arc<dyn Dataset> {
+        self.planner.dataset()
+    }
+
+    /// Counters since the loader was built.
+    #[must_use]
+    pub fn stats(&self) -> LoaderStats {
+        self.stats
+    }
+
+    /// The next batch, as [`PromptSource::next_batch`] but with this crate's error.
+    pub async fn next(&mut self) -> Result<Option<PromptBatch>> {
+        let started = Instant::now();
+        let (Pending { from, mut result }, prefetched) = match self.pending.take() {
+            Some(pending) if pending.from == self.cursor => (pending, true),
+            _ => (self.spawn(self.cursor), false),
+        };
+        let planned = match result.try_recv() {
+            Ok(planned) => {
+                self.stats.prefetched_ready += u64::from(prefetched);
+                planned
+            }
+            Err(_) => result.await.map_err(|_| Error::PrefetchLost { period: from.period.0 })?,
+        };
+        metrics::histogram!("metronome_dataloader_batch_wait_seconds")
+            .record(started.elapsed().as_secs_f64());
+        let planned = planned?;
+        self.account(&planned);
+        self.cursor = planned.next;
+        if planned.batch.is_some() {
+            self.prefetch();
+        }
+        Ok(planned.batch)
+    }
+
+    /// Restores a saved position, as [`PromptSource::restore`] but with this crate's
+    /// error. A batch prepared for the old position is discarded.
+    pub fn seek(&mut self, cursor: Cursor) -> Result<()> {
+        self.cursor = self.planner.check(cursor)?;
+        self.pending = None;
+        self.prefetch();
+        Ok(())
+    }
+
+    fn prefetch(&mut self) {
+        if self.planner.release().prefetch && self.pending.is_none() {
+            self.pending = Some(self.spawn(self.cursor));
+        }
+    }
+
+    /// Plans the batch at `from` on its own thread. Planning reads and tokenises, which
+    /// must not block the async runtime that awaits the result; a plain thread keeps
+    /// the loader independent of which runtime that is. If the thread cannot be
+    /// started, or dies, the receiver reports it and `next` returns an error.
+    fn spawn(&self, from: Cursor) -> Pending {
+        let (sender, result) = oneshot::channel();
+        let planner = Arc::clone(&self.planner);
+        let spawned = std::thread::Builder::new().name("metronome-dataloader".into()).spawn(move || {
+            let _ = sender.send(planner.plan(from));
+        });
+        if let Err(error) = spawned {
+            tracing::error!(target: "metronome_dataloader", "cannot start the batch planning thread: {error}");
+        }
+        Pending { from, result }
+    }
+
+    fn account(&mut self, planned: &Planned) {
+        for (id, place, tokens) in &planned.too_long {
+            tracing::warn!(
+                target: "metronome_dataloader",
+                prompt = id.0,
+                tokens,
+                "skipping prompt {id} ({place}): {tokens} tokens is over the maximum"
+            );
+        }
+        let skipped = planned.too_long.len() as u64;
+        self.stats.skipped_too_long += skipped;
+        if skipped > 0 {
+            metrics::counter!("metronome_dataloader_prompts_skipped_total", "reason" => "too_long")
+                .increment(skipped);
+        }
+        if let Some(batch) = &planned.batch {
+            let tokens: u64 = batch.prompts.iter().map(|p| p.tokens.len() as u64).sum();
+            self.stats.batches += 1;
+            self.stats.prompts += batch.prompts.len() as u64;
+            self.stats.tokens += tokens;
+            metrics::counter!("metronome_dataloader_batches_released_total").increment(1);
+            metrics::counter!("metronome_dataloader_prompts_released_total")
+                .increment(batch.prompts.len() as u64);
+            metrics::counter!("metronome_dataloader_prompt_tokens_total").increment(tokens);
+        }
+        metrics::gauge!("metronome_dataloader_epoch").set(planned.next.epoch as f64);
+    }
+}
+
+#[async_trait]
+impl PromptSource for PromptLoader {
+    async fn next_batch(&mut self) -> metronome_core::Result<Option<PromptBatch>> {
+        Ok(self.next().await?)
+    }
+
+    fn cursor(&self) -> Cursor {
+        self.cursor
+    }
+
+    fn restore(&mut self, cursor: Cursor) -> metronome_core::Result<()> {
+        Ok(self.seek(cursor)?)
+    }
+}

@@ -1,0 +1,173 @@
+//! JSONL files: mapping, and every bad-input case naming its place.
+
+use std::collections::BTreeMap;
+
+use metronome_core::{PromptId, RunSeed};
+use metronome_dataloader::{
+    BadRecordPolicy, Dataset, FieldMapping, FileDataset, FileSourceConfig, LoaderConfig, PromptContent,
+    ReleaseConfig, SourceConfig,
+};
+
+use crate::common::{tokenizer, write_file};
+
+fn mapping() -> FieldMapping {
+    FieldMapping {
+        prompt: "question".into(),
+        reference: Some("answer".into()),
+        metadata: BTreeMap::from([("level".into(), "info.level".into())]),
+    }
+}
+
+const GOOD: &str = concat!(
+    r#"{"question": "1+1=", "answer": "2", "info": {"level": 1}}"#,
+    "\n",
+    "\n",
+    r#"{"question": "2+3=", "answer": 5, "info": {"level": "easy"}}"#,
+    "\r\n",
+    r#"{"question": "9*9=", "answer": "81", "info": {"level": [1, 2]}, "extra": true}"#,
+);
+
+#[test]
+fn jsonl_maps_fields_and_ignores_blank_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(&dir, "good.jsonl", GOOD);
+    let dataset = FileDataset::open_jsonl(&path, &mapping(), BadRecordPolicy::Fail).unwrap();
+    assert_eq!(dataset.len(), 3);
+    let r = dataset.record(1).unwrap();
+    assert_eq!(r.id, PromptId(1));
+    assert_eq!(r.content, PromptContent::Text("2+3=".into()));
+    assert_eq!(r.reference.as_deref(), Some("5"));
+    assert_eq!(r.metadata["level"], "easy");
+    assert_eq!(dataset.record(0).unwrap().metadata["level"], "1");
+    assert_eq!(dataset.record(2).unwrap().metadata["level"], "[1,2]");
+    // Place counts lines as editors do (the blank line included).
+    assert!(dataset.place(1).ends_with("good.jsonl line 3"), "{}", dataset.place(1));
+    assert_eq!(dataset.report().kept, 3);
+    assert_eq!(dataset.report().skipped, 0);
+}
+
+/// One bad line among good ones; the expected message fragments.
+fn bad_cases() -> Vec<(&'static str, &'static str, Vec<&'static str>)> {
+    vec![
+        (
+            "malformed",
+            r#"{"question": "1+1=", "answer": "2", "info": {"level": 1"#,
+            vec!["line 2", "malformed JSON"],
+        ),
+        (
+            "missing",
+            r#"{"question": "1+1=", "info": {"level": 1}}"#,
+            vec!["line 2", "field `answer`", "missing"],
+        ),
+        (
+            "missing-nested",
+            r#"{"question": "1+1=", "answer": "2", "info": {}}"#,
+            vec!["line 2", "field `info.level`", "missing"],
+        ),
+        (
+            "wrong-type",
+            r#"{"question": 12, "answer": "2", "info": {"level": 1}}"#,
+            vec![
+                "line 2",
+                "field `question`",
+                "expected a string or a list of chat messages, found a number",
+            ],
+        ),
+        (
+            "wrong-type-reference",
+            r#"{"question": "x", "answer": {"a": 1}, "info": {"level": 1}}"#,
+            vec!["line 2", "field `answer`", "found an object"],
+        ),
+        (
+            "null",
+            r#"{"question": null, "answer": "2", "info": {"level": 1}}"#,
+            vec!["line 2", "field `question`", "is null"],
+        ),
+        ("not-an-object", r#"["1+1=", "2"]"#, vec!["line 2", "expected a JSON object, found a list"]),
+    ]
+}
+
+#[test]
+fn each_bad_line_fails_with_file_line_and_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"{"question": "0+0=", "answer": "0", "info": {"level": 0}}"#;
+    for (name, line, fragments) in bad_cases() {
+        let file = format!("{name}.jsonl");
+        let path = write_file(&dir, &file, &format!("{good}\n{line}\n{good}\n"));
+        let err = FileDataset::open_jsonl(&path, &mapping(), BadRecordPolicy::Fail).unwrap_err().to_string();
+        assert!(err.contains(&file), "{name}: {err}");
+        for fragment in fragments {
+            assert!(err.contains(fragment), "{name}: `{fragment}` not in: {err}");
+        }
+    }
+}
+
+#[test]
+fn invalid_utf8_is_a_bad_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bytes.jsonl");
+    std::fs::write(&path, b"{\"question\": \"\xff\"}\n").unwrap();
+    let err = FileDataset::open_jsonl(&path, &mapping(), BadRecordPolicy::Fail).unwrap_err().to_string();
+    assert!(err.contains("bytes.jsonl, line 1: is not valid UTF-8"), "{err}");
+}
+
+#[test]
+fn skip_policy_counts_every_bad_line_and_keeps_ids_stable() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = r#"{"question": "0+0=", "answer": "0", "info": {"level": 0}}"#;
+    let mut text = String::new();
+    let cases = bad_cases();
+    for (_, line, _) in &cases {
+        text.push_str(good);
+        text.push('\n');
+        text.push_str(line);
+        text.push('\n');
+    }
+    let path = write_file(&dir, "mixed.jsonl", &text);
+    let dataset = FileDataset::open_jsonl(&path, &mapping(), BadRecordPolicy::Skip).unwrap();
+    assert_eq!(dataset.report().kept, cases.len() as u64);
+    assert_eq!(dataset.report().skipped, cases.len() as u64);
+    assert_eq!(dataset.report().skipped_examples.len(), cases.len());
+    assert!(dataset.report().skipped_examples[0].contains("mixed.jsonl, line 2"));
+    // Kept records are the even record indices: a skipped line keeps its id.
+    let kept: Vec<u64> = (0..dataset.len()).map(|i| dataset.record(i).unwrap().id.0).collect();
+    assert_eq!(kept, (0..cases.len() as u64).map(|i| 2 * i).collect::<Vec<_>>());
+}
+
+#[test]
+fn empty_files_and_all_bad_files_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [("empty.jsonl", ""), ("blank.jsonl", "\n  \n\n")] {
+        let path = write_file(&dir, name, text);
+        let err = FileDataset::open_jsonl(&path, &mapping(), BadRecordPolicy::Skip).unwrap_err().to_string();
+        assert!(err.contains(name) && err.ends_with("is empty: it holds no records"), "{err}");
+    }
+    let path = write_file(&dir, "bad.jsonl", "{\n[\n");
+    let err = FileDataset::open_jsonl(&path, &mapping(), BadRecordPolicy::Skip).unwrap_err().to_string();
+    assert!(err.contains("bad.jsonl has no usable records: all 2 were skipped"), "{err}");
+    let missing = dir.path().join("nope.jsonl");
+    let err = FileDataset::open_jsonl(&missing, &mapping(), BadRecordPolicy::Fail).unwrap_err().to_string();
+    assert!(err.starts_with("cannot read") && err.contains("nope.jsonl"), "{err}");
+}
+
+#[tokio::test]
+async fn a_jsonl_source_from_config_releases_mapped_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_file(&dir, "good.jsonl", GOOD);
+    let config = LoaderConfig {
+        source: SourceConfig::Jsonl(FileSourceConfig {
+            path,
+            fields: mapping(),
+            on_bad_record: BadRecordPolicy::Fail,
+        }),
+        release: ReleaseConfig { batch_size: 3, epochs: Some(1), ..ReleaseConfig::default() },
+        ..LoaderConfig::default()
+    };
+    let mut loader = config.build(RunSeed(1), tokenizer()).unwrap();
+    assert_eq!(loader.load_report().unwrap().kept, 3);
+    let batch = loader.next().await.unwrap().unwrap();
+    let mut answers: Vec<_> = batch.prompts.iter().map(|p| p.reference.clone().unwrap()).collect();
+    answers.sort();
+    assert_eq!(answers, ["2", "5", "81"]);
+    assert!(loader.next().await.unwrap().is_none());
+}

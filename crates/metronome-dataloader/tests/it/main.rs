@@ -1,0 +1,9 @@
+//! Integration tests of the data loader: one binary, one module per concern.
+
+mod chat;
+mod common;
+mod files;
+mod overlong;
+mod parquet_files;
+mod release;
+mod tasks;

@@ -1,0 +1,249 @@
+//! Release order: seeds, epochs, exactly-once, resumption, prefetching.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use metronome_core::{Cursor, PeriodId, PromptSource, RunSeed};
+use metronome_dataloader::{Dataset, LoaderConfig, ReleaseConfig, SourceConfig};
+use proptest::prelude::*;
+
+use crate::common::{Numbered, drain, ids, loader, release, runtime, tokenizer};
+
+#[tokio::test]
+async fn same_seed_same_batches_other_seed_other_order() {
+    let a = drain(&mut loader(Numbered::dataset(50), 7, release(8, Some(3))), usize::MAX).await;
+    let b = drain(&mut loader(Numbered::dataset(50), 7, release(8, Some(3))), usize::MAX).await;
+    let c = drain(&mut loader(Numbered::dataset(50), 8, release(8, Some(3))), usize::MAX).await;
+    assert_eq!(a, b);
+    assert_ne!(a.iter().map(ids).collect::<Vec<_>>(), c.iter().map(ids).collect::<Vec<_>>());
+    // 150 prompts in batches of 8: 18 full batches and a last one of 6.
+    assert_eq!(a.len(), 19);
+    assert_eq!(a.last().unwrap().prompts.len(), 6);
+    for (k, batch) in a.iter().enumerate() {
+        assert_eq!(batch.period, PeriodId(k as u64));
+    }
+}
+
+#[tokio::test]
+async fn every_prompt_exactly_once_per_epoch_even_across_batch_boundaries() {
+    // 23 prompts in batches of 5: batches straddle every epoch boundary.
+    let batches = drain(&mut loader(Numbered::dataset(23), 1, release(5, Some(4))), usize::MAX).await;
+    let flat: Vec<u64> = batches.iter().flat_map(ids).collect();
+    assert_eq!(flat.len(), 23 * 4);
+    let epochs: Vec<&[u64]> = flat.chunks(23).collect();
+    for epoch in &epochs {
+        assert_eq!(epoch.iter().copied().collect::<BTreeSet<_>>(), (0..23).collect());
+    }
+    // Shuffled, and differently per epoch.
+    assert_ne!(epochs[0], (0..23).collect::<Vec<_>>().as_slice());
+    assert_ne!(epochs[0], epochs[1]);
+}
+
+#[tokio::test]
+async fn unshuffled_order_is_the_file_order() {
+    let config = ReleaseConfig { shuffle: false, ..release(4, Some(1)) };
+    let batches = drain(&mut loader(Numbered::dataset(10), 1, config), usize::MAX).await;
+    assert_eq!(batches.iter().flat_map(ids).collect::<Vec<_>>(), (0..10).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn drop_last_drops_the_partial_batch_and_exhaustion_is_sticky() {
+    let config = ReleaseConfig { drop_last: true, ..release(4, Some(1)) };
+    let mut l = loader(Numbered::dataset(10), 1, config);
+    let batches = drain(&mut l, usize::MAX).await;
+    assert_eq!(batches.len(), 2);
+    assert!(l.next().await.unwrap().is_none());
+    assert!(l.next().await.unwrap().is_none());
+    assert_eq!(l.cursor(), Cursor { period: PeriodId(2), epoch: 1, offset: 0 });
+}
+
+#[tokio::test]
+async fn unbounded_epochs_keep_going() {
+    let batches = drain(&mut loader(Numbered::dataset(3), 1, release(2, None)), 30).await;
+    assert_eq!(batches.len(), 30);
+    let flat: Vec<u64> = batches.iter().flat_map(ids).collect();
+    for epoch in flat.chunks(3) {
+        assert_eq!(epoch.iter().copied().collect::<BTreeSet<_>>(), (0..3).collect());
+    }
+}
+
+#[tokio::test]
+async fn resuming_at_every_period_reproduces_the_uninterrupted_run() {
+    let config = release(7, Some(3));
+    let full = drain(&mut loader(Numbered::dataset(40), 11, config.clone()), usize::MAX).await;
+    let mut cursors = Vec::new();
+    let mut l = loader(Numbered::dataset(40), 11, config.clone());
+    loop {
+        cursors.push(l.cursor());
+        if l.next().await.unwrap().is_none() {
+            break;
+        }
+    }
+    for (k, cursor) in cursors.iter().enumerate() {
+        // A fresh process: a new loader (its first prefetch is for period 0 and must be
+        // discarded), restored through the trait object the pipeline holds.
+        let mut source: Box<dyn PromptSource> = Box::new(loader(Numbered::dataset(40), 11, config.clone()));
+        source.restore(*cursor).unwrap();
+        let mut rest = Vec::new();
+        while let Some(batch) = source.next_batch().await.unwrap() {
+            rest.push(batch);
+        }
+        assert_eq!(rest, full[k..], "resumed at period {k} from {cursor:?}");
+    }
+}
+
+#[tokio::test]
+async fn prefetching_does_not_change_what_is_released() {
+    let on = drain(&mut loader(Numbered::dataset(30), 5, release(4, Some(2))), usize::MAX).await;
+    let off_config = ReleaseConfig { prefetch: false, ..release(4, Some(2)) };
+    let mut off_loader = loader(Numbered::dataset(30), 5, off_config);
+    let off = drain(&mut off_loader, usize::MAX).await;
+    assert_eq!(on, off);
+    assert_eq!(off_loader.stats().prefetched_ready, 0);
+}
+
+/// Counts record reads, to observe the background thread.
+#[derive(Debug)]
+struct Counting {
+    inner: Arc<dyn Dataset>,
+    reads: Arc<AtomicUsize>,
+}
+
+impl Dataset for Counting {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn record(&self, index: usize) -> metronome_dataloader::Result<metronome_dataloader::Record> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.record(index)
+    }
+
+    fn place(&self, index: usize) -> String {
+        self.inner.place(index)
+    }
+}
+
+fn wait_for_reads(reads: &AtomicUsize, n: usize) {
+    // A liveness bound, not a timing assertion: the work takes microseconds.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while reads.load(Ordering::SeqCst) < n {
+        assert!(Instant::now() < deadline, "prefetch never read {n} records");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[tokio::test]
+async fn the_next_batch_is_prepared_in_the_background() {
+    let reads = Arc::new(AtomicUsize::new(0));
+    let dataset = Arc::new(Counting { inner: Numbered::dataset(30), reads: Arc::clone(&reads) });
+    let mut l = loader(dataset, 5, release(4, Some(1)));
+    // Built, not yet asked: the first batch is already being read.
+    wait_for_reads(&reads, 4);
+    l.next().await.unwrap().unwrap();
+    // Period 0 runs; nobody calls the loader, yet period 1's batch is read.
+    wait_for_reads(&reads, 8);
+    assert_eq!(reads.load(Ordering::SeqCst), 8, "exactly one batch ahead");
+    let mut released = 1;
+    while l.next().await.unwrap().is_some() {
+        released += 1;
+    }
+    let stats = l.stats();
+    assert_eq!(stats.batches, released);
+    assert_eq!(stats.prompts, 30);
+    assert_eq!(reads.load(Ordering::SeqCst), 30, "no record read twice");
+}
+
+#[tokio::test]
+async fn restore_rejects_cursors_that_do_not_fit() {
+    let mut l = loader(Numbered::dataset(10), 1, release(4, Some(2)));
+    let err = l.seek(Cursor { period: PeriodId(1), epoch: 0, offset: 11 }).unwrap_err().to_string();
+    assert!(err.contains("cursor 1/0/11") && err.contains("past the end"), "{err}");
+    let err = l.seek(Cursor { period: PeriodId(9), epoch: 2, offset: 3 }).unwrap_err().to_string();
+    assert!(err.contains("beyond the 2 configured epochs"), "{err}");
+    // An offset at the end of an epoch is the start of the next one.
+    l.seek(Cursor { period: PeriodId(3), epoch: 0, offset: 10 }).unwrap();
+    assert_eq!(l.cursor(), Cursor { period: PeriodId(3), epoch: 1, offset: 0 });
+    // The core trait converts the error and keeps the message.
+    let mut source: Box<dyn PromptSource> = Box::new(l);
+    let err = source.restore(Cursor { period: PeriodId(0), epoch: 0, offset: 99 }).unwrap_err();
+    assert!(err.to_string().starts_with("dataloader: cursor"), "{err}");
+}
+
+#[tokio::test]
+async fn config_rejects_bad_values_naming_the_key() {
+    let config = LoaderConfig { release: release(0, None), ..LoaderConfig::default() };
+    let err = config.build(RunSeed(0), tokenizer()).unwrap_err().to_string();
+    assert!(err.contains("release.batch_size"), "{err}");
+    let config = LoaderConfig { release: release(1, Some(0)), ..LoaderConfig::default() };
+    assert!(config.build(RunSeed(0), tokenizer()).unwrap_err().to_string().contains("release.epochs"));
+}
+
+#[tokio::test]
+async fn default_task_is_short_sums_with_answers() {
+    let config: LoaderConfig = serde_json::from_str(r#"{"release": {"batch_size": 16}}"#).unwrap();
+    assert_eq!(config.source, SourceConfig::Default);
+    let mut l = config.build(RunSeed(0), tokenizer()).unwrap();
+    let batch = l.next().await.unwrap().unwrap();
+    assert_eq!(batch.prompts.len(), 16);
+    for p in &batch.prompts {
+        let (a, b) = p.text.strip_suffix('=').unwrap().split_once('+').unwrap();
+        let sum = a.parse::<u64>().unwrap() + b.parse::<u64>().unwrap();
+        assert_eq!(p.reference.as_deref(), Some(sum.to_string().as_str()), "{}", p.text);
+        assert_eq!(p.tokens.len(), p.text.len());
+        assert!(p.text.len() <= 6);
+    }
+}
+
+#[test]
+fn config_round_trips_through_serde_and_rejects_unknown_keys() {
+    let text = r#"{
+        "source": {"kind": "countdown", "numbers": {"min": 3, "max": 3}, "target": {"min": 1, "max": 50}},
+        "release": {"batch_size": 4, "epochs": 2, "shuffle": false},
+        "prompt": {"max_tokens": 64, "on_overlong": "reject"}
+    }"#;
+    let config: LoaderConfig = serde_json::from_str(text).unwrap();
+    let back: LoaderConfig = serde_json::from_str(&serde_json::to_string(&config).unwrap()).unwrap();
+    assert_eq!(config, back);
+    let bad = r#"{"release": {"batch_sise": 4}}"#;
+    let err = serde_json::from_str::<LoaderConfig>(bad).unwrap_err().to_string();
+    assert!(err.contains("batch_sise"), "{err}");
+    let bad = r#"{"source": {"kind": "arithmetic", "digit": {"min": 1, "max": 2}}}"#;
+    assert!(serde_json::from_str::<LoaderConfig>(bad).is_err());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// For any dataset size, batch size, epoch count, seed and restart period, the
+    /// resumed run releases exactly what the uninterrupted one did.
+    #[test]
+    fn resume_anywhere_property(
+        len in 1usize..40,
+        batch in 1usize..12,
+        epochs in 1u64..4,
+        seed in any::<u64>(),
+        restart_at in 0usize..30,
+        drop_last in any::<bool>(),
+    ) {
+        let rt = runtime();
+        let config = ReleaseConfig { drop_last, ..release(batch, Some(epochs)) };
+        rt.block_on(async {
+            let full = drain(&mut loader(Numbered::dataset(len), seed, config.clone()), usize::MAX).await;
+            let k = restart_at.min(full.len());
+            let mut first = loader(Numbered::dataset(len), seed, config.clone());
+            let head = drain(&mut first, k).await;
+            let mut second = loader(Numbered::dataset(len), seed, config.clone());
+            second.seek(first.cursor()).unwrap();
+            let tail = drain(&mut second, usize::MAX).await;
+            prop_assert_eq!(&head[..], &full[..k]);
+            prop_assert_eq!(&tail[..], &full[k..]);
+            let released: usize = full.iter().map(|b| b.prompts.len()).sum();
+            let expected = if drop_last { (len * epochs as usize) / batch * batch } else { len * epochs as usize };
+            prop_assert_eq!(released, expected);
+            Ok(())
+        })?;
+    }
+}
