@@ -1,0 +1,96 @@
+//! What the engine needs from a network: a KV cache with slots, prefill and a
+//! batch-invariant decode step. `metronome_model::Model` implements it; the trait
+//! keeps the scheduler testable and lets other backends plug in.
+
+use metronome_core::{TokenId, WeightSnapshot};
+
+use crate::Result;
+
+/// A decoder the engine can generate with. Implementations must make
+/// [`InferenceModel::decode_step`] batch-invariant (a slot's logits do not depend on
+/// which other slots decode with it), otherwise sampling is reproducible only for a
+/// fixed worker and slot layout.
+pub trait InferenceModel: Send + Sync + 'static {
+    /// The KV cache of one worker: a fixed number of independently filled slots. A cache
+    /// made by one model is used with every version of the same architecture.
+    type Cache: Send + 'static;
+
+    /// A cache with `num_slots` slots of up to `max_seq_len` tokens.
+    fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<Self::Cache>;
+
+    /// Appends `tokens` to the empty `slot` and returns the last position's logits.
+    fn prefill(&self, cache: &mut Self::Cache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>>;
+
+    /// Appends one token to each `(slot, token)` pair and returns one logits row per pair.
+    fn decode_step(&self, cache: &mut Self::Cache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>>;
+
+    /// Empties `slot` for the next sequence.
+    fn free(&self, cache: &mut Self::Cache, slot: usize);
+
+    /// The longest sequence (prompt and response) the model supports.
+    fn max_context(&self) -> usize;
+}
+
+/// Builds a model from a weight snapshot (on [`crate::Engine::install_weights`]).
+pub trait WeightLoader<M>: Send + Sync + 'static {
+    /// A model holding `weights`.
+    fn load(&self, weights: &WeightSnapshot) -> Result<M>;
+}
+
+impl<M, F> WeightLoader<M> for F
+where
+    F: Fn(&WeightSnapshot) -> Result<M> + Send + Sync + 'static,
+{
+    fn load(&self, weights: &WeightSnapshot) -> Result<M> {
+        self(weights)
+    }
+}
+
+mod candle_model {
+    use metronome_model::{KvCache, Model};
+
+    use super::{InferenceModel, TokenId};
+    use crate::{Error, Result};
+
+    impl InferenceModel for Model {
+        type Cache = KvCache;
+
+        fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<KvCache> {
+            KvCache::new(self, num_slots, max_seq_len).map_err(Error::model)
+        }
+
+        fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>> {
+            Model::prefill(self, cache, slot, tokens).map_err(Error::model)
+        }
+
+        fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>> {
+            Model::decode_step(self, cache, batch).map_err(Error::model)
+        }
+
+        fn free(&self, cache: &mut KvCache, slot: usize) {
+            cache.free(slot);
+        }
+
+        fn max_context(&self) -> usize {
+            self.config().max_position_embeddings
+        }
+    }
+}
+
+/// Loads `metronome_model::Model`s from snapshots: the architecture and the device are
+/// fixed, the weights come from the snapshot, and the model is built non-trainable
+/// (plain tensors, no autograd graphs).
+#[derive(Clone, Debug)]
+pub struct SnapshotLoader {
+    /// The architecture every snapshot must match.
+    pub config: metronome_model::ModelConfig,
+    /// Where the weights live.
+    pub device: candle_core::Device,
+}
+
+impl WeightLoader<metronome_model::Model> for SnapshotLoader {
+    fn load(&self, weights: &WeightSnapshot) -> Result<metronome_model::Model> {
+        metronome_model::Model::from_snapshot(self.config.clone(), weights, &self.device, false)
+            .map_err(crate::Error::model)
+    }
+}

@@ -1,0 +1,70 @@
+//! The serde configuration that builds an engine (the pipeline's `[rollout]` table).
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result, SamplingConfig};
+
+/// How free slots are refilled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Batching {
+    /// A finished sequence's slot takes the next pending sequence at once.
+    #[default]
+    Continuous,
+    /// A batch of up to `max_num_seqs` sequences runs until its longest member ends;
+    /// only then is the next batch admitted. The baseline continuous batching beats.
+    Static,
+}
+
+/// Engine layout and sampling. Every field has a default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Engine workers, each an OS thread with its own KV cache and thread pool.
+    pub workers: usize,
+    /// Threads of each worker's rayon pool (the matmuls of its decode steps run there).
+    pub threads_per_worker: usize,
+    /// KV-cache slots per worker: the most sequences one worker decodes at once.
+    pub max_num_seqs: usize,
+    /// Longest sequence (prompt + response) a slot holds; capped by the model's context.
+    pub max_seq_len: usize,
+    /// Continuous (default) or static batching.
+    pub batching: Batching,
+    /// The run seed that [`metronome_core::sample_seed`] derives every response's seed from.
+    pub seed: u64,
+    /// Sampling used by [`metronome_core::RolloutEngine::generate`].
+    pub sampling: SamplingConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            threads_per_worker: 1,
+            max_num_seqs: 16,
+            max_seq_len: 1024,
+            batching: Batching::Continuous,
+            seed: 0,
+            sampling: SamplingConfig::default(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Checks every field's range.
+    pub fn validate(&self) -> Result<()> {
+        if self.workers == 0 {
+            return Err(Error::config("workers", "is 0 (expected >= 1)"));
+        }
+        if self.threads_per_worker == 0 {
+            return Err(Error::config("threads_per_worker", "is 0 (expected >= 1)"));
+        }
+        if self.max_num_seqs == 0 {
+            return Err(Error::config("max_num_seqs", "is 0 (expected >= 1)"));
+        }
+        if self.max_seq_len < 2 {
+            return Err(Error::config("max_seq_len", format!("is {} (expected >= 2)", self.max_seq_len)));
+        }
+        self.sampling.validate()
+    }
+}

@@ -1,0 +1,744 @@
+//! The engine: a pool of workers doing continuous batching over KV-cache slots, a
+//! shared queue of pending sequences, and the group assembler that streams groups out.
+//!
+//! # Threads
+//! Each worker is an OS thread with its own KV cache and its own rayon pool; its
+//! prefill and decode run inside `pool.install`, so candle's matmuls use that pool's
+//! threads only (candle's element-wise "barrier pool" is process-wide and is sized
+//! by `CANDLE_NUM_THREADS`; set it to 1 when a trainer shares the machine). Workers
+//! share one queue of pending sequences: a worker with a free slot takes the next one.
+//!
+//! # Versions
+//! The installed weights are an `Arc` swapped by [`Engine::install_weights`]. A
+//! sequence takes the `Arc` current when it is prefilled and keeps it until it ends,
+//! so new weights may be installed while generation continues: running sequences
+//! finish with the version they started with (the old model stays alive until its
+//! last sequence ends) and new sequences use the new one. Each decode step batches the
+//! active slots per version. Every completion records its version, and that version
+//! is also an input of its sampling seed.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use metronome_core::{
+    Completion, FinishReason, Group, GroupSink, GroupTiming, PeriodId, PolicyVersion, Prompt, RolloutEngine,
+    RolloutRequest, RunSeed, TokenId, Tokenizer, WeightSnapshot, sample_seed,
+};
+use tokio::sync::mpsc;
+
+use crate::backend::{InferenceModel, WeightLoader};
+use crate::stop::{Finish, StopConditions};
+use crate::{Batching, EngineConfig, Error, Result, Sampler, SamplingConfig, TokenRng};
+
+/// One generation request with its own sampling and seed: what
+/// [`RolloutEngine::generate`] submits with the engine's defaults, and what the HTTP
+/// server submits per request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Submission {
+    /// The period the prompts belong to (copied onto every group).
+    pub period: PeriodId,
+    /// The prompts; each needs at least one token.
+    pub prompts: Vec<Prompt>,
+    /// Responses per prompt.
+    pub group_size: u32,
+    /// How to sample.
+    pub sampling: SamplingConfig,
+    /// The run seed of the seed rule.
+    pub seed: RunSeed,
+}
+
+/// Counters of one worker since the engine started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Sequences in the worker's slots now.
+    pub active_slots: u64,
+    /// Tokens sampled (prefill and decode).
+    pub generated_tokens: u64,
+    /// Decode steps run (one per version batch).
+    pub decode_steps: u64,
+    /// Sum of the decode steps' batch sizes (`decode_rows / decode_steps` is the mean occupancy).
+    pub decode_rows: u64,
+    /// Sequences finished.
+    pub sequences: u64,
+}
+
+#[derive(Debug, Default)]
+struct WorkerCounters {
+    active_slots: AtomicU64,
+    generated_tokens: AtomicU64,
+    decode_steps: AtomicU64,
+    decode_rows: AtomicU64,
+    sequences: AtomicU64,
+}
+
+impl WorkerCounters {
+    fn snapshot(&self) -> WorkerStats {
+        WorkerStats {
+            active_slots: self.active_slots.load(Ordering::Relaxed),
+            generated_tokens: self.generated_tokens.load(Ordering::Relaxed),
+            decode_steps: self.decode_steps.load(Ordering::Relaxed),
+            decode_rows: self.decode_rows.load(Ordering::Relaxed),
+            sequences: self.sequences.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Installed weights and their version.
+struct Versioned<M> {
+    version: PolicyVersion,
+    model: M,
+}
+
+/// What workers report to a request's assembler.
+enum Event {
+    Started { prompt: usize, at_s: f64 },
+    Finished { prompt: usize, completion: Completion },
+    Failed(Error),
+}
+
+/// A submitted request as the workers see it.
+struct Request {
+    prompts: Vec<Prompt>,
+    sampling: SamplingConfig,
+    stop: StopConditions,
+    seed: RunSeed,
+    events: mpsc::UnboundedSender<Event>,
+    cancelled: Arc<AtomicBool>,
+    start: Instant,
+}
+
+impl Request {
+    fn send(&self, event: Event) {
+        // A closed channel means the assembler is gone (cancelled); nothing to report to.
+        let _ = self.events.send(event);
+    }
+
+    fn fail(&self, e: Error) {
+        self.cancelled.store(true, Ordering::Relaxed);
+        self.send(Event::Failed(e));
+    }
+
+    fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+}
+
+/// One pending response.
+struct Job {
+    request: Arc<Request>,
+    prompt: usize,
+    sample_index: u32,
+}
+
+#[derive(Default)]
+struct Queue {
+    pending: VecDeque<Job>,
+    shutdown: bool,
+}
+
+struct Shared<M> {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    current: RwLock<Arc<Versioned<M>>>,
+    counters: Vec<WorkerCounters>,
+    tokenizer: Arc<dyn Tokenizer>,
+    max_num_seqs: usize,
+    max_seq_len: usize,
+    batching: Batching,
+}
+
+impl<M> Shared<M> {
+    fn lock_queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn current(&self) -> Arc<Versioned<M>> {
+        Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The in-process generation engine. See the crate docs for the design.
+pub struct Engine<M: InferenceModel> {
+    shared: Arc<Shared<M>>,
+    workers: Vec<JoinHandle<()>>,
+    loader: Option<Box<dyn WeightLoader<M>>>,
+    config: EngineConfig,
+    max_seq_len: usize,
+}
+
+impl<M: InferenceModel> std::fmt::Debug for Engine<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("config", &self.config)
+            .field("max_seq_len", &self.max_seq_len)
+            .field("version", &self.version())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M: InferenceModel> Engine<M> {
+    /// Starts `config.workers` workers generating with `model` as `version`.
+    /// [`Engine::install_weights`] needs a loader: see [`Engine::with_weight_loader`].
+    pub fn new(
+        model: M,
+        version: PolicyVersion,
+        tokenizer: Arc<dyn Tokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self> {
+        config.validate()?;
+        let max_seq_len = config.max_seq_len.min(model.max_context());
+        let caches = (0..config.workers)
+            .map(|_| model.new_cache(config.max_num_seqs, max_seq_len))
+            .collect::<Result<Vec<_>>>()?;
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            wake: Condvar::new(),
+            current: RwLock::new(Arc::new(Versioned { version, model })),
+            counters: (0..config.workers).map(|_| WorkerCounters::default()).collect(),
+            tokenizer,
+            max_num_seqs: config.max_num_seqs,
+            max_seq_len,
+            batching: config.batching,
+        });
+        let mut engine = Self { shared, workers: Vec::new(), loader: None, config, max_seq_len };
+        for (index, cache) in caches.into_iter().enumerate() {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(engine.config.threads_per_worker)
+                .thread_name(move |j| format!("rollout-{index}-{j}"))
+                .build()
+                .map_err(|e| Error::Worker { worker: index, reason: e.to_string() })?;
+            let shared = Arc::clone(&engine.shared);
+            let handle = std::thread::Builder::new()
+                .name(format!("rollout-{index}"))
+                .spawn(move || Worker::new(index, shared, cache, pool).run())
+                .map_err(|e| Error::Worker { worker: index, reason: e.to_string() })?;
+            engine.workers.push(handle);
+        }
+        Ok(engine)
+    }
+
+    /// Sets how [`Engine::install_weights`] turns a snapshot into a model.
+    #[must_use]
+    pub fn with_weight_loader(mut self, loader: impl WeightLoader<M>) -> Self {
+        self.loader = Some(Box::new(loader));
+        self
+    }
+
+    /// The configuration the engine was built with.
+    #[must_use]
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The longest sequence (prompt + response) a slot holds.
+    #[must_use]
+    pub fn max_seq_len(&self) -> usize {
+        self.max_seq_len
+    }
+
+    /// The tokenizer responses are decoded with.
+    #[must_use]
+    pub fn tokenizer(&self) -> &Arc<dyn Tokenizer> {
+        &self.shared.tokenizer
+    }
+
+    /// The installed version.
+    #[must_use]
+    pub fn current_version(&self) -> PolicyVersion {
+        self.shared.current().version
+    }
+
+    /// Installs an already built model as `version`; sequences started afterwards use it.
+    pub fn install_model(&self, model: M, version: PolicyVersion) {
+        let next = Arc::new(Versioned { version, model });
+        *self.shared.current.write().unwrap_or_else(PoisonError::into_inner) = next;
+    }
+
+    /// Counters per worker.
+    #[must_use]
+    pub fn worker_stats(&self) -> Vec<WorkerStats> {
+        self.shared.counters.iter().map(WorkerCounters::snapshot).collect()
+    }
+
+    /// Sequences waiting for a slot.
+    #[must_use]
+    pub fn queue_depth(&self) -> usize {
+        self.shared.lock_queue().pending.len()
+    }
+
+    /// Checks a submission and resolves its stop conditions.
+    fn prepare(&self, sub: &Submission) -> Result<StopConditions> {
+        sub.sampling.validate()?;
+        if sub.group_size == 0 {
+            return Err(Error::config("group_size", "is 0 (expected >= 1)"));
+        }
+        for p in &sub.prompts {
+            if p.tokens.is_empty() {
+                return Err(Error::Prompt { prompt: p.id, reason: "has no tokens".into() });
+            }
+            if p.tokens.len() >= self.max_seq_len {
+                return Err(Error::Prompt {
+                    prompt: p.id,
+                    reason: format!(
+                        "has {} tokens, leaving no room to generate within max_seq_len {}",
+                        p.tokens.len(),
+                        self.max_seq_len
+                    ),
+                });
+            }
+        }
+        let token_ids = if sub.sampling.ignore_eos {
+            Vec::new()
+        } else {
+            sub.sampling.stop_token_ids.clone().unwrap_or_else(|| self.shared.tokenizer.stop_token_ids())
+        };
+        Ok(StopConditions { token_ids, strings: sub.sampling.stop_strings.clone() })
+    }
+
+    /// Generates `sub`, emitting every group to `sink` the moment its last response
+    /// finishes (completion order). Returns when all groups are emitted. If the sink
+    /// fails, or this future is dropped, the request's remaining sequences are cancelled.
+    pub async fn submit(&self, sub: Submission, sink: &dyn GroupSink) -> metronome_core::Result<()> {
+        let stop = self.prepare(&sub)?;
+        if sub.prompts.is_empty() {
+            return Ok(());
+        }
+        let (events, mut rx) = mpsc::unbounded_channel();
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let _cancel_on_drop = CancelOnDrop(Arc::clone(&cancelled));
+        let group_size = sub.group_size as usize;
+        let mut groups: Vec<Assembly> = sub
+            .prompts
+            .iter()
+            .map(|_| Assembly { completions: vec![None; group_size], done: 0, started_s: None })
+            .collect();
+        let request = Arc::new(Request {
+            prompts: sub.prompts,
+            sampling: sub.sampling,
+            stop,
+            seed: sub.seed,
+            events,
+            cancelled,
+            start: Instant::now(),
+        });
+        let start = request.start;
+        {
+            let mut q = self.shared.lock_queue();
+            if q.shutdown {
+                return Err(Error::Shutdown.into());
+            }
+            for prompt in 0..request.prompts.len() {
+                for sample_index in 0..sub.group_size {
+                    q.pending.push_back(Job { request: Arc::clone(&request), prompt, sample_index });
+                }
+            }
+            metrics::gauge!("metronome_rollout_queue_depth").set(q.pending.len() as f64);
+        }
+        self.shared.wake.notify_all();
+        // Keep the prompts for the groups; the workers hold the request itself. When
+        // every job is gone (done or dropped at shutdown) the channel closes.
+        let request_prompts: Vec<Prompt> = request.prompts.clone();
+        drop(request);
+
+        let mut remaining = groups.len();
+        while remaining > 0 {
+            let Some(event) = rx.recv().await else {
+                return Err(Error::Shutdown.into());
+            };
+            match event {
+                Event::Started { prompt, at_s } => {
+                    let s = &mut groups[prompt].started_s;
+                    *s = Some(s.map_or(at_s, |s: f64| s.min(at_s)));
+                }
+                Event::Finished { prompt, completion } => {
+                    let g = &mut groups[prompt];
+                    let i = completion.sample_index as usize;
+                    g.completions[i] = Some(completion);
+                    g.done += 1;
+                    if g.done == group_size {
+                        remaining -= 1;
+                        let finished_s = start.elapsed().as_secs_f64();
+                        let started_s = g.started_s.unwrap_or(finished_s);
+                        metrics::histogram!("metronome_rollout_group_duration_seconds")
+                            .record(finished_s - started_s);
+                        let group = Group {
+                            period: sub.period,
+                            prompt: request_prompts[prompt].clone(),
+                            completions: g.completions.iter_mut().filter_map(Option::take).collect(),
+                            timing: GroupTiming { started_s, finished_s },
+                        };
+                        sink.emit(group).await?;
+                    }
+                }
+                Event::Failed(e) => return Err(e.into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Engine::submit`] collecting the groups in completion order.
+    pub async fn generate_groups(&self, sub: Submission) -> metronome_core::Result<Vec<Group>> {
+        let sink = CollectSink::default();
+        self.submit(sub, &sink).await?;
+        Ok(sink.into_groups())
+    }
+}
+
+impl<M: InferenceModel> Drop for Engine<M> {
+    fn drop(&mut self) {
+        self.shared.lock_queue().shutdown = true;
+        self.shared.wake.notify_all();
+        for h in self.workers.drain(..) {
+            // A worker that panicked has already failed its requests by dropping them.
+            let _ = h.join();
+        }
+    }
+}
+
+#[async_trait]
+impl<M: InferenceModel> RolloutEngine for Engine<M> {
+    async fn generate(&self, request: RolloutRequest, sink: &dyn GroupSink) -> metronome_core::Result<()> {
+        let sub = Submission {
+            period: request.period,
+            prompts: request.prompts,
+            group_size: request.group_size,
+            sampling: self.config.sampling.clone(),
+            seed: RunSeed(self.config.seed),
+        };
+        self.submit(sub, sink).await
+    }
+
+    async fn install_weights(&self, weights: Arc<WeightSnapshot>) -> metronome_core::Result<()> {
+        let loader = self
+            .loader
+            .as_ref()
+            .ok_or_else(|| Error::config("weight_loader", "is not set, so weights cannot be installed"))?;
+        let model = loader.load(&weights)?;
+        self.install_model(model, weights.version);
+        Ok(())
+    }
+
+    fn version(&self) -> PolicyVersion {
+        self.current_version()
+    }
+}
+
+/// A group being assembled.
+struct Assembly {
+    completions: Vec<Option<Completion>>,
+    done: usize,
+    started_s: Option<f64>,
+}
+
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A [`GroupSink`] that keeps the groups in arrival order.
+#[derive(Debug, Default)]
+pub struct CollectSink {
+    groups: Mutex<Vec<Group>>,
+}
+
+impl CollectSink {
+    /// The groups received so far, in arrival order.
+    #[must_use]
+    pub fn into_groups(self) -> Vec<Group> {
+        self.groups.into_inner().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl GroupSink for CollectSink {
+    async fn emit(&self, group: Group) -> metronome_core::Result<()> {
+        self.groups.lock().unwrap_or_else(PoisonError::into_inner).push(group);
+        Ok(())
+    }
+}
+
+/// A sequence in a slot.
+struct Seq<M> {
+    request: Arc<Request>,
+    prompt: usize,
+    sample_index: u32,
+    model: Arc<Versioned<M>>,
+    rng: TokenRng,
+    /// The prompt followed by the response so far (the repetition penalty's context).
+    context: Vec<TokenId>,
+    prompt_len: usize,
+    logprobs: Vec<f32>,
+    /// Most tokens this response may have.
+    budget: usize,
+    /// Bytes of decoded text already searched for stop strings.
+    text_checked: usize,
+}
+
+impl<M> Seq<M> {
+    fn generated(&self) -> &[TokenId] {
+        &self.context[self.prompt_len..]
+    }
+
+    fn last(&self) -> TokenId {
+        self.context[self.context.len() - 1]
+    }
+}
+
+struct Worker<M: InferenceModel> {
+    index: usize,
+    label: String,
+    shared: Arc<Shared<M>>,
+    cache: M::Cache,
+    pool: rayon::ThreadPool,
+    slots: Vec<Option<Seq<M>>>,
+    sampler: Sampler,
+    max_seq_len: usize,
+}
+
+impl<M: InferenceModel> Worker<M> {
+    fn new(index: usize, shared: Arc<Shared<M>>, cache: M::Cache, pool: rayon::ThreadPool) -> Self {
+        let max_num_seqs = shared.max_num_seqs;
+        let max_seq_len = shared.max_seq_len;
+        Self {
+            index,
+            label: index.to_string(),
+            shared,
+            cache,
+            pool,
+            slots: (0..max_num_seqs).map(|_| None).collect(),
+            sampler: Sampler::new(),
+            max_seq_len,
+        }
+    }
+
+    fn counters(&self) -> &WorkerCounters {
+        &self.shared.counters[self.index]
+    }
+
+    fn active(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+
+    fn run(mut self) {
+        let tokens_total =
+            metrics::counter!("metronome_rollout_generated_tokens_total", "worker" => self.label.clone());
+        let active_gauge = metrics::gauge!("metronome_rollout_active_slots", "worker" => self.label.clone());
+        while let Some(jobs) = self.admit() {
+            let before = self.counters().generated_tokens.load(Ordering::Relaxed);
+            for (slot, job) in jobs {
+                self.start(slot, job);
+            }
+            self.step();
+            let active = self.active() as u64;
+            self.counters().active_slots.store(active, Ordering::Relaxed);
+            active_gauge.set(active as f64);
+            tokens_total.increment(self.counters().generated_tokens.load(Ordering::Relaxed) - before);
+        }
+        // Shutdown: sequences still running are dropped; their requests see the
+        // channel close once the queue's jobs are dropped too.
+        self.shared.lock_queue().pending.clear();
+    }
+
+    /// Frees the slots of cancelled requests, waits while there is nothing to do, and
+    /// takes pending jobs for the free slots. `None` at shutdown.
+    fn admit(&mut self) -> Option<Vec<(usize, Job)>> {
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].as_ref().is_some_and(|s| s.request.is_cancelled()) {
+                self.release(slot);
+            }
+        }
+        let mut q = self.shared.lock_queue();
+        loop {
+            if q.shutdown {
+                return None;
+            }
+            q.pending.retain(|j| !j.request.is_cancelled());
+            if self.active() > 0 || !q.pending.is_empty() {
+                break;
+            }
+            q = self.shared.wake.wait(q).unwrap_or_else(PoisonError::into_inner);
+        }
+        let may_admit = match self.shared.batching {
+            Batching::Continuous => true,
+            Batching::Static => self.active() == 0,
+        };
+        let mut jobs = Vec::new();
+        if may_admit {
+            for slot in 0..self.slots.len() {
+                if self.slots[slot].is_none() {
+                    let Some(job) = q.pending.pop_front() else { break };
+                    jobs.push((slot, job));
+                }
+            }
+            if !jobs.is_empty() {
+                metrics::gauge!("metronome_rollout_queue_depth").set(q.pending.len() as f64);
+            }
+        }
+        Some(jobs)
+    }
+
+    /// Prefills `job` into `slot` with the current weights and samples its first token.
+    fn start(&mut self, slot: usize, job: Job) {
+        let model = self.shared.current();
+        let request = job.request;
+        let prompt = &request.prompts[job.prompt];
+        request.send(Event::Started { prompt: job.prompt, at_s: request.start.elapsed().as_secs_f64() });
+        let seed = sample_seed(request.seed, model.version, prompt.id, job.sample_index);
+        let budget =
+            request.sampling.max_new_tokens.min(self.max_seq_len.saturating_sub(prompt.tokens.len()).max(1));
+        let mut context = Vec::with_capacity(prompt.tokens.len() + budget);
+        context.extend_from_slice(&prompt.tokens);
+        let seq = Seq {
+            prompt: job.prompt,
+            sample_index: job.sample_index,
+            rng: TokenRng::new(seed),
+            prompt_len: prompt.tokens.len(),
+            context,
+            logprobs: Vec::with_capacity(budget),
+            budget,
+            text_checked: 0,
+            model,
+            request: Arc::clone(&request),
+        };
+        let (cache, pool) = (&mut self.cache, &self.pool);
+        let logits = pool.install(|| seq.model.model.prefill(cache, slot, &seq.context));
+        self.slots[slot] = Some(seq);
+        match logits {
+            Ok(logits) => self.advance(slot, &logits),
+            Err(e) => {
+                request.fail(e);
+                self.release(slot);
+            }
+        }
+    }
+
+    /// One decode step for every active slot, batched per weight version.
+    fn step(&mut self) {
+        let mut batches: Vec<(Arc<Versioned<M>>, Vec<(usize, TokenId)>)> = Vec::new();
+        for (slot, seq) in self.slots.iter().enumerate() {
+            let Some(seq) = seq else { continue };
+            match batches.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &seq.model)) {
+                Some((_, batch)) => batch.push((slot, seq.last())),
+                None => batches.push((Arc::clone(&seq.model), vec![(slot, seq.last())])),
+            }
+        }
+        for (model, batch) in batches {
+            let (cache, pool) = (&mut self.cache, &self.pool);
+            let result = pool.install(|| model.model.decode_step(cache, &batch));
+            self.counters().decode_steps.fetch_add(1, Ordering::Relaxed);
+            self.counters().decode_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
+            match result {
+                Ok(rows) if rows.len() == batch.len() => {
+                    for (&(slot, _), row) in batch.iter().zip(&rows) {
+                        self.advance(slot, row);
+                    }
+                }
+                Ok(rows) => self.fail_batch(
+                    &batch,
+                    &format!("decode step returned {} rows for {} slots", rows.len(), batch.len()),
+                ),
+                Err(e) => self.fail_batch(&batch, &e.to_string()),
+            }
+        }
+    }
+
+    fn fail_batch(&mut self, batch: &[(usize, TokenId)], reason: &str) {
+        for &(slot, _) in batch {
+            if let Some(seq) = &self.slots[slot] {
+                seq.request.fail(Error::Model(format!("worker {}: {reason}", self.index)));
+            }
+            self.release(slot);
+        }
+    }
+
+    /// Samples the next token of `slot` from `logits` and finishes the sequence if it ended.
+    fn advance(&mut self, slot: usize, logits: &[f32]) {
+        let Some(seq) = self.slots[slot].as_mut() else { return };
+        let k = seq.logprobs.len() as u64;
+        let sampling = &seq.request.sampling;
+        let sampled = match self.sampler.sample(sampling, logits, &seq.context, seq.rng.uniform(k)) {
+            Ok(s) => s,
+            Err(e) => {
+                seq.request.fail(e);
+                self.release(slot);
+                return;
+            }
+        };
+        seq.context.push(sampled.token);
+        seq.logprobs.push(sampled.logprob);
+        self.shared.counters[self.index].generated_tokens.fetch_add(1, Ordering::Relaxed);
+
+        let stop = &seq.request.stop;
+        let mut finish = None;
+        if stop.is_stop_token(sampled.token) {
+            finish = Some(Finish::new(FinishReason::Stop));
+        } else if !stop.strings.is_empty() {
+            match self.shared.tokenizer.decode(seq.generated()) {
+                Ok(text) => match stop.find_stop_string(&text, seq.text_checked) {
+                    Some((at, len)) => {
+                        let keep = if sampling.include_stop_str_in_output { at + len } else { at };
+                        finish = Some(Finish { reason: FinishReason::StopString, text_len: Some(keep) });
+                    }
+                    None => seq.text_checked = text.len(),
+                },
+                Err(e) => {
+                    seq.request.fail(e.into());
+                    self.release(slot);
+                    return;
+                }
+            }
+        }
+        if finish.is_none() && seq.generated().len() >= seq.budget {
+            finish = Some(Finish::new(FinishReason::Length));
+        }
+        if let Some(finish) = finish {
+            self.finish(slot, finish);
+        }
+    }
+
+    fn finish(&mut self, slot: usize, finish: Finish) {
+        let Some(seq) = self.slots[slot].take() else { return };
+        self.seq_done(slot);
+        let text = match self.shared.tokenizer.decode(seq.generated()) {
+            Ok(mut text) => {
+                if let Some(n) = finish.text_len {
+                    text.truncate(n);
+                }
+                text
+            }
+            Err(e) => {
+                seq.request.fail(e.into());
+                return;
+            }
+        };
+        let completion = Completion {
+            sample_index: seq.sample_index,
+            tokens: seq.generated().to_vec(),
+            logprobs: seq.logprobs,
+            text,
+            finish_reason: finish.reason,
+            version: seq.model.version,
+        };
+        self.counters().sequences.fetch_add(1, Ordering::Relaxed);
+        seq.request.send(Event::Finished { prompt: seq.prompt, completion });
+    }
+
+    fn seq_done(&mut self, slot: usize) {
+        let model = self.shared.current();
+        model.model.free(&mut self.cache, slot);
+    }
+
+    /// Drops the sequence in `slot` without a completion.
+    fn release(&mut self, slot: usize) {
+        if self.slots[slot].take().is_some() {
+            self.seq_done(slot);
+        }
+    }
+}

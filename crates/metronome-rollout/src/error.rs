@@ -1,0 +1,88 @@
+//! The crate's error type.
+
+use metronome_core::PromptId;
+
+/// Errors of the rollout engine, its server and its client.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A configuration value is out of range; `field` names it.
+    #[error("config field `{field}` {reason}")]
+    Config {
+        /// The field at fault, e.g. `sampling.top_p`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A prompt cannot be generated from (empty, or longer than the context).
+    #[error("prompt {prompt}: {reason}")]
+    Prompt {
+        /// The prompt at fault.
+        prompt: PromptId,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The model failed during prefill, decode or weight installation.
+    #[error("model: {0}")]
+    Model(String),
+    /// A tokenizer failed to decode generated tokens.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] metronome_core::Error),
+    /// The engine was shut down, or the request was cancelled, while work was pending.
+    #[error("engine is shut down")]
+    Shutdown,
+    /// An engine worker thread could not be started.
+    #[error("worker {worker}: {reason}")]
+    Worker {
+        /// The worker index.
+        worker: usize,
+        /// What failed.
+        reason: String,
+    },
+    /// An HTTP request to an OpenAI-compatible server failed.
+    #[error("http {url}: {reason}")]
+    Http {
+        /// The URL requested.
+        url: String,
+        /// What failed (status and server message, or the transport error).
+        reason: String,
+    },
+    /// A server response did not have the expected shape.
+    #[error("response from {url}: {reason}")]
+    Response {
+        /// The URL requested.
+        url: String,
+        /// What is wrong with the response.
+        reason: String,
+    },
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// An [`Error::Config`].
+    pub(crate) fn config(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::Config { field, reason: reason.into() }
+    }
+
+    /// An [`Error::Model`] from any displayable model error.
+    pub(crate) fn model(e: impl std::fmt::Display) -> Self {
+        Self::Model(e.to_string())
+    }
+}
+
+impl From<Error> for metronome_core::Error {
+    fn from(e: Error) -> Self {
+        metronome_core::Error::stage("rollout", e)
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

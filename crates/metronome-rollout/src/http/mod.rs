@@ -1,0 +1,40 @@
+//! The OpenAI-compatible completions API, both ways: a server in front of an
+//! [`Engine`](crate::Engine) and a [`RolloutEngine`](metronome_core::RolloutEngine)
+//! client for any compatible server (vLLM, SGLang, or ours).
+//!
+//! # The seed mapping
+//! A request with `seed: s` samples the `j`-th choice of its `i`-th prompt with
+//! `sample_seed(RunSeed(s), v, PromptId(id_i), j)`, where `v` is the server's installed
+//! policy version and `id_i` is `prompt_ids[i]` when the request carries Metronome's
+//! extension field `prompt_ids`, else `i`. So a client that sends the run seed as
+//! `seed` and the prompt's id in `prompt_ids` gets exactly the tokens the in-process
+//! engine samples for that prompt (given equal weights, version and sampling). Without
+//! `seed`, the server draws one from the clock.
+//!
+//! # Extensions beyond OpenAI's fields
+//! Accepted, as vLLM does: `top_k` (`-1` or `0` disables), `min_p`,
+//! `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
+//! `include_stop_str_in_output`, `return_tokens_as_token_ids` (log-prob tokens are
+//! then written `token_id:<id>`), token-id prompts (`[1, 2, 3]` or `[[1, 2], [3]]`).
+//! Metronome's own: `prompt_ids`. Responses carry the policy version in
+//! `system_fingerprint` as `metronome-v<version>`. `logprobs` returns the sampled
+//! tokens' log-probs only (`top_logprobs` is `null`).
+
+mod client;
+mod server;
+mod types;
+
+pub use client::{
+    HookContext, NoWeightUpdate, OpenAiClientConfig, OpenAiEngine, SafetensorsReload, WeightUpdateHook,
+};
+pub use server::{LoadWeightsRequest, router, serve, snapshot_from_safetensors, snapshot_to_safetensors};
+pub use types::{
+    Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
+    PromptInput, StopInput, Usage,
+};
+
+/// Parses the policy version out of a `system_fingerprint` written by our server.
+#[must_use]
+pub fn version_from_fingerprint(fingerprint: &str) -> Option<metronome_core::PolicyVersion> {
+    fingerprint.strip_prefix("metronome-v")?.parse().ok().map(metronome_core::PolicyVersion)
+}

@@ -1,0 +1,87 @@
+//! The rollout stage of Metronome: a generation engine that turns a period's prompts
+//! into groups of sampled responses and streams each group out the moment its last
+//! response finishes.
+//!
+//! # What it does
+//! - **Continuous batching.** [`Engine`] runs `workers` OS threads, each with a KV
+//!   cache of `max_num_seqs` slots and its own rayon pool. A finished sequence frees
+//!   its slot and the next pending sequence (from one queue shared by all workers) is
+//!   prefilled at once. [`Batching::Static`] is the baseline that waits for a whole
+//!   batch.
+//! - **Reproducible sampling** ([`sampling`]): temperature, top-k, top-p, min-p,
+//!   repetition penalty, greedy at temperature 0, stop tokens and stop strings. A
+//!   response's seed is `metronome_core::sample_seed(run, version, prompt,
+//!   sample_index)` and its `k`-th token uses the `k`-th number of that seed's stream,
+//!   so with a batch-invariant model (`metronome_model`'s decode is) the tokens do not
+//!   depend on the worker, slot or batch that produced them.
+//! - **Behaviour log-probs**: every completion records, per token,
+//!   `log_softmax(penalised_logits / T)[token]`: after repetition penalty and
+//!   temperature, *before* top-k/top-p/min-p truncation (at `T = 0`, the `T = 1`
+//!   distribution). With default sampling this is exactly the policy's log-prob.
+//! - **Versioned weights**: [`Engine::install_weights`](metronome_core::RolloutEngine::install_weights)
+//!   swaps the model between sequences; sequences already running finish with the
+//!   version they started with, and every completion carries its version.
+//! - **OpenAI-compatible HTTP** (feature `http`, on by default): [`http::serve`]
+//!   exposes `/v1/completions` and `/v1/models`; [`http::OpenAiEngine`] is a
+//!   [`RolloutEngine`](metronome_core::RolloutEngine) that drives any such server
+//!   (vLLM, SGLang, or ours) with timeouts, retries and a concurrency limit, and
+//!   updates its weights through a pluggable [`http::WeightUpdateHook`].
+//! - **Metrics** through the `metrics` facade, labelled by worker:
+//!   `metronome_rollout_active_slots`, `metronome_rollout_queue_depth`,
+//!   `metronome_rollout_generated_tokens_total`,
+//!   `metronome_rollout_group_duration_seconds`; [`Engine::worker_stats`] gives the
+//!   same counters in process.
+//!
+//! # What it is not
+//! It does not score, pack or train: groups go to a [`GroupSink`](metronome_core::GroupSink)
+//! (in the pipeline, the reward stage). It has no paged attention or prefix sharing:
+//! the `G` responses of a prompt each prefill the prompt. It runs the network through
+//! the [`InferenceModel`] trait, implemented for `metronome_model::Model`.
+//!
+//! Siblings: `metronome-core` (the contract it implements), `metronome-model` (the
+//! network, KV cache and tokenizers), `metronome-pipeline` (which builds it from an
+//! [`EngineConfig`] and feeds it prompts from `metronome-dataloader`).
+
+mod backend;
+mod config;
+mod engine;
+mod error;
+#[cfg(feature = "http")]
+pub mod http;
+pub mod sampling;
+mod stop;
+
+pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
+pub use config::{Batching, EngineConfig};
+pub use engine::{CollectSink, Engine, Submission, WorkerStats};
+pub use error::{Error, Result};
+pub use sampling::{Sampled, Sampler, SamplingConfig, TokenRng};
+pub use stop::StopConditions;
+
+/// The engine on Metronome's own candle model.
+pub type ModelEngine = Engine<metronome_model::Model>;
+
+/// Builds an engine on `model` (weights at `version`) whose
+/// [`install_weights`](metronome_core::RolloutEngine::install_weights) rebuilds the
+/// model from snapshots with the same architecture and device.
+pub fn model_engine(
+    model: metronome_model::Model,
+    version: metronome_core::PolicyVersion,
+    tokenizer: std::sync::Arc<dyn metronome_core::Tokenizer>,
+    config: EngineConfig,
+) -> Result<ModelEngine> {
+    let loader = SnapshotLoader { config: model.config().clone(), device: model.device().clone() };
+    Ok(Engine::new(model, version, tokenizer, config)?.with_weight_loader(loader))
+}
+
+impl EngineConfig {
+    /// Builds an engine on `model` from this configuration (see [`model_engine`]).
+    pub fn build(
+        &self,
+        model: metronome_model::Model,
+        version: metronome_core::PolicyVersion,
+        tokenizer: std::sync::Arc<dyn metronome_core::Tokenizer>,
+    ) -> Result<ModelEngine> {
+        model_engine(model, version, tokenizer, self.clone())
+    }
+}

@@ -1,0 +1,496 @@
+//! Seeded token sampling: temperature, top-k, top-p, min-p, repetition penalty, greedy
+//! decoding at temperature 0, and the behaviour log-prob of every sampled token.
+//!
+//! # Randomness
+//! Every response has its own seed, `metronome_core::sample_seed(run, version, prompt,
+//! sample_index)`. Its `k`-th generated token consumes exactly one uniform number, the
+//! `k`-th output of a SplitMix64 counter stream started at that seed ([`TokenRng`]). The
+//! draw therefore depends on the seed and on `k` only: not on the worker, the slot, the
+//! batch, or how many tokens other responses have drawn.
+//!
+//! # Behaviour log-probs
+//! The log-prob recorded for a sampled token is taken from the log-softmax of the
+//! logits *after* the repetition penalty and the temperature, and *before* top-k,
+//! top-p and min-p truncation: `log_softmax(penalised_logits / T)[token]`. At
+//! temperature 0 (greedy) the temperature is taken as 1, i.e. the log-prob is that of
+//! the model's own distribution (with the repetition penalty). With the defaults
+//! (`T = 1`, no penalty, no truncation) this is exactly the policy's log-prob, which is
+//! what importance-sampling corrections compare against.
+//!
+//! # Truncation order
+//! Top-k first; then top-p over the top-k candidates renormalised (the smallest set,
+//! in order of decreasing probability, whose mass reaches `top_p`); then min-p (keep
+//! tokens with probability at least `min_p` times the most likely token's). At least
+//! one token always survives. Ties are broken by the lower token id, so the order is
+//! total and the result deterministic.
+
+use metronome_core::{TokenId, mix64};
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The golden-ratio increment of SplitMix64.
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The uniform numbers of one response: a SplitMix64 counter stream from its seed.
+///
+/// `uniform(k)` is a pure function of the seed and `k`, so a response regenerated
+/// on another worker, slot or batch draws the same numbers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenRng {
+    seed: u64,
+}
+
+impl TokenRng {
+    /// The stream of a response with the given seed (from `metronome_core::sample_seed`).
+    #[must_use]
+    pub const fn new(seed: u64) -> Self {
+        Self { seed }
+    }
+
+    /// The seed.
+    #[must_use]
+    pub const fn seed(self) -> u64 {
+        self.seed
+    }
+
+    /// The uniform number in `[0, 1)` used by the `k`-th generated token (53 random bits).
+    #[must_use]
+    pub fn uniform(self, k: u64) -> f64 {
+        let z = mix64(self.seed.wrapping_add(k.wrapping_add(1).wrapping_mul(GOLDEN)));
+        (z >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+/// How tokens are chosen and when a response ends. Serde form of the pipeline's
+/// `[rollout.sampling]` table; every field has a default.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingConfig {
+    /// Softmax temperature; `0` means greedy (argmax) decoding.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; `0` disables.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability reaches `top_p`;
+    /// `1` disables.
+    pub top_p: f32,
+    /// Keep tokens whose probability is at least `min_p` times the top token's; `0` disables.
+    pub min_p: f32,
+    /// Hugging Face-style repetition penalty on every token of the prompt and the
+    /// response so far (positive logits divided by it, negative multiplied); `1` disables.
+    pub repetition_penalty: f32,
+    /// Maximum tokens generated per response (the context length also bounds it).
+    pub max_new_tokens: usize,
+    /// Token ids that end a response (and are kept as its last token). `None` uses the
+    /// tokenizer's stop tokens.
+    pub stop_token_ids: Option<Vec<TokenId>>,
+    /// Strings that end a response when they appear in its decoded text.
+    pub stop_strings: Vec<String>,
+    /// Keep the stop string in the completion's text (the tokens always keep it).
+    pub include_stop_str_in_output: bool,
+    /// Ignore stop tokens (generate until `max_new_tokens` or a stop string).
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            max_new_tokens: 256,
+            stop_token_ids: None,
+            stop_strings: Vec::new(),
+            include_stop_str_in_output: false,
+            ignore_eos: false,
+        }
+    }
+}
+
+impl SamplingConfig {
+    /// Greedy decoding (temperature 0) with otherwise default settings.
+    #[must_use]
+    pub fn greedy() -> Self {
+        Self { temperature: 0.0, ..Self::default() }
+    }
+
+    /// Checks every field's range.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(Error::config(
+                "sampling.temperature",
+                format!("is {} (expected >= 0)", self.temperature),
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::config("sampling.top_p", format!("is {} (expected in (0, 1])", self.top_p)));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(Error::config("sampling.min_p", format!("is {} (expected in [0, 1])", self.min_p)));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+            return Err(Error::config(
+                "sampling.repetition_penalty",
+                format!("is {} (expected > 0)", self.repetition_penalty),
+            ));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(Error::config("sampling.max_new_tokens", "is 0 (expected >= 1)"));
+        }
+        if self.stop_strings.iter().any(String::is_empty) {
+            return Err(Error::config("sampling.stop_strings", "contains an empty string"));
+        }
+        Ok(())
+    }
+
+    fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+    }
+}
+
+/// A sampled token and its behaviour log-prob (see the module docs for which distribution).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampled {
+    /// The token.
+    pub token: TokenId,
+    /// Its log-prob under the penalised, temperature-scaled, untruncated distribution.
+    pub logprob: f32,
+}
+
+/// Chooses tokens from logits; owns scratch buffers so a worker allocates once.
+#[derive(Debug, Default)]
+pub struct Sampler {
+    scaled: Vec<f32>,
+    order: Vec<u32>,
+    seen: Vec<u32>,
+}
+
+impl Sampler {
+    /// A sampler with empty scratch buffers.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Samples one token from `logits` with the uniform number `u` in `[0, 1)`.
+    /// `context` holds the prompt and the response so far, for the repetition penalty.
+    ///
+    /// Errors when the logits are empty or contain no finite value.
+    pub fn sample(
+        &mut self,
+        cfg: &SamplingConfig,
+        logits: &[f32],
+        context: &[TokenId],
+        u: f64,
+    ) -> Result<Sampled> {
+        if logits.is_empty() {
+            return Err(Error::model("empty logits row"));
+        }
+        self.scaled.clear();
+        self.scaled.extend_from_slice(logits);
+        if cfg.repetition_penalty != 1.0 {
+            self.penalise(context, cfg.repetition_penalty);
+        }
+        let greedy = cfg.temperature == 0.0;
+        if !greedy && cfg.temperature != 1.0 {
+            let inv = 1.0 / cfg.temperature;
+            for x in &mut self.scaled {
+                *x *= inv;
+            }
+        }
+        let (max_i, max) = argmax(&self.scaled);
+        if !max.is_finite() {
+            return Err(Error::model(format!("logits have no finite maximum ({max})")));
+        }
+        let log_z = f64::from(max) + log_sum_exp_shifted(&self.scaled, max).ln();
+        let logprob_of = |x: f32| (f64::from(x) - log_z) as f32;
+        if greedy {
+            return Ok(Sampled { token: max_i as TokenId, logprob: logprob_of(max) });
+        }
+        let token =
+            if cfg.truncates() { self.sample_truncated(cfg, max, u) } else { self.sample_full(max, u) };
+        Ok(Sampled { token, logprob: logprob_of(self.scaled[token as usize]) })
+    }
+
+    /// Hugging Face's rule: each distinct context token once, positive logits divided,
+    /// negative multiplied, so the token always becomes less likely.
+    fn penalise(&mut self, context: &[TokenId], penalty: f32) {
+        self.seen.clear();
+        self.seen.extend(context.iter().copied().filter(|&t| (t as usize) < self.scaled.len()));
+        self.seen.sort_unstable();
+        self.seen.dedup();
+        for &t in &self.seen {
+            let x = &mut self.scaled[t as usize];
+            *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
+        }
+    }
+
+    /// Inverse-CDF sampling over the whole vocabulary in token-id order.
+    fn sample_full(&self, max: f32, u: f64) -> TokenId {
+        let total = log_sum_exp_shifted(&self.scaled, max);
+        let target = u * total;
+        let mut acc = 0.0f64;
+        let mut last = 0;
+        for (i, &x) in self.scaled.iter().enumerate() {
+            let w = weight(x, max);
+            if w > 0.0 {
+                acc += w;
+                last = i;
+                if acc > target {
+                    return i as TokenId;
+                }
+            }
+        }
+        last as TokenId
+    }
+
+    /// Top-k, then top-p on the renormalised top-k set, then min-p; inverse-CDF over
+    /// the survivors in order of decreasing probability.
+    fn sample_truncated(&mut self, cfg: &SamplingConfig, max: f32, u: f64) -> TokenId {
+        let scaled = &self.scaled;
+        // Total order: larger logit first, lower token id on ties; NaN ranks last.
+        let key = |&i: &u32| {
+            let x = scaled[i as usize];
+            (if x.is_nan() { f32::NEG_INFINITY } else { x }, std::cmp::Reverse(i))
+        };
+        let cmp = |a: &u32, b: &u32| key(b).partial_cmp(&key(a)).unwrap_or(std::cmp::Ordering::Equal);
+        self.order.clear();
+        self.order.extend(0..scaled.len() as u32);
+        let k = if cfg.top_k > 0 { cfg.top_k.min(scaled.len()) } else { scaled.len() };
+        if k < self.order.len() {
+            self.order.select_nth_unstable_by(k - 1, cmp);
+            self.order.truncate(k);
+        }
+        self.order.sort_unstable_by(cmp);
+
+        let mut keep = self.order.len();
+        if cfg.top_p < 1.0 {
+            let mass: f64 = self.order.iter().map(|&i| weight(scaled[i as usize], max)).sum();
+            let need = f64::from(cfg.top_p) * mass;
+            let mut acc = 0.0;
+            for (n, &i) in self.order.iter().enumerate() {
+                acc += weight(scaled[i as usize], max);
+                if acc >= need {
+                    keep = n + 1;
+                    break;
+                }
+            }
+        }
+        if cfg.min_p > 0.0 {
+            // p_i >= min_p * p_max  <=>  x_i - max >= ln(min_p); the top token always passes.
+            let floor = f64::from(cfg.min_p).ln();
+            let passing = self.order[..keep]
+                .iter()
+                .take_while(|&&i| f64::from(scaled[i as usize]) - f64::from(max) >= floor)
+                .count();
+            keep = passing.max(1);
+        }
+        let kept = &self.order[..keep.max(1)];
+        let total: f64 = kept.iter().map(|&i| weight(scaled[i as usize], max)).sum();
+        let target = u * total;
+        let mut acc = 0.0;
+        for &i in kept {
+            acc += weight(scaled[i as usize], max);
+            if acc > target {
+                return i;
+            }
+        }
+        kept[kept.len() - 1]
+    }
+}
+
+/// `exp(x - max)` in f64; zero for `-inf` and NaN.
+fn weight(x: f32, max: f32) -> f64 {
+    if x.is_nan() { 0.0 } else { (f64::from(x) - f64::from(max)).exp() }
+}
+
+/// `sum_i exp(x_i - max)`, summed sequentially in f64 so the result depends on the row alone.
+fn log_sum_exp_shifted(xs: &[f32], max: f32) -> f64 {
+    xs.iter().map(|&x| weight(x, max)).sum()
+}
+
+/// The first index of the largest value (NaN never wins), and that value.
+fn argmax(xs: &[f32]) -> (usize, f32) {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &x) in xs.iter().enumerate() {
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    if best.1 == f32::NEG_INFINITY && !xs.is_empty() {
+        // All -inf or NaN: report the first value so the caller sees it is not finite.
+        return (0, if xs[0].is_nan() { f32::NAN } else { f32::NEG_INFINITY });
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probs(logits: &[f32]) -> Vec<f64> {
+        let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let w: Vec<f64> = logits.iter().map(|&x| (f64::from(x) - f64::from(m)).exp()).collect();
+        let s: f64 = w.iter().sum();
+        w.iter().map(|x| x / s).collect()
+    }
+
+    const LOGITS: [f32; 8] = [1.0, 2.5, 0.3, -1.0, 2.0, 0.0, 1.7, -0.5];
+
+    fn draw(cfg: &SamplingConfig, n: u64) -> Vec<u64> {
+        let mut s = Sampler::new();
+        let rng = TokenRng::new(0x1234);
+        let mut counts = vec![0u64; LOGITS.len()];
+        for k in 0..n {
+            let t = s.sample(cfg, &LOGITS, &[], rng.uniform(k)).unwrap();
+            counts[t.token as usize] += 1;
+        }
+        counts
+    }
+
+    /// Pearson's chi-square statistic of `counts` against `expected` probabilities
+    /// (categories with zero expectation must have zero counts).
+    fn chi_square(counts: &[u64], expected: &[f64]) -> (f64, usize) {
+        let n: u64 = counts.iter().sum();
+        let mut stat = 0.0;
+        let mut df = 0;
+        for (&c, &p) in counts.iter().zip(expected) {
+            if p == 0.0 {
+                assert_eq!(c, 0, "a token of zero probability was drawn");
+                continue;
+            }
+            let e = p * n as f64;
+            stat += (c as f64 - e).powi(2) / e;
+            df += 1;
+        }
+        (stat, df - 1)
+    }
+
+    /// Upper 0.1% quantiles of chi-square for 1..=7 degrees of freedom.
+    const CHI2_999: [f64; 8] = [0.0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32];
+
+    #[test]
+    fn uniforms_are_in_range_and_look_uniform() {
+        let rng = TokenRng::new(7);
+        let mut bins = [0u64; 10];
+        for k in 0..100_000 {
+            let u = rng.uniform(k);
+            assert!((0.0..1.0).contains(&u));
+            bins[(u * 10.0) as usize] += 1;
+        }
+        let (stat, df) = chi_square(&bins, &[0.1; 10]);
+        assert_eq!(df, 9);
+        assert!(stat < 27.88, "chi-square {stat} over 9 df");
+        assert_ne!(TokenRng::new(7).uniform(0), TokenRng::new(8).uniform(0));
+    }
+
+    #[test]
+    fn temperature_zero_is_argmax_with_logprob_of_the_model() {
+        let mut s = Sampler::new();
+        let cfg = SamplingConfig::greedy();
+        for u in [0.0, 0.3, 0.999] {
+            let t = s.sample(&cfg, &LOGITS, &[], u).unwrap();
+            assert_eq!(t.token, 1);
+            assert!((f64::from(t.logprob) - probs(&LOGITS)[1].ln()).abs() < 1e-6);
+        }
+        // Ties go to the lower id.
+        let t = s.sample(&cfg, &[0.0, 3.0, 3.0], &[], 0.5).unwrap();
+        assert_eq!(t.token, 1);
+    }
+
+    #[test]
+    fn frequencies_match_the_distribution() {
+        let n = 40_000;
+        for temperature in [1.0f32, 0.7, 1.5] {
+            let cfg = SamplingConfig { temperature, ..SamplingConfig::default() };
+            let scaled: Vec<f32> = LOGITS.iter().map(|x| x / temperature).collect();
+            let (stat, df) = chi_square(&draw(&cfg, n), &probs(&scaled));
+            assert!(stat < CHI2_999[df], "T={temperature}: chi-square {stat} over {df} df");
+        }
+        // Top-k 3 renormalised: tokens 1 (2.5), 4 (2.0), 6 (1.7).
+        let cfg = SamplingConfig { top_k: 3, ..SamplingConfig::default() };
+        let mut expected = vec![0.0; 8];
+        let p = probs(&[2.5, 2.0, 1.7]);
+        for (i, t) in [1, 4, 6].into_iter().enumerate() {
+            expected[t] = p[i];
+        }
+        let (stat, df) = chi_square(&draw(&cfg, n), &expected);
+        assert!(stat < CHI2_999[df], "top-k: chi-square {stat} over {df} df");
+    }
+
+    #[test]
+    fn logprob_is_before_truncation() {
+        let mut s = Sampler::new();
+        let cfg = SamplingConfig { temperature: 0.5, top_k: 2, ..SamplingConfig::default() };
+        let scaled: Vec<f32> = LOGITS.iter().map(|x| x / 0.5).collect();
+        let p = probs(&scaled);
+        for k in 0..50 {
+            let t = s.sample(&cfg, &LOGITS, &[], TokenRng::new(3).uniform(k)).unwrap();
+            assert!((f64::from(t.logprob) - p[t.token as usize].ln()).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn truncation_never_emits_excluded_tokens() {
+        let p = probs(&LOGITS);
+        let mut sorted: Vec<usize> = (0..8).collect();
+        sorted.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+        let cases = [
+            (SamplingConfig { top_k: 2, ..SamplingConfig::default() }, vec![1, 4]),
+            // top-p 0.5: p(1) = 0.34, p(4) = 0.21 -> {1, 4} reaches 0.5.
+            (SamplingConfig { top_p: 0.5, ..SamplingConfig::default() }, vec![1, 4]),
+            // min-p 0.5: p_i >= 0.5 p_max <=> logit >= 2.5 - ln 2 = 1.807 -> {1, 4}.
+            (SamplingConfig { min_p: 0.5, ..SamplingConfig::default() }, vec![1, 4]),
+            (SamplingConfig { min_p: 0.4, ..SamplingConfig::default() }, vec![1, 4, 6]),
+            (SamplingConfig { top_k: 4, top_p: 0.9, min_p: 0.3, ..SamplingConfig::default() }, vec![1, 4, 6]),
+        ];
+        assert!(p[1] + p[4] >= 0.5 && p[1] < 0.5, "fixture assumption");
+        for (cfg, allowed) in cases {
+            let counts = draw(&cfg, 5_000);
+            for (t, &c) in counts.iter().enumerate() {
+                if allowed.contains(&t) {
+                    assert!(c > 0, "{cfg:?}: allowed token {t} never drawn");
+                } else {
+                    assert_eq!(c, 0, "{cfg:?}: excluded token {t} drawn {c} times");
+                }
+            }
+        }
+        assert_eq!(sorted[0], 1);
+    }
+
+    #[test]
+    fn repetition_penalty_follows_hugging_face() {
+        let mut s = Sampler::new();
+        let cfg = SamplingConfig { temperature: 0.0, repetition_penalty: 2.0, ..SamplingConfig::default() };
+        // Token 1 (2.5 -> 1.25) now loses to token 4 (2.0); a negative logit gets more negative.
+        let t = s.sample(&cfg, &LOGITS, &[1, 1, 3], 0.0).unwrap();
+        assert_eq!(t.token, 4);
+        let mut expected = LOGITS.to_vec();
+        expected[1] = 1.25;
+        expected[3] = -2.0;
+        assert!((f64::from(t.logprob) - probs(&expected)[4].ln()).abs() < 1e-6);
+    }
+
+    #[test]
+    fn bad_logits_and_configs_are_errors() {
+        let mut s = Sampler::new();
+        let cfg = SamplingConfig::default();
+        assert!(s.sample(&cfg, &[], &[], 0.5).is_err());
+        assert!(s.sample(&cfg, &[f32::NAN, f32::NEG_INFINITY], &[], 0.5).is_err());
+        // Infinite-negative entries are simply never drawn.
+        let t = s.sample(&cfg, &[f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY], &[], 0.99).unwrap();
+        assert_eq!(t.token, 1);
+        for bad in [
+            SamplingConfig { temperature: -1.0, ..cfg.clone() },
+            SamplingConfig { top_p: 0.0, ..cfg.clone() },
+            SamplingConfig { min_p: 1.5, ..cfg.clone() },
+            SamplingConfig { max_new_tokens: 0, ..cfg.clone() },
+            SamplingConfig { stop_strings: vec![String::new()], ..cfg.clone() },
+        ] {
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.starts_with("config field `sampling."), "{err}");
+        }
+    }
+}
