@@ -33,6 +33,9 @@ pub enum TrainerError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The network failed (bad targets, checkpoint files, shapes).
+    #[error(transparent)]
+    Model(#[from] metronome_model::Error),
     /// A batch broke the shared layout contract.
     #[error(transparent)]
     Core(#[from] metronome_core::Error),

@@ -139,13 +139,22 @@ impl LossConfig {
     pub fn validate(&self, prefix: &str) -> Result<()> {
         let key = |k: &str| format!("{prefix}.{k}");
         if !(self.clip_low.is_finite() && self.clip_low > 0.0 && self.clip_low < 1.0) {
-            return Err(TrainerError::config(key("clip_low"), format!("is {}, expected 0 < clip_low < 1", self.clip_low)));
+            return Err(TrainerError::config(
+                key("clip_low"),
+                format!("is {}, expected 0 < clip_low < 1", self.clip_low),
+            ));
         }
         if !(self.clip_high.is_finite() && self.clip_high > 0.0) {
-            return Err(TrainerError::config(key("clip_high"), format!("is {}, expected a positive number", self.clip_high)));
+            return Err(TrainerError::config(
+                key("clip_high"),
+                format!("is {}, expected a positive number", self.clip_high),
+            ));
         }
         if !(self.kl_coef.is_finite() && self.kl_coef >= 0.0) {
-            return Err(TrainerError::config(key("kl_coef"), format!("is {}, expected a number >= 0", self.kl_coef)));
+            return Err(TrainerError::config(
+                key("kl_coef"),
+                format!("is {}, expected a number >= 0", self.kl_coef),
+            ));
         }
         if !self.entropy_coef.is_finite() {
             return Err(TrainerError::config(key("entropy_coef"), "is not finite"));
@@ -153,7 +162,10 @@ impl LossConfig {
         if let Some(cap) = self.tis_cap
             && !(cap.is_finite() && cap > 0.0)
         {
-            return Err(TrainerError::config(key("tis_cap"), format!("is {cap}, expected a positive number")));
+            return Err(TrainerError::config(
+                key("tis_cap"),
+                format!("is {cap}, expected a positive number"),
+            ));
         }
         if let Aggregation::ConstantNormaliser { max_tokens: 0 } = self.aggregation {
             return Err(TrainerError::config(key("aggregation.max_tokens"), "is 0, expected at least 1"));
@@ -210,7 +222,10 @@ fn check_len(name: &str, len: usize, n: usize) -> Result<()> {
     if len == n {
         Ok(())
     } else {
-        Err(TrainerError::invalid(format!("loss input `{name}`"), format!("has {len} entries for {n} targets")))
+        Err(TrainerError::invalid(
+            format!("loss input `{name}`"),
+            format!("has {len} entries for {n} targets"),
+        ))
     }
 }
 
@@ -280,7 +295,8 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
         let kl = cfg.kl_estimator.per_token(x.logprobs, ref_lp)?;
         let kl_host = host(&kl)?;
         kl_sum = kl_host.iter().map(|&v| f64::from(v)).sum();
-        kl_term_sum = kl_host.iter().zip(x.weights).map(|(&k, &w)| f64::from(cfg.kl_coef * w) * f64::from(k)).sum();
+        kl_term_sum =
+            kl_host.iter().zip(x.weights).map(|(&k, &w)| f64::from(cfg.kl_coef * w) * f64::from(k)).sum();
         per_target = (per_target + (kl * (f64::from(cfg.kl_coef)))?.mul(&weights)?)?;
     }
     let mut entropy_sum = 0f64;
@@ -290,8 +306,11 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
         let h_host = host(h)?;
         entropy_sum = h_host.iter().map(|&v| f64::from(v)).sum();
         if cfg.entropy_coef != 0.0 {
-            entropy_term_sum =
-                h_host.iter().zip(x.weights).map(|(&e, &w)| f64::from(cfg.entropy_coef * w) * f64::from(e)).sum();
+            entropy_term_sum = h_host
+                .iter()
+                .zip(x.weights)
+                .map(|(&e, &w)| f64::from(cfg.entropy_coef * w) * f64::from(e))
+                .sum();
             per_target = (per_target - (h * f64::from(cfg.entropy_coef))?.mul(&weights)?)?;
         }
     }
@@ -502,7 +521,10 @@ mod tests {
         let cfg = LossConfig { clip_high: -1.0, ..LossConfig::default() };
         let err = cfg.validate("loss").unwrap_err().to_string();
         assert!(err.contains("loss.clip_high"), "{err}");
-        let cfg = LossConfig { aggregation: Aggregation::ConstantNormaliser { max_tokens: 0 }, ..LossConfig::default() };
+        let cfg = LossConfig {
+            aggregation: Aggregation::ConstantNormaliser { max_tokens: 0 },
+            ..LossConfig::default()
+        };
         assert!(cfg.validate("loss").unwrap_err().to_string().contains("max_tokens"));
     }
 }

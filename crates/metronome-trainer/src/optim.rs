@@ -121,11 +121,17 @@ impl AdamWConfig {
     pub fn validate(&self, prefix: &str) -> Result<()> {
         for (name, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&v) {
-                return Err(TrainerError::config(format!("{prefix}.{name}"), format!("is {v}, expected 0 <= {name} < 1")));
+                return Err(TrainerError::config(
+                    format!("{prefix}.{name}"),
+                    format!("is {v}, expected 0 <= {name} < 1"),
+                ));
             }
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return Err(TrainerError::config(format!("{prefix}.eps"), format!("is {}, expected a positive number", self.eps)));
+            return Err(TrainerError::config(
+                format!("{prefix}.eps"),
+                format!("is {}, expected a positive number", self.eps),
+            ));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
             return Err(TrainerError::config(
@@ -206,9 +212,11 @@ impl AdamW {
         mut lookup: impl FnMut(&str) -> Option<Tensor>,
     ) -> Result<()> {
         for (i, (name, var)) in params.iter().enumerate() {
-            for (suffix, slot) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])] {
+            for (suffix, slot) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])]
+            {
                 let key = format!("{name}.{suffix}");
-                let t = lookup(&key).ok_or_else(|| TrainerError::invalid("optimizer state", format!("lacks `{key}`")))?;
+                let t = lookup(&key)
+                    .ok_or_else(|| TrainerError::invalid("optimizer state", format!("lacks `{key}`")))?;
                 if t.dims() != var.dims() {
                     return Err(TrainerError::invalid(
                         format!("optimizer state `{key}`"),
@@ -239,7 +247,9 @@ mod tests {
         let lr = 0.01;
         let gw = [0.1f64, -0.2, 0.0, 1.0];
         let gb = [2.0f64];
-        let mk = |g: &[f64], shape: &[usize]| Tensor::from_slice(&g.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape, &Device::Cpu).unwrap();
+        let mk = |g: &[f64], shape: &[usize]| {
+            Tensor::from_slice(&g.iter().map(|&x| x as f32).collect::<Vec<_>>(), shape, &Device::Cpu).unwrap()
+        };
         let grads = vec![mk(&gw, &[2, 2]), mk(&gb, &[1])];
         opt.step(&params, &grads, lr).unwrap();
         opt.step(&params, &grads, lr).unwrap();

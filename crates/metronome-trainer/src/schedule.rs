@@ -60,7 +60,10 @@ impl LrSchedule {
     /// Checks the ranges; errors name the key under `prefix`.
     pub fn validate(&self, prefix: &str) -> Result<()> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return Err(TrainerError::config(format!("{prefix}.lr"), format!("is {}, expected a positive number", self.lr)));
+            return Err(TrainerError::config(
+                format!("{prefix}.lr"),
+                format!("is {}, expected a positive number", self.lr),
+            ));
         }
         if let Decay::Cosine { total_steps, min_ratio } = self.decay {
             if total_steps <= self.warmup_steps {
@@ -86,7 +89,8 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine() {
-        let s = LrSchedule { lr: 1.0, warmup_steps: 4, decay: Decay::Cosine { total_steps: 14, min_ratio: 0.1 } };
+        let s =
+            LrSchedule { lr: 1.0, warmup_steps: 4, decay: Decay::Cosine { total_steps: 14, min_ratio: 0.1 } };
         assert_eq!(s.lr_at(0), 0.25);
         assert_eq!(s.lr_at(3), 1.0);
         assert!((s.lr_at(4) - 1.0).abs() < 1e-12);
@@ -105,7 +109,8 @@ mod tests {
 
     #[test]
     fn bad_values_name_their_key() {
-        let s = LrSchedule { lr: 1.0, warmup_steps: 10, decay: Decay::Cosine { total_steps: 5, min_ratio: 0.0 } };
+        let s =
+            LrSchedule { lr: 1.0, warmup_steps: 10, decay: Decay::Cosine { total_steps: 5, min_ratio: 0.0 } };
         assert!(s.validate("schedule").unwrap_err().to_string().contains("schedule.decay.total_steps"));
         let s = LrSchedule { lr: -1.0, ..LrSchedule::default() };
         assert!(s.validate("schedule").unwrap_err().to_string().contains("schedule.lr"));

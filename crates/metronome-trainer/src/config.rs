@@ -1,0 +1,138 @@
+//! The trainer's serde configuration, validated before it builds a trainer.
+
+use metronome_core::AdvantageEstimator;
+use metronome_model::{Device, Model};
+use serde::{Deserialize, Serialize};
+
+use crate::loss::LossConfig;
+use crate::optim::AdamWConfig;
+use crate::schedule::LrSchedule;
+use crate::{GrpoTrainer, Result, TrainerError};
+
+/// Everything that shapes training, read from the run's config file.
+///
+/// Unknown keys are rejected, and [`TrainerConfig::validate`] names the dotted key
+/// of any value out of range.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// Seed of the trainer's own randomness (the mini-step partition).
+    pub seed: u64,
+    /// Threads of the trainer's own rayon pool; candle's kernels run on it.
+    pub threads: usize,
+    /// Learning-rate schedule over optimiser steps.
+    pub schedule: LrSchedule,
+    /// AdamW hyper-parameters.
+    pub optimizer: AdamWConfig,
+    /// Clip the global gradient norm to this value; `None` disables clipping.
+    pub max_grad_norm: Option<f64>,
+    /// The loss family and its coefficients.
+    pub loss: LossConfig,
+    /// The advantage estimator the pipeline's scorer should use. The trainer reads
+    /// advantages from the batches; this is where the run chooses them.
+    pub advantage: AdvantageEstimator,
+    /// Optimiser steps per period. 1 (the default) is the on-policy case: the old
+    /// policy is the stop-gradient current policy. Above 1, the period's batches are
+    /// split into this many mini-batches at `step` time and the old policy is the
+    /// behaviour log-probs.
+    pub mini_steps: u32,
+    /// Drop the targets of groups whose rewards were all equal (they carry no
+    /// policy-gradient signal): no forward for them, and they are left out of the
+    /// normalisers. They are always counted in [`metronome_core::StepReport`].
+    pub skip_zero_advantage_groups: bool,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            threads: 1,
+            schedule: LrSchedule::default(),
+            optimizer: AdamWConfig::default(),
+            max_grad_norm: Some(1.0),
+            loss: LossConfig::default(),
+            advantage: AdvantageEstimator::GroupNorm,
+            mini_steps: 1,
+            skip_zero_advantage_groups: true,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Parses a JSON object and validates it.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let cfg: Self = serde_json::from_str(text)
+            .map_err(|e| TrainerError::config("trainer", format!("does not parse: {e}")))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks every range; the error names the dotted key at fault.
+    pub fn validate(&self) -> Result<()> {
+        if self.threads == 0 {
+            return Err(TrainerError::config("threads", "is 0, expected at least 1"));
+        }
+        if self.mini_steps == 0 {
+            return Err(TrainerError::config("mini_steps", "is 0, expected at least 1"));
+        }
+        if let Some(n) = self.max_grad_norm
+            && !(n.is_finite() && n > 0.0)
+        {
+            return Err(TrainerError::config("max_grad_norm", format!("is {n}, expected a positive number")));
+        }
+        self.schedule.validate("schedule")?;
+        self.optimizer.validate("optimizer")?;
+        self.loss.validate("loss")
+    }
+
+    /// Validates and builds a trainer around `policy` (the reference model is a frozen
+    /// copy of it, made now).
+    pub fn build(&self, policy: Model) -> Result<GrpoTrainer> {
+        GrpoTrainer::new(self.clone(), policy)
+    }
+
+    /// Builds a trainer resumed from a checkpoint directory written by
+    /// [`GrpoTrainer::save_checkpoint`].
+    pub fn resume(&self, dir: &std::path::Path, device: &Device) -> Result<GrpoTrainer> {
+        GrpoTrainer::resume(self.clone(), dir, device)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_round_trip() {
+        let cfg = TrainerConfig::default();
+        cfg.validate().unwrap();
+        let text = serde_json::to_string(&cfg).unwrap();
+        assert_eq!(TrainerConfig::from_json(&text).unwrap(), cfg);
+    }
+
+    #[test]
+    fn partial_json_fills_defaults() {
+        let cfg = TrainerConfig::from_json(
+            r#"{"schedule": {"lr": 0.001, "warmup_steps": 2, "decay": {"kind": "cosine", "total_steps": 10}},
+                "loss": {"kl_coef": 0.05, "kl_estimator": "k2", "aggregation": {"kind": "constant_normaliser", "max_tokens": 64}},
+                "advantage": "leave_one_out"}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.schedule.warmup_steps, 2);
+        assert_eq!(cfg.loss.kl_coef, 0.05);
+        assert_eq!(cfg.advantage, AdvantageEstimator::LeaveOneOut);
+        assert_eq!(cfg.threads, 1);
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let err = TrainerConfig::from_json(r#"{"loss": {"clip_low": 1.5}}"#).unwrap_err().to_string();
+        assert!(err.contains("loss.clip_low"), "{err}");
+        let err = TrainerConfig::from_json(r#"{"optimizer": {"beta2": 1.0}}"#).unwrap_err().to_string();
+        assert!(err.contains("optimizer.beta2"), "{err}");
+        let err = TrainerConfig::from_json(r#"{"mini_steps": 0}"#).unwrap_err().to_string();
+        assert!(err.contains("mini_steps"), "{err}");
+        let err = TrainerConfig::from_json(r#"{"lossy": {}}"#).unwrap_err().to_string();
+        assert!(err.contains("lossy"), "{err}");
+    }
+}

@@ -1,0 +1,668 @@
+//! The tri-model GRPO trainer: forward, loss and backward per micro-batch in any
+//! order, one optimiser step per period, guards and checkpoints.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use candle_core::{Tensor, Var};
+use metronome_core::{
+    AccumulateReport, PackedRow, PolicyVersion, RunSeed, Segment, StepReport, Targets, TokenId, TrainBatch,
+    TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
+};
+use metronome_model::{Device, Model};
+use serde::{Deserialize, Serialize};
+
+use crate::loss::{Aggregation, LossInputs, StepTotals, grpo_loss, sft_loss};
+use crate::optim::{AdamW, GradAccumulator, clip_grad_norm};
+use crate::{Result, TrainerConfig, TrainerError};
+
+/// Stream id of the trainer's randomness in [`metronome_core::stream_seed`].
+const TRAINER_STREAM: u64 = 0x7472_6169_6e65_7221; // "trainer!"
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+/// Version of the checkpoint layout written by [`GrpoTrainer::save_checkpoint`].
+const CHECKPOINT_FORMAT: u32 = 1;
+
+/// One supervised example: the answer's tokens are the targets, predicted from the
+/// prompt and the answer's earlier tokens.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SftExample {
+    /// Prompt tokens (context only, never in the loss).
+    pub prompt: Vec<TokenId>,
+    /// Answer tokens (every one is a target).
+    pub answer: Vec<TokenId>,
+}
+
+/// Lays out SFT examples as one causal row each (the answer's last token is only a
+/// target, never an input), with one sequence and one group per example.
+pub fn sft_batch(examples: &[SftExample]) -> Result<TrainBatch> {
+    let mut batch = TrainBatch::default();
+    for (i, ex) in examples.iter().enumerate() {
+        if ex.prompt.is_empty() || ex.answer.is_empty() {
+            return Err(TrainerError::invalid(
+                format!("sft example {i}"),
+                format!(
+                    "has a {}-token prompt and a {}-token answer, both must be non-empty",
+                    ex.prompt.len(),
+                    ex.answer.len()
+                ),
+            ));
+        }
+        let p = ex.prompt.len();
+        let mut tokens = ex.prompt.clone();
+        tokens.extend_from_slice(&ex.answer[..ex.answer.len() - 1]);
+        let len = tokens.len() as u32;
+        batch.rows.push(PackedRow {
+            tokens,
+            positions: (0..len).collect(),
+            segments: vec![Segment { start: 0, len, parent: None }],
+        });
+        for (j, &tok) in ex.answer.iter().enumerate() {
+            let t = &mut batch.targets;
+            t.row.push(i as u32);
+            t.position.push((p - 1 + j) as u32);
+            t.token.push(tok);
+            t.sequence.push(i as u32);
+            t.advantage.push(0.0);
+            t.behaviour_logprob.push(0.0);
+        }
+        batch.sequences.push(TrainSequence {
+            group: i as u32,
+            num_targets: ex.answer.len() as u32,
+            ..TrainSequence::default()
+        });
+        batch.groups.push(TrainGroup { num_sequences: 1, group_size: 1, ..TrainGroup::default() });
+    }
+    Ok(batch)
+}
+
+/// Wall-clock time spent in each phase since the trainer was built, for benchmarks
+/// and logs (never asserted in tests).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTimes {
+    /// Policy and reference forwards and the loss.
+    pub forward: Duration,
+    /// Back-propagation and gradient accumulation.
+    pub backward: Duration,
+    /// Step-time scaling, clipping and the AdamW update.
+    pub optimizer: Duration,
+}
+
+/// Sums over the micro-batches of the current step.
+#[derive(Clone, Copy, Debug, Default)]
+struct Sums {
+    tokens: u64,
+    sequences: u64,
+    groups: u64,
+    zero_groups: u64,
+    loss: f64,
+    policy: f64,
+    kl: f64,
+    entropy: f64,
+    gap: f64,
+    clipped: u64,
+}
+
+impl Sums {
+    fn add(&mut self, o: &Sums) {
+        self.tokens += o.tokens;
+        self.sequences += o.sequences;
+        self.groups += o.groups;
+        self.zero_groups += o.zero_groups;
+        self.loss += o.loss;
+        self.policy += o.policy;
+        self.kl += o.kl;
+        self.entropy += o.entropy;
+        self.gap += o.gap;
+        self.clipped += o.clipped;
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Rl,
+    Sft,
+}
+
+/// The targets of a batch that enter the loss, with their aggregation weights.
+#[derive(Debug)]
+struct Prepared {
+    targets: Targets,
+    weights: Vec<f32>,
+    counts: Sums,
+}
+
+/// What a checkpoint's `trainer_state.json` holds besides the tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct CheckpointState {
+    format: u32,
+    version: u64,
+    optimizer_steps: u64,
+    schedule_position: u64,
+    rng_state: u64,
+    skipped_steps: u64,
+}
+
+/// The GRPO trainer: policy (trainable), frozen reference, and old policy (the
+/// stop-gradient policy, or the behaviour log-probs with mini-steps).
+///
+/// The synchronous methods ([`GrpoTrainer::accumulate_sync`],
+/// [`GrpoTrainer::step_sync`], …) do the work on the trainer's own rayon pool; the
+/// [`metronome_core::Trainer`] implementation calls them.
+pub struct GrpoTrainer {
+    cfg: TrainerConfig,
+    policy: Model,
+    params: Vec<(String, Var)>,
+    reference: Option<Model>,
+    optimizer: AdamW,
+    accum: GradAccumulator,
+    pool: Arc<rayon::ThreadPool>,
+    version: PolicyVersion,
+    rng_state: u64,
+    skipped_steps: u64,
+    sums: Sums,
+    mode: Option<Mode>,
+    buffered: Vec<TrainBatch>,
+    times: PhaseTimes,
+}
+
+impl std::fmt::Debug for GrpoTrainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrpoTrainer")
+            .field("version", &self.version)
+            .field("optimizer_steps", &self.optimizer.steps())
+            .field("parameters", &self.params.len())
+            .field("reference", &self.reference.is_some())
+            .field("pending_micro_batches", &self.accum.micro_batches())
+            .finish_non_exhaustive()
+    }
+}
+
+fn build_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("metronome-trainer-{i}"))
+        .build()
+        .map(Arc::new)
+        .map_err(|e| TrainerError::ThreadPool(e.to_string()))
+}
+
+impl GrpoTrainer {
+    /// A trainer at version 0 around `policy`; the reference is a frozen copy made
+    /// now, and only when the KL coefficient is non-zero.
+    pub fn new(cfg: TrainerConfig, policy: Model) -> Result<Self> {
+        let reference = if cfg.loss.kl_coef > 0.0 { Some(policy.frozen_copy()?) } else { None };
+        Self::with_reference(cfg, policy, reference)
+    }
+
+    fn with_reference(cfg: TrainerConfig, policy: Model, reference: Option<Model>) -> Result<Self> {
+        cfg.validate()?;
+        if !policy.is_trainable() {
+            return Err(TrainerError::invalid(
+                "policy model",
+                "is frozen; the trainer needs a trainable model",
+            ));
+        }
+        let params = policy.parameters();
+        let optimizer = AdamW::new(cfg.optimizer, &params)?;
+        let pool = build_pool(cfg.threads)?;
+        Ok(Self {
+            rng_state: stream_seed(RunSeed(cfg.seed), TRAINER_STREAM, 0),
+            accum: GradAccumulator::new(params.len()),
+            cfg,
+            policy,
+            params,
+            reference,
+            optimizer,
+            pool,
+            version: PolicyVersion(0),
+            skipped_steps: 0,
+            sums: Sums::default(),
+            mode: None,
+            buffered: Vec::new(),
+            times: PhaseTimes::default(),
+        })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &TrainerConfig {
+        &self.cfg
+    }
+
+    /// The policy (shares its weights with the trainer).
+    #[must_use]
+    pub fn policy(&self) -> &Model {
+        &self.policy
+    }
+
+    /// The version of the current weights: the number of completed periods (calls of
+    /// [`GrpoTrainer::step_sync`] that were not skipped by a guard).
+    #[must_use]
+    pub fn version(&self) -> PolicyVersion {
+        self.version
+    }
+
+    /// Optimiser updates applied so far (also the schedule position).
+    #[must_use]
+    pub fn optimizer_steps(&self) -> u64 {
+        self.optimizer.steps()
+    }
+
+    /// Steps skipped by the non-finite guard.
+    #[must_use]
+    pub fn skipped_steps(&self) -> u64 {
+        self.skipped_steps
+    }
+
+    /// Time spent per phase since the trainer was built.
+    #[must_use]
+    pub fn phase_times(&self) -> PhaseTimes {
+        self.times
+    }
+
+    /// The accumulated gradient of each parameter (by name) with the step-time
+    /// normaliser applied, as the next step would see it before clipping. For tests
+    /// and diagnostics; `None` before anything was accumulated.
+    pub fn pending_gradients(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+        if self.accum.micro_batches() == 0 {
+            return Ok(None);
+        }
+        let scale = self.step_scale();
+        let (grads, _) = self.accum.finish(&self.params, scale)?;
+        Ok(Some(self.params.iter().map(|(n, _)| n.clone()).zip(grads).collect()))
+    }
+
+    fn run<T: Send>(&mut self, f: impl FnOnce(&mut Self) -> Result<T> + Send) -> Result<T> {
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| f(self))
+    }
+
+    fn set_mode(&mut self, mode: Mode) -> Result<()> {
+        match self.mode {
+            Some(m) if m != mode => Err(TrainerError::invalid(
+                "accumulate",
+                format!("mixes {mode:?} and {m:?} micro-batches in one step; call step first"),
+            )),
+            _ => {
+                self.mode = Some(mode);
+                Ok(())
+            }
+        }
+    }
+
+    fn step_scale(&self) -> f64 {
+        let totals = StepTotals { tokens: self.sums.tokens, sequences: self.sums.sequences };
+        match self.mode {
+            Some(Mode::Sft) => Aggregation::TokenMean.step_scale(totals),
+            _ => self.cfg.loss.aggregation.step_scale(totals),
+        }
+    }
+
+    /// Keeps the targets that enter the loss and computes their weights.
+    fn prepare(&self, batch: &TrainBatch) -> Result<Prepared> {
+        batch.validate()?;
+        let skip_group = |g: usize| {
+            self.cfg.skip_zero_advantage_groups && batch.groups.get(g).is_some_and(|g| g.all_equal)
+        };
+        // Sampled by another version than the one being trained means off-policy:
+        // only allowed when truncated importance sampling corrects it.
+        if self.cfg.loss.tis_cap.is_none()
+            && self.cfg.mini_steps == 1
+            && let Some((i, s)) = batch.sequences.iter().enumerate().find(|(_, s)| s.version != self.version)
+        {
+            return Err(TrainerError::invalid(
+                format!("sequence {i} (group {}, sample {})", s.group, s.sample_index),
+                format!(
+                    "was sampled by version {}, the trainer is at version {}; set loss.tis_cap to train on stale samples",
+                    s.version, self.version
+                ),
+            ));
+        }
+        let mut counts = Sums { groups: batch.groups.len() as u64, ..Sums::default() };
+        counts.zero_groups = batch.groups.iter().filter(|g| g.all_equal).count() as u64;
+        counts.sequences = batch.sequences.iter().filter(|s| !skip_group(s.group as usize)).count() as u64;
+        let t = &batch.targets;
+        let mut kept = Targets::default();
+        let mut weights = Vec::with_capacity(t.len());
+        for i in 0..t.len() {
+            let seq = &batch.sequences[t.sequence[i] as usize];
+            if skip_group(seq.group as usize) {
+                continue;
+            }
+            kept.row.push(t.row[i]);
+            kept.position.push(t.position[i]);
+            kept.token.push(t.token[i]);
+            kept.sequence.push(t.sequence[i]);
+            kept.advantage.push(t.advantage[i]);
+            kept.behaviour_logprob.push(t.behaviour_logprob[i]);
+            weights.push(self.cfg.loss.aggregation.target_weight(seq.num_targets));
+        }
+        counts.tokens = kept.len() as u64;
+        Ok(Prepared { targets: kept, weights, counts })
+    }
+
+    /// Forward, loss and backward of one prepared batch; adds the gradient.
+    fn forward_backward(&mut self, rows: &[PackedRow], p: &Prepared, old_is_behaviour: bool) -> Result<Sums> {
+        let mut sums = p.counts;
+        if p.targets.is_empty() {
+            return Ok(sums);
+        }
+        let start = Instant::now();
+        let n = p.targets.len();
+        let out = self.policy.target_logprobs(rows, &p.targets)?;
+        let reference = match &self.reference {
+            Some(r) if self.cfg.loss.kl_coef > 0.0 => Some(r.target_logprobs(rows, &p.targets)?.logprobs),
+            _ => None,
+        };
+        let behaviour = Tensor::from_slice(&p.targets.behaviour_logprob, n, self.policy.device())?;
+        let old = if old_is_behaviour { behaviour.clone() } else { out.logprobs.detach() };
+        let terms = grpo_loss(
+            &self.cfg.loss,
+            LossInputs {
+                logprobs: &out.logprobs,
+                old_logprobs: &old,
+                behaviour_logprobs: &behaviour,
+                ref_logprobs: reference.as_ref(),
+                entropy: Some(&out.entropy),
+                advantages: &p.targets.advantage,
+                weights: &p.weights,
+            },
+        )?;
+        let mid = Instant::now();
+        let grads = terms.loss.backward()?;
+        self.accum.add(&self.params, &grads)?;
+        self.times.forward += mid - start;
+        self.times.backward += mid.elapsed();
+        sums.loss = terms.loss_sum;
+        sums.policy = terms.policy_sum;
+        sums.kl = terms.kl_sum;
+        sums.entropy = terms.entropy_sum;
+        sums.gap = terms.logprob_gap_sum;
+        sums.clipped = terms.clipped;
+        Ok(sums)
+    }
+
+    /// Runs forward and backward on one micro-batch and adds its gradient (with
+    /// `mini_steps > 1`, only checks and buffers it: the work happens at step time).
+    pub fn accumulate_sync(&mut self, batch: &TrainBatch) -> Result<AccumulateReport> {
+        self.set_mode(Mode::Rl)?;
+        let prepared = self.prepare(batch)?;
+        if self.cfg.mini_steps > 1 {
+            self.buffered.push(batch.clone());
+            return Ok(AccumulateReport { tokens: prepared.counts.tokens, loss_sum: 0.0 });
+        }
+        let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
+        self.sums.add(&sums);
+        metrics::counter!("metronome_trainer_tokens_total").increment(sums.tokens);
+        metrics::counter!("metronome_trainer_zero_advantage_groups_total").increment(sums.zero_groups);
+        Ok(AccumulateReport { tokens: sums.tokens, loss_sum: sums.loss })
+    }
+
+    /// Accumulates the supervised cross-entropy of `examples` (token mean over the
+    /// step). SFT and RL micro-batches cannot share a step.
+    pub fn accumulate_sft(&mut self, examples: &[SftExample]) -> Result<AccumulateReport> {
+        self.set_mode(Mode::Sft)?;
+        let batch = sft_batch(examples)?;
+        let n = batch.targets.len();
+        let sums = self.run(|t| {
+            let start = Instant::now();
+            let out = t.policy.target_logprobs(&batch.rows, &batch.targets)?;
+            let (loss, value) = sft_loss(&out.logprobs, &vec![1.0; n])?;
+            let mid = Instant::now();
+            let grads = loss.backward()?;
+            t.accum.add(&t.params, &grads)?;
+            t.times.forward += mid - start;
+            t.times.backward += mid.elapsed();
+            let entropy: f64 = out.entropy.to_vec1::<f32>()?.iter().map(|&v| f64::from(v)).sum();
+            Ok(Sums {
+                tokens: n as u64,
+                sequences: examples.len() as u64,
+                groups: examples.len() as u64,
+                loss: value,
+                entropy,
+                ..Sums::default()
+            })
+        })?;
+        self.sums.add(&sums);
+        Ok(AccumulateReport { tokens: sums.tokens, loss_sum: sums.loss })
+    }
+
+    /// Mean negative log-likelihood of the answers of `examples` under the current
+    /// policy (no gradient is kept).
+    pub fn sft_loss(&self, examples: &[SftExample]) -> Result<f64> {
+        let batch = sft_batch(examples)?;
+        let pool = Arc::clone(&self.pool);
+        pool.install(|| {
+            let out = self.policy.target_logprobs(&batch.rows, &batch.targets)?;
+            let lp = out.logprobs.detach().to_vec1::<f32>()?;
+            Ok(-lp.iter().map(|&v| f64::from(v)).sum::<f64>() / lp.len().max(1) as f64)
+        })
+    }
+
+    /// Applies the step-time normaliser, the guards, clipping and one AdamW update
+    /// (or, with `mini_steps > 1`, trains the buffered batches in that many updates),
+    /// then clears the accumulator.
+    pub fn step_sync(&mut self) -> Result<StepReport> {
+        let report = if self.cfg.mini_steps > 1 && self.mode == Some(Mode::Rl) {
+            self.run(Self::mini_steps)?
+        } else {
+            self.run(Self::apply_step)?
+        };
+        self.mode = None;
+        if report.applied {
+            self.version = self.version.next();
+        }
+        let report = StepReport { version: self.version, ..report };
+        metrics::counter!("metronome_trainer_steps_total").increment(1);
+        metrics::gauge!("metronome_trainer_loss").set(report.loss);
+        metrics::gauge!("metronome_trainer_kl").set(report.kl);
+        metrics::gauge!("metronome_trainer_grad_norm").set(report.grad_norm);
+        metrics::gauge!("metronome_trainer_clip_fraction").set(report.clip_fraction);
+        metrics::gauge!("metronome_trainer_learning_rate").set(report.learning_rate);
+        Ok(report)
+    }
+
+    /// One optimiser update from the accumulated gradient.
+    fn apply_step(&mut self) -> Result<StepReport> {
+        let start = Instant::now();
+        let s = self.sums;
+        let scale = self.step_scale();
+        let lr = self.cfg.schedule.lr_at(self.optimizer.steps());
+        let per_token = |v: f64| if s.tokens == 0 { 0.0 } else { v / s.tokens as f64 };
+        let mut report = StepReport {
+            version: self.version,
+            applied: true,
+            loss: s.loss * scale,
+            policy_loss: s.policy * scale,
+            kl: per_token(s.kl),
+            clip_fraction: per_token(s.clipped as f64),
+            entropy: per_token(s.entropy),
+            grad_norm: 0.0,
+            learning_rate: lr,
+            tokens: s.tokens,
+            sequences: s.sequences,
+            groups: s.groups,
+            zero_advantage_groups: s.zero_groups,
+            logprob_gap: per_token(s.gap),
+        };
+        let result = (|| {
+            if self.accum.micro_batches() == 0 || s.tokens == 0 {
+                // Nothing to learn from (e.g. every group had equal rewards): the
+                // weights stay, and the version still counts the period.
+                return Ok(());
+            }
+            let (mut grads, norm) = self.accum.finish(&self.params, scale)?;
+            report.grad_norm = norm;
+            if !norm.is_finite() || !report.loss.is_finite() {
+                report.applied = false;
+                self.skipped_steps += 1;
+                metrics::counter!("metronome_trainer_skipped_steps_total").increment(1);
+                return Ok(());
+            }
+            if let Some(max) = self.cfg.max_grad_norm {
+                clip_grad_norm(&mut grads, norm, max)?;
+            }
+            self.optimizer.step(&self.params, &grads, lr)
+        })();
+        self.accum.clear();
+        self.sums = Sums::default();
+        self.times.optimizer += start.elapsed();
+        result.map(|()| report)
+    }
+
+    /// `mini_steps` updates over the buffered batches, old policy = behaviour.
+    fn mini_steps(&mut self) -> Result<StepReport> {
+        let mut batches = std::mem::take(&mut self.buffered);
+        // Sort first so arrival order does not matter, then shuffle with the
+        // checkpointed generator so mini-batches mix groups from across the period.
+        batches.sort_by_key(|b| b.groups.first().map(|g| g.key));
+        for i in (1..batches.len()).rev() {
+            let j = (self.next_random() % (i as u64 + 1)) as usize;
+            batches.swap(i, j);
+        }
+        let k = (self.cfg.mini_steps as usize).min(batches.len()).max(1);
+        let mut reports = Vec::with_capacity(k);
+        let per_chunk = batches.len().div_ceil(k).max(1);
+        for chunk in batches.chunks(per_chunk) {
+            for b in chunk {
+                let prepared = self.prepare(b)?;
+                let sums = self.forward_backward(&b.rows, &prepared, true)?;
+                self.sums.add(&sums);
+            }
+            reports.push(self.apply_step()?);
+        }
+        if reports.is_empty() {
+            reports.push(self.apply_step()?);
+        }
+        Ok(combine(&reports))
+    }
+
+    fn next_random(&mut self) -> u64 {
+        self.rng_state = self.rng_state.wrapping_add(GOLDEN);
+        mix64(self.rng_state)
+    }
+
+    /// An owned copy of the current weights at the current version.
+    pub fn snapshot_sync(&self) -> Result<WeightSnapshot> {
+        Ok(self.policy.snapshot(self.version)?)
+    }
+
+    /// Writes a checkpoint directory: `policy/` (Hugging Face `config.json` +
+    /// `model.safetensors`), `reference/` when a KL term is used,
+    /// `optimizer.safetensors` (AdamW moments) and `trainer_state.json` (version,
+    /// optimiser step, schedule position, generator state). Only between steps.
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
+        if self.accum.micro_batches() > 0 || !self.buffered.is_empty() {
+            return Err(TrainerError::checkpoint(
+                dir,
+                "cannot be written mid-step: micro-batches are accumulated; call step first",
+            ));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| TrainerError::checkpoint(dir, e))?;
+        self.policy.save_hf(&dir.join("policy"))?;
+        if let Some(r) = &self.reference {
+            r.save_hf(&dir.join("reference"))?;
+        }
+        let state: HashMap<String, Tensor> = self.optimizer.state(&self.params)?.into_iter().collect();
+        let opt_path = dir.join("optimizer.safetensors");
+        candle_core::safetensors::save(&state, &opt_path)
+            .map_err(|e| TrainerError::checkpoint(&opt_path, e))?;
+        let st = CheckpointState {
+            format: CHECKPOINT_FORMAT,
+            version: self.version.0,
+            optimizer_steps: self.optimizer.steps(),
+            schedule_position: self.optimizer.steps(),
+            rng_state: self.rng_state,
+            skipped_steps: self.skipped_steps,
+        };
+        let st_path = dir.join("trainer_state.json");
+        let text = serde_json::to_string_pretty(&st).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
+        std::fs::write(&st_path, text).map_err(|e| TrainerError::checkpoint(&st_path, e))
+    }
+
+    /// A trainer restored from [`GrpoTrainer::save_checkpoint`]'s directory: the
+    /// steps that follow are bit-identical to those of the trainer that wrote it.
+    pub fn resume(cfg: TrainerConfig, dir: &Path, device: &Device) -> Result<Self> {
+        let st_path = dir.join("trainer_state.json");
+        let text = std::fs::read_to_string(&st_path).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
+        let st: CheckpointState =
+            serde_json::from_str(&text).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
+        if st.format != CHECKPOINT_FORMAT {
+            return Err(TrainerError::checkpoint(
+                &st_path,
+                format!("has format {}, this build reads {CHECKPOINT_FORMAT}", st.format),
+            ));
+        }
+        let policy = Model::load_hf(&dir.join("policy"), device)?;
+        let reference = if cfg.loss.kl_coef > 0.0 {
+            let rdir = dir.join("reference");
+            if !rdir.exists() {
+                return Err(TrainerError::checkpoint(
+                    rdir,
+                    "is missing, and loss.kl_coef needs the reference model",
+                ));
+            }
+            Some(Model::load_hf(&rdir, device)?.with_trainable(false))
+        } else {
+            None
+        };
+        let mut t = Self::with_reference(cfg, policy, reference)?;
+        let opt_path = dir.join("optimizer.safetensors");
+        let mut state = candle_core::safetensors::load(&opt_path, device)
+            .map_err(|e| TrainerError::checkpoint(&opt_path, e))?;
+        t.optimizer
+            .restore(&t.params, st.optimizer_steps, |k| state.remove(k))
+            .map_err(|e| TrainerError::checkpoint(&opt_path, e))?;
+        t.version = PolicyVersion(st.version);
+        t.rng_state = st.rng_state;
+        t.skipped_steps = st.skipped_steps;
+        Ok(t)
+    }
+}
+
+/// One report for several mini-steps: counts summed, means averaged.
+fn combine(reports: &[StepReport]) -> StepReport {
+    let n = reports.len() as f64;
+    let mean = |f: fn(&StepReport) -> f64| reports.iter().map(f).sum::<f64>() / n;
+    let last = reports.last().copied().unwrap_or_default();
+    StepReport {
+        version: last.version,
+        applied: reports.iter().any(|r| r.applied),
+        loss: mean(|r| r.loss),
+        policy_loss: mean(|r| r.policy_loss),
+        kl: mean(|r| r.kl),
+        clip_fraction: mean(|r| r.clip_fraction),
+        entropy: mean(|r| r.entropy),
+        grad_norm: mean(|r| r.grad_norm),
+        learning_rate: last.learning_rate,
+        tokens: reports.iter().map(|r| r.tokens).sum(),
+        sequences: reports.iter().map(|r| r.sequences).sum(),
+        groups: reports.iter().map(|r| r.groups).sum(),
+        zero_advantage_groups: reports.iter().map(|r| r.zero_advantage_groups).sum(),
+        logprob_gap: mean(|r| r.logprob_gap),
+    }
+}
+
+#[async_trait]
+impl metronome_core::Trainer for GrpoTrainer {
+    fn version(&self) -> PolicyVersion {
+        self.version
+    }
+
+    /// Runs synchronously on the trainer's pool; callers on an async runtime should
+    /// hold the trainer on a blocking task.
+    async fn accumulate(&mut self, batch: TrainBatch) -> metronome_core::Result<AccumulateReport> {
+        Ok(self.accumulate_sync(&batch)?)
+    }
+
+    async fn step(&mut self) -> metronome_core::Result<StepReport> {
+        Ok(self.step_sync()?)
+    }
+
+    async fn snapshot(&self) -> metronome_core::Result<WeightSnapshot> {
+        Ok(self.snapshot_sync()?)
+    }
+}

@@ -1,0 +1,90 @@
+//! Guards, zero-advantage groups, stale samples and mini-steps.
+
+use metronome_core::PolicyVersion;
+
+use crate::common::{config, flat_weights, group_batch, group_batch_at, period_groups, stamped, tiny_model};
+
+#[test]
+fn non_finite_loss_skips_the_step_and_the_run_goes_on() {
+    let mut t = config().build(tiny_model()).unwrap();
+    let before = flat_weights(t.policy());
+    let bad = group_batch(9, &[5, 6, 7], &[vec![8, 9], vec![10, 11]], &[f32::NAN, 1.0]);
+    t.accumulate_sync(&bad).unwrap();
+    let r = t.step_sync().unwrap();
+    assert!(!r.applied);
+    assert_eq!(r.version, PolicyVersion(0));
+    assert_eq!(t.skipped_steps(), 1);
+    assert_eq!(flat_weights(t.policy()), before, "a skipped step must keep the weights");
+    // The next period trains normally.
+    for g in period_groups() {
+        t.accumulate_sync(&g).unwrap();
+    }
+    let r = t.step_sync().unwrap();
+    assert!(r.applied && r.grad_norm.is_finite());
+    assert_eq!(r.version, PolicyVersion(1));
+    assert_ne!(flat_weights(t.policy()), before);
+}
+
+#[test]
+fn zero_advantage_groups_contribute_nothing_and_are_counted() {
+    let groups = period_groups();
+    let zero = group_batch(7, &[4, 5, 6], &[vec![7, 8, 9], vec![10, 11]], &[0.0, 0.0]);
+    let mut with = config().build(tiny_model()).unwrap();
+    let mut without = config().build(tiny_model()).unwrap();
+    with.accumulate_sync(&groups[0]).unwrap();
+    let r = with.accumulate_sync(&zero).unwrap();
+    assert_eq!(r.tokens, 0);
+    without.accumulate_sync(&groups[0]).unwrap();
+    let (ra, rb) = (with.step_sync().unwrap(), without.step_sync().unwrap());
+    assert_eq!(ra.zero_advantage_groups, 1);
+    assert_eq!(ra.groups, 2);
+    assert_eq!(ra.tokens, rb.tokens);
+    assert_eq!(flat_weights(with.policy()), flat_weights(without.policy()));
+    // A period of only equal-reward groups leaves the weights and counts the period.
+    let before = flat_weights(with.policy());
+    with.accumulate_sync(&stamped(&zero, with.version())).unwrap();
+    let r = with.step_sync().unwrap();
+    assert!(r.applied && r.tokens == 0 && r.zero_advantage_groups == 1);
+    assert_eq!(flat_weights(with.policy()), before);
+}
+
+#[test]
+fn stale_samples_need_importance_sampling() {
+    let stale = group_batch_at(1, &[4, 5], &[vec![6, 7], vec![8]], &[1.0, -1.0], PolicyVersion(3));
+    let mut t = config().build(tiny_model()).unwrap();
+    let err = t.accumulate_sync(&stale).unwrap_err().to_string();
+    assert!(err.contains("version 3") && err.contains("tis_cap"), "{err}");
+    let mut cfg = config();
+    cfg.loss.tis_cap = Some(2.0);
+    let mut t = cfg.build(tiny_model()).unwrap();
+    t.accumulate_sync(&stale).unwrap();
+    let r = t.step_sync().unwrap();
+    assert!(r.applied && r.logprob_gap > 0.0);
+}
+
+#[test]
+fn mini_steps_take_several_updates_and_one_version() {
+    let mut cfg = config();
+    cfg.mini_steps = 2;
+    let mut t = cfg.build(tiny_model()).unwrap();
+    for g in period_groups() {
+        t.accumulate_sync(&g).unwrap();
+    }
+    let r = t.step_sync().unwrap();
+    assert!(r.applied);
+    assert_eq!(t.optimizer_steps(), 2);
+    assert_eq!(r.version, PolicyVersion(1));
+    assert_eq!(r.groups, 4);
+}
+
+#[test]
+fn bad_batches_are_errors_not_panics() {
+    let mut t = config().build(tiny_model()).unwrap();
+    let mut b = period_groups().remove(0);
+    b.targets.position[0] = 10_000;
+    let err = t.accumulate_sync(&b).unwrap_err().to_string();
+    assert!(err.contains("target 0"), "{err}");
+    let mut b = period_groups().remove(0);
+    b.targets.token[0] = 5_000;
+    assert!(t.accumulate_sync(&b).is_err());
+}

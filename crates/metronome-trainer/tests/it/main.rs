@@ -1,0 +1,9 @@
+//! Integration tests of the trainer: closed-form losses, order invariance, the
+//! deferred normaliser, resume, guards and learning checks on the tiny model.
+
+mod common;
+mod guards;
+mod learning;
+mod loss_closed_form;
+mod order;
+mod resume;
