@@ -1,1 +1,49 @@
-//! Training layouts (work in progress).
+//! Training layouts for Metronome: how scored groups become the packed rows the
+//! trainer runs the network over.
+//!
+//! The centre is the *shared-prompt* layout. A group's `G` responses share one prompt,
+//! so instead of `G` rows of `prompt + responseᵢ` it lays out one tree: the prompt once
+//! (positions `0..P`, causal), then every response as a sibling segment that sees the
+//! whole prompt and its own earlier tokens, never another response, with positions
+//! restarting at `P` so rotary embeddings equal those of separate decoding. The last
+//! prompt position predicts every response's first token; only response tokens are
+//! targets. Tokens through the dense layers fall from `G(P+L)` to `P+GL`, a saving of
+//! `(G−1)P / (G(P+L))` ([`saving_bound`]).
+//!
+//! What the crate provides:
+//! - [`shared_prompt`] for one group, and [`padded`], the baseline of one right-padded
+//!   row per response, producing the same target-aligned arrays so the two compare;
+//! - [`Packer`] / [`pack_period`]: next-fit packing of groups, in completion order,
+//!   side by side in rows (block-diagonal) and into micro-batches by token budget
+//!   ([`PackingConfig`]); a group never straddles micro-batches unless it is over
+//!   budget and splitting is enabled, and then each part repeats the prompt;
+//! - [`Layout`]: the core [`metronome_core::TrainBatch`] plus the span of each response,
+//!   input-aligned loss masks and prediction weights as `ndarray` arrays, and a
+//!   [`TokenAccount`] (tokens per layout, bound and realised saving, additive over
+//!   micro-batches);
+//! - [`dense_additive_mask`] and [`attention_mask`], which materialise the segment tree
+//!   for attention backends that need a dense mask.
+//!
+//! What it deliberately is not: it holds no tensors and runs no network (that is
+//! `metronome-model`, which consumes [`metronome_core::PackedRow`]'s segments), computes
+//! no loss (`metronome-trainer`), and does no I/O or async work. It is pure and
+//! synchronous. Bad input — an empty response, a zero-length prompt, misaligned
+//! log-probs or rewards, a group over budget with splitting disabled — is a
+//! [`MaskingError`] naming the group, never a panic.
+//!
+//! Siblings: `metronome-core` defines the layout vocabulary produced here;
+//! `metronome-model` runs attention over it; `metronome-trainer` packs each period's
+//! groups with this crate and computes the GRPO loss from the targets.
+
+mod account;
+mod build;
+mod dense;
+mod error;
+mod input;
+mod pack;
+
+pub use account::{TokenAccount, saving_bound};
+pub use build::{Layout, LayoutKind, ResponseSpan, padded, shared_prompt};
+pub use dense::{attention_mask, dense_additive_mask, position_ids, token_ids};
+pub use error::{MaskingError, Result};
+pub use pack::{Packer, PackingConfig, pack_period};

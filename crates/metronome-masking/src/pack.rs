@@ -1,0 +1,236 @@
+//! Packing a period's groups into micro-batches by token budget.
+
+use std::ops::Range;
+
+use metronome_core::{ScoredGroup, TokenId};
+
+use crate::{
+    Layout, LayoutKind, MaskingError, Result,
+    build::{Builder, Part, padded_row_lengths, shared_tokens},
+    input::check_group,
+};
+
+/// How groups are packed into rows and micro-batches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackingConfig {
+    /// The layout of every batch.
+    pub layout: LayoutKind,
+    /// Most positions in one row (the model's context, or the attention kernel's tile).
+    pub row_tokens: usize,
+    /// Most positions in one micro-batch, summed over its rows (memory per forward);
+    /// at least `row_tokens`. For the padded layout pads count.
+    pub micro_batch_tokens: usize,
+    /// What to do with a group that does not fit one row or micro-batch: split its
+    /// responses into parts that do, each with its own copy of the prompt (`true`), or
+    /// reject it with [`MaskingError::GroupOverBudget`] (`false`).
+    pub split_oversized_groups: bool,
+    /// The token id of padding positions (padded layout only).
+    pub pad_token: TokenId,
+}
+
+impl Default for PackingConfig {
+    fn default() -> Self {
+        Self {
+            layout: LayoutKind::SharedPrompt,
+            row_tokens: 4096,
+            micro_batch_tokens: 4096,
+            split_oversized_groups: true,
+            pad_token: 0,
+        }
+    }
+}
+
+impl PackingConfig {
+    /// Checks that the budgets can be met at all.
+    ///
+    /// # Errors
+    /// [`MaskingError::Config`] naming the field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field, reason: String| Err(MaskingError::Config { field, reason });
+        if self.row_tokens < 2 {
+            return bad(
+                "row_tokens",
+                format!("is {}, but a row needs at least 2 positions", self.row_tokens),
+            );
+        }
+        if self.micro_batch_tokens < self.row_tokens {
+            return bad(
+                "micro_batch_tokens",
+                format!("is {}, below row_tokens {}", self.micro_batch_tokens, self.row_tokens),
+            );
+        }
+        if u32::try_from(self.row_tokens).is_err() {
+            return bad("row_tokens", format!("is {}, more than a row can address", self.row_tokens));
+        }
+        Ok(())
+    }
+}
+
+/// Packs groups, in the order they arrive, into micro-batches that respect the budgets.
+///
+/// Packing is next-fit and streaming: a group joins the current row if it fits, else a
+/// new row of the current micro-batch, else a new micro-batch, so no response is ever
+/// reordered and a micro-batch is handed out as soon as the next group does not fit it.
+/// All micro-batches of a period belong to the same optimiser step; a group is never
+/// split between micro-batches unless it does not fit one and splitting is enabled.
+#[derive(Debug)]
+pub struct Packer {
+    config: PackingConfig,
+    current: Option<Builder>,
+}
+
+impl Packer {
+    /// A packer with a checked configuration.
+    ///
+    /// # Errors
+    /// [`MaskingError::Config`] when the budgets cannot be met.
+    pub fn new(config: PackingConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Self { config, current: None })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &PackingConfig {
+        &self.config
+    }
+
+    /// Adds one group and returns the micro-batches it completed (usually none or one;
+    /// more when an over-budget group was split).
+    ///
+    /// # Errors
+    /// A malformed group or one over budget (see [`MaskingError`]). The packer is then
+    /// unchanged: nothing of the group was packed.
+    pub fn push(&mut self, group: &ScoredGroup) -> Result<Vec<Layout>> {
+        check_group(group)?;
+        let parts = self.plan(group)?;
+        let mut done = Vec::new();
+        for responses in parts {
+            let part = Part { group, responses };
+            if let Some(layout) = self.place(&part) {
+                done.push(layout);
+            }
+        }
+        Ok(done)
+    }
+
+    /// Hands out the last, partly filled micro-batch (at the end of a period).
+    pub fn finish(&mut self) -> Option<Layout> {
+        self.current.take().map(Builder::finish)
+    }
+
+    /// Splits a group into the parts it is packed as: one, unless it is over budget.
+    fn plan(&self, g: &ScoredGroup) -> Result<Vec<Range<usize>>> {
+        let n = g.group.completions.len();
+        let Some((tokens, budget)) = self.excess(g, 0..n) else {
+            let whole = 0..n;
+            return Ok(Vec::from([whole]));
+        };
+        if !self.config.split_oversized_groups {
+            return Err(MaskingError::GroupOverBudget { group: g.key(), tokens, budget });
+        }
+        let mut parts = Vec::new();
+        let mut start = 0;
+        for i in 0..n {
+            if let Some((tokens, budget)) = self.excess(g, i..i + 1) {
+                return Err(MaskingError::ResponseOverBudget { group: g.key(), sample: i, tokens, budget });
+            }
+            if self.excess(g, start..i + 1).is_some() {
+                parts.push(start..i);
+                start = i;
+            }
+        }
+        parts.push(start..n);
+        Ok(parts)
+    }
+
+    /// `None` when `responses` of `g` fit a micro-batch of their own, else the tokens
+    /// they need and the budget they exceed.
+    fn excess(&self, g: &ScoredGroup, responses: Range<usize>) -> Option<(usize, usize)> {
+        let c = &self.config;
+        match c.layout {
+            LayoutKind::SharedPrompt => {
+                let tokens = shared_tokens(g, responses);
+                (tokens > c.row_tokens).then_some((tokens, c.row_tokens))
+            }
+            LayoutKind::Padded => {
+                let longest = padded_row_lengths(g, responses.clone()).max().unwrap_or(0);
+                let tokens = responses.len() * longest;
+                if longest > c.row_tokens {
+                    Some((longest, c.row_tokens))
+                } else {
+                    (tokens > c.micro_batch_tokens).then_some((tokens, c.micro_batch_tokens))
+                }
+            }
+        }
+    }
+
+    /// Places a part that fits alone; returns the micro-batch it closed, if any.
+    fn place(&mut self, part: &Part<'_>) -> Option<Layout> {
+        let c = self.config;
+        let mut closed = None;
+        let placement = self.current.as_ref().map_or(Placement::NewBatch, |b| placement(&c, b, part));
+        if placement == Placement::NewBatch {
+            closed = self.current.take().map(Builder::finish);
+        }
+        let b = self.current.get_or_insert_with(|| Builder::new(c.layout, c.pad_token));
+        if c.layout == LayoutKind::SharedPrompt && placement != Placement::SameRow {
+            b.new_row();
+        }
+        b.push(part);
+        closed
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    SameRow,
+    NewRow,
+    NewBatch,
+}
+
+/// Where a part goes in the current micro-batch `b` (next-fit).
+fn placement(c: &PackingConfig, b: &Builder, part: &Part<'_>) -> Placement {
+    if b.is_empty() {
+        return Placement::NewBatch;
+    }
+    let g = part.group;
+    match c.layout {
+        LayoutKind::SharedPrompt => {
+            let s = shared_tokens(g, part.responses.clone());
+            let row_len = b.rows().last().map_or(0, |r| r.len());
+            if b.positions() + s > c.micro_batch_tokens {
+                Placement::NewBatch
+            } else if row_len + s <= c.row_tokens {
+                Placement::SameRow
+            } else {
+                Placement::NewRow
+            }
+        }
+        LayoutKind::Padded => {
+            // Rows are padded to the longest at the end, so the cost is rows × longest.
+            let longest = b.rows().iter().map(|r| r.len()).max().unwrap_or(0);
+            let part_longest = padded_row_lengths(g, part.responses.clone()).max().unwrap_or(0);
+            let rows = b.rows().len() + part.responses.len();
+            if rows * longest.max(part_longest) <= c.micro_batch_tokens {
+                Placement::NewRow
+            } else {
+                Placement::NewBatch
+            }
+        }
+    }
+}
+
+/// Packs a whole period's groups (in completion order) into micro-batches.
+///
+/// # Errors
+/// A bad configuration, or the first malformed or over-budget group.
+pub fn pack_period(groups: &[ScoredGroup], config: &PackingConfig) -> Result<Vec<Layout>> {
+    let mut packer = Packer::new(*config)?;
+    let mut out = Vec::new();
+    for g in groups {
+        out.extend(packer.push(g)?);
+    }
+    out.extend(packer.finish());
+    Ok(out)
+}
