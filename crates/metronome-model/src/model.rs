@@ -1,0 +1,523 @@
+//! The decoder: weights, the training forward over packed rows, and plain logits.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use metronome_core::{PackedRow, PolicyVersion, Targets};
+
+use crate::config::ModelConfig;
+use crate::ops::{apply_rope, attention, linear, log_softmax_last_dim, rms_norm, rope_tables, segment_mask};
+use crate::{Error, Result};
+
+/// One decoder layer's parameters.
+#[derive(Debug)]
+pub(crate) struct Layer {
+    pub(crate) input_norm: Var,
+    pub(crate) q: Var,
+    pub(crate) q_bias: Option<Var>,
+    pub(crate) k: Var,
+    pub(crate) k_bias: Option<Var>,
+    pub(crate) v: Var,
+    pub(crate) v_bias: Option<Var>,
+    pub(crate) o: Var,
+    pub(crate) post_norm: Var,
+    pub(crate) gate: Var,
+    pub(crate) up: Var,
+    pub(crate) down: Var,
+}
+
+#[derive(Debug)]
+pub(crate) struct Inner {
+    pub(crate) cfg: ModelConfig,
+    pub(crate) device: Device,
+    pub(crate) embed: Var,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) norm: Var,
+    /// `None` when the head is tied to the embedding.
+    pub(crate) lm_head: Option<Var>,
+}
+
+/// A Llama/Qwen2-family decoder.
+///
+/// Cloning is cheap and shares the weights: a clone sees every later optimiser step
+/// (use [`Model::snapshot`] or [`Model::frozen_copy`] for an independent copy).
+/// Every weight is a `candle_core::Var`; a *trainable* model records autograd graphs in
+/// [`Model::target_logprobs`] and [`Model::forward_logits`], a frozen one reads the same
+/// storage through detached tensors and builds none. Generation
+/// ([`Model::prefill`], [`Model::decode_step`]) never builds a graph.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) trainable: bool,
+}
+
+/// What [`Model::target_logprobs`] returns, one entry per target.
+#[derive(Clone, Debug)]
+pub struct TargetOutput {
+    /// `log p(target token)` at its predicting position, `[n_targets]` f32.
+    pub logprobs: Tensor,
+    /// Entropy of the predicting position's distribution, `[n_targets]` f32.
+    pub entropy: Tensor,
+}
+
+/// Where the parameters come from when a model is built.
+pub(crate) type Source<'a> = dyn FnMut(&str, &[usize], Init) -> Result<Tensor> + 'a;
+
+/// How a freshly initialised parameter is filled.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Init {
+    Normal,
+    Zeros,
+    Ones,
+}
+
+/// The standard deviation of the initial weights (Hugging Face's `initializer_range`).
+const INIT_STD: f32 = 0.02;
+
+impl Model {
+    /// A freshly initialised, trainable model: weights `N(0, 0.02²)`, biases zero,
+    /// norms one, drawn from a generator seeded by `seed` alone (the same seed gives
+    /// bit-identical weights on every machine).
+    pub fn new(cfg: ModelConfig, device: &Device, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let mut index = 0u64;
+        let dev = device.clone();
+        let mut source = move |_name: &str, shape: &[usize], init: Init| -> Result<Tensor> {
+            index += 1;
+            let n: usize = shape.iter().product();
+            let data = match init {
+                Init::Zeros => vec![0.0f32; n],
+                Init::Ones => vec![1.0f32; n],
+                Init::Normal => {
+                    let s = metronome_core::stream_seed(metronome_core::RunSeed(seed), INIT_STREAM, index);
+                    normal_vec(s, n, INIT_STD)
+                }
+            };
+            Ok(Tensor::from_vec(data, shape, &dev)?)
+        };
+        Self::build(cfg, device, true, &mut source)
+    }
+
+    /// Builds a model, asking `source` for each parameter by Hugging Face name.
+    pub(crate) fn build(
+        cfg: ModelConfig,
+        device: &Device,
+        trainable: bool,
+        source: &mut Source<'_>,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let d = cfg.hidden_size;
+        let qd = cfg.num_attention_heads * cfg.head_dim;
+        let kvd = cfg.num_key_value_heads * cfg.head_dim;
+        let bias = cfg.architecture.qkv_bias();
+        let mut var = |name: &str, shape: &[usize], init: Init| -> Result<Var> {
+            let t = source(name, shape, init)?;
+            if t.dims() != shape {
+                return Err(Error::checkpoint(
+                    format!("tensor `{name}`"),
+                    format!("has shape {:?}, expected {shape:?}", t.dims()),
+                ));
+            }
+            Ok(Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?)
+        };
+        let embed = var("model.embed_tokens.weight", &[cfg.vocab_size, d], Init::Normal)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let input_norm = var(&format!("{p}.input_layernorm.weight"), &[d], Init::Ones)?;
+            let q = var(&format!("{p}.self_attn.q_proj.weight"), &[qd, d], Init::Normal)?;
+            let q_bias = if bias {
+                Some(var(&format!("{p}.self_attn.q_proj.bias"), &[qd], Init::Zeros)?)
+            } else {
+                None
+            };
+            let k = var(&format!("{p}.self_attn.k_proj.weight"), &[kvd, d], Init::Normal)?;
+            let k_bias = if bias {
+                Some(var(&format!("{p}.self_attn.k_proj.bias"), &[kvd], Init::Zeros)?)
+            } else {
+                None
+            };
+            let v = var(&format!("{p}.self_attn.v_proj.weight"), &[kvd, d], Init::Normal)?;
+            let v_bias = if bias {
+                Some(var(&format!("{p}.self_attn.v_proj.bias"), &[kvd], Init::Zeros)?)
+            } else {
+                None
+            };
+            layers.push(Layer {
+                input_norm,
+                q,
+                q_bias,
+                k,
+                k_bias,
+                v,
+                v_bias,
+                o: var(&format!("{p}.self_attn.o_proj.weight"), &[d, qd], Init::Normal)?,
+                post_norm: var(&format!("{p}.post_attention_layernorm.weight"), &[d], Init::Ones)?,
+                gate: var(&format!("{p}.mlp.gate_proj.weight"), &[cfg.intermediate_size, d], Init::Normal)?,
+                up: var(&format!("{p}.mlp.up_proj.weight"), &[cfg.intermediate_size, d], Init::Normal)?,
+                down: var(&format!("{p}.mlp.down_proj.weight"), &[d, cfg.intermediate_size], Init::Normal)?,
+            });
+        }
+        let norm = var("model.norm.weight", &[d], Init::Ones)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(var("lm_head.weight", &[cfg.vocab_size, d], Init::Normal)?)
+        };
+        Ok(Self {
+            inner: Arc::new(Inner { cfg, device: device.clone(), embed, layers, norm, lm_head }),
+            trainable,
+        })
+    }
+
+    /// The hyper-parameters.
+    #[must_use]
+    pub fn config(&self) -> &ModelConfig {
+        &self.inner.cfg
+    }
+
+    /// The device the weights live on.
+    #[must_use]
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// Whether forward passes record autograd graphs.
+    #[must_use]
+    pub fn is_trainable(&self) -> bool {
+        self.trainable
+    }
+
+    /// The same weights (shared, not copied) with forward passes that do or do not
+    /// record autograd graphs.
+    #[must_use]
+    pub fn with_trainable(mut self, trainable: bool) -> Self {
+        self.trainable = trainable;
+        self
+    }
+
+    /// Every parameter with its Hugging Face name, in a stable order (embedding, then
+    /// each layer, then the final norm and the LM head when untied).
+    #[must_use]
+    pub fn parameters(&self) -> Vec<(String, Var)> {
+        let m = &self.inner;
+        let mut out = vec![("model.embed_tokens.weight".to_owned(), m.embed.clone())];
+        for (i, l) in m.layers.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let mut push = |n: &str, v: &Var| out.push((format!("{p}.{n}"), v.clone()));
+            push("input_layernorm.weight", &l.input_norm);
+            push("self_attn.q_proj.weight", &l.q);
+            if let Some(b) = &l.q_bias {
+                push("self_attn.q_proj.bias", b);
+            }
+            push("self_attn.k_proj.weight", &l.k);
+            if let Some(b) = &l.k_bias {
+                push("self_attn.k_proj.bias", b);
+            }
+            push("self_attn.v_proj.weight", &l.v);
+            if let Some(b) = &l.v_bias {
+                push("self_attn.v_proj.bias", b);
+            }
+            push("self_attn.o_proj.weight", &l.o);
+            push("post_attention_layernorm.weight", &l.post_norm);
+            push("mlp.gate_proj.weight", &l.gate);
+            push("mlp.up_proj.weight", &l.up);
+            push("mlp.down_proj.weight", &l.down);
+        }
+        out.push(("model.norm.weight".to_owned(), m.norm.clone()));
+        if let Some(h) = &m.lm_head {
+            out.push(("lm_head.weight".to_owned(), h.clone()));
+        }
+        out
+    }
+
+    /// Number of scalar parameters.
+    #[must_use]
+    pub fn num_parameters(&self) -> usize {
+        self.parameters().iter().map(|(_, v)| v.elem_count()).sum()
+    }
+
+    /// A weight as the forward pass uses it: the variable itself when gradients are
+    /// wanted, otherwise a detached view of the same storage (no graph is recorded).
+    pub(crate) fn w(v: &Var, grad: bool) -> Tensor {
+        if grad { v.as_tensor().clone() } else { v.as_tensor().detach() }
+    }
+
+    pub(crate) fn lm_head(&self, grad: bool) -> Tensor {
+        Self::w(self.inner.lm_head.as_ref().unwrap_or(&self.inner.embed), grad)
+    }
+
+    pub(crate) fn check_tokens(&self, tokens: &[u32], what: &dyn Fn() -> String) -> Result<()> {
+        let v = self.inner.cfg.vocab_size;
+        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= v) {
+            return Err(Error::invalid(
+                what(),
+                format!("token {i} is id {t}, outside the vocabulary of {v}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Final hidden states (after the last norm) of the concatenated positions of
+    /// `rows`, `[sum of lengths, hidden]`.
+    fn hidden_states(&self, rows: &[PackedRow], grad: bool) -> Result<Tensor> {
+        let m = &self.inner;
+        let cfg = &m.cfg;
+        let dev = &m.device;
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut masks = Vec::with_capacity(rows.len());
+        for (r, row) in rows.iter().enumerate() {
+            row.validate(r).map_err(|e| Error::invalid(format!("packed row {r}"), e.to_string()))?;
+            self.check_tokens(&row.tokens, &|| format!("packed row {r}"))?;
+            tokens.extend_from_slice(&row.tokens);
+            positions.extend_from_slice(&row.positions);
+            masks.push(segment_mask(row, dev)?);
+        }
+        let n = tokens.len();
+        if n == 0 {
+            return Err(Error::invalid("rows", "hold no positions"));
+        }
+        let ids = Tensor::from_vec(tokens, n, dev)?;
+        let mut x = Self::w(&m.embed, grad).index_select(&ids, 0)?;
+        let (cos, sin) = rope_tables(&positions, cfg.head_dim, cfg.rope_theta, dev)?;
+        let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        for l in &m.layers {
+            let w = |v: &Var| Self::w(v, grad);
+            let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
+            let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
+            let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
+            let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
+            let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
+            let q = apply_rope(&q, &cos, &sin)?;
+            let k = apply_rope(&k, &cos, &sin)?;
+            // Attention runs per row, without padding: rows never see each other.
+            let mut outs = Vec::with_capacity(rows.len());
+            let mut start = 0;
+            for (row, mask) in rows.iter().zip(&masks) {
+                let len = row.len();
+                outs.push(attention(
+                    &q.narrow(0, start, len)?,
+                    &k.narrow(0, start, len)?,
+                    &v.narrow(0, start, len)?,
+                    Some(mask),
+                )?);
+                start += len;
+            }
+            let att = if outs.len() == 1 {
+                outs.pop().unwrap_or_else(|| unreachable!())
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
+            x = (x + linear(&att, &w(&l.o), None)?)?;
+            let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
+            let g = linear(&b, &w(&l.gate), None)?.silu()?;
+            let u = linear(&b, &w(&l.up), None)?;
+            x = (x + linear(&(g * u)?, &w(&l.down), None)?)?;
+        }
+        rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
+    }
+
+    /// Training forward on packed rows: for each target, the log-prob of its token at
+    /// its predicting position and that position's entropy.
+    ///
+    /// Only the predicting positions go through the LM head, so at most
+    /// `[n_targets, vocab]` logits exist. Differentiable with respect to every
+    /// parameter when the model is trainable. `targets.row`, `position` and `token`
+    /// are read; the other fields are the trainer's.
+    pub fn target_logprobs(&self, rows: &[PackedRow], targets: &Targets) -> Result<TargetOutput> {
+        let n = targets.token.len();
+        if targets.row.len() != n || targets.position.len() != n {
+            return Err(Error::invalid(
+                "targets",
+                format!(
+                    "have {} rows and {} positions for {n} tokens",
+                    targets.row.len(),
+                    targets.position.len()
+                ),
+            ));
+        }
+        self.check_tokens(&targets.token, &|| "targets".to_owned())?;
+        let mut offsets = Vec::with_capacity(rows.len());
+        let mut total = 0u32;
+        for r in rows {
+            offsets.push(total);
+            total += r.len() as u32;
+        }
+        let mut index = Vec::with_capacity(n);
+        for i in 0..n {
+            let (row, pos) = (targets.row[i] as usize, targets.position[i]);
+            let Some(r) = rows.get(row) else {
+                return Err(Error::invalid(
+                    format!("target {i}"),
+                    format!("names row {row} of {}", rows.len()),
+                ));
+            };
+            if pos as usize >= r.len() {
+                return Err(Error::invalid(
+                    format!("target {i}"),
+                    format!("names position {pos} of a {}-token row", r.len()),
+                ));
+            }
+            index.push(offsets[row] + pos);
+        }
+        let grad = self.trainable;
+        let dev = self.device();
+        let hidden = self.hidden_states(rows, grad)?;
+        if n == 0 {
+            let empty = Tensor::zeros(0, DType::F32, dev)?;
+            return Ok(TargetOutput { logprobs: empty.clone(), entropy: empty });
+        }
+        let picked = hidden.index_select(&Tensor::from_vec(index, n, dev)?, 0)?;
+        let logits = linear(&picked, &self.lm_head(grad), None)?;
+        let logp = log_softmax_last_dim(&logits)?;
+        let tok = Tensor::from_vec(targets.token.clone(), (n, 1), dev)?;
+        let logprobs = logp.gather(&tok, 1)?.squeeze(1)?;
+        let entropy = (logp.exp()? * &logp)?.sum(1)?.neg()?;
+        Ok(TargetOutput { logprobs, entropy })
+    }
+
+    /// Plain causal forward for ordinary rows: `tokens: [batch, seq]` (u32) to logits
+    /// `[batch, seq, vocab]`. Positions are `0..seq` in every row.
+    pub fn forward_logits(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, s) = tokens.dims2()?;
+        let rows: Vec<PackedRow> = tokens
+            .to_dtype(DType::U32)?
+            .to_vec2::<u32>()?
+            .into_iter()
+            .map(|t| PackedRow {
+                tokens: t,
+                positions: (0..s as u32).collect(),
+                segments: vec![metronome_core::Segment { start: 0, len: s as u32, parent: None }],
+            })
+            .collect();
+        let hidden = self.hidden_states(&rows, self.trainable)?;
+        let logits = linear(&hidden, &self.lm_head(self.trainable), None)?;
+        Ok(logits.reshape((b, s, self.inner.cfg.vocab_size))?)
+    }
+
+    /// Parameters by name, for loaders.
+    pub(crate) fn param_map(&self) -> HashMap<String, Var> {
+        self.parameters().into_iter().collect()
+    }
+
+    /// An owned host copy of every weight, tagged with `version`. It never aliases
+    /// the model's storage, so the optimiser may keep writing.
+    pub fn snapshot(&self, version: PolicyVersion) -> Result<metronome_core::WeightSnapshot> {
+        let tensors = self
+            .parameters()
+            .into_iter()
+            .map(|(name, v)| {
+                let shape = v.dims().to_vec();
+                let data = v.as_tensor().detach().flatten_all()?.to_vec1::<f32>()?;
+                Ok(metronome_core::HostTensor { name, shape, data: metronome_core::TensorData::F32(data) })
+            })
+            .collect::<Result<_>>()?;
+        Ok(metronome_core::WeightSnapshot { version, tensors })
+    }
+
+    /// A model built from a snapshot (e.g. on a rollout worker). With
+    /// `trainable == false` forward passes record no graphs.
+    pub fn from_snapshot(
+        cfg: ModelConfig,
+        s: &metronome_core::WeightSnapshot,
+        device: &Device,
+        trainable: bool,
+    ) -> Result<Self> {
+        let by_name: HashMap<&str, &metronome_core::HostTensor> =
+            s.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+        let mut source = |name: &str, _shape: &[usize], _init: Init| -> Result<Tensor> {
+            let t = by_name.get(name).ok_or_else(|| {
+                Error::checkpoint(format!("snapshot version {}", s.version), format!("lacks tensor `{name}`"))
+            })?;
+            host_to_tensor(t, device)
+        };
+        Self::build(cfg, device, trainable, &mut source)
+    }
+
+    /// Overwrites every weight in place with the snapshot's (every handle sharing
+    /// these weights sees the change). Shapes must match.
+    pub fn load_snapshot(&self, s: &metronome_core::WeightSnapshot) -> Result<()> {
+        let params = self.param_map();
+        for (name, var) in &params {
+            let t = s.get(name).ok_or_else(|| {
+                Error::checkpoint(format!("snapshot version {}", s.version), format!("lacks tensor `{name}`"))
+            })?;
+            if t.shape != var.dims() {
+                return Err(Error::checkpoint(
+                    format!("snapshot version {}, tensor `{name}`", s.version),
+                    format!("has shape {:?}, expected {:?}", t.shape, var.dims()),
+                ));
+            }
+        }
+        for (name, var) in params {
+            if let Some(t) = s.get(&name) {
+                var.set(&host_to_tensor(t, self.device())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A deep, non-trainable copy: the frozen reference model.
+    pub fn frozen_copy(&self) -> Result<Self> {
+        let s = self.snapshot(PolicyVersion(0))?;
+        Self::from_snapshot(self.inner.cfg.clone(), &s, self.device(), false)
+    }
+}
+
+/// Stream id of weight initialisation in [`metronome_core::stream_seed`].
+const INIT_STREAM: u64 = 0x696e_6974_5f77_6569; // "init_wei"
+
+/// `n` samples of `N(0, std²)` from a SplitMix64 stream and Box-Muller.
+fn normal_vec(seed: u64, n: usize, std: f32) -> Vec<f32> {
+    let mut state = seed;
+    let mut uniform = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        // 53 random bits into (0, 1].
+        ((metronome_core::mix64(state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        let (u1, u2) = (uniform(), uniform());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let t = std::f64::consts::TAU * u2;
+        out.push((r * t.cos()) as f32 * std);
+        if out.len() < n {
+            out.push((r * t.sin()) as f32 * std);
+        }
+    }
+    out
+}
+
+/// A host tensor as an f32 tensor on `device`.
+pub(crate) fn host_to_tensor(t: &metronome_core::HostTensor, device: &Device) -> Result<Tensor> {
+    use metronome_core::TensorData;
+    let data: Vec<f32> = match &t.data {
+        TensorData::F32(v) => v.clone(),
+        TensorData::Bf16(v) => v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
+        TensorData::F16(v) => v.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
+    };
+    if data.len() != t.shape.iter().product::<usize>() {
+        return Err(Error::checkpoint(
+            format!("tensor `{}`", t.name),
+            format!("has {} elements for shape {:?}", data.len(), t.shape),
+        ));
+    }
+    Ok(Tensor::from_vec(data, t.shape.as_slice(), device)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_is_deterministic_and_scaled() {
+        let a = normal_vec(7, 10_000, 0.02);
+        assert_eq!(a, normal_vec(7, 10_000, 0.02));
+        assert_ne!(a, normal_vec(8, 10_000, 0.02));
+        let mean = a.iter().map(|&x| f64::from(x)).sum::<f64>() / a.len() as f64;
+        let var = a.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / a.len() as f64;
+        assert!(mean.abs() < 1e-3 && (var.sqrt() - 0.02).abs() < 1e-3, "{mean} {var}");
+    }
+}

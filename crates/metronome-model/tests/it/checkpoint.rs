@@ -1,0 +1,140 @@
+//! Checkpoints and snapshots: save/load is bit-exact, snapshots never alias.
+
+use metronome_core::PolicyVersion;
+use metronome_model::{Architecture, Device, Model, ModelConfig, Tensor};
+
+use crate::common::{fixture, full_logits, tokens};
+
+fn bits(model: &Model) -> Vec<(String, Vec<u32>)> {
+    model
+        .parameters()
+        .into_iter()
+        .map(|(n, v)| {
+            (n, v.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn save_load_round_trip_is_bit_exact() {
+    for arch in [Architecture::Llama, Architecture::Qwen2] {
+        let mut cfg = ModelConfig::tiny();
+        cfg.architecture = arch;
+        cfg.tie_word_embeddings = arch == Architecture::Qwen2;
+        let model = Model::new(cfg.clone(), &Device::Cpu, 42).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        model.save_hf(dir.path()).unwrap();
+        let back = Model::load_hf(dir.path(), &Device::Cpu).unwrap();
+        assert_eq!(back.config(), &cfg);
+        assert_eq!(bits(&back), bits(&model));
+        let seq = tokens(1, 9, cfg.vocab_size);
+        assert_eq!(full_logits(&back, &seq), full_logits(&model, &seq));
+    }
+}
+
+#[test]
+fn fixture_round_trips_through_save() {
+    let model = Model::load_hf(&fixture("tiny_qwen2"), &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    model.save_hf(dir.path()).unwrap();
+    assert_eq!(bits(&Model::load_hf(dir.path(), &Device::Cpu).unwrap()), bits(&model));
+}
+
+#[test]
+fn init_is_deterministic_per_seed() {
+    let a = Model::new(ModelConfig::tiny(), &Device::Cpu, 9).unwrap();
+    let b = Model::new(ModelConfig::tiny(), &Device::Cpu, 9).unwrap();
+    let c = Model::new(ModelConfig::tiny(), &Device::Cpu, 10).unwrap();
+    assert_eq!(bits(&a), bits(&b));
+    assert_ne!(bits(&a), bits(&c));
+}
+
+#[test]
+fn snapshots_do_not_alias_and_restore() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
+    let before = bits(&model);
+    let snap = model.snapshot(PolicyVersion(3)).unwrap();
+    assert_eq!(snap.version, PolicyVersion(3));
+    assert_eq!(snap.tensors.len(), model.parameters().len());
+    let frozen = model.frozen_copy().unwrap();
+    let worker = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, false).unwrap();
+    assert!(!worker.is_trainable());
+    // An optimiser-style in-place write to the trainer's weights...
+    for (_, var) in model.parameters() {
+        var.set(&(var.as_tensor() + 1.0).unwrap()).unwrap();
+    }
+    // ...changes neither the snapshot, nor the frozen copy, nor the worker.
+    assert_ne!(bits(&model), before);
+    assert_eq!(bits(&frozen), before);
+    assert_eq!(bits(&worker), before);
+    let again = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, true).unwrap();
+    assert_eq!(bits(&again), before);
+    model.load_snapshot(&snap).unwrap();
+    assert_eq!(bits(&model), before);
+}
+
+#[test]
+fn mismatched_snapshots_and_checkpoints_are_errors() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
+    let mut snap = model.snapshot(PolicyVersion(1)).unwrap();
+    snap.tensors[1].shape = vec![1, 1];
+    let e = model.load_snapshot(&snap).unwrap_err().to_string();
+    assert!(e.contains(&snap.tensors[1].name) && e.contains("shape"), "{e}");
+    snap.tensors.remove(0);
+    let e = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, false).unwrap_err().to_string();
+    assert!(e.contains("model.embed_tokens.weight"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    let e = Model::load_hf(dir.path(), &Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("config.json"), "{e}");
+    std::fs::write(dir.path().join("config.json"), ModelConfig::tiny().to_hf_json()).unwrap();
+    let e = Model::load_hf(dir.path(), &Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors"), "{e}");
+    std::fs::write(dir.path().join("model.safetensors"), b"garbage").unwrap();
+    assert!(Model::load_hf(dir.path(), &Device::Cpu).is_err());
+}
+
+#[test]
+fn sharded_checkpoints_load() {
+    let model = Model::load_hf(&fixture("tiny_llama"), &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("tiny_llama").join("config.json"), dir.path().join("config.json")).unwrap();
+    // Two shards: the embedding alone, everything else in the second.
+    let mut map = serde_json::Map::new();
+    let mut first = Vec::new();
+    let mut second = Vec::new();
+    for (name, var) in model.parameters() {
+        let file = if name.starts_with("model.embed") { "a.safetensors" } else { "b.safetensors" };
+        map.insert(name.clone(), serde_json::json!(file));
+        let t: Tensor = var.as_tensor().clone();
+        if file == "a.safetensors" { first.push((name, t)) } else { second.push((name, t)) }
+    }
+    for (file, ts) in [("a.safetensors", first), ("b.safetensors", second)] {
+        let ts: std::collections::HashMap<String, Tensor> = ts.into_iter().collect();
+        candle_core_save(&ts, &dir.path().join(file));
+    }
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        serde_json::json!({ "metadata": {}, "weight_map": map }).to_string(),
+    )
+    .unwrap();
+    let back = Model::load_hf(dir.path(), &Device::Cpu).unwrap();
+    assert_eq!(bits(&back), bits(&model));
+}
+
+/// Writes tensors with the safetensors crate (what any other tool would write).
+fn candle_core_save(ts: &std::collections::HashMap<String, Tensor>, path: &std::path::Path) {
+    let owned: Vec<(String, Vec<usize>, Vec<u8>)> = ts
+        .iter()
+        .map(|(n, t)| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (n.clone(), t.dims().to_vec(), v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = owned
+        .iter()
+        .map(|(n, s, b)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}

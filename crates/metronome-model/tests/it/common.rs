@@ -1,0 +1,84 @@
+//! Shared helpers.
+
+use std::path::PathBuf;
+
+use metronome_core::{PackedRow, Segment, Targets};
+use metronome_model::{Device, Model, Tensor};
+
+pub(crate) fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+/// Input ids `[2, 7]` and transformers' logits `[2, 7, vocab]` of a fixture.
+pub(crate) fn expected(name: &str) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+    let text = std::fs::read_to_string(fixture(name).join("expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = serde_json::from_value(v["input_ids"].clone()).unwrap();
+    let logits = serde_json::from_value(v["logits"].clone()).unwrap();
+    (ids, logits)
+}
+
+pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Logits `[seq, vocab]` of one ordinary causal row.
+pub(crate) fn full_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let t = Tensor::from_slice(tokens, (1, tokens.len()), &Device::Cpu).unwrap();
+    model.forward_logits(&t).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap()
+}
+
+/// A deterministic token sequence in `3..vocab`.
+pub(crate) fn tokens(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len as u64)
+        .map(|i| 3 + (metronome_core::mix64(seed * 1000 + i) % (vocab as u64 - 3)) as u32)
+        .collect()
+}
+
+/// One group in the shared-prompt layout: the prompt once, then every response with
+/// positions restarting at the prompt length; targets are all response tokens.
+pub(crate) fn shared_prompt_row(prompt: &[u32], responses: &[Vec<u32>]) -> (PackedRow, Targets) {
+    let p = prompt.len() as u32;
+    let mut row = PackedRow {
+        tokens: prompt.to_vec(),
+        positions: (0..p).collect(),
+        segments: vec![Segment { start: 0, len: p, parent: None }],
+    };
+    let mut targets = Targets::default();
+    for r in responses {
+        let start = row.tokens.len() as u32;
+        row.tokens.extend(r);
+        row.positions.extend((0..r.len() as u32).map(|i| p + i));
+        row.segments.push(Segment { start, len: r.len() as u32, parent: Some(0) });
+        for (j, &t) in r.iter().enumerate() {
+            targets.row.push(0);
+            targets.position.push(if j == 0 { p - 1 } else { start + j as u32 - 1 });
+            targets.token.push(t);
+        }
+    }
+    (row, targets)
+}
+
+/// The same responses as separate causal rows `[prompt + response]`.
+pub(crate) fn separate_rows(prompt: &[u32], responses: &[Vec<u32>]) -> (Vec<PackedRow>, Targets) {
+    let p = prompt.len() as u32;
+    let mut rows = Vec::new();
+    let mut targets = Targets::default();
+    for (i, r) in responses.iter().enumerate() {
+        let mut t = prompt.to_vec();
+        t.extend(r);
+        let n = t.len() as u32;
+        rows.push(PackedRow {
+            tokens: t,
+            positions: (0..n).collect(),
+            segments: vec![Segment { start: 0, len: n, parent: None }],
+        });
+        for (j, &tok) in r.iter().enumerate() {
+            targets.row.push(i as u32);
+            targets.position.push(p - 1 + j as u32);
+            targets.token.push(tok);
+        }
+    }
+    (rows, targets)
+}

@@ -1,0 +1,111 @@
+//! KV-cache decoding: equal to the full forward, and batch-invariant bitwise.
+
+use metronome_model::{Device, KvCache, Model, ModelConfig};
+
+use crate::common::{fixture, full_logits, max_abs_diff, tokens};
+
+/// Slots with prompts of different lengths decode together; every step's logits
+/// equal the full forward's at the same position.
+fn decode_matches_full_forward(model: &Model, tol: f32) {
+    let vocab = model.config().vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        [5usize, 1, 9, 3].iter().enumerate().map(|(i, &n)| tokens(i as u64, n, vocab)).collect();
+    let continuations: Vec<Vec<u32>> = (0..4).map(|i| tokens(100 + i, 6, vocab)).collect();
+    let mut cache = KvCache::new(model, 6, 32).unwrap();
+    // Slots 1, 2, 4, 5: not contiguous, so slot bookkeeping is exercised.
+    let slots = [1usize, 2, 4, 5];
+    let mut worst = 0.0f32;
+    for (i, &s) in slots.iter().enumerate() {
+        let last = model.prefill(&mut cache, s, &prompts[i]).unwrap();
+        let full = full_logits(model, &prompts[i]);
+        worst = worst.max(max_abs_diff(&last, full.last().unwrap()));
+        assert_eq!(cache.len(s), prompts[i].len());
+    }
+    for step in 0..6 {
+        // Slot 2 sits out odd steps, so lengths diverge further and batches vary.
+        let active: Vec<usize> = (0..4).filter(|&i| !(i == 1 && step % 2 == 1)).collect();
+        let batch: Vec<(usize, u32)> = active
+            .iter()
+            .map(|&i| (slots[i], continuations[i][cache.len(slots[i]) - prompts[i].len()]))
+            .collect();
+        let out = model.decode_step(&mut cache, &batch).unwrap();
+        for (k, &i) in active.iter().enumerate() {
+            let mut seq = prompts[i].clone();
+            let fed = cache.len(slots[i]) - prompts[i].len();
+            seq.extend(&continuations[i][..fed]);
+            let full = full_logits(model, &seq);
+            worst = worst.max(max_abs_diff(&out[k], full.last().unwrap()));
+        }
+    }
+    assert!(worst < tol, "max |decode - full forward| = {worst}");
+}
+
+#[test]
+fn kv_cache_decode_equals_full_forward_tiny() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 7).unwrap();
+    decode_matches_full_forward(&model, 1e-5);
+}
+
+#[test]
+fn kv_cache_decode_equals_full_forward_fixture() {
+    // The fixture's weights are large (logits up to ~6); still within 1e-5.
+    let model = Model::load_hf(&fixture("tiny_qwen2"), &Device::Cpu).unwrap();
+    decode_matches_full_forward(&model, 1e-5);
+}
+
+/// Prefills `n` slots identically and returns the cache.
+fn filled_cache(model: &Model, n: usize) -> KvCache {
+    let mut cache = KvCache::new(model, n, 64).unwrap();
+    for s in 0..n {
+        model.prefill(&mut cache, s, &tokens(s as u64, 1 + s % 11, model.config().vocab_size)).unwrap();
+    }
+    cache
+}
+
+#[test]
+fn decode_is_batch_invariant_bitwise() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 3).unwrap().with_trainable(false);
+    let vocab = model.config().vocab_size;
+    let mut alone = filled_cache(&model, 64);
+    let mut seven = filled_cache(&model, 64);
+    let mut all = filled_cache(&model, 64);
+    for step in 0..4u64 {
+        let tok = |s: usize| tokens(1000 + s as u64 * 10 + step, 1, vocab)[0];
+        let a = model.decode_step(&mut alone, &[(3, tok(3))]).unwrap();
+        // Slot 3 in the middle of a batch of 7 and of 64, in different orders.
+        let b7: Vec<(usize, u32)> = [0usize, 9, 3, 17, 4, 40, 63].iter().map(|&s| (s, tok(s))).collect();
+        let b = model.decode_step(&mut seven, &b7).unwrap();
+        let b64: Vec<(usize, u32)> = (0..64).rev().map(|s| (s, tok(s))).collect();
+        let c = model.decode_step(&mut all, &b64).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a[0]), bits(&b[2]), "step {step}: alone vs batch of 7");
+        assert_eq!(bits(&a[0]), bits(&c[63 - 3]), "step {step}: alone vs batch of 64");
+        assert_eq!(bits(&b[3]), bits(&c[63 - 17]), "step {step}: slot 17 in 7 vs 64");
+    }
+}
+
+#[test]
+fn slots_are_freed_and_reused() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 5).unwrap();
+    let vocab = model.config().vocab_size;
+    let mut cache = KvCache::new(&model, 2, 16).unwrap();
+    let first = model.prefill(&mut cache, 0, &tokens(1, 4, vocab)).unwrap();
+    model.decode_step(&mut cache, &[(0, 5)]).unwrap();
+    cache.free(0);
+    assert_eq!(cache.len(0), 0);
+    let again = model.prefill(&mut cache, 0, &tokens(1, 4, vocab)).unwrap();
+    assert_eq!(first, again);
+}
+
+#[test]
+fn bad_decode_requests_are_errors() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 5).unwrap();
+    let mut cache = KvCache::new(&model, 2, 4).unwrap();
+    assert!(model.prefill(&mut cache, 2, &[5]).unwrap_err().to_string().contains("slot 2"));
+    assert!(model.prefill(&mut cache, 0, &[5; 5]).unwrap_err().to_string().contains("max_seq_len"));
+    assert!(model.prefill(&mut cache, 0, &[]).is_err());
+    assert!(model.prefill(&mut cache, 0, &[10_000]).unwrap_err().to_string().contains("vocabulary"));
+    model.prefill(&mut cache, 0, &[5]).unwrap();
+    assert!(model.decode_step(&mut cache, &[(0, 5), (0, 6)]).unwrap_err().to_string().contains("twice"));
+    assert_eq!(cache.len(0), 1, "a rejected step leaves the cache as it was");
+}

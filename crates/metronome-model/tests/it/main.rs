@@ -1,0 +1,10 @@
+//! Integration tests of metronome-model: numbers against Hugging Face `transformers`
+//! (fixtures written once by `fixtures/make_fixtures.py`), gradients, KV-cache decoding
+//! and batch invariance, packed shared-prompt rows, checkpoints and tokenizers.
+
+mod checkpoint;
+mod common;
+mod decode;
+mod gguf;
+mod reference;
+mod training;
