@@ -7,8 +7,8 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use metronome_core::{Completion, Prompt, RewardFn};
-use metronome_reward::{CountdownChecker, MathVerifier};
+use metronome_core::{Completion, Group, Prompt, RewardFn};
+use metronome_reward::{CountdownChecker, MathVerifier, PoolConfig, PoolScorer};
 
 const REASONING: &str = "Let me think step by step. First we compute the partial sums, then we check the \
     remaining cases carefully and simplify the expression. Each step follows from the previous one. ";
@@ -74,8 +74,46 @@ fn bench(c: &mut Criterion, name: &str, scorer: &dyn RewardFn, corpus: &[(Prompt
     group.finish();
 }
 
+/// The floor to compare against: one lower-cased copy of each completion (a single
+/// pass and allocation over the same bytes).
+fn baseline(c: &mut Criterion, corpus: &[(Prompt, Completion)]) {
+    let mut group = c.benchmark_group("baseline_lowercase_copy");
+    group.throughput(Throughput::Elements(corpus.len() as u64));
+    group.bench_function("completions", |b| {
+        b.iter(|| {
+            corpus.iter().map(|(_, comp)| black_box(&comp.text).to_ascii_lowercase().len()).sum::<usize>()
+        });
+    });
+    group.finish();
+}
+
+/// The same math corpus as one group through a one-worker [`PoolScorer`]: the cost of
+/// the thread hand-off, time limit bookkeeping and advantage computation per completion.
+fn pooled(c: &mut Criterion, corpus: &[(Prompt, Completion)]) {
+    let scorer = PoolScorer::new(MathVerifier::new(), PoolConfig { workers: 1, ..PoolConfig::default() })
+        .expect("pool starts");
+    let group = Group {
+        prompt: corpus[0].0.clone(),
+        completions: corpus
+            .iter()
+            .enumerate()
+            .map(|(i, (_, comp))| Completion { sample_index: i as u32, ..comp.clone() })
+            .collect(),
+        ..Group::default()
+    };
+    let mut g = c.benchmark_group("math_verifier_pool_1_worker");
+    g.throughput(Throughput::Elements(corpus.len() as u64));
+    g.bench_function("completions", |b| {
+        b.iter(|| scorer.score_blocking(group.clone()).expect("scores").stats.mean);
+    });
+    g.finish();
+}
+
 fn scorers(c: &mut Criterion) {
-    bench(c, "math_verifier", &MathVerifier::new(), &math_corpus());
+    let math = math_corpus();
+    baseline(c, &math);
+    bench(c, "math_verifier", &MathVerifier::new(), &math);
+    pooled(c, &math);
     bench(c, "countdown_checker", &CountdownChecker::new(), &countdown_corpus());
 }
 

@@ -21,6 +21,28 @@
 //! length of an extracted answer or expression, the nesting depth and the digits of a
 //! number, and charge their steps to a [`Meter`], so adversarial text costs linear time.
 //!
+//! ```
+//! use metronome_core::{Completion, Group, Prompt};
+//! use metronome_reward::{Composite, FormatReward, MathVerifier, PoolConfig, PoolScorer};
+//!
+//! let reward = Composite::of("correct", 1.0, MathVerifier::new())?
+//!     .with("format", 0.1, FormatReward::think_answer())?;
+//! let scorer = PoolScorer::new(reward, PoolConfig { workers: 2, ..PoolConfig::default() })?;
+//! let group = Group {
+//!     prompt: Prompt { reference: Some("4".into()), ..Prompt::default() },
+//!     completions: ["<think>2+2</think><answer>4</answer>", r"\boxed{5}"]
+//!         .iter()
+//!         .enumerate()
+//!         .map(|(i, t)| Completion { sample_index: i as u32, text: (*t).into(), ..Completion::default() })
+//!         .collect(),
+//!     ..Group::default()
+//! };
+//! let scored = scorer.score_blocking(group)?;
+//! assert_eq!(scored.rewards[0].total, 1.1);
+//! assert_eq!(scored.rewards[1].total, 0.0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! This crate does not tokenise, generate or train, and it does not depend on other
 //! stage crates: it sees only `metronome-core` types. The pipeline
 //! (`metronome-pipeline`) puts a scorer between the rollout stage (`metronome-rollout`)

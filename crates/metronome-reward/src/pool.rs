@@ -262,26 +262,27 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 fn work(shared: &Arc<Shared>) {
+    let mut state = shared.lock();
     loop {
-        let job = {
-            let mut state = shared.lock();
-            loop {
-                if state.shutdown {
-                    state.stats.live -= 1;
-                    return;
-                }
-                if let Some(job) = state.queue.pop_front() {
-                    break job;
-                }
-                state = shared.work.wait(state).unwrap_or_else(PoisonError::into_inner);
+        let job = loop {
+            if state.shutdown {
+                state.stats.live -= 1;
+                return;
             }
+            if let Some(job) = state.queue.pop_front() {
+                break job;
+            }
+            state = shared.work.wait(state).unwrap_or_else(PoisonError::into_inner);
         };
-        {
-            let mut state = shared.lock();
-            state.running.push((Instant::now() + shared.limit, Arc::clone(&job.ticket)));
-            job.ticket.lock().0 = Phase::Running;
+        // Deadlines share one limit, so a new one is never earlier than those the
+        // watchdog already sleeps towards: it needs waking only when it had none.
+        let watchdog_idle = state.running.is_empty();
+        state.running.push((Instant::now() + shared.limit, Arc::clone(&job.ticket)));
+        job.ticket.lock().0 = Phase::Running;
+        drop(state);
+        if watchdog_idle {
+            shared.watch.notify_one();
         }
-        shared.watch.notify_one();
 
         let outcome = match catch_unwind(AssertUnwindSafe(job.task)) {
             Ok(reward) => Outcome::Scored(reward),
@@ -302,7 +303,7 @@ fn work(shared: &Arc<Shared>) {
             }
         };
 
-        let mut state = shared.lock();
+        state = shared.lock();
         state.running.retain(|(_, t)| !Arc::ptr_eq(t, &job.ticket));
         state.stats.completed += 1;
         state.stats.panics += u64::from(panicked);

@@ -101,7 +101,7 @@ fn wait_for(scorer: &PoolScorer, what: &str, cond: impl Fn(&metronome_reward::Po
 #[test]
 fn stuck_workers_are_replaced_up_to_the_bound_then_calls_fail_fast_and_threads_rejoin() {
     let (scorer, release) = gated();
-    let config = PoolConfig { workers: 1, time_limit_ms: 100, max_stuck_workers: 1, ..PoolConfig::default() };
+    let config = PoolConfig { workers: 1, time_limit_ms: 250, max_stuck_workers: 1, ..PoolConfig::default() };
     let pool = PoolScorer::new(scorer, config).unwrap();
     let p = prompt(None, &[]);
 
