@@ -212,7 +212,7 @@ fn expression_of<'a>(text: &'a str, meter: &mut Meter) -> Option<&'a str> {
     let start = if region[..start].trim_end().ends_with('-') { region[..start].rfind('-')? } else { start };
     let expr = &region[start..];
     let expr = expr.split('=').next().unwrap_or(expr);
-    let expr = expr.trim().trim_end_matches(['.', '!']).trim();
+    let expr = expr.trim().trim_end_matches(['.', '!', '$']).trim();
     (!expr.is_empty()).then_some(expr)
 }
 
@@ -233,16 +233,20 @@ impl Parser<'_, '_> {
         }
     }
 
-    /// The next operator, also accepting `×`, `÷`, `·`, `−` and `x` between operands.
+    /// The next operator, also accepting `×`, `÷`, `·`, `−`, `x`, `\times`, `\cdot` and `\div`
+    /// between operands.
     fn peek_op(&mut self) -> Option<(u8, usize)> {
         self.skip_space();
         let rest = &self.src[self.pos..];
-        let ops: [(&[u8], u8); 9] = [
+        let ops: [(&[u8], u8); 12] = [
             (b"+", b'+'),
             (b"-", b'-'),
             (b"*", b'*'),
             (b"/", b'/'),
             (b"x", b'*'),
+            (b"\\times", b'*'),
+            (b"\\cdot", b'*'),
+            (b"\\div", b'/'),
             ("×".as_bytes(), b'*'),
             ("÷".as_bytes(), b'/'),
             ("·".as_bytes(), b'*'),

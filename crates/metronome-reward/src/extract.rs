@@ -126,7 +126,7 @@ fn answer_is<'a>(text: &'a str, meter: &mut Meter) -> Option<&'a str> {
             lower.rfind(p).map(|at| at + p.len())
         })
         .max()?;
-    let rest = text[end..].trim_start_matches([':', ' ', '\t']);
+    let rest = text[end..].trim_start_matches([':', ' ', '\t', '*']);
     let line = rest.lines().next().unwrap_or("");
     meter.charge(line.len());
     // The answer ends with its sentence; a separator inside a number has no space after it.

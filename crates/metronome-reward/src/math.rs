@@ -283,7 +283,8 @@ const REWRITES: [(&str, &str); 22] = [
 /// Normalises and parses one extracted answer. `None` when it is empty or longer
 /// than `config.max_answer_bytes`.
 pub fn parse_answer(candidate: &str, config: &MathConfig, meter: &mut Meter) -> Option<Answer> {
-    let candidate = candidate.trim();
+    // Markdown emphasis around an answer (`**42**`) is decoration, not content.
+    let candidate = candidate.trim().trim_matches(['*', '_']).trim();
     if candidate.is_empty() || candidate.len() > config.max_answer_bytes {
         return None;
     }
@@ -298,7 +299,7 @@ pub fn parse_answer(candidate: &str, config: &MathConfig, meter: &mut Meter) -> 
     meter.charge(2 * s.len());
     // `x = 5`, `a+b = 12`: the answer is what follows the last `=`.
     let s = s.rsplit('=').next().unwrap_or(&s).trim();
-    let s = s.trim_end_matches(['.', ' ']).trim();
+    let s = s.trim_end_matches(['.', ' ']).trim().trim_matches(['*', '_']).trim();
     if s.is_empty() {
         return None;
     }

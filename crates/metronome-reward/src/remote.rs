@@ -7,7 +7,7 @@
 //! number or `{"total": r, "parts": {"name": r, …}}`.
 //!
 //! Connection errors, timeouts, `429` and `5xx` are retried; other statuses and
-//! malformed bodies are not (retrying cannot fix them). When every attempt failed the
+//! malformed or oversized bodies are not (retrying cannot fix them). When every attempt failed the
 //! whole group gets the configured failure score with the reason, counted as
 //! `metronome_reward_failures_total{reason="remote"}`: the run goes on.
 
@@ -39,6 +39,8 @@ pub struct RemoteConfig {
     pub backoff_max_ms: u64,
     /// Requests in flight at once, over all groups.
     pub max_concurrency: usize,
+    /// Larger response bodies are refused (not retried).
+    pub max_response_bytes: usize,
     /// Score of every completion of a group whose scoring failed.
     pub failure_score: f32,
     /// How rewards become advantages.
@@ -54,6 +56,7 @@ impl Default for RemoteConfig {
             backoff_initial_ms: 200,
             backoff_max_ms: 5_000,
             max_concurrency: 8,
+            max_response_bytes: 16 << 20,
             failure_score: 0.0,
             estimator: AdvantageEstimator::default(),
         }
@@ -68,6 +71,9 @@ impl RemoteConfig {
         }
         if self.timeout_ms == 0 {
             return Err(Error::config("remote.timeout_ms", "must be positive"));
+        }
+        if self.max_response_bytes == 0 {
+            return Err(Error::config("remote.max_response_bytes", "must be positive"));
         }
         if self.max_concurrency == 0 {
             return Err(Error::config("remote.max_concurrency", "must be at least 1"));
@@ -171,10 +177,22 @@ impl RemoteScorer {
         if !status.is_success() {
             return Attempt::Fatal(format!("status {status}"));
         }
-        let body = match response.bytes().await {
-            Ok(b) => b,
-            Err(e) => return Attempt::Retry(error_chain(&e)),
-        };
+        // Read chunk by chunk so an oversized answer is refused before it is held whole.
+        let mut response = response;
+        let mut body = Vec::new();
+        loop {
+            match response.chunk().await {
+                Ok(Some(chunk)) if body.len() + chunk.len() > self.config.max_response_bytes => {
+                    return Attempt::Fatal(format!(
+                        "response larger than max_response_bytes ({})",
+                        self.config.max_response_bytes
+                    ));
+                }
+                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+                Ok(None) => break,
+                Err(e) => return Attempt::Retry(error_chain(&e)),
+            }
+        }
         let parsed: RemoteResponse = match serde_json::from_slice(&body) {
             Ok(p) => p,
             Err(e) => return Attempt::Fatal(format!("malformed response: {e}")),

@@ -22,6 +22,8 @@ fn cases() -> Vec<(&'static str, Vec<i128>, i128, CountdownVerdict)> {
         ("<answer>12 ÷ 3 + 1</answer>", vec![12, 3, 1], 5, Correct),
         ("<answer>[2 + 3] * 4</answer>", vec![2, 3, 4], 20, Correct),
         ("<answer>7</answer>", vec![7, 2], 7, Correct),
+        (r"<answer>$(25 - 5) \times 3$</answer>", vec![25, 5, 3], 60, Correct),
+        (r"<answer>(9 \div 3) \cdot 2</answer>", vec![9, 3, 2], 6, Correct),
         ("<answer>5 + 5</answer>", vec![5, 5, 1], 10, Correct),
         // Exact rationals: a non-integer intermediate is fine by default.
         ("<answer>6 / (1 - 3 / 4)</answer>", vec![6, 1, 3, 4], 24, Correct),

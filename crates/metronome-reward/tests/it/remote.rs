@@ -176,6 +176,9 @@ fn does_not_retry_what_retrying_cannot_fix() {
     let (requests, reason, _) = failing(Mode::Garbage, |_| {});
     assert_eq!(requests, 1);
     assert!(reason.contains("malformed response"), "{reason}");
+    let (requests, reason, _) = failing(Mode::FailFirst(0), |c| c.max_response_bytes = 16);
+    assert_eq!(requests, 1);
+    assert!(reason.contains("larger than max_response_bytes (16)"), "{reason}");
 }
 
 #[test]
