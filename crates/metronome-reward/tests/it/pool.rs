@@ -179,3 +179,23 @@ fn bad_pool_configs_are_rejected() {
         assert!(e.to_string().contains(field), "{e}");
     }
 }
+
+#[test]
+fn a_cancelled_caller_does_not_leak_the_time_limit() {
+    // The watchdog, not the caller, enforces the limit: dropping the scoring future
+    // (e.g. the pipeline shutting a period down) still gets the stuck worker replaced.
+    let (scorer, release) = gated();
+    let config = PoolConfig { workers: 1, time_limit_ms: 150, ..PoolConfig::default() };
+    let pool = PoolScorer::new(scorer, config).unwrap();
+    let cancelled = runtime().block_on(async {
+        tokio::time::timeout(Duration::from_millis(10), pool.score(group(prompt(None, &[]), &["block"])))
+            .await
+    });
+    assert!(cancelled.is_err(), "the call should have been cancelled");
+    wait_for(&pool, "the abandoned job timed out and was replaced", |s| s.timeouts == 1 && s.replaced == 1);
+    let g = pool.score_blocking(group(prompt(None, &[]), &["four"])).unwrap();
+    assert_eq!(g.rewards[0].total, 4.0);
+    release.send(()).unwrap();
+    wait_for(&pool, "the stuck thread returned", |s| s.stuck == 0);
+    assert_eq!(pool.stats().live, 1);
+}
