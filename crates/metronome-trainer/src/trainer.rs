@@ -1,7 +1,7 @@
 //! The tri-model GRPO trainer: forward, loss and backward per micro-batch in any
 //! order, one optimiser step per period, guards and checkpoints.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use candle_core::{Tensor, Var};
 use metronome_core::{
-    AccumulateReport, PackedRow, PolicyVersion, RunSeed, Segment, StepReport, Targets, TokenId, TrainBatch,
-    TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
+    AccumulateReport, GroupKey, PackedRow, PolicyVersion, RunSeed, Segment, StepReport, Targets, TokenId,
+    TrainBatch, TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
 };
 use metronome_model::{Device, Model};
 use serde::{Deserialize, Serialize};
@@ -165,6 +165,8 @@ pub struct GrpoTrainer {
     sums: Sums,
     mode: Option<Mode>,
     buffered: Vec<TrainBatch>,
+    /// Groups seen this step: a group split across micro-batches counts once.
+    seen_groups: BTreeSet<GroupKey>,
     times: PhaseTimes,
 }
 
@@ -222,6 +224,7 @@ impl GrpoTrainer {
             sums: Sums::default(),
             mode: None,
             buffered: Vec::new(),
+            seen_groups: BTreeSet::new(),
             times: PhaseTimes::default(),
         })
     }
@@ -321,8 +324,13 @@ impl GrpoTrainer {
                 ),
             ));
         }
-        let mut counts = Sums { groups: batch.groups.len() as u64, ..Sums::default() };
-        counts.zero_groups = batch.groups.iter().filter(|g| g.all_equal).count() as u64;
+        let mut counts = Sums::default();
+        for g in &batch.groups {
+            if !self.seen_groups.contains(&g.key) {
+                counts.groups += 1;
+                counts.zero_groups += u64::from(g.all_equal);
+            }
+        }
         counts.sequences = batch.sequences.iter().filter(|s| !skip_group(s.group as usize)).count() as u64;
         let t = &batch.targets;
         let mut kept = Targets::default();
@@ -391,10 +399,12 @@ impl GrpoTrainer {
         self.set_mode(Mode::Rl)?;
         let prepared = self.prepare(batch)?;
         if self.cfg.mini_steps > 1 {
+            self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
             self.buffered.push(batch.clone());
             return Ok(AccumulateReport { tokens: prepared.counts.tokens, loss_sum: 0.0 });
         }
         let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
+        self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
         self.sums.add(&sums);
         metrics::counter!("metronome_trainer_tokens_total").increment(sums.tokens);
         metrics::counter!("metronome_trainer_zero_advantage_groups_total").increment(sums.zero_groups);
@@ -452,6 +462,7 @@ impl GrpoTrainer {
             self.run(Self::apply_step)?
         };
         self.mode = None;
+        self.seen_groups.clear();
         if report.applied {
             self.version = self.version.next();
         }
@@ -516,6 +527,8 @@ impl GrpoTrainer {
     /// `mini_steps` updates over the buffered batches, old policy = behaviour.
     fn mini_steps(&mut self) -> Result<StepReport> {
         let mut batches = std::mem::take(&mut self.buffered);
+        // Groups are counted again as the mini-batches are trained.
+        self.seen_groups.clear();
         // Sort first so arrival order does not matter, then shuffle with the
         // checkpointed generator so mini-batches mix groups from across the period.
         batches.sort_by_key(|b| b.groups.first().map(|g| g.key));
@@ -529,6 +542,7 @@ impl GrpoTrainer {
         for chunk in batches.chunks(per_chunk) {
             for b in chunk {
                 let prepared = self.prepare(b)?;
+                self.seen_groups.extend(b.groups.iter().map(|g| g.key));
                 let sums = self.forward_backward(&b.rows, &prepared, true)?;
                 self.sums.add(&sums);
             }

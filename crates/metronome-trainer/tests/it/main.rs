@@ -3,6 +3,7 @@
 
 mod common;
 mod guards;
+mod layouts;
 mod learning;
 mod loss_closed_form;
 mod order;
