@@ -162,12 +162,19 @@ impl PromptLoader {
     }
 
     fn account(&mut self, planned: &Planned) {
-        for (id, place, tokens) in &planned.too_long {
+        if !planned.too_long.is_empty() {
+            // One line per batch, every id in it: a run with many long prompts would
+            // otherwise log a line per prompt per epoch.
+            let skipped: Vec<String> = planned
+                .too_long
+                .iter()
+                .map(|(id, place, tokens)| format!("{id} ({place}, {tokens} tokens)"))
+                .collect();
             tracing::warn!(
                 target: "metronome_dataloader",
-                prompt = id.0,
-                tokens,
-                "skipping prompt {id} ({place}): {tokens} tokens is over the maximum"
+                "skipped {} prompts over the token limit: {}",
+                skipped.len(),
+                skipped.join(", ")
             );
         }
         let skipped = planned.too_long.len() as u64;

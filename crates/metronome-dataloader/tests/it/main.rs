@@ -3,6 +3,7 @@
 mod chat;
 mod common;
 mod files;
+mod metrics;
 mod overlong;
 mod parquet_files;
 mod release;

@@ -214,6 +214,26 @@ fn config_round_trips_through_serde_and_rejects_unknown_keys() {
     assert!(serde_json::from_str::<LoaderConfig>(bad).is_err());
 }
 
+/// The TOML example of `LoaderConfig`'s documentation parses as documented.
+#[test]
+fn documented_toml_example_parses() {
+    let source = include_str!("../../src/config.rs");
+    let example: String = source
+        .lines()
+        .skip_while(|l| !l.contains("```toml"))
+        .skip(1)
+        .take_while(|l| !l.contains("```"))
+        .map(|l| l.trim_start_matches("///").strip_prefix(' ').unwrap_or("").to_owned() + "\n")
+        .collect();
+    let config: LoaderConfig = toml::from_str(&example).unwrap();
+    let SourceConfig::Jsonl(file) = &config.source else { panic!("jsonl expected: {config:?}") };
+    assert_eq!(file.fields.prompt, "question");
+    assert_eq!(file.fields.metadata["level"], "level");
+    assert_eq!(config.release.batch_size, 32);
+    assert_eq!(config.prompt.max_tokens, Some(512));
+    assert!(config.prompt.chat_template);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
