@@ -464,6 +464,9 @@ impl GroupSink for CollectSink {
     }
 }
 
+/// The active slots (with their last tokens) that decode with one weight version.
+type VersionBatch<M> = (Arc<Versioned<M>>, Vec<(usize, TokenId)>);
+
 /// A sequence in a slot.
 struct Seq<M> {
     request: Arc<Request>,
@@ -621,7 +624,7 @@ impl<M: InferenceModel> Worker<M> {
 
     /// One decode step for every active slot, batched per weight version.
     fn step(&mut self) {
-        let mut batches: Vec<(Arc<Versioned<M>>, Vec<(usize, TokenId)>)> = Vec::new();
+        let mut batches: Vec<VersionBatch<M>> = Vec::new();
         for (slot, seq) in self.slots.iter().enumerate() {
             let Some(seq) = seq else { continue };
             match batches.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &seq.model)) {

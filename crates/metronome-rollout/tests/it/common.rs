@@ -1,0 +1,76 @@
+//! Shared fixtures: the tiny model, prompts, and engines in several layouts.
+
+use std::sync::Arc;
+
+use metronome_core::{Group, PolicyVersion, Prompt, PromptId, Tokenizer};
+use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
+use metronome_rollout::{EngineConfig, ModelEngine, SamplingConfig, model_engine};
+
+/// The tiny model with random weights from `seed`, for inference.
+pub(crate) fn tiny_model(seed: u64) -> Model {
+    Model::new(ModelConfig::tiny(), &Device::Cpu, seed).expect("tiny model").with_trainable(false)
+}
+
+pub(crate) fn tokenizer() -> Arc<dyn Tokenizer> {
+    Arc::new(CharTokenizer)
+}
+
+/// `n` short arithmetic prompts with ids `100 + i`.
+pub(crate) fn prompts(n: usize) -> Vec<Prompt> {
+    (0..n)
+        .map(|i| {
+            let text = format!("{} + {} = ", 3 * i + 1, 7 * i + 2);
+            Prompt {
+                id: PromptId(100 + i as u64),
+                tokens: CharTokenizer.encode(&text).unwrap(),
+                text,
+                ..Prompt::default()
+            }
+        })
+        .collect()
+}
+
+pub(crate) fn sampling(max_new_tokens: usize) -> SamplingConfig {
+    SamplingConfig { max_new_tokens, ..SamplingConfig::default() }
+}
+
+pub(crate) fn engine(workers: usize, slots: usize, sampling: SamplingConfig) -> ModelEngine {
+    let config = EngineConfig {
+        workers,
+        threads_per_worker: 1,
+        max_num_seqs: slots,
+        max_seq_len: 128,
+        seed: 42,
+        sampling,
+        ..EngineConfig::default()
+    };
+    model_engine(tiny_model(7), PolicyVersion(0), tokenizer(), config).expect("engine")
+}
+
+/// Groups sorted by prompt id, for comparisons that ignore completion order.
+pub(crate) fn by_prompt(mut groups: Vec<Group>) -> Vec<Group> {
+    groups.sort_by_key(|g| g.prompt.id);
+    groups
+}
+
+/// One completion's identity and content: (prompt id, sample index, tokens, log-prob
+/// bits, finish reason + version + text).
+pub(crate) type Signature = (u64, u32, Vec<u32>, Vec<u32>, String);
+
+/// Every group's (prompt, sample) tokens, log-probs (as bits), finish reasons and text.
+pub(crate) fn signature(groups: &[Group]) -> Vec<Signature> {
+    by_prompt(groups.to_vec())
+        .iter()
+        .flat_map(|g| {
+            g.completions.iter().map(|c| {
+                (
+                    g.prompt.id.0,
+                    c.sample_index,
+                    c.tokens.clone(),
+                    c.logprobs.iter().map(|x| x.to_bits()).collect(),
+                    format!("{:?} {:?} {}", c.finish_reason, c.version, c.text),
+                )
+            })
+        })
+        .collect()
+}
