@@ -193,18 +193,20 @@ impl WorkerPool {
             max_stuck: max_stuck_workers,
             limit: time_limit,
         });
+        // From here on, dropping `pool` (also on an error below) stops the threads started so far.
+        let pool = Self { shared };
         {
-            let mut state = shared.lock();
+            let mut state = pool.shared.lock();
             for _ in 0..workers {
-                spawn_worker(&shared, &mut state).map_err(Error::Spawn)?;
+                spawn_worker(&pool.shared, &mut state).map_err(Error::Spawn)?;
             }
         }
-        let watchdog = Arc::clone(&shared);
+        let watchdog = Arc::clone(&pool.shared);
         std::thread::Builder::new()
             .name("metronome-reward-watchdog".into())
             .spawn(move || watch(&watchdog))
             .map_err(Error::Spawn)?;
-        Ok(Self { shared })
+        Ok(pool)
     }
 
     /// Queues `task`; the receiver yields its outcome (await it, or `blocking_recv`
