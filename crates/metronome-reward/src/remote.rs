@@ -27,7 +27,7 @@ use crate::{Error, Result, metric};
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RemoteConfig {
-    /// The scoring endpoint, e.g. `http://rm.internal:8000/score`.
+    /// The scoring endpoint, e.g. `http://rm.internal:8000/score` (plain HTTP only).
     pub url: String,
     /// Time limit of one attempt (connect, send, and read the response), in milliseconds.
     pub timeout_ms: u64,
@@ -66,8 +66,14 @@ impl Default for RemoteConfig {
 impl RemoteConfig {
     /// Checks the values and builds the scorer (no connection is made yet).
     pub fn build(&self) -> Result<RemoteScorer> {
-        if !(self.url.starts_with("http://") || self.url.starts_with("https://")) {
-            return Err(Error::config("remote.url", format!("must be an http(s) URL, got `{}`", self.url)));
+        // The workspace builds reqwest without a TLS backend (no native libraries, no
+        // certificates to manage), so only plain HTTP is accepted: put reward models on a
+        // private network or behind a local TLS-terminating proxy.
+        if !self.url.starts_with("http://") {
+            return Err(Error::config(
+                "remote.url",
+                format!("must be an http:// URL (https is not built in), got `{}`", self.url),
+            ));
         }
         if self.timeout_ms == 0 {
             return Err(Error::config("remote.timeout_ms", "must be positive"));

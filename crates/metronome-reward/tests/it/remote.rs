@@ -245,6 +245,7 @@ fn backoff_grows_to_the_cap_with_bounded_jitter() {
         assert_eq!(ms, (0..6).map(|r| scorer.backoff(r, key).as_millis()).collect::<Vec<_>>());
     }
     assert!(RemoteConfig { url: "ftp://x".into(), ..RemoteConfig::default() }.build().is_err());
+    assert!(RemoteConfig { url: "https://x".into(), ..RemoteConfig::default() }.build().is_err());
     assert!(
         RemoteConfig { url: "http://x".into(), max_concurrency: 0, ..RemoteConfig::default() }
             .build()
