@@ -1,0 +1,61 @@
+//! Moving groups and weights between Metronome's stages: in one process over tokio
+//! channels, or across processes and machines over NATS JetStream.
+//!
+//! A period needs three flows: scored groups from rollout to the trainer
+//! ([`metronome_core::GroupSender`]/[`metronome_core::GroupReceiver`]), weight
+//! snapshots from the trainer to rollout workers
+//! ([`metronome_core::WeightPublisher`]/[`metronome_core::WeightSubscriber`]), and small
+//! control messages that frame a period ([`ControlSender`]/[`ControlReceiver`] of
+//! [`metronome_core::ControlMessage`]). This crate implements all three twice:
+//!
+//! - [`local`] (feature `local`, default): a bounded `mpsc` channel for groups (the
+//!   sender waits when the trainer is `capacity` groups behind), a `watch` cell holding
+//!   the newest `Arc<WeightSnapshot>`, and a broadcast for control;
+//! - [`nats`] (feature `nats`, default): groups on a durable JetStream work queue,
+//!   acknowledged only after accumulation and de-duplicated by (period, prompt); weights
+//!   in the JetStream object store by version, announced on a subject, old versions
+//!   pruned; connection options (URLs, token, user/password, creds file, TLS,
+//!   reconnect backoff) and every stream name in a serde [`nats::NatsConfig`].
+//!
+//! Both count a group once per (period, prompt) key, keep [`Stats`] and emit the
+//! `metronome_transport_*` metrics listed in [`stats`]. The [`wire`] module defines
+//! the versioned binary formats, and [`conformance`] is the test suite both
+//! transports pass and any future transport should.
+//!
+//! This crate does not decide *when* to send: schedules, staleness limits and the
+//! period loop belong to `metronome-pipeline`. It does not know tensors either:
+//! snapshots are `metronome-core` host data produced by `metronome-trainer` and
+//! installed by `metronome-rollout`. Its only Metronome dependency is `metronome-core`.
+
+pub mod conformance;
+mod dedup;
+mod error;
+#[cfg(feature = "local")]
+pub mod local;
+#[cfg(feature = "nats")]
+pub mod nats;
+pub mod stats;
+pub mod testdata;
+pub mod wire;
+
+use async_trait::async_trait;
+use metronome_core::ControlMessage;
+
+pub use error::{Error, Result};
+pub use stats::Stats;
+
+/// Sends the messages that frame a period (to every receiver).
+///
+/// Proposed for `metronome-core` beside `GroupSender`; kept here until then.
+#[async_trait]
+pub trait ControlSender: Send + Sync {
+    /// Sends `message` to every receiver.
+    async fn send(&self, message: ControlMessage) -> metronome_core::Result<()>;
+}
+
+/// Receives the messages that frame a period, in send order.
+#[async_trait]
+pub trait ControlReceiver: Send {
+    /// The next message, or `Ok(None)` once the channel is closed.
+    async fn recv(&mut self) -> metronome_core::Result<Option<ControlMessage>>;
+}

@@ -1,0 +1,1071 @@
+//! The NATS JetStream transport, for rollout and training in different processes
+//! or on different machines.
+//!
+//! - **Groups** are published to a durable work-queue stream, one message per group,
+//!   with `Nats-Msg-Id` = `<period>-<prompt>` so that the server drops a re-sent group
+//!   within its duplicate window. The stream holds at most `max_pending` unacknowledged
+//!   groups and refuses more, which the sender answers by retrying with backoff: that
+//!   is the backpressure when the trainer falls behind. The trainer reads through a
+//!   durable pull consumer with explicit acknowledgement, acknowledges a group only
+//!   after it accumulated it (the [`Delivery`] contract), and a group whose
+//!   acknowledgement does not arrive within `ack_wait` is delivered again (to a
+//!   restarted trainer, say). The receiver drops a key it has already delivered, so
+//!   every group counts once.
+//! - **Weights** are encoded ([`crate::wire::encode_weights`], xxh3 checksum inside)
+//!   and stored in a JetStream object store under `v<version>` (the store chunks them
+//!   below the server's maximum payload), then announced on a subject whose stream
+//!   keeps only the last announcement. Subscribers read the last announcement, fetch
+//!   that object, verify its checksum and cache it. Versions older than the newest
+//!   `keep_versions` are deleted after each publication.
+//! - **Control messages** go on their own stream, read by an ordered consumer per
+//!   receiver.
+//!
+//! Every message larger than the limit (the smaller of `max_message_bytes` and the
+//! server's `max_payload`) is refused by the sender and by the receiver; a malformed
+//! message is terminated (never redelivered), counted by reason, and skipped.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer, object_store, stream};
+use async_nats::{ConnectOptions, HeaderMap, ServerAddr};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use metronome_core::{
+    Acker, ControlMessage, Delivery, GroupReceiver, GroupSender, PolicyVersion, ScoredGroup, WeightPublisher,
+    WeightSnapshot, WeightSubscriber,
+};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+
+use crate::dedup::{Admit, Dedup, KeyGuard};
+use crate::stats::{Counters, Stats};
+use crate::wire::{
+    check_size, decode_control, decode_group, decode_weights, encode_control, encode_group, encode_weights,
+};
+use crate::{ControlReceiver, ControlSender, Error, Result};
+
+const TRANSPORT: &str = "nats";
+
+/// How to reach NATS and where the transport keeps its streams. Every field has a
+/// default, so `{}` (or `{"urls": ["nats://host:4222"]}`) is a valid config.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsConfig {
+    /// Server URLs; the client picks among them and fails over on reconnect.
+    pub urls: Vec<String>,
+    /// Credentials.
+    pub auth: NatsAuth,
+    /// TLS settings.
+    pub tls: TlsConfig,
+    /// Reconnection behaviour.
+    pub reconnect: ReconnectConfig,
+    /// Time allowed to establish a connection, in milliseconds.
+    pub connect_timeout_ms: u64,
+    /// Client name shown by the server's monitoring.
+    pub client_name: Option<String>,
+    /// The largest message (group or control) accepted by senders and receivers, in
+    /// bytes; the server's own `max_payload` lowers it further.
+    pub max_message_bytes: usize,
+    /// How long a sender keeps retrying one publication (server down, stream full)
+    /// before giving up, in milliseconds.
+    pub publish_timeout_ms: u64,
+    /// The group stream.
+    pub groups: GroupStreamConfig,
+    /// The weight store.
+    pub weights: WeightStoreConfig,
+    /// The control channel.
+    pub control: ControlConfig,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        Self {
+            urls: vec!["nats://127.0.0.1:4222".to_owned()],
+            auth: NatsAuth::None,
+            tls: TlsConfig::default(),
+            reconnect: ReconnectConfig::default(),
+            connect_timeout_ms: 5_000,
+            client_name: None,
+            max_message_bytes: 1 << 20,
+            publish_timeout_ms: 120_000,
+            groups: GroupStreamConfig::default(),
+            weights: WeightStoreConfig::default(),
+            control: ControlConfig::default(),
+        }
+    }
+}
+
+impl NatsConfig {
+    /// The default config with every stream, subject, consumer and bucket name
+    /// prefixed by `prefix`, so that several runs can share one server.
+    #[must_use]
+    pub fn with_prefix(urls: Vec<String>, prefix: &str) -> Self {
+        let upper = prefix.to_uppercase().replace(['.', '-', ' '], "_");
+        let lower = prefix.to_lowercase().replace(['.', ' '], "_");
+        Self {
+            urls,
+            groups: GroupStreamConfig {
+                stream: format!("{upper}_GROUPS"),
+                subject: format!("{lower}.groups"),
+                consumer: format!("{lower}-trainer"),
+                ..GroupStreamConfig::default()
+            },
+            weights: WeightStoreConfig {
+                bucket: format!("{lower}-weights"),
+                announce_stream: format!("{upper}_WEIGHTS"),
+                announce_subject: format!("{lower}.weights"),
+                ..WeightStoreConfig::default()
+            },
+            control: ControlConfig {
+                stream: format!("{upper}_CONTROL"),
+                subject: format!("{lower}.control"),
+                ..ControlConfig::default()
+            },
+            ..Self::default()
+        }
+    }
+}
+
+/// Credentials for the server.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind", deny_unknown_fields)]
+pub enum NatsAuth {
+    /// No credentials.
+    #[default]
+    None,
+    /// A token.
+    Token {
+        /// The token.
+        token: String,
+    },
+    /// A user name and password.
+    UserPassword {
+        /// The user.
+        user: String,
+        /// The password.
+        password: String,
+    },
+    /// A `.creds` file (JWT and NKey seed), as issued by `nsc`.
+    CredsFile {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// TLS settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// Refuse to talk to a server without TLS.
+    pub required: bool,
+    /// PEM file of the certificate authorities to trust (besides the system roots).
+    pub root_certificates: Option<PathBuf>,
+    /// PEM client certificate, for servers that verify clients (with `client_key`).
+    pub client_certificate: Option<PathBuf>,
+    /// PEM client key.
+    pub client_key: Option<PathBuf>,
+}
+
+/// Reconnection with exponential backoff.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReconnectConfig {
+    /// Delay before the second attempt, in milliseconds; it doubles per attempt.
+    pub initial_delay_ms: u64,
+    /// The longest delay between attempts, in milliseconds.
+    pub max_delay_ms: u64,
+    /// Give up after this many attempts; `None` retries forever.
+    pub max_attempts: Option<usize>,
+}
+
+impl Default for ReconnectConfig {
+    fn default() -> Self {
+        Self { initial_delay_ms: 50, max_delay_ms: 5_000, max_attempts: None }
+    }
+}
+
+impl ReconnectConfig {
+    /// The delay before attempt number `attempt` (1-based): none for the first, then
+    /// doubling from `initial_delay_ms` up to `max_delay_ms`.
+    #[must_use]
+    pub fn delay(&self, attempt: usize) -> Duration {
+        if attempt <= 1 {
+            return Duration::ZERO;
+        }
+        let shift = (attempt - 2).min(20) as u32;
+        Duration::from_millis(self.initial_delay_ms.saturating_mul(1 << shift).min(self.max_delay_ms))
+    }
+}
+
+/// Where JetStream keeps a stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Storage {
+    /// On disk: survives a server restart.
+    #[default]
+    File,
+    /// In memory: faster, lost on restart.
+    Memory,
+}
+
+impl From<Storage> for stream::StorageType {
+    fn from(s: Storage) -> Self {
+        match s {
+            Storage::File => stream::StorageType::File,
+            Storage::Memory => stream::StorageType::Memory,
+        }
+    }
+}
+
+/// The group stream and the trainer's consumer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GroupStreamConfig {
+    /// Stream name.
+    pub stream: String,
+    /// Subject groups are published on.
+    pub subject: String,
+    /// Durable consumer name of the trainer.
+    pub consumer: String,
+    /// Unacknowledged groups are redelivered after this many milliseconds; longer
+    /// than the trainer may take to accumulate one group.
+    pub ack_wait_ms: u64,
+    /// Groups the stream holds before senders must wait (backpressure).
+    pub max_pending: i64,
+    /// Window in which the server drops a group re-sent with the same key, in milliseconds.
+    pub duplicate_window_ms: u64,
+    /// How many periods behind the newest the receiver remembers delivered keys.
+    pub dedup_window_periods: u64,
+    /// Storage.
+    pub storage: Storage,
+}
+
+impl Default for GroupStreamConfig {
+    fn default() -> Self {
+        Self {
+            stream: "METRONOME_GROUPS".to_owned(),
+            subject: "metronome.groups".to_owned(),
+            consumer: "metronome-trainer".to_owned(),
+            ack_wait_ms: 300_000,
+            max_pending: 4_096,
+            duplicate_window_ms: 600_000,
+            dedup_window_periods: crate::dedup::DEFAULT_WINDOW_PERIODS,
+            storage: Storage::File,
+        }
+    }
+}
+
+/// The weight object store and its announcements.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WeightStoreConfig {
+    /// Object store bucket.
+    pub bucket: String,
+    /// Stream holding the last announcement.
+    pub announce_stream: String,
+    /// Subject of announcements.
+    pub announce_subject: String,
+    /// How many of the newest versions stay in the store.
+    pub keep_versions: u64,
+    /// Object store chunk size in bytes (lowered to the server's `max_payload`).
+    pub chunk_bytes: usize,
+    /// Storage.
+    pub storage: Storage,
+}
+
+impl Default for WeightStoreConfig {
+    fn default() -> Self {
+        Self {
+            bucket: "metronome-weights".to_owned(),
+            announce_stream: "METRONOME_WEIGHTS".to_owned(),
+            announce_subject: "metronome.weights".to_owned(),
+            keep_versions: 2,
+            chunk_bytes: 1 << 20,
+            storage: Storage::File,
+        }
+    }
+}
+
+/// The control channel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ControlConfig {
+    /// Stream name.
+    pub stream: String,
+    /// Subject.
+    pub subject: String,
+    /// A new receiver first gets the last message sent before it subscribed (so a
+    /// worker joining mid-period learns the period), instead of only newer ones.
+    pub replay_last: bool,
+    /// Storage.
+    pub storage: Storage,
+}
+
+impl Default for ControlConfig {
+    fn default() -> Self {
+        Self {
+            stream: "METRONOME_CONTROL".to_owned(),
+            subject: "metronome.control".to_owned(),
+            replay_last: false,
+            storage: Storage::File,
+        }
+    }
+}
+
+/// A connection to NATS from which every endpoint is made.
+#[derive(Clone, Debug)]
+pub struct NatsTransport {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    config: Arc<NatsConfig>,
+    max_message: usize,
+}
+
+impl NatsTransport {
+    /// Connects with `config`.
+    pub async fn connect(config: NatsConfig) -> Result<Self> {
+        let config = Arc::new(config);
+        if config.urls.is_empty() {
+            return Err(Error::Config { field: "urls", reason: "no server URL given".into() });
+        }
+        let addrs = config
+            .urls
+            .iter()
+            .map(|u| {
+                u.parse::<ServerAddr>()
+                    .map_err(|e| Error::Config { field: "urls", reason: format!("cannot parse {u:?}: {e}") })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let reconnect = config.reconnect.clone();
+        let mut options = ConnectOptions::new()
+            .connection_timeout(Duration::from_millis(config.connect_timeout_ms))
+            .max_reconnects(config.reconnect.max_attempts)
+            .reconnect_delay_callback(move |attempt| reconnect.delay(attempt));
+        options = match &config.auth {
+            NatsAuth::None => options,
+            NatsAuth::Token { token } => options.token(token.clone()),
+            NatsAuth::UserPassword { user, password } => {
+                options.user_and_password(user.clone(), password.clone())
+            }
+            NatsAuth::CredsFile { path } => {
+                options.credentials_file(path).await.map_err(|e| Error::Config {
+                    field: "auth.path",
+                    reason: format!("cannot read credentials file {}: {e}", path.display()),
+                })?
+            }
+        };
+        if config.tls.required {
+            options = options.require_tls(true);
+        }
+        if let Some(roots) = &config.tls.root_certificates {
+            options = options.add_root_certificates(roots.clone());
+        }
+        match (&config.tls.client_certificate, &config.tls.client_key) {
+            (Some(cert), Some(key)) => options = options.add_client_certificate(cert.clone(), key.clone()),
+            (None, None) => {}
+            _ => {
+                return Err(Error::Config {
+                    field: "tls.client_certificate",
+                    reason: "client_certificate and client_key must be given together".into(),
+                });
+            }
+        }
+        if let Some(name) = &config.client_name {
+            options = options.name(name);
+        }
+        let client = options.connect(addrs).await.map_err(|e| Error::nats("connect", e))?;
+        let max_message = config.max_message_bytes.min(client.server_info().max_payload.max(1));
+        let js = jetstream::new(client.clone());
+        Ok(Self { client, js, config, max_message })
+    }
+
+    /// The underlying client.
+    #[must_use]
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// The effective message size limit in bytes.
+    #[must_use]
+    pub fn max_message_bytes(&self) -> usize {
+        self.max_message
+    }
+
+    /// The config this transport was made with.
+    #[must_use]
+    pub fn config(&self) -> &NatsConfig {
+        &self.config
+    }
+
+    async fn group_stream(&self) -> Result<stream::Stream> {
+        let c = &self.config.groups;
+        self.js
+            .get_or_create_stream(stream::Config {
+                name: c.stream.clone(),
+                subjects: vec![c.subject.clone()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                discard: stream::DiscardPolicy::New,
+                max_messages: c.max_pending,
+                max_message_size: i32::try_from(self.max_message).unwrap_or(i32::MAX),
+                duplicate_window: Duration::from_millis(c.duplicate_window_ms),
+                storage: c.storage.into(),
+                ..stream::Config::default()
+            })
+            .await
+            .map_err(|e| Error::nats("create group stream", e))
+    }
+
+    /// A group sender (creates the stream when missing).
+    pub async fn group_sender(&self) -> Result<NatsGroupSender> {
+        self.group_stream().await?;
+        Ok(NatsGroupSender { transport: self.clone(), counters: Arc::new(Counters::new(TRANSPORT, "group")) })
+    }
+
+    /// The trainer's group receiver (creates the stream and the durable consumer when
+    /// missing). Several receivers with the same consumer name share the work.
+    pub async fn group_receiver(&self) -> Result<NatsGroupReceiver> {
+        let c = &self.config.groups;
+        let stream = self.group_stream().await?;
+        let consumer: consumer::PullConsumer = stream
+            .get_or_create_consumer(
+                &c.consumer,
+                consumer::pull::Config {
+                    durable_name: Some(c.consumer.clone()),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    ack_wait: Duration::from_millis(c.ack_wait_ms),
+                    ..consumer::pull::Config::default()
+                },
+            )
+            .await
+            .map_err(|e| Error::nats("create group consumer", e))?;
+        let messages = consumer.messages().await.map_err(|e| Error::nats("subscribe to groups", e))?;
+        Ok(NatsGroupReceiver {
+            messages,
+            max_message: self.max_message,
+            dedup: Dedup::new(c.dedup_window_periods),
+            counters: Arc::new(Counters::new(TRANSPORT, "group")),
+        })
+    }
+
+    async fn weight_store(&self) -> Result<(object_store::ObjectStore, stream::Stream)> {
+        let c = &self.config.weights;
+        let store = match self.js.get_object_store(&c.bucket).await {
+            Ok(store) => store,
+            Err(_) => self
+                .js
+                .create_object_store(object_store::Config {
+                    bucket: c.bucket.clone(),
+                    storage: c.storage.into(),
+                    ..object_store::Config::default()
+                })
+                .await
+                .map_err(|e| Error::nats("create weight bucket", e))?,
+        };
+        let announce = self
+            .js
+            .get_or_create_stream(stream::Config {
+                name: c.announce_stream.clone(),
+                subjects: vec![c.announce_subject.clone()],
+                max_messages_per_subject: 1,
+                storage: c.storage.into(),
+                ..stream::Config::default()
+            })
+            .await
+            .map_err(|e| Error::nats("create weight announcement stream", e))?;
+        Ok((store, announce))
+    }
+
+    /// A weight publisher (creates the bucket and the announcement stream when missing).
+    pub async fn weight_publisher(&self) -> Result<NatsWeightPublisher> {
+        let (store, announce) = self.weight_store().await?;
+        Ok(NatsWeightPublisher {
+            transport: self.clone(),
+            store,
+            announce,
+            counters: Arc::new(Counters::new(TRANSPORT, "weights")),
+        })
+    }
+
+    /// A weight subscriber.
+    pub async fn weight_subscriber(&self) -> Result<NatsWeightSubscriber> {
+        let (store, announce) = self.weight_store().await?;
+        Ok(NatsWeightSubscriber {
+            transport: self.clone(),
+            store,
+            announce,
+            cached: None,
+            counters: Arc::new(Counters::new(TRANSPORT, "weights")),
+        })
+    }
+
+    async fn control_stream(&self) -> Result<stream::Stream> {
+        let c = &self.config.control;
+        self.js
+            .get_or_create_stream(stream::Config {
+                name: c.stream.clone(),
+                subjects: vec![c.subject.clone()],
+                max_messages: 10_000,
+                max_message_size: i32::try_from(self.max_message).unwrap_or(i32::MAX),
+                storage: c.storage.into(),
+                ..stream::Config::default()
+            })
+            .await
+            .map_err(|e| Error::nats("create control stream", e))
+    }
+
+    /// A control sender.
+    pub async fn control_sender(&self) -> Result<NatsControlSender> {
+        self.control_stream().await?;
+        Ok(NatsControlSender {
+            transport: self.clone(),
+            counters: Arc::new(Counters::new(TRANSPORT, "control")),
+        })
+    }
+
+    /// A control receiver: it sees messages sent after it was made (and the last one
+    /// before, with `control.replay_last`).
+    pub async fn control_receiver(&self) -> Result<NatsControlReceiver> {
+        let stream = self.control_stream().await?;
+        let deliver_policy = if self.config.control.replay_last {
+            consumer::DeliverPolicy::Last
+        } else {
+            consumer::DeliverPolicy::New
+        };
+        let messages = stream
+            .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
+            .await
+            .map_err(|e| Error::nats("create control consumer", e))?
+            .messages()
+            .await
+            .map_err(|e| Error::nats("subscribe to control", e))?;
+        Ok(NatsControlReceiver {
+            messages,
+            max_message: self.max_message,
+            counters: Arc::new(Counters::new(TRANSPORT, "control")),
+        })
+    }
+
+    /// Publishes `payload` on `subject` and waits for the stream's acknowledgement,
+    /// retrying with backoff while the server is unreachable or the stream is full,
+    /// up to `publish_timeout_ms`.
+    async fn publish_durably(
+        &self,
+        op: &'static str,
+        subject: &str,
+        headers: Option<HeaderMap>,
+        payload: Bytes,
+    ) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_millis(self.config.publish_timeout_ms);
+        let mut attempt = 0usize;
+        loop {
+            attempt += 1;
+            let published = match &headers {
+                Some(h) => self.js.publish_with_headers(subject.to_owned(), h.clone(), payload.clone()).await,
+                None => self.js.publish(subject.to_owned(), payload.clone()).await,
+            };
+            let error = match published {
+                Ok(ack) => match ack.await {
+                    Ok(_) => return Ok(()),
+                    Err(e) => e,
+                },
+                Err(e) => e,
+            };
+            use jetstream::context::PublishErrorKind as K;
+            let retriable =
+                !matches!(error.kind(), K::MaxPayloadExceeded | K::WrongLastMessageId | K::WrongLastSequence);
+            if !retriable || Instant::now() >= deadline {
+                return Err(Error::nats(op, error));
+            }
+            tracing::debug!(%error, attempt, "{op}: retrying");
+            let backoff = Duration::from_millis(10u64.saturating_mul(1 << attempt.min(6)));
+            tokio::time::sleep(backoff).await;
+        }
+    }
+}
+
+/// Sends groups to the group stream.
+#[derive(Debug, Clone)]
+pub struct NatsGroupSender {
+    transport: NatsTransport,
+    counters: Arc<Counters>,
+}
+
+impl NatsGroupSender {
+    /// This sender's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+
+    async fn send_bytes(&self, key: metronome_core::GroupKey, bytes: Vec<u8>) -> Result<()> {
+        let start = Instant::now();
+        if let Err(e) = check_size("group", bytes.len(), self.transport.max_message) {
+            self.counters.rejected(e.reason());
+            return Err(e);
+        }
+        let mut headers = HeaderMap::new();
+        headers
+            .insert(async_nats::header::NATS_MESSAGE_ID, format!("{}-{}", key.period, key.prompt).as_str());
+        let len = bytes.len();
+        let subject = &self.transport.config.groups.subject;
+        self.transport.publish_durably("publish group", subject, Some(headers), Bytes::from(bytes)).await?;
+        self.counters.sent(len, start.elapsed());
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl GroupSender for NatsGroupSender {
+    async fn send(&self, group: ScoredGroup) -> metronome_core::Result<()> {
+        let bytes = encode_group(&group).inspect_err(|e| self.counters.rejected(e.reason()))?;
+        Ok(self.send_bytes(group.key(), bytes).await?)
+    }
+}
+
+/// Receives groups from the group stream through the trainer's durable consumer.
+pub struct NatsGroupReceiver {
+    messages: consumer::pull::Stream,
+    max_message: usize,
+    dedup: Arc<Dedup>,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for NatsGroupReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsGroupReceiver").field("max_message", &self.max_message).finish_non_exhaustive()
+    }
+}
+
+impl NatsGroupReceiver {
+    /// This receiver's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+
+    /// Terminates a message that can never be processed, so it is not redelivered.
+    async fn reject(&self, message: &jetstream::Message, error: &Error) {
+        self.counters.rejected(error.reason());
+        tracing::warn!(%error, "rejected a group message");
+        if let Err(e) = message.ack_with(jetstream::AckKind::Term).await {
+            tracing::warn!(error = %e, "could not terminate a rejected group message");
+        }
+    }
+}
+
+struct NatsAck {
+    acker: jetstream::message::Acker,
+    guard: KeyGuard,
+}
+
+impl std::fmt::Debug for NatsAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsAck").field("guard", &self.guard).finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Acker for NatsAck {
+    async fn ack(self: Box<Self>) -> metronome_core::Result<()> {
+        // Wait for the server to confirm: only then is the group safe from redelivery.
+        self.acker.double_ack().await.map_err(|e| Error::Nats { op: "acknowledge group", source: e })?;
+        self.guard.acked();
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl GroupReceiver for NatsGroupReceiver {
+    async fn recv(&mut self) -> metronome_core::Result<Option<Delivery>> {
+        loop {
+            let message = match self.messages.next().await {
+                None => return Ok(None),
+                Some(Ok(m)) => m,
+                Some(Err(e)) => {
+                    use consumer::pull::MessagesErrorKind as K;
+                    match e.kind() {
+                        // Heartbeats go missing while the server restarts; the stream
+                        // keeps pulling once the client has reconnected.
+                        K::MissingHeartbeat | K::Pull | K::NoResponders | K::Other => {
+                            tracing::debug!(error = %e, "group stream interrupted; waiting");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                        _ => return Err(Error::nats("receive groups", e).into()),
+                    }
+                }
+            };
+            if let Ok(info) = message.info()
+                && info.delivered > 1
+            {
+                self.counters.redelivered();
+            }
+            let len = message.payload.len();
+            if let Err(e) = check_size("group", len, self.max_message) {
+                self.reject(&message, &e).await;
+                continue;
+            }
+            let group = match decode_group(&message.payload) {
+                Ok(g) => g,
+                Err(e) => {
+                    self.reject(&message, &e).await;
+                    continue;
+                }
+            };
+            match self.dedup.admit(group.key()) {
+                (Admit::New, Some(guard)) => {
+                    self.counters.received(len);
+                    let (_, acker) = message.split();
+                    return Ok(Some(Delivery { group, acker: Box::new(NatsAck { acker, guard }) }));
+                }
+                (Admit::Acked, _) => {
+                    self.counters.duplicate();
+                    if let Err(e) = message.ack().await {
+                        tracing::warn!(error = %e, "could not acknowledge a duplicate group");
+                    }
+                }
+                _ => self.counters.duplicate(),
+            }
+        }
+    }
+}
+
+/// What an announcement says: the newest version and where to find it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Announcement {
+    version: u64,
+    object: String,
+    bytes: u64,
+}
+
+fn object_name(version: PolicyVersion) -> String {
+    format!("v{:020}", version.0)
+}
+
+async fn last_announcement(announce: &stream::Stream, subject: &str) -> Result<Option<Announcement>> {
+    match announce.get_last_raw_message_by_subject(subject).await {
+        Ok(m) => serde_json::from_slice(&m.payload).map(Some).map_err(|e| Error::Malformed {
+            kind: "weights announcement",
+            field: "body".into(),
+            reason: e.to_string(),
+        }),
+        Err(e) if matches!(e.kind(), stream::LastRawMessageErrorKind::NoMessageFound) => Ok(None),
+        Err(e) => Err(Error::nats("read weight announcement", e)),
+    }
+}
+
+/// Publishes weight snapshots to the object store.
+pub struct NatsWeightPublisher {
+    transport: NatsTransport,
+    store: object_store::ObjectStore,
+    announce: stream::Stream,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for NatsWeightPublisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsWeightPublisher")
+            .field("bucket", &self.transport.config.weights.bucket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsWeightPublisher {
+    /// This publisher's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+
+    async fn publish_snapshot(&self, snapshot: Arc<WeightSnapshot>) -> Result<()> {
+        let start = Instant::now();
+        let c = &self.transport.config.weights;
+        if let Some(newest) = last_announcement(&self.announce, &c.announce_subject).await?
+            && newest.version > snapshot.version.0
+        {
+            return Err(Error::StaleVersion { version: snapshot.version.0, newest: newest.version });
+        }
+        let version = snapshot.version;
+        let bytes = tokio::task::spawn_blocking(move || encode_weights(&snapshot))
+            .await
+            .map_err(|e| Error::nats("encode weights", e))??;
+        let name = object_name(version);
+        let chunk = c.chunk_bytes.clamp(1024, self.transport.client.server_info().max_payload.max(1024));
+        let meta = object_store::ObjectMetadata {
+            name: name.clone(),
+            chunk_size: Some(chunk),
+            ..Default::default()
+        };
+        self.store.put(meta, &mut bytes.as_slice()).await.map_err(|e| Error::nats("store weights", e))?;
+        let announcement = Announcement { version: version.0, object: name, bytes: bytes.len() as u64 };
+        let payload = serde_json::to_vec(&announcement).map_err(|e| Error::nats("encode announcement", e))?;
+        self.transport.publish_durably("announce weights", &c.announce_subject, None, payload.into()).await?;
+        self.counters.sent(bytes.len(), start.elapsed());
+        self.prune(version).await;
+        Ok(())
+    }
+
+    /// Deletes versions older than the newest `keep_versions`; a failure only costs
+    /// space, so it is logged, not returned.
+    async fn prune(&self, newest: PolicyVersion) {
+        let keep = self.transport.config.weights.keep_versions.max(1);
+        let Some(oldest_kept) = newest.0.checked_sub(keep - 1) else { return };
+        let mut names = Vec::new();
+        match self.store.list().await {
+            Ok(mut list) => {
+                while let Some(Ok(info)) = list.next().await {
+                    if let Some(v) = info.name.strip_prefix('v').and_then(|v| v.parse::<u64>().ok())
+                        && v < oldest_kept
+                    {
+                        names.push(info.name);
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not list weight versions to prune"),
+        }
+        for name in names {
+            if let Err(e) = self.store.delete(&name).await {
+                tracing::warn!(error = %e, object = %name, "could not prune a weight version");
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl WeightPublisher for NatsWeightPublisher {
+    async fn publish(&self, snapshot: Arc<WeightSnapshot>) -> metronome_core::Result<()> {
+        Ok(self.publish_snapshot(snapshot).await?)
+    }
+}
+
+/// Fetches the newest published weights, caching the last one fetched.
+pub struct NatsWeightSubscriber {
+    transport: NatsTransport,
+    store: object_store::ObjectStore,
+    announce: stream::Stream,
+    cached: Option<Arc<WeightSnapshot>>,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for NatsWeightSubscriber {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsWeightSubscriber")
+            .field("bucket", &self.transport.config.weights.bucket)
+            .field("cached", &self.cached.as_ref().map(|s| s.version))
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsWeightSubscriber {
+    /// This subscriber's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+
+    async fn newest(&mut self) -> Result<Option<Arc<WeightSnapshot>>> {
+        let subject = self.transport.config.weights.announce_subject.clone();
+        // A version may be pruned between reading its announcement and fetching it
+        // when the publisher is fast; the announcement is then newer on the next try.
+        let mut attempts = 0;
+        loop {
+            let Some(announcement) = last_announcement(&self.announce, &subject).await? else {
+                return Ok(None);
+            };
+            if let Some(cached) = self.cached.as_ref().filter(|c| c.version.0 == announcement.version) {
+                return Ok(Some(Arc::clone(cached)));
+            }
+            match self.fetch(&announcement).await {
+                Ok(snapshot) => {
+                    let snapshot = Arc::new(snapshot);
+                    self.cached = Some(Arc::clone(&snapshot));
+                    return Ok(Some(snapshot));
+                }
+                Err(e) if attempts < 5 && !e.is_bad_message() => {
+                    attempts += 1;
+                    tracing::debug!(error = %e, "weight fetch failed; re-reading the announcement");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => {
+                    if e.is_bad_message() {
+                        self.counters.rejected(e.reason());
+                    }
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    async fn fetch(&self, announcement: &Announcement) -> Result<WeightSnapshot> {
+        let start = Instant::now();
+        let mut object =
+            self.store.get(&announcement.object).await.map_err(|e| Error::nats("fetch weights", e))?;
+        let size = usize::try_from(announcement.bytes).unwrap_or(0);
+        let mut bytes = Vec::with_capacity(size);
+        object.read_to_end(&mut bytes).await.map_err(|e| Error::nats("read weights", e))?;
+        let len = bytes.len();
+        let snapshot = tokio::task::spawn_blocking(move || decode_weights(&bytes))
+            .await
+            .map_err(|e| Error::nats("decode weights", e))??;
+        if snapshot.version.0 != announcement.version {
+            return Err(Error::Malformed {
+                kind: "weights",
+                field: "version".into(),
+                reason: format!("object {} holds version {}", announcement.object, snapshot.version),
+            });
+        }
+        self.counters.received(len);
+        self.counters.fetched(start.elapsed());
+        Ok(snapshot)
+    }
+}
+
+#[async_trait]
+impl WeightSubscriber for NatsWeightSubscriber {
+    async fn latest(&mut self) -> metronome_core::Result<Option<Arc<WeightSnapshot>>> {
+        Ok(self.newest().await?)
+    }
+
+    async fn wait_for(&mut self, min: PolicyVersion) -> metronome_core::Result<Arc<WeightSnapshot>> {
+        // Subscribe before looking, so an announcement between the look and the
+        // subscription cannot be missed.
+        let subject = self.transport.config.weights.announce_subject.clone();
+        let mut announcements = self
+            .transport
+            .client
+            .subscribe(subject)
+            .await
+            .map_err(|e| Error::nats("subscribe to weight announcements", e))?;
+        loop {
+            if let Some(s) = self.newest().await?.filter(|s| s.version >= min) {
+                return Ok(s);
+            }
+            loop {
+                let Some(message) = announcements.next().await else {
+                    return Err(Error::Closed("nats weight announcements").into());
+                };
+                match serde_json::from_slice::<Announcement>(&message.payload) {
+                    Ok(a) if a.version >= min.0 => break,
+                    Ok(_) => {}
+                    Err(e) => {
+                        self.counters.rejected("malformed");
+                        tracing::warn!(error = %e, "ignored a malformed weight announcement");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Sends control messages.
+#[derive(Debug, Clone)]
+pub struct NatsControlSender {
+    transport: NatsTransport,
+    counters: Arc<Counters>,
+}
+
+#[async_trait]
+impl ControlSender for NatsControlSender {
+    async fn send(&self, message: ControlMessage) -> metronome_core::Result<()> {
+        let start = Instant::now();
+        let bytes = encode_control(&message)?;
+        check_size("control", bytes.len(), self.transport.max_message)
+            .inspect_err(|e| self.counters.rejected(e.reason()))?;
+        let len = bytes.len();
+        let subject = &self.transport.config.control.subject;
+        self.transport.publish_durably("publish control", subject, None, bytes.into()).await?;
+        self.counters.sent(len, start.elapsed());
+        Ok(())
+    }
+}
+
+/// Receives control messages.
+pub struct NatsControlReceiver {
+    messages: consumer::pull::Ordered,
+    max_message: usize,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for NatsControlReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsControlReceiver").field("max_message", &self.max_message).finish_non_exhaustive()
+    }
+}
+
+impl NatsControlReceiver {
+    /// This receiver's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+}
+
+#[async_trait]
+impl ControlReceiver for NatsControlReceiver {
+    async fn recv(&mut self) -> metronome_core::Result<Option<ControlMessage>> {
+        loop {
+            let message = match self.messages.next().await {
+                None => return Ok(None),
+                Some(Ok(m)) => m,
+                Some(Err(e)) => {
+                    tracing::debug!(error = %e, "control stream interrupted; waiting");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let len = message.payload.len();
+            let decoded =
+                check_size("control", len, self.max_message).and_then(|()| decode_control(&message.payload));
+            match decoded {
+                Ok(m) => {
+                    self.counters.received(len);
+                    return Ok(Some(m));
+                }
+                Err(e) => {
+                    self.counters.rejected(e.reason());
+                    tracing::warn!(error = %e, "rejected a control message");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_defaults_parse_from_an_empty_object() {
+        let c: NatsConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(c, NatsConfig::default());
+    }
+
+    #[test]
+    fn config_reads_credentials_and_names() {
+        let c: NatsConfig = serde_json::from_str(
+            r#"{"urls": ["nats://a:4222", "tls://b:4222"],
+                "auth": {"kind": "user_password", "user": "u", "password": "p"},
+                "tls": {"required": true},
+                "reconnect": {"initial_delay_ms": 10, "max_delay_ms": 80},
+                "groups": {"stream": "RUN7_GROUPS", "max_pending": 16}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.urls.len(), 2);
+        assert_eq!(c.auth, NatsAuth::UserPassword { user: "u".into(), password: "p".into() });
+        assert!(c.tls.required);
+        assert_eq!(c.groups.stream, "RUN7_GROUPS");
+        assert_eq!(c.groups.max_pending, 16);
+        assert_eq!(c.groups.subject, "metronome.groups");
+        assert!(serde_json::from_str::<NatsConfig>(r#"{"url": "x"}"#).is_err(), "unknown fields are refused");
+    }
+
+    #[test]
+    fn reconnect_backoff_doubles_up_to_the_cap() {
+        let r = ReconnectConfig { initial_delay_ms: 10, max_delay_ms: 80, max_attempts: None };
+        let delays: Vec<u64> = (1..=6).map(|a| r.delay(a).as_millis() as u64).collect();
+        assert_eq!(delays, [0, 10, 20, 40, 80, 80]);
+    }
+}

@@ -1,0 +1,707 @@
+//! The wire formats: scored groups, weight snapshots and control messages as bytes.
+//!
+//! Every message starts with the same 24-byte header, all integers little-endian:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 0..4 | magic: `MTRG` (group), `MTRW` (weights), `MTRC` (control) |
+//! | 4..6 | format version of this kind (`u16`) |
+//! | 6..8 | flags, reserved, must be 0 |
+//! | 8..16 | body length in bytes (`u64`) |
+//! | 16..24 | xxh3-64 checksum of the body |
+//!
+//! A reader accepts the format versions from its oldest to its newest supported one
+//! and rejects any other with [`Error::IncompatibleVersion`], which says whether the
+//! writer is newer (upgrade the reader) or older (re-encode). A format change that an
+//! old reader would misread must bump the version.
+//!
+//! Group bodies are hand-laid binary: token ids and log-probs are packed
+//! little-endian arrays (copied with `bytemuck`, no per-element work on little-endian
+//! machines), text is length-prefixed UTF-8. Weight bodies are a tensor table (name,
+//! dtype, shape) followed by the raw tensor bytes back to back, like safetensors, so
+//! encoding and decoding are one copy and one checksum pass. Control messages are
+//! rare and tiny, so their body is `postcard`.
+//!
+//! Decoding never trusts a length: every count is checked against the bytes left
+//! before anything is allocated, so a corrupted or hostile message is an error,
+//! never a panic or an out-of-memory.
+
+use std::collections::BTreeMap;
+
+use bytemuck::Pod;
+use metronome_core::{
+    Completion, ControlMessage, FinishReason, Group, GroupStats, GroupTiming, HostTensor, PeriodId,
+    PolicyVersion, Prompt, PromptId, Reward, ScoredGroup, TensorData, WeightSnapshot,
+};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::{Error, Result};
+
+/// Magic of a group message.
+pub const GROUP_MAGIC: [u8; 4] = *b"MTRG";
+/// Magic of a weight snapshot.
+pub const WEIGHTS_MAGIC: [u8; 4] = *b"MTRW";
+/// Magic of a control message.
+pub const CONTROL_MAGIC: [u8; 4] = *b"MTRC";
+
+/// The group format version this crate writes (and the newest it reads).
+pub const GROUP_FORMAT_VERSION: u16 = 1;
+/// The weights format version this crate writes (and the newest it reads).
+pub const WEIGHTS_FORMAT_VERSION: u16 = 1;
+/// The control format version this crate writes (and the newest it reads).
+pub const CONTROL_FORMAT_VERSION: u16 = 1;
+/// The oldest version of each kind this crate still reads.
+const OLDEST_READABLE: u16 = 1;
+
+/// Bytes of the common header.
+pub const HEADER_LEN: usize = 24;
+
+/// Returns [`Error::TooLarge`] when `size` exceeds `limit`.
+pub fn check_size(kind: &'static str, size: usize, limit: usize) -> Result<()> {
+    if size > limit {
+        return Err(Error::TooLarge { kind, size: size as u64, limit: limit as u64 });
+    }
+    Ok(())
+}
+
+/// Encodes a scored group. The group is validated first, so that a broken group is
+/// refused at the sender rather than at the trainer.
+pub fn encode_group(scored: &ScoredGroup) -> Result<Vec<u8>> {
+    validate_scored(scored)?;
+    let group = &scored.group;
+    let approx = 256
+        + group.prompt.text.len()
+        + group.prompt.tokens.len() * 4
+        + group.completions.iter().map(|c| 64 + c.text.len() + c.tokens.len() * 8).sum::<usize>()
+        + scored.rewards.len() * 32;
+    let mut w = Writer::new(GROUP_MAGIC, GROUP_FORMAT_VERSION, approx, "group");
+    w.u64(group.period.0);
+    w.u64(group.prompt.id.0);
+    w.str(&group.prompt.text, "prompt.text")?;
+    w.packed(&group.prompt.tokens, "prompt.tokens")?;
+    match &group.prompt.reference {
+        None => w.u8(0),
+        Some(r) => {
+            w.u8(1);
+            w.str(r, "prompt.reference")?;
+        }
+    }
+    w.len32(group.prompt.metadata.len(), "prompt.metadata")?;
+    for (k, v) in &group.prompt.metadata {
+        w.str(k, "prompt.metadata key")?;
+        w.str(v, "prompt.metadata value")?;
+    }
+    w.f64(group.timing.started_s);
+    w.f64(group.timing.finished_s);
+    w.len32(group.completions.len(), "completions")?;
+    for c in &group.completions {
+        w.u32(c.sample_index);
+        w.u8(finish_reason_code(c.finish_reason));
+        w.u64(c.version.0);
+        w.str(&c.text, "completion.text")?;
+        w.packed(&c.tokens, "completion.tokens")?;
+        w.packed(&c.logprobs, "completion.logprobs")?;
+    }
+    w.len32(scored.rewards.len(), "rewards")?;
+    for r in &scored.rewards {
+        w.f32(r.total);
+        w.len32(r.parts.len(), "reward.parts")?;
+        for (k, v) in &r.parts {
+            w.str(k, "reward.parts key")?;
+            w.f32(*v);
+        }
+        match &r.failure {
+            None => w.u8(0),
+            Some(f) => {
+                w.u8(1);
+                w.str(f, "reward.failure")?;
+            }
+        }
+    }
+    w.packed(&scored.advantages, "advantages")?;
+    w.f32(scored.stats.mean);
+    w.f32(scored.stats.std);
+    w.u8(u8::from(scored.stats.all_equal));
+    Ok(w.finish())
+}
+
+/// Decodes a scored group written by [`encode_group`] and checks its invariants.
+pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
+    let mut r = Reader::open(bytes, "group", GROUP_MAGIC, GROUP_FORMAT_VERSION)?;
+    let period = PeriodId(r.u64("period")?);
+    let id = PromptId(r.u64("prompt.id")?);
+    let text = r.str("prompt.text")?;
+    let tokens = r.packed("prompt.tokens")?;
+    let reference = match r.u8("prompt.reference tag")? {
+        0 => None,
+        1 => Some(r.str("prompt.reference")?),
+        t => return Err(r.malformed("prompt.reference tag", format!("unknown tag {t}"))),
+    };
+    let n = r.count("prompt.metadata", 8)?;
+    let mut metadata = BTreeMap::new();
+    for _ in 0..n {
+        let k = r.str("prompt.metadata key")?;
+        let v = r.str("prompt.metadata value")?;
+        metadata.insert(k, v);
+    }
+    let timing =
+        GroupTiming { started_s: r.f64("timing.started_s")?, finished_s: r.f64("timing.finished_s")? };
+    let n = r.count("completions", 25)?;
+    let mut completions = Vec::with_capacity(n);
+    for _ in 0..n {
+        let sample_index = r.u32("completion.sample_index")?;
+        let finish_reason = match r.u8("completion.finish_reason")? {
+            0 => FinishReason::Stop,
+            1 => FinishReason::StopString,
+            2 => FinishReason::Length,
+            3 => FinishReason::Aborted,
+            t => return Err(r.malformed("completion.finish_reason", format!("unknown code {t}"))),
+        };
+        let version = PolicyVersion(r.u64("completion.version")?);
+        let text = r.str("completion.text")?;
+        let tokens = r.packed("completion.tokens")?;
+        let logprobs = r.packed("completion.logprobs")?;
+        completions.push(Completion { sample_index, tokens, logprobs, text, finish_reason, version });
+    }
+    let n = r.count("rewards", 9)?;
+    let mut rewards = Vec::with_capacity(n);
+    for _ in 0..n {
+        let total = r.f32("reward.total")?;
+        let parts_n = r.count("reward.parts", 8)?;
+        let mut parts = BTreeMap::new();
+        for _ in 0..parts_n {
+            let k = r.str("reward.parts key")?;
+            let v = r.f32("reward.parts value")?;
+            parts.insert(k, v);
+        }
+        let failure = match r.u8("reward.failure tag")? {
+            0 => None,
+            1 => Some(r.str("reward.failure")?),
+            t => return Err(r.malformed("reward.failure tag", format!("unknown tag {t}"))),
+        };
+        rewards.push(Reward { total, parts, failure });
+    }
+    let advantages = r.packed("advantages")?;
+    let stats = GroupStats {
+        mean: r.f32("stats.mean")?,
+        std: r.f32("stats.std")?,
+        all_equal: match r.u8("stats.all_equal")? {
+            0 => false,
+            1 => true,
+            t => return Err(r.malformed("stats.all_equal", format!("not a boolean: {t}"))),
+        },
+    };
+    r.finish()?;
+    let scored = ScoredGroup {
+        group: Group {
+            period,
+            prompt: Prompt { id, text, tokens, reference, metadata },
+            completions,
+            timing,
+        },
+        rewards,
+        advantages,
+        stats,
+    };
+    validate_scored(&scored)?;
+    Ok(scored)
+}
+
+fn validate_scored(scored: &ScoredGroup) -> Result<()> {
+    let key = scored.key();
+    scored.group.validate().map_err(|e| Error::Malformed {
+        kind: "group",
+        field: "completions".into(),
+        reason: e.to_string(),
+    })?;
+    let n = scored.group.completions.len();
+    if scored.rewards.len() != n || scored.advantages.len() != n {
+        return Err(Error::Malformed {
+            kind: "group",
+            field: "rewards".into(),
+            reason: format!(
+                "group {key} has {} rewards and {} advantages for {n} completions",
+                scored.rewards.len(),
+                scored.advantages.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn finish_reason_code(reason: FinishReason) -> u8 {
+    match reason {
+        FinishReason::Stop => 0,
+        FinishReason::StopString => 1,
+        FinishReason::Length => 2,
+        FinishReason::Aborted => 3,
+    }
+}
+
+const DTYPE_F32: u8 = 0;
+const DTYPE_BF16: u8 = 1;
+const DTYPE_F16: u8 = 2;
+
+/// Encodes a weight snapshot: a tensor table, then every tensor's raw bytes.
+pub fn encode_weights(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
+    let table: usize =
+        snapshot.tensors.iter().map(|t| 4 + t.name.len() + 1 + 4 + 8 * t.shape.len() + 8).sum();
+    let mut w =
+        Writer::new(WEIGHTS_MAGIC, WEIGHTS_FORMAT_VERSION, 12 + table + snapshot.num_bytes(), "weights");
+    w.u64(snapshot.version.0);
+    w.len32(snapshot.tensors.len(), "tensors")?;
+    for t in &snapshot.tensors {
+        let numel = t.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        if numel != Some(t.data.len()) {
+            return Err(Error::Malformed {
+                kind: "weights",
+                field: format!("tensor {} shape", t.name),
+                reason: format!("shape {:?} does not hold {} elements", t.shape, t.data.len()),
+            });
+        }
+        w.str(&t.name, "tensor.name")?;
+        w.u8(match t.data {
+            TensorData::F32(_) => DTYPE_F32,
+            TensorData::Bf16(_) => DTYPE_BF16,
+            TensorData::F16(_) => DTYPE_F16,
+        });
+        w.len32(t.shape.len(), "tensor.shape")?;
+        for &d in &t.shape {
+            w.u64(d as u64);
+        }
+        w.u64(t.data.len() as u64);
+    }
+    for t in &snapshot.tensors {
+        match &t.data {
+            TensorData::F32(v) => w.raw(v),
+            TensorData::Bf16(v) | TensorData::F16(v) => w.raw(v),
+        }
+    }
+    Ok(w.finish())
+}
+
+/// Decodes a weight snapshot written by [`encode_weights`].
+pub fn decode_weights(bytes: &[u8]) -> Result<WeightSnapshot> {
+    let mut r = Reader::open(bytes, "weights", WEIGHTS_MAGIC, WEIGHTS_FORMAT_VERSION)?;
+    let version = PolicyVersion(r.u64("version")?);
+    let n = r.count("tensors", 17)?;
+    let mut table = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.str("tensor.name")?;
+        let dtype = r.u8("tensor.dtype")?;
+        let elem = match dtype {
+            DTYPE_F32 => 4u64,
+            DTYPE_BF16 | DTYPE_F16 => 2,
+            t => return Err(r.malformed("tensor.dtype", format!("unknown dtype {t} for tensor {name}"))),
+        };
+        let ndim = r.count("tensor.shape", 8)?;
+        let mut shape = Vec::with_capacity(ndim);
+        for _ in 0..ndim {
+            let d = r.u64("tensor.shape")?;
+            shape.push(
+                usize::try_from(d)
+                    .map_err(|_| r.malformed("tensor.shape", format!("dimension {d} too large")))?,
+            );
+        }
+        let numel = r.u64("tensor.numel")?;
+        let product = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+        if product != Some(numel) {
+            return Err(r.malformed(
+                "tensor.shape",
+                format!("tensor {name}: shape {shape:?} does not hold {numel} elements"),
+            ));
+        }
+        let nbytes = numel.checked_mul(elem).ok_or_else(|| {
+            r.malformed("tensor.numel", format!("tensor {name}: {numel} elements overflow"))
+        })?;
+        table.push((name, dtype, shape, nbytes));
+    }
+    let mut tensors = Vec::with_capacity(n);
+    for (name, dtype, shape, nbytes) in table {
+        let raw = r.take(nbytes, "tensor data")?;
+        let data = match dtype {
+            DTYPE_F32 => TensorData::F32(unpack(raw)),
+            DTYPE_BF16 => TensorData::Bf16(unpack(raw)),
+            _ => TensorData::F16(unpack(raw)),
+        };
+        tensors.push(HostTensor { name, shape, data });
+    }
+    r.finish()?;
+    Ok(WeightSnapshot { version, tensors })
+}
+
+/// Encodes a control message.
+pub fn encode_control(message: &ControlMessage) -> Result<Vec<u8>> {
+    let body = postcard::to_allocvec(message).map_err(|e| Error::Malformed {
+        kind: "control",
+        field: "body".into(),
+        reason: e.to_string(),
+    })?;
+    let mut w = Writer::new(CONTROL_MAGIC, CONTROL_FORMAT_VERSION, body.len(), "control");
+    w.buf.extend_from_slice(&body);
+    Ok(w.finish())
+}
+
+/// Decodes a control message.
+pub fn decode_control(bytes: &[u8]) -> Result<ControlMessage> {
+    let mut r = Reader::open(bytes, "control", CONTROL_MAGIC, CONTROL_FORMAT_VERSION)?;
+    let body = r.take(r.remaining() as u64, "body")?;
+    postcard::from_bytes(body).map_err(|e| Error::Malformed {
+        kind: "control",
+        field: "body".into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Element types stored as packed little-endian arrays.
+trait Packed: Pod {
+    fn swap_bytes(self) -> Self;
+}
+
+impl Packed for u32 {
+    fn swap_bytes(self) -> Self {
+        u32::swap_bytes(self)
+    }
+}
+
+impl Packed for u16 {
+    fn swap_bytes(self) -> Self {
+        u16::swap_bytes(self)
+    }
+}
+
+impl Packed for f32 {
+    fn swap_bytes(self) -> Self {
+        f32::from_bits(self.to_bits().swap_bytes())
+    }
+}
+
+/// Copies little-endian bytes into a vector (one memcpy on little-endian machines;
+/// the bytes need not be aligned).
+fn unpack<T: Packed>(raw: &[u8]) -> Vec<T> {
+    let mut v: Vec<T> = bytemuck::zeroed_vec(raw.len() / size_of::<T>());
+    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(raw);
+    if cfg!(target_endian = "big") {
+        for x in &mut v {
+            *x = x.swap_bytes();
+        }
+    }
+    v
+}
+
+struct Writer {
+    kind: &'static str,
+    buf: Vec<u8>,
+}
+
+impl Writer {
+    fn new(magic: [u8; 4], version: u16, body_capacity: usize, kind: &'static str) -> Self {
+        let mut buf = Vec::with_capacity(HEADER_LEN + body_capacity);
+        buf.extend_from_slice(&magic);
+        buf.extend_from_slice(&version.to_le_bytes());
+        buf.extend_from_slice(&0u16.to_le_bytes());
+        buf.extend_from_slice(&[0; 16]);
+        Self { kind, buf }
+    }
+
+    fn finish(mut self) -> Vec<u8> {
+        let body_len = (self.buf.len() - HEADER_LEN) as u64;
+        let checksum = xxh3_64(&self.buf[HEADER_LEN..]);
+        self.buf[8..16].copy_from_slice(&body_len.to_le_bytes());
+        self.buf[16..24].copy_from_slice(&checksum.to_le_bytes());
+        self.buf
+    }
+
+    fn u8(&mut self, v: u8) {
+        self.buf.push(v);
+    }
+
+    fn u32(&mut self, v: u32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn u64(&mut self, v: u64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn f32(&mut self, v: f32) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn f64(&mut self, v: f64) {
+        self.buf.extend_from_slice(&v.to_le_bytes());
+    }
+
+    fn len32(&mut self, n: usize, field: &'static str) -> Result<()> {
+        let n = u32::try_from(n).map_err(|_| Error::Malformed {
+            kind: self.kind,
+            field: field.into(),
+            reason: format!("length {n} does not fit the format's 32-bit count"),
+        })?;
+        self.u32(n);
+        Ok(())
+    }
+
+    fn str(&mut self, s: &str, field: &'static str) -> Result<()> {
+        self.len32(s.len(), field)?;
+        self.buf.extend_from_slice(s.as_bytes());
+        Ok(())
+    }
+
+    fn packed<T: Packed>(&mut self, v: &[T], field: &'static str) -> Result<()> {
+        self.len32(v.len(), field)?;
+        self.raw(v);
+        Ok(())
+    }
+
+    fn raw<T: Packed>(&mut self, v: &[T]) {
+        if cfg!(target_endian = "little") {
+            self.buf.extend_from_slice(bytemuck::cast_slice(v));
+        } else {
+            for &x in v {
+                self.buf.extend_from_slice(bytemuck::bytes_of(&x.swap_bytes()));
+            }
+        }
+    }
+}
+
+struct Reader<'a> {
+    kind: &'static str,
+    body: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// Checks the header and the checksum, and returns a reader over the body.
+    fn open(bytes: &'a [u8], kind: &'static str, magic: [u8; 4], newest: u16) -> Result<Self> {
+        let truncated = |field, needed: usize| Error::Truncated {
+            kind,
+            field,
+            offset: 0,
+            needed: needed as u64,
+            available: bytes.len() as u64,
+        };
+        let found: [u8; 4] =
+            bytes.get(..4).ok_or_else(|| truncated("magic", 4))?.try_into().unwrap_or_default();
+        if found != magic {
+            return Err(Error::BadMagic { kind, found, expected: magic });
+        }
+        let header = bytes.get(..HEADER_LEN).ok_or_else(|| truncated("header", HEADER_LEN))?;
+        let le_u64 = |at: usize| u64::from_le_bytes(header[at..at + 8].try_into().unwrap_or_default());
+        let version = u16::from_le_bytes([header[4], header[5]]);
+        if version > newest {
+            return Err(Error::IncompatibleVersion {
+                kind,
+                found: version,
+                oldest: OLDEST_READABLE,
+                newest,
+                hint: "the writer is newer than this reader; upgrade metronome on the receiving side",
+            });
+        }
+        if version < OLDEST_READABLE {
+            return Err(Error::IncompatibleVersion {
+                kind,
+                found: version,
+                oldest: OLDEST_READABLE,
+                newest,
+                hint: "the writer is older than any format this reader supports; upgrade the sender",
+            });
+        }
+        let flags = u16::from_le_bytes([header[6], header[7]]);
+        if flags != 0 {
+            return Err(Error::Malformed {
+                kind,
+                field: "flags".into(),
+                reason: format!("unknown flags {flags:#06x}"),
+            });
+        }
+        let body_len = le_u64(8);
+        let body = &bytes[HEADER_LEN..];
+        if (body.len() as u64) < body_len {
+            return Err(Error::Truncated {
+                kind,
+                field: "body",
+                offset: HEADER_LEN,
+                needed: body_len,
+                available: body.len() as u64,
+            });
+        }
+        if body.len() as u64 > body_len {
+            return Err(Error::Malformed {
+                kind,
+                field: "body".into(),
+                reason: format!("{} bytes follow a body of {body_len} bytes", body.len() as u64 - body_len),
+            });
+        }
+        let expected = le_u64(16);
+        let actual = xxh3_64(body);
+        if actual != expected {
+            return Err(Error::Checksum { kind, expected, actual });
+        }
+        Ok(Self { kind, body, pos: 0 })
+    }
+
+    fn remaining(&self) -> usize {
+        self.body.len() - self.pos
+    }
+
+    fn malformed(&self, field: &str, reason: String) -> Error {
+        Error::Malformed {
+            kind: self.kind,
+            field: format!("{field} (byte {})", HEADER_LEN + self.pos),
+            reason,
+        }
+    }
+
+    fn take(&mut self, n: u64, field: &'static str) -> Result<&'a [u8]> {
+        let available = self.remaining() as u64;
+        if n > available {
+            return Err(Error::Truncated {
+                kind: self.kind,
+                field,
+                offset: HEADER_LEN + self.pos,
+                needed: n,
+                available,
+            });
+        }
+        let n = n as usize;
+        let out = &self.body[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(out)
+    }
+
+    fn array<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N]> {
+        let bytes = self.take(N as u64, field)?;
+        let mut out = [0u8; N];
+        out.copy_from_slice(bytes);
+        Ok(out)
+    }
+
+    fn u8(&mut self, field: &'static str) -> Result<u8> {
+        Ok(self.array::<1>(field)?[0])
+    }
+
+    fn u32(&mut self, field: &'static str) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array(field)?))
+    }
+
+    fn u64(&mut self, field: &'static str) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array(field)?))
+    }
+
+    fn f32(&mut self, field: &'static str) -> Result<f32> {
+        Ok(f32::from_le_bytes(self.array(field)?))
+    }
+
+    fn f64(&mut self, field: &'static str) -> Result<f64> {
+        Ok(f64::from_le_bytes(self.array(field)?))
+    }
+
+    /// Reads a count of items that take at least `min_item_bytes` each, refusing
+    /// counts the remaining bytes cannot hold (so a corrupted count cannot make us
+    /// allocate gigabytes).
+    fn count(&mut self, field: &'static str, min_item_bytes: u64) -> Result<usize> {
+        let offset = HEADER_LEN + self.pos;
+        let n = u64::from(self.u32(field)?);
+        let available = self.remaining() as u64;
+        if n.saturating_mul(min_item_bytes) > available {
+            return Err(Error::Truncated {
+                kind: self.kind,
+                field,
+                offset,
+                needed: n.saturating_mul(min_item_bytes),
+                available,
+            });
+        }
+        Ok(n as usize)
+    }
+
+    fn str(&mut self, field: &'static str) -> Result<String> {
+        let n = u64::from(self.u32(field)?);
+        let bytes = self.take(n, field)?;
+        match std::str::from_utf8(bytes) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(e) => Err(self.malformed(field, format!("not UTF-8: {e}"))),
+        }
+    }
+
+    fn packed<T: Packed>(&mut self, field: &'static str) -> Result<Vec<T>> {
+        let n = u64::from(self.u32(field)?);
+        let raw = self.take(n * size_of::<T>() as u64, field)?;
+        Ok(unpack(raw))
+    }
+
+    fn finish(self) -> Result<()> {
+        if self.remaining() != 0 {
+            return Err(
+                self.malformed("end", format!("{} unread bytes after the last field", self.remaining()))
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testdata::{scored_group, snapshot};
+
+    #[test]
+    fn group_round_trips_bit_exactly() {
+        let g = scored_group(3, 7, 4, 33);
+        let bytes = encode_group(&g).unwrap();
+        assert_eq!(&bytes[..4], b"MTRG");
+        assert_eq!(decode_group(&bytes).unwrap(), g);
+    }
+
+    #[test]
+    fn group_encoding_is_compact() {
+        // 4 responses of 256 tokens: ids and log-probs take 8 bytes per token packed;
+        // JSON would take several times that.
+        let g = scored_group(0, 1, 4, 256);
+        let bytes = encode_group(&g).unwrap();
+        let payload = 4 * 256 * 8;
+        assert!(bytes.len() < payload + 2048, "{} bytes for {payload} bytes of arrays", bytes.len());
+    }
+
+    #[test]
+    fn weights_round_trip_bit_exactly() {
+        let s = snapshot(5, 1000);
+        let bytes = encode_weights(&s).unwrap();
+        let back = decode_weights(&bytes).unwrap();
+        assert_eq!(back.version, s.version);
+        assert_eq!(encode_weights(&back).unwrap(), bytes);
+    }
+
+    #[test]
+    fn control_round_trips() {
+        for m in [
+            ControlMessage::PeriodStart {
+                period: PeriodId(4),
+                version: PolicyVersion(4),
+                prompts: vec![PromptId(1), PromptId(9)],
+            },
+            ControlMessage::PeriodEnd { period: PeriodId(4) },
+            ControlMessage::Shutdown,
+        ] {
+            assert_eq!(decode_control(&encode_control(&m).unwrap()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn a_broken_group_is_refused_by_the_writer() {
+        let mut g = scored_group(0, 1, 2, 3);
+        g.group.completions[1].logprobs.pop();
+        assert!(matches!(encode_group(&g), Err(Error::Malformed { .. })));
+        let mut g = scored_group(0, 1, 2, 3);
+        g.advantages.pop();
+        assert!(matches!(encode_group(&g), Err(Error::Malformed { .. })));
+    }
+
+    #[test]
+    fn a_shape_that_does_not_match_the_data_is_refused() {
+        let mut s = snapshot(1, 10);
+        s.tensors[0].shape.push(3);
+        assert!(matches!(encode_weights(&s), Err(Error::Malformed { .. })));
+    }
+}

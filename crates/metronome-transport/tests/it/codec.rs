@@ -1,0 +1,154 @@
+//! The wire formats against truncated, corrupted, wrong-version and oversized input:
+//! every case is a clear error, never a panic.
+
+use metronome_transport::Error;
+use metronome_transport::testdata::{scored_group, snapshot};
+use metronome_transport::wire::{
+    HEADER_LEN, check_size, decode_control, decode_group, decode_weights, encode_control, encode_group,
+    encode_weights,
+};
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Rewrites the header checksum so that a body edit reaches the field decoder
+/// instead of being caught by the checksum.
+fn reseal(bytes: &mut [u8]) {
+    let sum = xxh3_64(&bytes[HEADER_LEN..]);
+    bytes[16..24].copy_from_slice(&sum.to_le_bytes());
+}
+
+#[test]
+fn every_truncation_of_a_group_is_an_error() {
+    let bytes = encode_group(&scored_group(1, 2, 3, 5)).unwrap();
+    for len in 0..bytes.len() {
+        let err = decode_group(&bytes[..len]).expect_err("a truncated group decoded");
+        assert!(matches!(err, Error::Truncated { .. }), "length {len}: {err}");
+    }
+}
+
+#[test]
+fn every_truncation_of_weights_is_an_error() {
+    let bytes = encode_weights(&snapshot(1, 3)).unwrap();
+    for len in 0..bytes.len() {
+        assert!(decode_weights(&bytes[..len]).is_err(), "length {len} decoded");
+    }
+}
+
+#[test]
+fn every_flipped_byte_is_detected() {
+    let bytes = encode_group(&scored_group(1, 2, 2, 4)).unwrap();
+    for i in 0..bytes.len() {
+        let mut bad = bytes.clone();
+        bad[i] ^= 0x5a;
+        let err = decode_group(&bad).expect_err("a corrupted group decoded");
+        let expected = match i {
+            0..4 => "bad_magic",
+            4..6 => "incompatible_version",
+            6..8 => "malformed",
+            8..16 => "",
+            _ => "checksum",
+        };
+        if !expected.is_empty() {
+            assert_eq!(err.reason(), expected, "byte {i}: {err}");
+        }
+    }
+}
+
+#[test]
+fn corrupted_fields_behind_a_valid_checksum_are_clear_errors() {
+    // A hostile writer can compute the checksum: the decoder must still refuse
+    // impossible counts without allocating them, and must never panic.
+    let bytes = encode_group(&scored_group(1, 2, 3, 6)).unwrap();
+    for i in HEADER_LEN..bytes.len() {
+        for x in [0xffu8, 0x80, 0x01] {
+            let mut bad = bytes.clone();
+            bad[i] ^= x;
+            reseal(&mut bad);
+            let _ = decode_group(&bad);
+        }
+    }
+    let mut bad = bytes.clone();
+    // The prompt text length (first field after period and prompt id) claims 4 GiB.
+    bad[HEADER_LEN + 16..HEADER_LEN + 20].copy_from_slice(&u32::MAX.to_le_bytes());
+    reseal(&mut bad);
+    let err = decode_group(&bad).unwrap_err();
+    assert!(matches!(err, Error::Truncated { field: "prompt.text", .. }), "{err}");
+    assert!(err.to_string().contains("prompt.text"), "{err}");
+}
+
+#[test]
+fn corrupted_weight_tables_are_clear_errors() {
+    let bytes = encode_weights(&snapshot(2, 4)).unwrap();
+    for i in HEADER_LEN..bytes.len().min(HEADER_LEN + 400) {
+        for x in [0xffu8, 0x80, 0x01] {
+            let mut bad = bytes.clone();
+            bad[i] ^= x;
+            reseal(&mut bad);
+            let _ = decode_weights(&bad);
+        }
+    }
+    let mut bad = bytes.clone();
+    // The tensor count claims 4 billion tensors.
+    bad[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&u32::MAX.to_le_bytes());
+    reseal(&mut bad);
+    assert!(matches!(decode_weights(&bad), Err(Error::Truncated { field: "tensors", .. })));
+}
+
+#[test]
+fn a_newer_writer_is_refused_with_a_clear_message() {
+    let mut bytes = encode_group(&scored_group(0, 0, 1, 1)).unwrap();
+    bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+    let err = decode_group(&bytes).unwrap_err();
+    assert!(matches!(err, Error::IncompatibleVersion { found: 2, newest: 1, .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("format version 2") && msg.contains("upgrade"), "{msg}");
+
+    bytes[4..6].copy_from_slice(&0u16.to_le_bytes());
+    let err = decode_group(&bytes).unwrap_err();
+    assert!(matches!(err, Error::IncompatibleVersion { found: 0, .. }), "{err}");
+
+    let mut weights = encode_weights(&snapshot(0, 1)).unwrap();
+    weights[4..6].copy_from_slice(&9u16.to_le_bytes());
+    assert!(matches!(decode_weights(&weights), Err(Error::IncompatibleVersion { found: 9, .. })));
+}
+
+#[test]
+fn a_message_of_another_kind_is_refused_by_magic() {
+    let weights = encode_weights(&snapshot(0, 1)).unwrap();
+    assert!(matches!(decode_group(&weights), Err(Error::BadMagic { kind: "group", .. })));
+    let control = encode_control(&metronome_core::ControlMessage::Shutdown).unwrap();
+    assert!(matches!(decode_weights(&control), Err(Error::BadMagic { .. })));
+    assert!(matches!(decode_control(b"{\"json\": true}"), Err(Error::BadMagic { .. })));
+}
+
+#[test]
+fn trailing_bytes_are_refused() {
+    let mut bytes = encode_control(&metronome_core::ControlMessage::Shutdown).unwrap();
+    bytes.push(0);
+    assert!(matches!(decode_control(&bytes), Err(Error::Malformed { .. })));
+}
+
+#[test]
+fn oversized_messages_are_refused_by_size() {
+    let bytes = encode_group(&scored_group(0, 0, 8, 4096)).unwrap();
+    let err = check_size("group", bytes.len(), 64 * 1024).unwrap_err();
+    assert_eq!(err.reason(), "oversized");
+    assert!(err.to_string().contains("exceeds the limit of 65536 bytes"), "{err}");
+    assert!(check_size("group", bytes.len(), bytes.len()).is_ok());
+}
+
+#[test]
+fn weights_keep_every_bit() {
+    // NaN payloads and negative zero survive: the format copies bytes, not values.
+    let mut s = snapshot(3, 16);
+    if let metronome_core::TensorData::F32(v) = &mut s.tensors[0].data {
+        v[0] = f32::from_bits(0x7fc0_1234);
+        v[1] = -0.0;
+    }
+    let bytes = encode_weights(&s).unwrap();
+    let back = decode_weights(&bytes).unwrap();
+    assert_eq!(encode_weights(&back).unwrap(), bytes);
+    if let metronome_core::TensorData::F32(v) = &back.tensors[0].data {
+        assert_eq!(v[0].to_bits(), 0x7fc0_1234);
+        assert_eq!(v[1].to_bits(), (-0.0f32).to_bits());
+    }
+}

@@ -1,0 +1,11 @@
+//! Integration tests of metronome-transport: the wire formats against hostile input,
+//! the conformance suite run by both transports, and the NATS transport against a
+//! real `nats-server` (started on a free loopback port by [`server::NatsServer`]).
+
+mod codec;
+mod conformance;
+mod local;
+#[cfg(feature = "nats")]
+mod nats;
+#[cfg(feature = "nats")]
+mod server;

@@ -1,0 +1,316 @@
+//! The NATS transport against a real `nats-server`: crash redelivery, weights
+//! across processes, a server restart mid-stream, hostile messages.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use metronome_core::{
+    GroupKey, GroupReceiver, GroupSender, PolicyVersion, WeightPublisher, WeightSubscriber,
+};
+use metronome_transport::nats::{NatsConfig, NatsTransport};
+use metronome_transport::testdata::{scored_group, snapshot};
+use metronome_transport::wire::{encode_group, encode_weights};
+
+use crate::server::NatsServer;
+
+/// Environment variables that turn this test binary into a helper process.
+const CHILD_ROLE: &str = "METRONOME_TRANSPORT_CHILD_ROLE";
+const CHILD_URL: &str = "METRONOME_TRANSPORT_CHILD_URL";
+const CHILD_PREFIX: &str = "METRONOME_TRANSPORT_CHILD_PREFIX";
+
+/// The version and width of the tiny-model-shaped snapshot sent between processes.
+const TINY_VERSION: u64 = 7;
+const TINY_WIDTH: usize = 300;
+
+/// A safety net against hangs; no test depends on speed.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+fn config(server: &NatsServer, prefix: &str) -> NatsConfig {
+    NatsConfig::with_prefix(vec![server.url()], prefix)
+}
+
+async fn next(receiver: &mut dyn GroupReceiver) -> metronome_core::Delivery {
+    tokio::time::timeout(PATIENCE, receiver.recv())
+        .await
+        .expect("no group arrived in time")
+        .expect("receiving failed")
+        .expect("the group stream ended")
+}
+
+/// Entry point of the helper processes: a normal test run has no role set and
+/// returns at once; the tests below run this binary again with a role.
+#[test]
+fn child_process_entry() {
+    let Ok(role) = std::env::var(CHILD_ROLE) else { return };
+    let url = std::env::var(CHILD_URL).expect("child url");
+    let prefix = std::env::var(CHILD_PREFIX).expect("child prefix");
+    let config = NatsConfig::with_prefix(vec![url], &prefix);
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async move {
+        let t = NatsTransport::connect(config).await.expect("child connects");
+        match role.as_str() {
+            "publish-weights" => {
+                let p = t.weight_publisher().await.unwrap();
+                p.publish(Arc::new(snapshot(TINY_VERSION, TINY_WIDTH))).await.unwrap();
+                println!("published");
+            }
+            "consume-and-hang" => {
+                let mut r = t.group_receiver().await.unwrap();
+                let d = next(&mut r).await;
+                println!("received {} {}", d.group.group.period, d.group.group.prompt.id);
+                // Hold the delivery unacknowledged until the parent kills us.
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                drop(d);
+            }
+            other => panic!("unknown child role {other}"),
+        }
+    });
+}
+
+/// A helper process, killed when dropped so that a failing test leaves nothing behind.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl std::ops::Deref for ChildGuard {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ChildGuard {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+/// Runs this test binary as a helper process with `role`.
+fn spawn_child(role: &str, server: &NatsServer, prefix: &str) -> ChildGuard {
+    ChildGuard(
+        Command::new(std::env::current_exe().expect("test binary path"))
+            .args(["--exact", "nats::child_process_entry", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ROLE, role)
+            .env(CHILD_URL, server.url())
+            .env(CHILD_PREFIX, prefix)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the helper process"),
+    )
+}
+
+/// Reads the child's stdout until a line containing `prefix` (libtest may print
+/// the test name before it on the same line) and returns the text from `prefix` on.
+fn wait_for_line(child: &mut ChildGuard, prefix: &str) -> String {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    loop {
+        match lines.next() {
+            Some(Ok(line)) if line.contains(prefix) => {
+                // Keep draining, so the child's later output never hits a closed pipe.
+                std::thread::spawn(move || lines.for_each(drop));
+                return line[line.find(prefix).unwrap_or(0)..].to_owned();
+            }
+            Some(Ok(_)) => {}
+            _ => panic!("the helper process ended without printing {prefix:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_published_by_one_process_are_fetched_bit_identically_by_another() {
+    let server = NatsServer::start();
+    let mut child = spawn_child("publish-weights", &server, "xproc");
+    wait_for_line(&mut child, "published");
+    assert!(child.wait().unwrap().success(), "the publishing process failed");
+
+    let t = NatsTransport::connect(config(&server, "xproc")).await.unwrap();
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    let got = tokio::time::timeout(PATIENCE, subscriber.wait_for(PolicyVersion(TINY_VERSION)))
+        .await
+        .unwrap()
+        .unwrap();
+    let expected = snapshot(TINY_VERSION, TINY_WIDTH);
+    assert_eq!(
+        encode_weights(&got).unwrap(),
+        encode_weights(&expected).unwrap(),
+        "the fetched snapshot differs"
+    );
+    assert_eq!(subscriber.stats().messages_received, 1);
+    // A second look is served from the cache, without fetching again.
+    subscriber.latest().await.unwrap();
+    assert_eq!(subscriber.stats().messages_received, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_killed_before_acknowledging_gets_the_group_again_and_counts_it_once() {
+    let server = NatsServer::start();
+    let mut cfg = config(&server, "crash");
+    // Redeliver quickly: the killed consumer never acknowledges.
+    cfg.groups.ack_wait_ms = 1_000;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    // Create the durable consumer with the short ack wait before the child uses it.
+    drop(t.group_receiver().await.unwrap());
+    let sender = t.group_sender().await.unwrap();
+    let sent: Vec<_> = (0..3).map(|p| scored_group(1, p, 2, 4)).collect();
+    for g in &sent {
+        sender.send(g.clone()).await.unwrap();
+    }
+
+    let mut child = spawn_child("consume-and-hang", &server, "crash");
+    let line = wait_for_line(&mut child, "received");
+    assert_eq!(line, "received 1 0", "the first group goes to the first consumer");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let mut receiver = t.group_receiver().await.unwrap();
+    let mut counted = BTreeMap::<GroupKey, u32>::new();
+    for _ in 0..sent.len() {
+        let d = next(&mut receiver).await;
+        *counted.entry(d.group.key()).or_default() += 1;
+        d.acker.ack().await.unwrap();
+    }
+    let expected: BTreeMap<_, _> = sent.iter().map(|g| (g.key(), 1)).collect();
+    assert_eq!(counted, expected, "every group must count exactly once");
+    assert!(
+        receiver.stats().redeliveries >= 1,
+        "the killed consumer's group was not redelivered: {:?}",
+        receiver.stats()
+    );
+    // Nothing else is pending: the next delivery is a new group, not a late duplicate.
+    let sentinel = scored_group(2, 0, 2, 4);
+    sender.send(sentinel.clone()).await.unwrap();
+    assert_eq!(next(&mut receiver).await.group.key(), sentinel.key());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
+    let mut server = NatsServer::start();
+    let sending = NatsTransport::connect(config(&server, "restart")).await.unwrap();
+    let receiving = NatsTransport::connect(config(&server, "restart")).await.unwrap();
+    let mut receiver = receiving.group_receiver().await.unwrap();
+    let sender = sending.group_sender().await.unwrap();
+
+    let mut counted = BTreeMap::<GroupKey, u32>::new();
+    for p in 0..10 {
+        sender.send(scored_group(1, p, 2, 8)).await.unwrap();
+    }
+    for _ in 0..5 {
+        let d = next(&mut receiver).await;
+        *counted.entry(d.group.key()).or_default() += 1;
+        d.acker.ack().await.unwrap();
+    }
+
+    server.restart();
+
+    // Sends during and after the restart retry until the server has them.
+    for p in 10..20 {
+        tokio::time::timeout(PATIENCE, sender.send(scored_group(1, p, 2, 8))).await.unwrap().unwrap();
+    }
+    while counted.len() < 20 {
+        let d = next(&mut receiver).await;
+        *counted.entry(d.group.key()).or_default() += 1;
+        d.acker.ack().await.unwrap();
+    }
+    let expected: BTreeMap<_, _> = (0..20).map(|p| (scored_group(1, p, 2, 8).key(), 1)).collect();
+    assert_eq!(counted, expected, "a group was lost or counted twice across the restart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
+    let server = NatsServer::start();
+    let t = NatsTransport::connect(config(&server, "hostile")).await.unwrap();
+    let sender = t.group_sender().await.unwrap();
+    let mut small = config(&server, "hostile");
+    small.max_message_bytes = 4096;
+    let small = NatsTransport::connect(small).await.unwrap();
+    let mut receiver = small.group_receiver().await.unwrap();
+
+    // The small receiver's sender refuses an oversized group before publishing it.
+    let big = scored_group(0, 99, 8, 256);
+    let err = small.group_sender().await.unwrap().send(big.clone()).await.unwrap_err();
+    assert!(err.to_string().contains("exceeds the limit of 4096 bytes"), "{err}");
+
+    // Raw publications bypass the sender's checks and its message id.
+    let subject = t.config().groups.subject.clone();
+    let good = scored_group(0, 1, 2, 3);
+    let mut truncated = encode_group(&good).unwrap();
+    truncated.truncate(truncated.len() / 2);
+    let mut newer = encode_group(&good).unwrap();
+    newer[4] = 9;
+    for payload in [
+        b"not a group".to_vec(),
+        truncated,
+        newer,
+        encode_group(&big).unwrap(),
+        encode_group(&good).unwrap(),
+        encode_group(&good).unwrap(),
+    ] {
+        let ack = t.client().clone();
+        let js = async_nats::jetstream::new(ack);
+        js.publish(subject.clone(), Bytes::from(payload)).await.unwrap().await.unwrap();
+    }
+    let marker = scored_group(0, 2, 2, 3);
+    sender.send(marker.clone()).await.unwrap();
+
+    let d = next(&mut receiver).await;
+    assert_eq!(d.group, good);
+    d.acker.ack().await.unwrap();
+    let d = next(&mut receiver).await;
+    assert_eq!(d.group.key(), marker.key(), "the duplicate of a delivered key was delivered again");
+    d.acker.ack().await.unwrap();
+
+    let stats = receiver.stats();
+    let rejected: Vec<(&str, u64)> = stats.rejected.iter().map(|(k, v)| (*k, *v)).collect();
+    assert_eq!(
+        rejected,
+        [("bad_magic", 1), ("incompatible_version", 1), ("oversized", 1), ("truncated", 1)],
+        "{stats:?}"
+    );
+    assert_eq!(stats.duplicates, 1);
+    assert_eq!(stats.messages_received, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_weight_versions_are_pruned() {
+    let server = NatsServer::start();
+    let mut cfg = config(&server, "prune");
+    cfg.weights.keep_versions = 2;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let publisher = t.weight_publisher().await.unwrap();
+    for v in 1..=4 {
+        publisher.publish(Arc::new(snapshot(v, 16))).await.unwrap();
+    }
+    let js = async_nats::jetstream::new(t.client().clone());
+    let store = js.get_object_store(&t.config().weights.bucket).await.unwrap();
+    let mut names = Vec::new();
+    let mut list = store.list().await.unwrap();
+    while let Some(info) = futures::StreamExt::next(&mut list).await {
+        names.push(info.unwrap().name);
+    }
+    names.sort();
+    assert_eq!(names, [format!("v{:020}", 3), format!("v{:020}", 4)]);
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(4));
+}
+
+#[tokio::test]
+async fn connecting_to_nothing_is_a_clear_error() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cfg = NatsConfig::with_prefix(vec![format!("nats://127.0.0.1:{port}")], "none");
+    cfg.connect_timeout_ms = 500;
+    let err = NatsTransport::connect(cfg).await.unwrap_err();
+    assert!(err.to_string().starts_with("nats connect failed"), "{err}");
+    let err = NatsTransport::connect(NatsConfig { urls: vec![], ..NatsConfig::default() }).await.unwrap_err();
+    assert!(err.to_string().contains("urls"), "{err}");
+}
