@@ -1,2 +1,182 @@
-//! Placeholder.
-fn main() {}
+//! Throughput of the tiny configuration: training forward+backward tokens/s and
+//! decode tokens/s at several batch sizes, a measured matmul peak (GFLOP/s), and the
+//! model FLOP utilisation (MFU) against it.
+//!
+//! `cargo bench -p metronome-model --bench model`; compare with PyTorch on the same
+//! machine with `python3 crates/metronome-model/benches/torch_compare.py`. Pin both to
+//! the same thread count (`RAYON_NUM_THREADS=1` here, `--threads 1` there) for a fair
+//! ratio. After criterion's report a summary prints tokens/s and MFU
+//! (`METRONOME_BENCH_SUMMARY=1` prints only the summary).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use metronome_core::{PackedRow, Segment, Targets};
+use metronome_model::{Device, KvCache, Model, ModelConfig, Tensor};
+
+// Allocation churn was measured as a large share of candle's CPU training time
+// (DESIGN.md §6); a global allocator belongs to binaries and benches, never libraries.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const SEQ: usize = 256;
+const TRAIN_ROWS: [usize; 2] = [1, 4];
+const DECODE_BATCHES: [usize; 4] = [1, 8, 32, 64];
+const PROMPT: usize = 16;
+const DECODE_STEPS: usize = 32;
+
+fn model() -> Model {
+    Model::new(ModelConfig::tiny(), &Device::Cpu, 0).expect("tiny model")
+}
+
+/// `rows` causal rows of `SEQ` tokens; every position but the last predicts the next token.
+fn train_batch(rows: usize) -> (Vec<PackedRow>, Targets) {
+    let vocab = ModelConfig::tiny().vocab_size as u64;
+    let mut out = Vec::new();
+    let mut targets = Targets::default();
+    for r in 0..rows {
+        let tokens: Vec<u32> = (0..SEQ as u64)
+            .map(|i| 3 + (metronome_core::mix64((r as u64) << 32 | i) % (vocab - 3)) as u32)
+            .collect();
+        for p in 0..SEQ - 1 {
+            targets.row.push(r as u32);
+            targets.position.push(p as u32);
+            targets.token.push(tokens[p + 1]);
+        }
+        out.push(PackedRow {
+            tokens,
+            positions: (0..SEQ as u32).collect(),
+            segments: vec![Segment { start: 0, len: SEQ as u32, parent: None }],
+        });
+    }
+    (out, targets)
+}
+
+fn train_step(model: &Model, rows: &[PackedRow], targets: &Targets) {
+    let out = model.target_logprobs(rows, targets).expect("forward");
+    let grads = out.logprobs.sum_all().and_then(|l| l.neg()).and_then(|l| l.backward()).expect("backward");
+    black_box(grads);
+}
+
+/// Runs `steps` decode steps over `batch` slots prefilled with `PROMPT` tokens; returns the time of the steps only.
+fn decode_run(model: &Model, batch: usize, steps: usize) -> Duration {
+    let mut cache = KvCache::new(model, batch, PROMPT + steps).expect("cache");
+    for s in 0..batch {
+        let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| 3 + (i * 7 + s as u32) % 90).collect();
+        model.prefill(&mut cache, s, &prompt).expect("prefill");
+    }
+    let start = Instant::now();
+    for step in 0..steps {
+        let b: Vec<(usize, u32)> = (0..batch).map(|s| (s, 3 + ((s + step) % 90) as u32)).collect();
+        black_box(model.decode_step(&mut cache, &b).expect("decode"));
+    }
+    start.elapsed()
+}
+
+fn matmul_gflops(n: usize, reps: usize) -> f64 {
+    let a = Tensor::ones((n, n), candle_core::DType::F32, &Device::Cpu).expect("a");
+    let b = Tensor::ones((n, n), candle_core::DType::F32, &Device::Cpu).expect("b");
+    black_box(a.matmul(&b).expect("warm-up"));
+    let start = Instant::now();
+    for _ in 0..reps {
+        black_box(a.matmul(&b).expect("matmul"));
+    }
+    2.0 * (n * n * n * reps) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+fn benches(c: &mut Criterion) {
+    let m = model();
+    let mut g = c.benchmark_group("train_fwd_bwd");
+    for rows in TRAIN_ROWS {
+        let (batch, targets) = train_batch(rows);
+        g.throughput(Throughput::Elements((rows * SEQ) as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(format!("{rows}x{SEQ}")), &rows, |b, _| {
+            b.iter(|| train_step(&m, &batch, &targets));
+        });
+    }
+    g.finish();
+    let frozen = m.clone().with_trainable(false);
+    let mut g = c.benchmark_group("decode");
+    for batch in DECODE_BATCHES {
+        g.throughput(Throughput::Elements(batch as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(batch), &batch, |b, &batch| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut left = iters as usize;
+                while left > 0 {
+                    let steps = left.min(DECODE_STEPS);
+                    total += decode_run(&frozen, batch, steps);
+                    left -= steps;
+                }
+                total
+            });
+        });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("matmul");
+    for n in [256usize, 512] {
+        let a = Tensor::ones((n, n), candle_core::DType::F32, &Device::Cpu).expect("a");
+        g.throughput(Throughput::Elements((2 * n * n * n) as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+            b.iter(|| black_box(a.matmul(&a).expect("mm")))
+        });
+    }
+    g.finish();
+}
+
+/// Plain timings after criterion: tokens/s, the matmul peak and MFU in one place.
+fn summary() {
+    let m = model();
+    let cfg = m.config().clone();
+    let peak = [256usize, 512, 768].iter().map(|&n| matmul_gflops(n, 20)).fold(0.0, f64::max);
+    println!(
+        "\nsummary (threads: RAYON_NUM_THREADS={})",
+        std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "default".into())
+    );
+    println!("matmul peak: {peak:.1} GFLOP/s");
+    for rows in TRAIN_ROWS {
+        let (batch, targets) = train_batch(rows);
+        train_step(&m, &batch, &targets);
+        let reps = 10;
+        let start = Instant::now();
+        for _ in 0..reps {
+            train_step(&m, &batch, &targets);
+        }
+        let tps = (reps * rows * SEQ) as f64 / start.elapsed().as_secs_f64();
+        // Training is ~3x the forward FLOPs; attention scores add 2·2·seq·d per token per layer forward.
+        let attn = 4.0 * SEQ as f64 / 2.0
+            * (cfg.num_attention_heads * cfg.head_dim) as f64
+            * cfg.num_hidden_layers as f64;
+        let flops = 3.0 * (cfg.dense_flops_per_token() + attn) * tps;
+        println!(
+            "train fwd+bwd {rows}x{SEQ}: {tps:.0} tokens/s, {:.2} GFLOP/s, MFU {:.1}%",
+            flops / 1e9,
+            100.0 * flops / 1e9 / peak
+        );
+    }
+    let frozen = m.with_trainable(false);
+    for batch in DECODE_BATCHES {
+        decode_run(&frozen, batch, 4);
+        let t = decode_run(&frozen, batch, DECODE_STEPS);
+        let tps = (batch * DECODE_STEPS) as f64 / t.as_secs_f64();
+        let flops = cfg.dense_flops_per_token() * tps;
+        println!("decode batch {batch}: {tps:.0} tokens/s, MFU {:.1}%", 100.0 * flops / 1e9 / peak);
+    }
+}
+
+fn main() {
+    // `METRONOME_BENCH_SUMMARY=1` skips criterion, for quick back-to-back comparisons.
+    if std::env::var_os("METRONOME_BENCH_SUMMARY").is_some() {
+        summary();
+        return;
+    }
+    let mut c = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .configure_from_args();
+    benches(&mut c);
+    c.final_summary();
+    summary();
+}
