@@ -1,0 +1,48 @@
+//! The pipeline's error type.
+
+use metronome_core::{GroupKey, PeriodId};
+
+/// What can stop a run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A stage returned an error.
+    #[error(transparent)]
+    Stage(#[from] metronome_core::Error),
+    /// The group stream ended before the period's groups were all in.
+    #[error("the group stream closed during period {period} after {received} of {expected} groups")]
+    StreamClosed {
+        /// The period being trained.
+        period: PeriodId,
+        /// Groups received for it.
+        received: usize,
+        /// Groups released for it.
+        expected: usize,
+    },
+    /// The generation side failed; its error is the source.
+    #[error("generation failed in period {period}: {source}")]
+    Generation {
+        /// The period being generated.
+        period: PeriodId,
+        /// The stage error.
+        #[source]
+        source: metronome_core::Error,
+    },
+    /// A group arrived for a period that is not in flight.
+    #[error("group {0} arrived outside the periods in flight")]
+    UnexpectedGroup(GroupKey),
+    /// Invalid configuration; `key` names the setting.
+    #[error("invalid configuration `{key}`: {reason}")]
+    Config {
+        /// The configuration key at fault.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A background task panicked or was cancelled.
+    #[error("the {0} task stopped unexpectedly")]
+    TaskLost(&'static str),
+}
+
+/// `Result` with the pipeline's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

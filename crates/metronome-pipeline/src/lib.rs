@@ -1,0 +1,27 @@
+//! The pipeline: wires Metronome's stages and runs a training schedule.
+//!
+//! A run is a sequence of periods. This crate decides *when* each stage works:
+//!
+//! - [`Schedule::Sync`] generates a period's whole batch, then scores, then trains,
+//!   then steps — the colocated baseline;
+//! - [`Schedule::Periodic`] (the default) publishes weights at the period start and
+//!   trains groups in completion order while generation continues, one optimiser step
+//!   per period — on-policy and equal to `Sync`;
+//! - [`Schedule::Stale`] lets generation run up to `s` periods ahead with the newest
+//!   weights it has; the lag bound is the production/consumption controller.
+//!
+//! The runner holds every stage as a trait object from `metronome-core`, so an
+//! in-process transport and a NATS one, or a local engine and a remote one, are
+//! swapped without touching schedule code. It does not implement any stage itself.
+
+mod error;
+mod metrics;
+mod report;
+mod runner;
+mod schedule;
+
+pub use error::{Error, Result};
+pub use metrics::{METRICS, describe_metrics};
+pub use report::{Interval, PeriodReport, StageKind};
+pub use runner::{Packer, PeriodHook, Runner, RunnerOptions, Stages, Transport};
+pub use schedule::{ParseScheduleError, Schedule};

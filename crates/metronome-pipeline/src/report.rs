@@ -1,0 +1,83 @@
+//! What a run records per period: the numbers behind `metrics.jsonl`, the summary
+//! table, the plots and the benchmark.
+
+use metronome_core::{PeriodId, StepReport};
+use serde::{Deserialize, Serialize};
+
+/// The kind of work an [`Interval`] was busy with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageKind {
+    /// The rollout engine generating a period's groups.
+    Generation,
+    /// Scoring groups (reported separately only by `sync`; otherwise it overlaps).
+    Scoring,
+    /// The trainer accumulating a micro-batch or stepping.
+    Training,
+    /// Publishing and installing weights.
+    Publication,
+}
+
+/// A busy interval of one stage, in seconds since the run started: the stage
+/// timeline of the paper's Figure 1.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Interval {
+    /// The stage.
+    pub stage: StageKind,
+    /// The period the work belongs to.
+    pub period: PeriodId,
+    /// Start, seconds since the run started.
+    pub start_s: f64,
+    /// End, seconds since the run started.
+    pub end_s: f64,
+}
+
+impl Interval {
+    /// Its length in seconds.
+    #[must_use]
+    pub fn seconds(&self) -> f64 {
+        self.end_s - self.start_s
+    }
+}
+
+/// Everything measured in one period.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PeriodReport {
+    /// The period.
+    pub period: PeriodId,
+    /// Wall time from the period's start (its weights published) to its step.
+    pub period_s: f64,
+    /// Time the rollout engine was busy generating this period's groups.
+    pub generation_s: f64,
+    /// Time the trainer was busy with this period (accumulation and step).
+    pub training_s: f64,
+    /// Time spent publishing the period's weights.
+    pub publication_s: f64,
+    /// Groups trained.
+    pub groups: usize,
+    /// Groups not trained because they were older than the staleness bound.
+    pub dropped_stale: usize,
+    /// Duplicate deliveries ignored (same period and prompt).
+    pub duplicates: usize,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Mean reward over the period's completions.
+    pub reward_mean: f64,
+    /// Mean of the reward part named `correct` where the scorer reports one.
+    pub accuracy: Option<f64>,
+    /// Staleness (versions) of each trained group: 0 for on-policy schedules.
+    pub staleness: Vec<u64>,
+    /// The trainer's step report.
+    pub step: StepReport,
+    /// Busy intervals of the stages during this period.
+    pub intervals: Vec<Interval>,
+}
+
+impl PeriodReport {
+    /// max(generation, training) / period time: 1.0 when the period lasts no longer
+    /// than its slower stage, i.e. the overlap is perfect.
+    #[must_use]
+    pub fn overlap_efficiency(&self) -> f64 {
+        if self.period_s <= 0.0 { 0.0 } else { self.generation_s.max(self.training_s) / self.period_s }
+    }
+}

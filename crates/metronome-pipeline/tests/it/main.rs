@@ -1,0 +1,5 @@
+//! Pipeline tests with mock stages: the schedules' contracts, independent of any real
+//! engine or trainer (those are tested end to end in the workspace `tests` package).
+
+mod mocks;
+mod schedules;

@@ -1,0 +1,343 @@
+//! Mock stages whose outputs depend on exactly the inputs the contracts name: the
+//! engine's tokens depend on the installed weights (so training on the wrong version
+//! shows), the trainer's gradient on the trained tokens and advantages.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use metronome_core::*;
+use metronome_pipeline::Packer;
+use tokio::sync::{mpsc, watch};
+
+pub(crate) const DIM: usize = 4;
+
+/// Prompts `0..n` released `batch` at a time.
+pub(crate) struct MockSource {
+    pub(crate) next: u64,
+    pub(crate) n: u64,
+    pub(crate) batch: u64,
+    pub(crate) period: u64,
+}
+
+#[async_trait]
+impl PromptSource for MockSource {
+    async fn next_batch(&mut self) -> Result<Option<PromptBatch>> {
+        if self.next >= self.n {
+            return Ok(None);
+        }
+        let end = (self.next + self.batch).min(self.n);
+        let prompts = (self.next..end)
+            .map(|id| Prompt {
+                id: PromptId(id),
+                text: format!("p{id}"),
+                tokens: vec![id as u32],
+                ..Prompt::default()
+            })
+            .collect();
+        self.next = end;
+        let period = PeriodId(self.period);
+        self.period += 1;
+        Ok(Some(PromptBatch { period, prompts }))
+    }
+
+    fn cursor(&self) -> Cursor {
+        Cursor { period: PeriodId(self.period), epoch: 0, offset: self.next }
+    }
+
+    fn restore(&mut self, cursor: Cursor) -> Result<()> {
+        self.next = cursor.offset;
+        self.period = cursor.period.0;
+        Ok(())
+    }
+}
+
+/// Generates responses whose tokens hash the installed weights; response lengths vary
+/// by prompt so groups complete out of release order. `tick` is the time per token.
+pub(crate) struct MockEngine {
+    pub(crate) weights: Mutex<Option<Arc<WeightSnapshot>>>,
+    pub(crate) tick: Duration,
+    pub(crate) generating: Arc<AtomicBool>,
+    /// When set, completions claim this version whatever is installed (a broken engine).
+    pub(crate) force_version: Option<PolicyVersion>,
+}
+
+impl MockEngine {
+    pub(crate) fn new(tick: Duration) -> Self {
+        Self {
+            weights: Mutex::new(None),
+            tick,
+            generating: Arc::new(AtomicBool::new(false)),
+            force_version: None,
+        }
+    }
+}
+
+fn weights_hash(s: &WeightSnapshot) -> u64 {
+    let TensorData::F32(w) = &s.tensors[0].data else { unreachable!() };
+    w.iter().fold(0u64, |h, x| mix64(h ^ u64::from(x.to_bits())))
+}
+
+#[async_trait]
+impl RolloutEngine for MockEngine {
+    async fn generate(&self, request: RolloutRequest, sink: &dyn GroupSink) -> Result<()> {
+        let weights = self.weights.lock().unwrap().clone().expect("weights installed before generation");
+        let h = weights_hash(&weights);
+        self.generating.store(true, Ordering::SeqCst);
+        let futures = request.prompts.into_iter().map(|prompt| {
+            let weights = weights.clone();
+            async move {
+                // Lengths vary with the prompt, so groups complete out of release order.
+                let len = 2 + ((prompt.id.0 * 7) % 5) as usize;
+                tokio::time::sleep(self.tick * len as u32).await;
+                let version = self.force_version.unwrap_or(weights.version);
+                let completions = (0..request.group_size)
+                    .map(|i| {
+                        let seed = sample_seed(RunSeed(1), version, prompt.id, i) ^ h;
+                        let tokens: Vec<u32> =
+                            (0..len as u64).map(|t| (mix64(seed ^ t) % 50) as u32).collect();
+                        Completion {
+                            sample_index: i,
+                            logprobs: vec![-1.0; tokens.len()],
+                            text: format!("{tokens:?}"),
+                            tokens,
+                            finish_reason: FinishReason::Stop,
+                            version,
+                        }
+                    })
+                    .collect();
+                sink.emit(Group {
+                    period: request.period,
+                    prompt,
+                    completions,
+                    timing: GroupTiming::default(),
+                })
+                .await
+            }
+        });
+        let results = futures::future::join_all(futures).await;
+        self.generating.store(false, Ordering::SeqCst);
+        results.into_iter().collect()
+    }
+
+    async fn install_weights(&self, weights: Arc<WeightSnapshot>) -> Result<()> {
+        *self.weights.lock().unwrap() = Some(weights);
+        Ok(())
+    }
+
+    fn version(&self) -> PolicyVersion {
+        self.weights.lock().unwrap().as_ref().map_or(PolicyVersion(0), |w| w.version)
+    }
+}
+
+/// Reward: the fraction of even tokens; `correct` when the first token is even.
+pub(crate) struct MockScorer;
+
+#[async_trait]
+impl GroupScorer for MockScorer {
+    async fn score(&self, group: Group) -> Result<ScoredGroup> {
+        let rewards = group
+            .completions
+            .iter()
+            .map(|c| {
+                let even = c.tokens.iter().filter(|&&t| t % 2 == 0).count() as f32 / c.tokens.len() as f32;
+                let correct = if c.tokens[0] % 2 == 0 { 1.0 } else { 0.0 };
+                Reward { total: even, parts: BTreeMap::from([("correct".into(), correct)]), failure: None }
+            })
+            .collect();
+        ScoredGroup::new(group, rewards, AdvantageEstimator::GroupNorm)
+    }
+}
+
+/// One micro-batch per group: every completion token is a target.
+pub(crate) fn mock_packer() -> Arc<dyn Packer> {
+    Arc::new(|groups: &[ScoredGroup]| -> Result<Vec<TrainBatch>> {
+        // One placeholder position: the mock trainer reads only the targets.
+        let mut batch = TrainBatch {
+            rows: vec![PackedRow {
+                tokens: vec![0],
+                positions: vec![0],
+                segments: vec![Segment { start: 0, len: 1, parent: None }],
+            }],
+            ..TrainBatch::default()
+        };
+        for g in groups {
+            let gi = batch.groups.len() as u32;
+            batch.groups.push(TrainGroup {
+                key: g.key(),
+                num_sequences: g.group.completions.len() as u32,
+                group_size: g.group.completions.len() as u32,
+                all_equal: g.stats.all_equal,
+                reward_mean: g.stats.mean,
+            });
+            for (c, &adv) in g.group.completions.iter().zip(&g.advantages) {
+                let si = batch.sequences.len() as u32;
+                batch.sequences.push(TrainSequence {
+                    group: gi,
+                    sample_index: c.sample_index,
+                    version: c.version,
+                    advantage: adv,
+                    num_targets: c.tokens.len() as u32,
+                });
+                for &t in &c.tokens {
+                    batch.targets.token.push(t);
+                    batch.targets.sequence.push(si);
+                    batch.targets.advantage.push(adv);
+                    batch.targets.behaviour_logprob.push(-1.0);
+                    batch.targets.row.push(0);
+                    batch.targets.position.push(0);
+                }
+            }
+        }
+        Ok(vec![batch])
+    })
+}
+
+/// What the mock trainer saw, shared with the test.
+#[derive(Default, Debug)]
+pub(crate) struct TrainLog {
+    /// Per step, the groups accumulated, in accumulation order, with their tokens.
+    pub(crate) steps: Vec<Vec<(GroupKey, Vec<Vec<u32>>)>>,
+    /// Accumulations that happened while the engine was still generating.
+    pub(crate) during_generation: u64,
+}
+
+/// A linear "policy" of `DIM` weights trained by a fixed gradient rule in f64.
+pub(crate) struct MockTrainer {
+    pub(crate) weights: Vec<f64>,
+    pub(crate) grad: Vec<f64>,
+    pub(crate) tokens: u64,
+    pub(crate) version: PolicyVersion,
+    pub(crate) log: Arc<Mutex<TrainLog>>,
+    pub(crate) current: Vec<(GroupKey, Vec<Vec<u32>>)>,
+    pub(crate) generating: Arc<AtomicBool>,
+    pub(crate) step_delay: Duration,
+    pub(crate) accumulations: Arc<AtomicU64>,
+}
+
+impl MockTrainer {
+    pub(crate) fn new(generating: Arc<AtomicBool>) -> Self {
+        Self {
+            weights: vec![0.1, -0.2, 0.3, 0.05],
+            grad: vec![0.0; DIM],
+            tokens: 0,
+            version: PolicyVersion(0),
+            log: Arc::default(),
+            current: Vec::new(),
+            generating,
+            step_delay: Duration::ZERO,
+            accumulations: Arc::default(),
+        }
+    }
+}
+
+#[async_trait]
+impl Trainer for MockTrainer {
+    fn version(&self) -> PolicyVersion {
+        self.version
+    }
+
+    async fn accumulate(&mut self, batch: TrainBatch) -> Result<AccumulateReport> {
+        batch.validate()?;
+        if self.generating.load(Ordering::SeqCst) {
+            self.log.lock().unwrap().during_generation += 1;
+        }
+        self.accumulations.fetch_add(1, Ordering::SeqCst);
+        for i in 0..batch.targets.len() {
+            let t = f64::from(batch.targets.token[i]);
+            let a = f64::from(batch.targets.advantage[i]);
+            for (d, g) in self.grad.iter_mut().enumerate() {
+                *g += a * (t * (d as f64 + 1.0) * 0.1).sin();
+            }
+        }
+        self.tokens += batch.targets.len() as u64;
+        let mut tokens: BTreeMap<u32, Vec<Vec<u32>>> = BTreeMap::new();
+        for i in 0..batch.targets.len() {
+            let s = batch.targets.sequence[i] as usize;
+            let seq = &batch.sequences[s];
+            let entry = tokens.entry(seq.group).or_default();
+            entry.resize((seq.sample_index + 1).max(entry.len() as u32) as usize, Vec::new());
+            entry[seq.sample_index as usize].push(batch.targets.token[i]);
+        }
+        for (g, seqs) in tokens {
+            self.current.push((batch.groups[g as usize].key, seqs));
+        }
+        Ok(AccumulateReport { tokens: batch.targets.len() as u64, loss_sum: 0.0 })
+    }
+
+    async fn step(&mut self) -> Result<StepReport> {
+        std::thread::sleep(self.step_delay);
+        let scale = 0.01 / self.tokens.max(1) as f64;
+        for (w, g) in self.weights.iter_mut().zip(&mut self.grad) {
+            *w -= scale * *g;
+            *g = 0.0;
+        }
+        let tokens = std::mem::take(&mut self.tokens);
+        self.version = self.version.next();
+        self.log.lock().unwrap().steps.push(std::mem::take(&mut self.current));
+        Ok(StepReport { version: self.version, applied: true, tokens, ..StepReport::default() })
+    }
+
+    async fn snapshot(&self) -> Result<WeightSnapshot> {
+        Ok(WeightSnapshot {
+            version: self.version,
+            tensors: vec![HostTensor {
+                name: "w".into(),
+                shape: vec![DIM],
+                data: TensorData::F32(self.weights.iter().map(|&w| w as f32).collect()),
+            }],
+        })
+    }
+}
+
+/// A minimal in-process transport for these tests (the real one is
+/// `metronome-transport`; the pipeline must not depend on which it gets).
+pub(crate) fn channel_transport(capacity: usize) -> metronome_pipeline::Transport {
+    struct Tx(mpsc::Sender<ScoredGroup>);
+    struct Rx(mpsc::Receiver<ScoredGroup>);
+    struct Pub(watch::Sender<Option<Arc<WeightSnapshot>>>);
+    struct Sub(watch::Receiver<Option<Arc<WeightSnapshot>>>);
+    #[async_trait]
+    impl GroupSender for Tx {
+        async fn send(&self, group: ScoredGroup) -> Result<()> {
+            self.0.send(group).await.map_err(|_| Error::Closed("group stream".into()))
+        }
+    }
+    #[async_trait]
+    impl GroupReceiver for Rx {
+        async fn recv(&mut self) -> Result<Option<Delivery>> {
+            Ok(self.0.recv().await.map(|group| Delivery { group, acker: Box::new(NoAck) }))
+        }
+    }
+    #[async_trait]
+    impl WeightPublisher for Pub {
+        async fn publish(&self, snapshot: Arc<WeightSnapshot>) -> Result<()> {
+            self.0.send_replace(Some(snapshot));
+            Ok(())
+        }
+    }
+    #[async_trait]
+    impl WeightSubscriber for Sub {
+        async fn latest(&mut self) -> Result<Option<Arc<WeightSnapshot>>> {
+            Ok(self.0.borrow().clone())
+        }
+        async fn wait_for(&mut self, min: PolicyVersion) -> Result<Arc<WeightSnapshot>> {
+            let w = self
+                .0
+                .wait_for(|w| w.as_ref().is_some_and(|w| w.version >= min))
+                .await
+                .map_err(|_| Error::Closed("weights".into()))?;
+            Ok(w.clone().expect("checked above"))
+        }
+    }
+    let (tx, rx) = mpsc::channel(capacity);
+    let (wtx, wrx) = watch::channel(None);
+    metronome_pipeline::Transport {
+        sender: Arc::new(Tx(tx)),
+        receiver: Box::new(Rx(rx)),
+        publisher: Arc::new(Pub(wtx)),
+        subscriber: Box::new(Sub(wrx)),
+    }
+}

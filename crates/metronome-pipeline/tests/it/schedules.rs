@@ -1,0 +1,171 @@
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use metronome_core::{GroupKey, TensorData};
+use metronome_pipeline::{PeriodReport, Runner, RunnerOptions, Schedule, StageKind, Stages};
+
+use crate::mocks::*;
+
+struct Outcome {
+    reports: Vec<PeriodReport>,
+    weights: Vec<f32>,
+    log: Arc<Mutex<TrainLog>>,
+}
+
+async fn run(schedule: Schedule, periods: u64, tick_ms: u64, step_delay_ms: u64) -> Outcome {
+    let engine = MockEngine::new(Duration::from_millis(tick_ms));
+    let mut trainer = MockTrainer::new(engine.generating.clone());
+    trainer.step_delay = Duration::from_millis(step_delay_ms);
+    let log = trainer.log.clone();
+    let stages = Stages {
+        source: Box::new(MockSource { next: 0, n: 1000, batch: 6, period: 0 }),
+        engine: Arc::new(engine),
+        scorer: Arc::new(MockScorer),
+        packer: mock_packer(),
+        trainer: Box::new(trainer),
+    };
+    let options = RunnerOptions { schedule, periods, group_size: 4 };
+    let runner = Runner::new(stages, Some(channel_transport(2)), options).unwrap();
+    let (reports, stages) = runner.run().await.unwrap();
+    let snapshot = stages.trainer.snapshot().await.unwrap();
+    let TensorData::F32(weights) = snapshot.tensors[0].data.clone() else { unreachable!() };
+    Outcome { reports, weights, log }
+}
+
+/// The trained rollouts of each step, sorted by group so orders compare equal.
+fn sorted_steps(log: &Mutex<TrainLog>) -> Vec<Vec<(GroupKey, Vec<Vec<u32>>)>> {
+    let mut steps = log.lock().unwrap().steps.clone();
+    for s in &mut steps {
+        s.sort_by_key(|(k, _)| *k);
+    }
+    steps
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_and_periodic_train_identical_rollouts_to_equal_weights() {
+    let sync = run(Schedule::Sync, 4, 2, 0).await;
+    let periodic = run(Schedule::Periodic, 4, 2, 0).await;
+    assert_eq!(sync.reports.len(), 4);
+    assert_eq!(periodic.reports.len(), 4);
+    // Token-identical rollouts: every group of every step, with its tokens.
+    let (a, b) = (sorted_steps(&sync.log), sorted_steps(&periodic.log));
+    assert_eq!(a.len(), 4);
+    assert!(a.iter().all(|s| s.len() == 6));
+    assert_eq!(a, b);
+    // Identical rewards.
+    for (x, y) in sync.reports.iter().zip(&periodic.reports) {
+        assert_eq!(x.reward_mean, y.reward_mean, "period {}", x.period);
+        assert_eq!(x.accuracy, y.accuracy);
+        assert_eq!(x.staleness, vec![0; 6]);
+        assert_eq!(y.staleness, vec![0; 6]);
+    }
+    for (x, y) in sync.weights.iter().zip(&periodic.weights) {
+        assert!((x - y).abs() <= 1e-6, "{:?} vs {:?}", sync.weights, periodic.weights);
+    }
+    // The weights moved, so equality is not vacuous.
+    assert_ne!(sync.weights, vec![0.1, -0.2, 0.3, 0.05]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_trains_groups_while_generation_continues() {
+    let periodic = run(Schedule::Periodic, 3, 15, 0).await;
+    let log = std::mem::take(&mut *periodic.log.lock().unwrap());
+    // Groups complete tens of milliseconds apart and accumulation is instant, so the
+    // trainer consumes early groups while later ones are still being generated.
+    assert!(log.during_generation >= 3, "only {} accumulations overlapped generation", log.during_generation);
+    // And groups are consumed in completion order (the mock's response length), which
+    // is not the release order.
+    for step in &log.steps {
+        let lengths: Vec<usize> = step.iter().map(|(_, seqs)| seqs[0].len()).collect();
+        assert!(lengths.is_sorted(), "not in completion order: {lengths:?}");
+        let prompts: Vec<u64> = step.iter().map(|(k, _)| k.prompt.0).collect();
+        assert!(!prompts.is_sorted(), "trained in release order: {prompts:?}");
+    }
+    let sync = run(Schedule::Sync, 3, 15, 0).await;
+    assert_eq!(sync.log.lock().unwrap().during_generation, 0, "sync never overlaps");
+    // Every period of a sync run is generation, then scoring, then training, in order.
+    for report in &sync.reports {
+        let gen_end = report.intervals.iter().find(|i| i.stage == StageKind::Generation).unwrap().end_s;
+        let train_start = report.intervals.iter().find(|i| i.stage == StageKind::Training).unwrap().start_s;
+        assert!(gen_end <= train_start);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_schedule_bounds_staleness_and_runs_ahead() {
+    // A slow trainer step lets generation run ahead by up to one version.
+    let stale = run(Schedule::Stale(1), 5, 2, 40).await;
+    assert_eq!(stale.reports.len(), 5);
+    let staleness: Vec<u64> = stale.reports.iter().flat_map(|r| r.staleness.iter().copied()).collect();
+    assert_eq!(staleness.len(), 30);
+    assert!(staleness.iter().all(|&s| s <= 1), "{staleness:?}");
+    assert!(staleness.contains(&1), "generation never ran ahead: {staleness:?}");
+    assert!(stale.reports.iter().all(|r| r.dropped_stale == 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_older_than_the_bound_are_never_trained() {
+    // An engine that claims every completion came from version 0.
+    let mut engine = MockEngine::new(Duration::from_millis(1));
+    engine.force_version = Some(metronome_core::PolicyVersion(0));
+    let trainer = MockTrainer::new(engine.generating.clone());
+    let log = trainer.log.clone();
+    let stages = Stages {
+        source: Box::new(MockSource { next: 0, n: 1000, batch: 3, period: 0 }),
+        engine: Arc::new(engine),
+        scorer: Arc::new(MockScorer),
+        packer: mock_packer(),
+        trainer: Box::new(trainer),
+    };
+    let options = RunnerOptions { schedule: Schedule::Stale(1), periods: 4, group_size: 2 };
+    let (reports, _) = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run().await.unwrap();
+    // Periods 0 and 1 are within the bound (staleness 0 and 1); 2 and 3 are not.
+    let dropped: Vec<usize> = reports.iter().map(|r| r.dropped_stale).collect();
+    assert_eq!(dropped, vec![0, 0, 3, 3]);
+    let trained: Vec<usize> = log.lock().unwrap().steps.iter().map(Vec::len).collect();
+    assert_eq!(trained, vec![3, 3, 0, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_options_fail_before_any_work_naming_the_key() {
+    let engine = MockEngine::new(Duration::from_millis(1));
+    let trainer = MockTrainer::new(engine.generating.clone());
+    let accumulations = trainer.accumulations.clone();
+    let stages = Stages {
+        source: Box::new(MockSource { next: 0, n: 10, batch: 2, period: 0 }),
+        engine: Arc::new(engine),
+        scorer: Arc::new(MockScorer),
+        packer: mock_packer(),
+        trainer: Box::new(trainer),
+    };
+    let err =
+        Runner::new(stages, None, RunnerOptions { schedule: Schedule::Periodic, periods: 1, group_size: 2 })
+            .unwrap_err()
+            .to_string();
+    assert_eq!(err, "invalid configuration `schedule`: `periodic` overlaps stages and needs a transport");
+    assert_eq!(accumulations.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_runs_out_ends_the_run_early() {
+    let engine = MockEngine::new(Duration::from_millis(1));
+    let trainer = MockTrainer::new(engine.generating.clone());
+    for schedule in [Schedule::Sync, Schedule::Periodic] {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let stages = Stages {
+            source: Box::new(MockSource { next: 0, n: 5, batch: 2, period: 0 }),
+            engine: Arc::new(engine),
+            scorer: Arc::new(MockScorer),
+            packer: mock_packer(),
+            trainer: Box::new(trainer),
+        };
+        let options = RunnerOptions { schedule, periods: 10, group_size: 2 };
+        let (reports, _) =
+            Runner::new(stages, Some(channel_transport(2)), options).unwrap().run().await.unwrap();
+        let groups: Vec<usize> = reports.iter().map(|r| r.groups).collect();
+        assert_eq!(groups, vec![2, 2, 1], "{schedule}");
+    }
+    drop((engine, trainer));
+}
