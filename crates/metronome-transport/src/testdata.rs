@@ -33,7 +33,7 @@ pub fn scored_group(period: u64, prompt: u64, g: u32, len: usize) -> ScoredGroup
                 tokens,
                 logprobs,
                 text: format!("réponse {i} → {}", s % 997),
-                finish_reason: if i % 2 == 0 { FinishReason::Stop } else { FinishReason::Length },
+                finish_reason: if i.is_multiple_of(2) { FinishReason::Stop } else { FinishReason::Length },
                 version: PolicyVersion(period),
             }
         })
@@ -58,7 +58,7 @@ pub fn scored_group(period: u64, prompt: u64, g: u32, len: usize) -> ScoredGroup
             id: PromptId(prompt),
             text: format!("What is {prompt} + {period}? 答"),
             tokens: (0..17).map(|t| (mix64(seed ^ (t + 99)) % 50_000) as u32).collect(),
-            reference: (prompt % 2 == 0).then(|| (prompt + period).to_string()),
+            reference: prompt.is_multiple_of(2).then(|| (prompt + period).to_string()),
             metadata: BTreeMap::from([
                 ("target".to_owned(), "24".to_owned()),
                 ("empty".to_owned(), String::new()),
