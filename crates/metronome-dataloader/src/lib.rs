@@ -13,15 +13,19 @@
 //!   [`CountdownTask`] (instances built from a solution, so always solvable), each with
 //!   its reference answer in `Prompt::reference` and task fields in
 //!   `Prompt::metadata` (countdown: `numbers` as `3,7,25`, `target` as `88`;
-//!   both: `task`). The built-in default task for the embedded run is short sums,
-//!   `12+7=` → `19`. Any other [`Dataset`] implementation plugs in too.
+//!   both: `task`). A [`Holdout`] partitions a task's item space by content, so a
+//!   training split and a held-out evaluation split never share a problem. The
+//!   built-in default task for the embedded run is short sums, `12+7=` → `19`. Any
+//!   other [`Dataset`] implementation plugs in too.
 //! - **Order**: a Fisher–Yates shuffle per epoch seeded by
 //!   `stream_seed(run, SHUFFLE_STREAM, epoch)` (a fixed algorithm pinned by golden
 //!   values), every prompt exactly once per epoch, batches that run across epoch
 //!   boundaries, a finite or unbounded number of epochs.
 //! - **Resumption**: the [`metronome_core::Cursor`] (period, epoch, offset into the
-//!   epoch's order) fully determines every future batch; restoring it reproduces the
-//!   uninterrupted sequence exactly.
+//!   epoch's order, prompts skipped as too long included) fully determines every
+//!   future batch; restoring it reproduces the uninterrupted sequence exactly. It
+//!   assumes the same dataset, seed and configuration: a cursor cannot tell whether
+//!   the file changed underneath it.
 //! - **Prefetching**: the next period's batch is read, rendered and tokenised on a
 //!   background thread while the current period runs.
 //! - **Bad input**: errors name the file, line or row, and field; a
@@ -60,5 +64,5 @@ pub use render::{OverlongPolicy, PromptConfig};
 pub use rng::{SHUFFLE_STREAM, epoch_order};
 pub use tasks::{
     ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, COUNTDOWN_STREAM, CountdownConfig, CountdownItem,
-    CountdownTask, Operator, Span,
+    CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
 };

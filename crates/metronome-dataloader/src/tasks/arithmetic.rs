@@ -6,13 +6,16 @@ use std::collections::BTreeMap;
 use metronome_core::{PromptId, RunSeed, stream_seed};
 use serde::{Deserialize, Serialize};
 
-use super::{Operator, Span, render};
+use super::{Holdout, Operator, Span, render};
 use crate::dataset::{Dataset, PromptContent, Record};
 use crate::error::{Error, Result};
 use crate::rng::SplitMix64;
 
 /// The [`stream_seed`] stream of arithmetic items; the index is the item.
 pub const ARITHMETIC_STREAM: u64 = 0x6172_6974_686d_6574; // "arithmet"
+
+/// Draws per item before giving up on landing in the configured split.
+const SPLIT_ATTEMPTS: usize = 10_000;
 
 /// How many times an item is redrawn to avoid a negative answer before the
 /// subtractions of the last draw are turned into additions.
@@ -40,6 +43,8 @@ pub struct ArithmeticConfig {
     pub format: String,
     /// Generate items from this seed instead of the run seed.
     pub seed: Option<u64>,
+    /// Draw only training or only held-out expressions (default: all).
+    pub holdout: Holdout,
 }
 
 impl Default for ArithmeticConfig {
@@ -52,6 +57,7 @@ impl Default for ArithmeticConfig {
             allow_negative: true,
             format: "{expression}=".into(),
             seed: None,
+            holdout: Holdout::default(),
         }
     }
 }
@@ -87,7 +93,7 @@ impl ArithmeticConfig {
         if !self.format.contains("{expression}") {
             return Err(Error::config("arithmetic.format", "must contain `{expression}`"));
         }
-        Ok(())
+        self.holdout.check("arithmetic.holdout")
     }
 }
 
@@ -106,21 +112,37 @@ impl ArithmeticTask {
         Ok(Self { config, seed })
     }
 
-    /// Item `index`: its expression (e.g. `12+7`) and answer.
-    #[must_use]
-    pub fn item(&self, index: u64) -> (String, i128) {
-        let c = &self.config;
+    /// Item `index`: its expression (e.g. `12+7`) and answer. An error only when the
+    /// configured split holds almost none of the item space.
+    pub fn item(&self, index: u64) -> Result<(String, i128)> {
         let mut rng = SplitMix64::new(stream_seed(self.seed, ARITHMETIC_STREAM, index));
+        for _ in 0..SPLIT_ATTEMPTS {
+            let (expression, answer) = self.draw(&mut rng);
+            if self.config.holdout.admits(&expression) {
+                return Ok((expression, answer));
+            }
+        }
+        Err(Error::Generator {
+            task: "arithmetic",
+            item: index,
+            reason: format!(
+                "no expression in the {:?} split after {SPLIT_ATTEMPTS} draws; widen `digits` or `terms`",
+                self.config.holdout.split
+            ),
+        })
+    }
+
+    fn draw(&self, rng: &mut SplitMix64) -> (String, i128) {
+        let c = &self.config;
         let mut draw = || {
             let terms = rng.between(c.terms.min, c.terms.max) as usize;
-            let operands: Vec<i128> = (0..terms).map(|_| operand(&mut rng, c.digits)).collect();
+            let operands: Vec<i128> = (0..terms).map(|_| operand(rng, c.digits)).collect();
             let ops: Vec<Operator> =
                 (1..terms).map(|_| c.operators[rng.below(c.operators.len() as u64) as usize]).collect();
             (operands, ops)
         };
-        let (operands, mut ops) = draw();
+        let (mut operands, mut ops) = draw();
         let mut answer = evaluate(&operands, &ops);
-        let mut operands = operands;
         if !c.allow_negative && answer < 0 {
             let mut tries = 1;
             while answer < 0 && tries < NON_NEGATIVE_TRIES {
@@ -178,7 +200,7 @@ impl Dataset for ArithmeticTask {
     }
 
     fn record(&self, index: usize) -> Result<Record> {
-        let (expression, answer) = self.item(index as u64);
+        let (expression, answer) = self.item(index as u64)?;
         let text = render(&self.config.format, &[("expression", &expression)]);
         let metadata = BTreeMap::from([
             ("task".to_owned(), "arithmetic".to_owned()),

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use metronome_core::{PromptId, RunSeed, stream_seed};
 use serde::{Deserialize, Serialize};
 
-use super::{Operator, Span, render};
+use super::{Holdout, Operator, Span, render};
 use crate::dataset::{Dataset, PromptContent, Record};
 use crate::error::{Error, Result};
 use crate::rng::SplitMix64;
@@ -40,6 +40,10 @@ pub struct CountdownConfig {
     pub format: String,
     /// Generate items from this seed instead of the run seed.
     pub seed: Option<u64>,
+    /// Draw only training or only held-out instances (default: all). The content key
+    /// is the sorted numbers and the target, so a held-out instance is never trained
+    /// on in any order.
+    pub holdout: Holdout,
 }
 
 impl Default for CountdownConfig {
@@ -53,6 +57,7 @@ impl Default for CountdownConfig {
             max_attempts: 1000,
             format: "Using the numbers [{numbers}], create an equation that equals {target}.".into(),
             seed: None,
+            holdout: Holdout::default(),
         }
     }
 }
@@ -77,7 +82,7 @@ impl CountdownConfig {
         if !self.format.contains("{numbers}") || !self.format.contains("{target}") {
             return Err(Error::config("countdown.format", "must contain `{numbers}` and `{target}`"));
         }
-        Ok(())
+        self.holdout.check("countdown.holdout")
     }
 }
 
@@ -90,6 +95,18 @@ pub struct CountdownItem {
     pub target: u64,
     /// A solution using every number exactly once, e.g. `(25-3)*4`.
     pub solution: String,
+}
+
+impl CountdownItem {
+    /// The content key of the train / held-out partition: sorted numbers and target,
+    /// e.g. `3,7,25=88`.
+    #[must_use]
+    pub fn key(&self) -> String {
+        let mut sorted = self.numbers.clone();
+        sorted.sort_unstable();
+        let listed: Vec<String> = sorted.iter().map(u64::to_string).collect();
+        format!("{}={}", listed.join(","), self.target)
+    }
 }
 
 /// The countdown task as a [`Dataset`] of `size` items.
@@ -113,7 +130,9 @@ impl CountdownTask {
         let c = &self.config;
         let mut rng = SplitMix64::new(stream_seed(self.seed, COUNTDOWN_STREAM, index));
         for _ in 0..c.max_attempts {
-            if let Some(item) = self.draw(&mut rng) {
+            if let Some(item) = self.draw(&mut rng)
+                && c.holdout.admits(&item.key())
+            {
                 return Ok(item);
             }
         }
@@ -121,8 +140,8 @@ impl CountdownTask {
             task: "countdown",
             item: index,
             reason: format!(
-                "no instance with a target in {}..={} after {} attempts; widen `countdown.target` or change `numbers`/`max_number`",
-                c.target.min, c.target.max, c.max_attempts
+                "no instance with a target in {}..={} in the {:?} split after {} attempts; widen `countdown.target` or change `numbers`/`max_number`",
+                c.target.min, c.target.max, c.holdout.split, c.max_attempts
             ),
         })
     }

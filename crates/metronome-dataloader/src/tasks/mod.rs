@@ -10,6 +10,7 @@
 mod arithmetic;
 mod countdown;
 
+use metronome_core::mix64;
 use serde::{Deserialize, Serialize};
 
 pub use arithmetic::{ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask};
@@ -83,6 +84,80 @@ impl Span {
         }
         Ok(())
     }
+}
+
+/// Which side of a task's train / held-out partition items are drawn from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    /// Every item, no partition.
+    #[default]
+    All,
+    /// Only items outside the held-out share.
+    Train,
+    /// Only items inside the held-out share: never seen by a `Train` split of the same
+    /// task, whatever the seeds.
+    Heldout,
+}
+
+/// A deterministic partition of a task's item space into train and held-out parts.
+///
+/// An item belongs to the held-out part when the hash of its content key (the
+/// arithmetic expression; countdown's sorted numbers and target) falls in the first
+/// `percent` of 100 buckets. The partition depends on the content alone, not on a
+/// seed, so a training run and its evaluation (different seeds, different sizes)
+/// never share a problem.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Holdout {
+    /// Which part to draw from.
+    pub split: Split,
+    /// The held-out share of the item space, in percent (1 to 99 when split).
+    pub percent: u64,
+}
+
+impl Default for Holdout {
+    fn default() -> Self {
+        Self { split: Split::All, percent: 10 }
+    }
+}
+
+impl Holdout {
+    /// Only training items, with `percent` held out.
+    #[must_use]
+    pub const fn train(percent: u64) -> Self {
+        Self { split: Split::Train, percent }
+    }
+
+    /// Only held-out items, `percent` of the space.
+    #[must_use]
+    pub const fn heldout(percent: u64) -> Self {
+        Self { split: Split::Heldout, percent }
+    }
+
+    pub(crate) fn check(self, key: &str) -> Result<()> {
+        if self.split != Split::All && !(1..=99).contains(&self.percent) {
+            return Err(Error::config(key, format!("percent {} is outside 1..=99", self.percent)));
+        }
+        Ok(())
+    }
+
+    /// Whether an item with content key `key` belongs to the configured split.
+    #[must_use]
+    pub fn admits(self, key: &str) -> bool {
+        match self.split {
+            Split::All => true,
+            Split::Train => holdout_bucket(key) >= self.percent,
+            Split::Heldout => holdout_bucket(key) < self.percent,
+        }
+    }
+}
+
+/// The bucket `0..100` of an item's content key: a SplitMix64 chain over its bytes.
+#[must_use]
+pub fn holdout_bucket(key: &str) -> u64 {
+    const DOMAIN: u64 = 0x686f_6c64_6f75_7421; // "holdout!"
+    key.bytes().fold(mix64(DOMAIN ^ key.len() as u64), |h, b| mix64(h ^ u64::from(b))) % 100
 }
 
 /// Replaces each `{name}` of `template` by its value; unknown names stay as written.

@@ -1,11 +1,12 @@
 //! The generators: every answer checked by an evaluator written here, independent of
 //! the generator's own arithmetic; countdown solvability checked by a brute-force solver.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use metronome_core::RunSeed;
 use metronome_dataloader::{
-    ArithmeticConfig, ArithmeticTask, CountdownConfig, CountdownTask, Dataset, Operator, PromptContent, Span,
+    ArithmeticConfig, ArithmeticTask, CountdownConfig, CountdownTask, Dataset, Holdout, Operator,
+    PromptContent, Span, holdout_bucket,
 };
 
 // ---------------------------------------------------------------------------------
@@ -222,7 +223,7 @@ fn generators_are_deterministic_per_seed() {
     let fixed =
         ArithmeticTask::new(ArithmeticConfig { seed: Some(1), ..ArithmeticConfig::default() }, RunSeed(2))
             .unwrap();
-    let items = |t: &ArithmeticTask| (0..50).map(|i| t.item(i)).collect::<Vec<_>>();
+    let items = |t: &ArithmeticTask| (0..50).map(|i| t.item(i).unwrap()).collect::<Vec<_>>();
     assert_eq!(items(&a), items(&b));
     assert_ne!(items(&a), items(&c));
     assert_eq!(items(&a), items(&fixed), "a fixed seed ignores the run seed");
@@ -304,4 +305,44 @@ fn countdown_knobs_change_the_distribution() {
     assert_eq!(small.0, 3.0);
     assert_eq!(large.0, 5.0);
     assert!(small.1 <= 10.0 && large.1 > 40.0, "{small:?} {large:?}");
+}
+
+#[test]
+fn train_and_heldout_splits_never_share_a_problem() {
+    // The partition takes about `percent` of the space: all 10 000 default sums.
+    let heldout_sums = (0..100)
+        .flat_map(|a| (0..100).map(move |b| format!("{a}+{b}")))
+        .filter(|key| holdout_bucket(key) < 10)
+        .count();
+    assert!((850..=1150).contains(&heldout_sums), "{heldout_sums}");
+
+    let expressions = |holdout, seed| {
+        let config = ArithmeticConfig { holdout, size: 1500, ..ArithmeticConfig::default() };
+        let task = ArithmeticTask::new(config, RunSeed(seed)).unwrap();
+        (0..task.len()).map(|i| text(&task, i).2["expression"].clone()).collect::<BTreeSet<_>>()
+    };
+    let train = expressions(Holdout::train(10), 1);
+    let heldout = expressions(Holdout::heldout(10), 2);
+    assert!(train.len() > 800 && heldout.len() > 300, "{} {}", train.len(), heldout.len());
+    assert!(train.is_disjoint(&heldout));
+
+    let instances = |holdout, seed| {
+        let config = CountdownConfig { holdout, size: 400, ..CountdownConfig::default() };
+        let task = CountdownTask::new(config, RunSeed(seed)).unwrap();
+        (0..task.len())
+            .map(|i| {
+                let metadata = text(&task, i).2;
+                let mut numbers: Vec<u64> =
+                    metadata["numbers"].split(',').map(|n| n.parse().unwrap()).collect();
+                numbers.sort_unstable();
+                (numbers, metadata["target"].clone())
+            })
+            .collect::<BTreeSet<_>>()
+    };
+    let train = instances(Holdout::train(20), 1);
+    let heldout = instances(Holdout::heldout(20), 2);
+    assert!(train.is_disjoint(&heldout));
+    assert!(
+        ArithmeticConfig { holdout: Holdout::heldout(0), ..ArithmeticConfig::default() }.validate().is_err()
+    );
 }
