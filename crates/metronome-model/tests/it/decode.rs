@@ -109,3 +109,19 @@ fn bad_decode_requests_are_errors() {
     assert!(model.decode_step(&mut cache, &[(0, 5), (0, 6)]).unwrap_err().to_string().contains("twice"));
     assert_eq!(cache.len(0), 1, "a rejected step leaves the cache as it was");
 }
+
+#[test]
+fn decode_without_batch_invariance_is_close() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 8).unwrap();
+    let prompt = tokens(3, 5, model.config().vocab_size);
+    let mut on = KvCache::new(&model, 1, 16).unwrap();
+    let mut off = KvCache::new(&model, 1, 16).unwrap();
+    off.set_batch_invariant(false);
+    model.prefill(&mut on, 0, &prompt).unwrap();
+    model.prefill(&mut off, 0, &prompt).unwrap();
+    for t in [4u32, 9, 17] {
+        let a = model.decode_step(&mut on, &[(0, t)]).unwrap();
+        let b = model.decode_step(&mut off, &[(0, t)]).unwrap();
+        assert!(max_abs_diff(&a[0], &b[0]) < 1e-5);
+    }
+}
