@@ -18,7 +18,8 @@ use crate::tasks::{ArithmeticConfig, ArithmeticTask, CountdownConfig, CountdownT
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileSourceConfig {
-    /// The file.
+    /// The file, or a directory whose `.jsonl` / `.parquet` files (shards) are read in
+    /// name order as one dataset.
     pub path: PathBuf,
     /// Which fields are the prompt, the reference and the metadata.
     #[serde(default)]

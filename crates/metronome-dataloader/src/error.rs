@@ -25,6 +25,14 @@ pub enum Error {
         /// The file.
         path: PathBuf,
     },
+    /// A directory given as a source holds no file of the source's format.
+    #[error("{} holds no `.{extension}` files", path.display())]
+    EmptyDirectory {
+        /// The directory.
+        path: PathBuf,
+        /// The extension looked for.
+        extension: &'static str,
+    },
     /// Every record of a file was bad and skipped under the skip policy.
     #[error("{} has no usable records: all {skipped} were skipped as bad", path.display())]
     NoUsableRecords {

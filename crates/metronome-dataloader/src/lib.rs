@@ -6,7 +6,8 @@
 //! (optionally through the model's chat template) and tokenised through a
 //! [`metronome_core::Tokenizer`] trait object. The crate offers:
 //!
-//! - **Sources** ([`SourceConfig`]): JSONL and Parquet files read through a
+//! - **Sources** ([`SourceConfig`]): JSONL and Parquet files (or directories of
+//!   shards) read through a
 //!   [`FieldMapping`] (prompt, reference answer, metadata; dotted paths into nested
 //!   fields; a prompt may be a string or a list of chat messages), and procedural
 //!   tasks: [`ArithmeticTask`] (operators, digits, number of terms) and

@@ -16,7 +16,6 @@ use arrow_array::types::{
 };
 use arrow_array::{Array, OffsetSizeTrait};
 use arrow_schema::DataType;
-use metronome_core::PromptId;
 use parquet::arrow::ProjectionMask;
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::errors::ParquetError;
@@ -31,7 +30,8 @@ use crate::error::{Error, Location, Result};
 /// that the JSON staging of one batch stays a few megabytes.
 const BATCH_ROWS: usize = 4096;
 
-pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<()> {
+/// Reads one file; returns how many record ids (rows) it used.
+pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<u64> {
     let parquet = |source| Error::Parquet { path: path.to_owned(), source };
     let file = File::open(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
     let size = file.metadata().map_err(|source| Error::Io { path: path.to_owned(), source })?.len();
@@ -78,7 +78,7 @@ pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> R
             for (name, values) in &mut columns {
                 object.insert(name.clone(), std::mem::take(&mut values[i]));
             }
-            let id = PromptId(row);
+            let id = out.id(row);
             row += 1;
             let location = Location::Row(row);
             match fields.apply(&Value::Object(object)) {
@@ -95,7 +95,7 @@ pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> R
             }
         }
     }
-    Ok(())
+    Ok(row)
 }
 
 /// Every value of `array` as JSON, nulls as `Value::Null`; `Err` carries the name of

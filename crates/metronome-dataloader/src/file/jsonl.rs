@@ -4,14 +4,13 @@ use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 
-use metronome_core::PromptId;
-
 use super::Collector;
 use super::mapping::{FieldError, FieldMapping};
 use crate::dataset::Record;
 use crate::error::{Error, Location, Result};
 
-pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<()> {
+/// Reads one file; returns how many record ids it used (bad records included).
+pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<u64> {
     let io = |source| Error::Io { path: path.to_owned(), source };
     let mut reader = BufReader::new(File::open(path).map_err(io)?);
     let mut buf = Vec::new();
@@ -20,7 +19,7 @@ pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> R
     loop {
         buf.clear();
         if reader.read_until(b'\n', &mut buf).map_err(io)? == 0 {
-            return Ok(());
+            return Ok(record_index);
         }
         line_no += 1;
         let location = Location::Line(line_no);
@@ -38,7 +37,7 @@ pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> R
         if line.trim().is_empty() {
             continue;
         }
-        let id = PromptId(record_index);
+        let id = out.id(record_index);
         record_index += 1;
         let value: serde_json::Value = match serde_json::from_str(line) {
             Ok(value) => value,

@@ -1,4 +1,5 @@
-//! Prompt datasets read from files: JSONL and Parquet, through a [`FieldMapping`].
+//! Prompt datasets read from files: JSONL and Parquet, single files or directories of
+//! shards, through a [`FieldMapping`].
 //!
 //! A file is read once, completely, when the dataset is opened: every record is
 //! validated up front, so a bad record is reported (or skipped and counted) before the
@@ -12,6 +13,7 @@ mod mapping;
 
 use std::path::{Path, PathBuf};
 
+use metronome_core::PromptId;
 use serde::{Deserialize, Serialize};
 
 pub use mapping::FieldMapping;
@@ -67,38 +69,49 @@ impl LoadReport {
     pub const EXAMPLES: usize = 16;
 }
 
-/// The records of one file, validated and held in memory.
+/// The records of one file, or of every file of a directory (shards), validated and
+/// held in memory.
 #[derive(Debug)]
 pub struct FileDataset {
     path: PathBuf,
+    files: Vec<PathBuf>,
     records: Vec<Record>,
-    locations: Vec<Location>,
+    /// Per record: index into `files`, and line or row there.
+    locations: Vec<(u32, Location)>,
     report: LoadReport,
 }
 
-/// Collects records while a file is read, applying the bad-record policy.
+/// Collects records while files are read, applying the bad-record policy.
 pub(crate) struct Collector {
-    path: PathBuf,
     policy: BadRecordPolicy,
+    file: u32,
+    /// Record ids used by earlier files: ids run on across shards.
+    base: u64,
     records: Vec<Record>,
-    locations: Vec<Location>,
+    locations: Vec<(u32, Location)>,
     report: LoadReport,
 }
 
 impl Collector {
-    fn new(path: &Path, policy: BadRecordPolicy) -> Self {
+    fn new(policy: BadRecordPolicy) -> Self {
         Self {
-            path: path.to_owned(),
             policy,
+            file: 0,
+            base: 0,
             records: Vec::new(),
             locations: Vec::new(),
             report: LoadReport::default(),
         }
     }
 
+    /// The id of the current file's record `local` (counted from 0).
+    pub(crate) fn id(&self, local: u64) -> PromptId {
+        PromptId(self.base + local)
+    }
+
     pub(crate) fn keep(&mut self, record: Record, location: Location) {
         self.records.push(record);
-        self.locations.push(location);
+        self.locations.push((self.file, location));
         self.report.kept += 1;
     }
 
@@ -118,38 +131,31 @@ impl Collector {
         }
     }
 
-    fn finish(self, format: FileFormat) -> Result<FileDataset> {
+    fn finish(self, path: PathBuf, files: Vec<PathBuf>, format: FileFormat) -> Result<FileDataset> {
         if self.report.skipped > 0 {
             metrics::counter!("metronome_dataloader_records_skipped_total", "format" => format.label())
                 .increment(self.report.skipped);
             tracing::warn!(
                 target: "metronome_dataloader",
                 "{}: skipped {} bad records, kept {}",
-                self.path.display(),
+                path.display(),
                 self.report.skipped,
                 self.report.kept
             );
         }
         if self.records.is_empty() {
-            return Err(if self.report.skipped > 0 {
-                Error::NoUsableRecords { path: self.path, skipped: self.report.skipped }
-            } else {
-                Error::EmptyFile { path: self.path }
-            });
+            return Err(Error::NoUsableRecords { path, skipped: self.report.skipped });
         }
         metrics::counter!("metronome_dataloader_records_loaded_total", "format" => format.label())
             .increment(self.report.kept);
-        Ok(FileDataset {
-            path: self.path,
-            records: self.records,
-            locations: self.locations,
-            report: self.report,
-        })
+        Ok(FileDataset { path, files, records: self.records, locations: self.locations, report: self.report })
     }
 }
 
 impl FileDataset {
-    /// Reads a file of the given format.
+    /// Reads a file of the given format, or every file of a directory whose name ends
+    /// in `.jsonl` (respectively `.parquet`), in name order, as one dataset whose ids
+    /// run on from file to file. An empty file is an error.
     pub fn open(
         path: impl AsRef<Path>,
         format: FileFormat,
@@ -157,16 +163,25 @@ impl FileDataset {
         policy: BadRecordPolicy,
     ) -> Result<Self> {
         let path = path.as_ref();
-        let mut collector = Collector::new(path, policy);
-        match format {
-            FileFormat::Jsonl => jsonl::read(path, fields, &mut collector)?,
-            FileFormat::Parquet => columnar::read(path, fields, &mut collector)?,
+        let files = shards(path, format)?;
+        let mut collector = Collector::new(policy);
+        for (index, file) in files.iter().enumerate() {
+            collector.file = u32::try_from(index).unwrap_or(u32::MAX);
+            let used = match format {
+                FileFormat::Jsonl => jsonl::read(file, fields, &mut collector)?,
+                FileFormat::Parquet => columnar::read(file, fields, &mut collector)?,
+            };
+            if used == 0 {
+                return Err(Error::EmptyFile { path: file.clone() });
+            }
+            collector.base += used;
         }
-        collector.finish(format)
+        collector.finish(path.to_owned(), files, format)
     }
 
-    /// Reads a JSONL file: one JSON object per line. A record's id is its index among
-    /// the file's non-blank lines, so skipping a bad line does not renumber the rest.
+    /// Reads a JSONL file (or directory of them): one JSON object per line. A record's
+    /// id is its index among the non-blank lines, so skipping a bad line does not
+    /// renumber the rest.
     pub fn open_jsonl(
         path: impl AsRef<Path>,
         fields: &FieldMapping,
@@ -175,8 +190,8 @@ impl FileDataset {
         Self::open(path, FileFormat::Jsonl, fields, policy)
     }
 
-    /// Reads a Parquet file; a record's id is its row index. Only the mapped columns
-    /// are read.
+    /// Reads a Parquet file (or directory of them); a record's id is its row index.
+    /// Only the mapped columns are read.
     pub fn open_parquet(
         path: impl AsRef<Path>,
         fields: &FieldMapping,
@@ -185,10 +200,16 @@ impl FileDataset {
         Self::open(path, FileFormat::Parquet, fields, policy)
     }
 
-    /// The file.
+    /// The file or directory that was opened.
     #[must_use]
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The files read, in id order.
+    #[must_use]
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
     }
 
     /// How many records were kept and skipped.
@@ -196,6 +217,27 @@ impl FileDataset {
     pub fn report(&self) -> &LoadReport {
         &self.report
     }
+}
+
+/// The files behind `path`: itself, or a directory's files with the format's
+/// extension in name order (so shard `-00001-` precedes `-00002-`).
+fn shards(path: &Path, format: FileFormat) -> Result<Vec<PathBuf>> {
+    let io = |source| Error::Io { path: path.to_owned(), source };
+    if !std::fs::metadata(path).map_err(io)?.is_dir() {
+        return Ok(vec![path.to_owned()]);
+    }
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(path).map_err(io)? {
+        let file = entry.map_err(io)?.path();
+        if file.is_file() && file.extension().is_some_and(|e| e == format.label()) {
+            files.push(file);
+        }
+    }
+    files.sort();
+    if files.is_empty() {
+        return Err(Error::EmptyDirectory { path: path.to_owned(), extension: format.label() });
+    }
+    Ok(files)
 }
 
 impl Dataset for FileDataset {
@@ -212,7 +254,10 @@ impl Dataset for FileDataset {
 
     fn place(&self, index: usize) -> String {
         match self.locations.get(index) {
-            Some(location) => format!("{} {location}", self.path.display()),
+            Some((file, location)) => {
+                let file = self.files.get(*file as usize).unwrap_or(&self.path);
+                format!("{} {location}", file.display())
+            }
             None => format!("{} record {index}", self.path.display()),
         }
     }

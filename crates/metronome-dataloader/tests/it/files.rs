@@ -171,3 +171,36 @@ async fn a_jsonl_source_from_config_releases_mapped_prompts() {
     assert_eq!(answers, ["2", "5", "81"]);
     assert!(loader.next().await.unwrap().is_none());
 }
+
+#[test]
+fn a_directory_of_shards_is_one_dataset_with_ids_running_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let line =
+        |q: &str| format!("{{\"question\": \"{q}\", \"answer\": \"1\", \"info\": {{\"level\": 1}}}}\n");
+    write_file(&dir, "train-00001.jsonl", &(line("c") + &line("d") + &line("e")));
+    write_file(&dir, "train-00000.jsonl", &(line("a") + &line("b")));
+    write_file(&dir, "README.md", "not a shard");
+    let dataset = FileDataset::open_jsonl(dir.path(), &mapping(), BadRecordPolicy::Fail).unwrap();
+    assert_eq!(dataset.files().len(), 2);
+    let prompts: Vec<(u64, PromptContent)> =
+        (0..dataset.len()).map(|i| dataset.record(i).unwrap()).map(|r| (r.id.0, r.content)).collect();
+    let expected: Vec<(u64, PromptContent)> = ["a", "b", "c", "d", "e"]
+        .iter()
+        .enumerate()
+        .map(|(i, q)| (i as u64, PromptContent::Text((*q).into())))
+        .collect();
+    assert_eq!(prompts, expected);
+    assert!(dataset.place(3).ends_with("train-00001.jsonl line 2"), "{}", dataset.place(3));
+
+    // A bad line names its shard.
+    write_file(&dir, "train-00002.jsonl", &(line("f") + "{oops\n"));
+    let err = FileDataset::open_jsonl(dir.path(), &mapping(), BadRecordPolicy::Fail).unwrap_err().to_string();
+    assert!(err.contains("train-00002.jsonl, line 2: malformed JSON"), "{err}");
+    // An empty shard is an error naming it; a directory without shards too.
+    write_file(&dir, "train-00002.jsonl", "");
+    let err = FileDataset::open_jsonl(dir.path(), &mapping(), BadRecordPolicy::Skip).unwrap_err().to_string();
+    assert!(err.contains("train-00002.jsonl is empty"), "{err}");
+    let err =
+        FileDataset::open_parquet(dir.path(), &mapping(), BadRecordPolicy::Fail).unwrap_err().to_string();
+    assert!(err.ends_with("holds no `.parquet` files"), "{err}");
+}

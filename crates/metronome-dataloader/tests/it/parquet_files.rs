@@ -222,3 +222,18 @@ async fn a_parquet_source_from_config_serves_every_row_once_per_epoch() {
     }
     assert_eq!(seen.len(), 60);
 }
+
+#[test]
+fn a_directory_of_parquet_shards_reads_in_name_order() {
+    let dir = tempfile::tempdir().unwrap();
+    write(&file(&dir, "part-1.parquet"), good_columns(6, &[]), Compression::SNAPPY);
+    write(&file(&dir, "part-0.parquet"), good_columns(4, &[1]), Compression::UNCOMPRESSED);
+    let dataset = FileDataset::open_parquet(dir.path(), &mapping(), BadRecordPolicy::Skip).unwrap();
+    assert_eq!((dataset.report().kept, dataset.report().skipped), (9, 1));
+    assert!(dataset.report().skipped_examples[0].contains("part-0.parquet, row 2, field `answer`"));
+    let ids: Vec<u64> = (0..dataset.len()).map(|i| dataset.record(i).unwrap().id.0).collect();
+    assert_eq!(ids, [0, 2, 3, 4, 5, 6, 7, 8, 9]);
+    // Row 0 of the second shard is record 4 overall.
+    assert_eq!(dataset.record(3).unwrap().content, PromptContent::Text("0+1=".into()));
+    assert!(dataset.place(3).ends_with("part-1.parquet row 1"), "{}", dataset.place(3));
+}
