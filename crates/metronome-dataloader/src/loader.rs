@@ -7,6 +7,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use metronome_core::{Cursor, PromptBatch, PromptSource, RunSeed, Tokenizer};
 use tokio::sync::oneshot;
+use tokio::sync::oneshot::error::TryRecvError;
 
 use crate::dataset::Dataset;
 use crate::error::{Error, Result};
@@ -112,12 +113,16 @@ impl PromptLoader {
             Some(pending) if pending.from == self.cursor => (pending, true),
             _ => (self.spawn(self.cursor), false),
         };
+        let lost = || Error::PrefetchLost { period: from.period.0 };
         let planned = match result.try_recv() {
             Ok(planned) => {
                 self.stats.prefetched_ready += u64::from(prefetched);
                 planned
             }
-            Err(_) => result.await.map_err(|_| Error::PrefetchLost { period: from.period.0 })?,
+            Err(TryRecvError::Empty) => result.await.map_err(|_| lost())?,
+            // The thread is gone without an answer (it panicked, or never started);
+            // the receiver is spent, so do not await it.
+            Err(TryRecvError::Closed) => return Err(lost()),
         };
         metrics::histogram!("metronome_dataloader_batch_wait_seconds")
             .record(started.elapsed().as_secs_f64());

@@ -156,6 +156,41 @@ async fn the_next_batch_is_prepared_in_the_background() {
     assert_eq!(reads.load(Ordering::SeqCst), 30, "no record read twice");
 }
 
+/// A dataset whose records panic past an index: a bug in a third-party dataset.
+#[derive(Debug)]
+struct Panicking;
+
+impl Dataset for Panicking {
+    fn len(&self) -> usize {
+        10
+    }
+
+    fn record(&self, index: usize) -> metronome_dataloader::Result<metronome_dataloader::Record> {
+        assert!(index < 5, "record {index} is broken");
+        Numbered::dataset(10).record(index)
+    }
+
+    fn place(&self, index: usize) -> String {
+        format!("panicking item {index}")
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_dataset_is_an_error_not_a_hang_or_a_crash() {
+    for prefetch in [true, false] {
+        let config = ReleaseConfig { shuffle: false, prefetch, ..release(5, None) };
+        let mut l = loader(Arc::new(Panicking), 0, config);
+        assert_eq!(ids(&l.next().await.unwrap().unwrap()), [0, 1, 2, 3, 4]);
+        if prefetch {
+            // Let the prefetch thread die first, so both receiver states are exercised.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let err = l.next().await.unwrap_err().to_string();
+        assert_eq!(err, "the prefetch worker stopped without delivering the batch of period 1");
+        assert_eq!(l.cursor().period, PeriodId(1));
+    }
+}
+
 #[tokio::test]
 async fn restore_rejects_cursors_that_do_not_fit() {
     let mut l = loader(Numbered::dataset(10), 1, release(4, Some(2)));
