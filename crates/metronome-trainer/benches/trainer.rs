@@ -9,6 +9,9 @@
 //! - `period/8_groups`: a whole period (8 micro-batches, then the optimiser step);
 //!   after it the split of time between forward, backward and optimiser is printed.
 //!
+//! Before each accumulate benchmark the minimum forward and backward times over five
+//! runs are printed too (criterion's means suffer on a busy machine).
+//!
 //! Run with `cargo bench -p metronome-trainer`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -108,6 +111,27 @@ fn trainer() -> GrpoTrainer {
     cfg.build(model).expect("trainer")
 }
 
+/// Minimum over a few runs of the forward and backward time of one micro-batch: on a
+/// shared machine the minimum is the figure least disturbed by other processes.
+fn print_min_split(t: &mut GrpoTrainer, batch: &TrainBatch, name: &str, groups: u32) {
+    let (mut fwd, mut bwd) = (f64::MAX, f64::MAX);
+    for _ in 0..5 {
+        let before = t.phase_times();
+        t.accumulate_sync(batch).expect("accumulate");
+        let after = t.phase_times();
+        fwd = fwd.min((after.forward - before.forward).as_secs_f64());
+        bwd = bwd.min((after.backward - before.backward).as_secs_f64());
+    }
+    println!(
+        "{name}/{groups}: {} positions, {} targets, min forward {:.1} ms, min backward {:.1} ms, {:.0} targets/s",
+        batch.num_positions(),
+        batch.targets.len(),
+        fwd * 1e3,
+        bwd * 1e3,
+        batch.targets.len() as f64 / (fwd + bwd)
+    );
+}
+
 fn accumulate(c: &mut Criterion) {
     let mut group = c.benchmark_group("accumulate");
     group.sample_size(10);
@@ -117,6 +141,7 @@ fn accumulate(c: &mut Criterion) {
             let batch = micro_batch(0, groups, shared);
             group.throughput(Throughput::Elements(batch.targets.len() as u64));
             let mut t = trainer();
+            print_min_split(&mut t, &batch, name, groups);
             group.bench_with_input(BenchmarkId::new(name, groups), &batch, |b, batch| {
                 b.iter(|| t.accumulate_sync(batch).expect("accumulate"));
             });

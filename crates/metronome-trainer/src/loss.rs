@@ -496,6 +496,32 @@ mod tests {
     }
 
     #[test]
+    fn entropy_bonus_is_subtracted_with_its_gradient() {
+        let lp = var(&[-1.0, -2.0]);
+        let h = var(&[0.5, 1.5]);
+        let old = lp.as_tensor().detach();
+        let cfg = LossConfig { entropy_coef: 0.1, ..LossConfig::default() };
+        let out = grpo_loss(
+            &cfg,
+            LossInputs {
+                logprobs: lp.as_tensor(),
+                old_logprobs: &old,
+                behaviour_logprobs: &old,
+                ref_logprobs: None,
+                entropy: Some(h.as_tensor()),
+                advantages: &[0.0, 0.0],
+                weights: &[1.0, 0.5],
+            },
+        )
+        .unwrap();
+        // ℓ = −0.1·(1·0.5 + 0.5·1.5) = −0.125; ∂ℓ/∂H = −0.1·w.
+        assert!((out.loss_sum + 0.125).abs() < 1e-6);
+        assert!((out.entropy_sum - 2.0).abs() < 1e-6);
+        let g: Vec<f32> = out.loss.backward().unwrap().get(h.as_tensor()).unwrap().to_vec1().unwrap();
+        assert!((g[0] + 0.1).abs() < 1e-6 && (g[1] + 0.05).abs() < 1e-6, "{g:?}");
+    }
+
+    #[test]
     fn aggregation_weights_and_step_scales() {
         let totals = StepTotals { tokens: 10, sequences: 4 };
         assert_eq!(Aggregation::TokenMean.target_weight(5), 1.0);

@@ -88,3 +88,24 @@ fn bad_batches_are_errors_not_panics() {
     b.targets.token[0] = 5_000;
     assert!(t.accumulate_sync(&b).is_err());
 }
+
+#[test]
+fn the_reference_model_exists_only_with_a_kl_term() {
+    let t = config().build(tiny_model()).unwrap();
+    assert!(format!("{t:?}").contains("reference: false"));
+    let mut cfg = config();
+    cfg.loss.kl_coef = 0.1;
+    let mut t = cfg.build(tiny_model()).unwrap();
+    assert!(format!("{t:?}").contains("reference: true"));
+    // At version 0 the policy equals its reference: the KL estimate is zero.
+    for g in period_groups() {
+        t.accumulate_sync(&g).unwrap();
+    }
+    let r = t.step_sync().unwrap();
+    assert!(r.kl.abs() < 1e-6, "{}", r.kl);
+    // After a step the policy has moved away from the reference.
+    for g in period_groups() {
+        t.accumulate_sync(&stamped(&g, t.version())).unwrap();
+    }
+    assert!(t.step_sync().unwrap().kl > 0.0);
+}
