@@ -68,3 +68,38 @@ impl EngineConfig {
         self.sampling.validate()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builds_from_the_pipeline_toml() {
+        let text = r#"
+            workers = 2
+            threads_per_worker = 1
+            max_num_seqs = 8
+            batching = "static"
+            seed = 17
+
+            [sampling]
+            temperature = 0.7
+            top_p = 0.95
+            max_new_tokens = 64
+            stop_strings = ["</answer>"]
+        "#;
+        let cfg: EngineConfig = toml::from_str(text).unwrap();
+        assert_eq!(cfg.workers, 2);
+        assert_eq!(cfg.batching, Batching::Static);
+        assert_eq!(cfg.sampling.max_new_tokens, 64);
+        assert_eq!(cfg.sampling.top_k, 0, "unset fields take defaults");
+        cfg.validate().unwrap();
+        let err = toml::from_str::<EngineConfig>("max_num_seq = 3").unwrap_err().to_string();
+        assert!(err.contains("max_num_seq"), "{err}");
+        let zero = EngineConfig { max_num_seqs: 0, ..EngineConfig::default() };
+        assert_eq!(
+            zero.validate().unwrap_err().to_string(),
+            "config field `max_num_seqs` is 0 (expected >= 1)"
+        );
+    }
+}

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Opt-in comparison: Hugging Face `transformers` `generate` on the tiny architecture.
+
+Builds a randomly initialised Llama with the shape of `ModelConfig::tiny()` (vocabulary
+99, hidden 128, MLP 384, 2 layers, 4 query / 2 key-value heads, head_dim 32), and
+measures generated tokens per second for the same workloads as `benches/rollout.rs`'s
+`slots/<n>` group: 64 responses of 32 new tokens from 12-token prompts, sampled at
+temperature 1, in static batches of `n` (transformers has no continuous batching in
+`generate`), with one CPU thread. Compare with `cargo bench -p metronome-rollout --bench
+rollout -- slots` run with `RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1` on the same machine.
+
+Needs `pip install torch transformers`. Not run by CI.
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--responses", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16, 64])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=99,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    prompt_len = 12
+    print(f"torch {torch.__version__}, threads {args.threads}")
+    for batch in args.batches:
+        best = float("inf")
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(args.responses // batch):
+                    ids = torch.randint(4, 99, (batch, prompt_len))
+                    model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        do_sample=True,
+                        temperature=1.0,
+                        top_k=0,
+                        max_new_tokens=args.new_tokens,
+                        min_new_tokens=args.new_tokens,
+                        pad_token_id=0,
+                    )
+            best = min(best, time.perf_counter() - start)
+        tokens = (args.responses // batch) * batch * args.new_tokens
+        print(f"transformers generate batch {batch:>3}: {tokens / best:9.0f} tokens/s ({tokens} tokens in {best:.3f} s)")
+
+
+if __name__ == "__main__":
+    main()
