@@ -9,6 +9,12 @@ temperature 1, in static batches of `n` (transformers has no continuous batching
 `generate`), with one CPU thread. Compare with `cargo bench -p metronome-rollout --bench
 rollout -- slots` run with `RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1` on the same machine.
 
+`--long-tail` instead emulates the `batching/*` workload: response lengths drawn like
+the Rust bench's (stop with probability 2/99 per token, capped at 160), in static
+batches of 16; `generate` with end-of-sequence stopping runs each batch until its
+longest response ends, so each batch is generated to its maximum length and only the
+responses' own tokens are counted as useful. Compare with `batching/continuous`.
+
 Needs `pip install torch transformers`. Not run by CI.
 """
 
@@ -26,6 +32,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 4, 16, 64])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--long-tail", action="store_true")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -49,6 +56,9 @@ def main() -> None:
     model = LlamaForCausalLM(cfg).eval()
     prompt_len = 12
     print(f"torch {torch.__version__}, threads {args.threads}")
+    if args.long_tail:
+        long_tail(model, args.repeats, prompt_len)
+        return
     for batch in args.batches:
         best = float("inf")
         for _ in range(args.repeats):
@@ -69,6 +79,37 @@ def main() -> None:
             best = min(best, time.perf_counter() - start)
         tokens = (args.responses // batch) * batch * args.new_tokens
         print(f"transformers generate batch {batch:>3}: {tokens / best:9.0f} tokens/s ({tokens} tokens in {best:.3f} s)")
+
+
+def long_tail(model, repeats: int, prompt_len: int, responses: int = 64, batch: int = 16) -> None:
+    gen = torch.Generator().manual_seed(11)
+    p_stop, cap = 2 / 99, 160
+    lengths = []
+    for _ in range(responses):
+        n = 1
+        while n < cap and torch.rand((), generator=gen).item() >= p_stop:
+            n += 1
+        lengths.append(n)
+    useful = sum(lengths)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for b in range(0, responses, batch):
+                longest = max(lengths[b : b + batch])
+                ids = torch.randint(4, 99, (batch, prompt_len))
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=True,
+                    top_k=0,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    pad_token_id=0,
+                )
+        best = min(best, time.perf_counter() - start)
+    print(f"transformers generate, long tail, static batches of {batch}: {useful / best:9.0f} useful tokens/s "
+          f"({useful} tokens, mean length {useful / responses:.1f}, in {best:.3f} s)")
 
 
 if __name__ == "__main__":
