@@ -5,7 +5,11 @@
 //! The target: where the bound exceeds 20%, the realised saving is at least
 //! 80% of it. The table is measured side by side in one run (interleaved repetitions,
 //! median), so only the ratios mean anything. `METRONOME_PACKING_REPS` sets the
-//! repetitions (default 5); `METRONOME_PACKING_GRID=small` runs only P=64, L=32 (as
+//! repetitions (default 5). Beside the times the table prints the attention pairs of
+//! the shared row relative to the padded rows, with a dense mask (what the model
+//! evaluates today) and following the segments (what a segment-aware kernel would).
+//! Pass a criterion filter that matches nothing (`cargo bench --bench packing -- none`)
+//! to print only the table; `METRONOME_PACKING_GRID=small` runs only P=64, L=32 (as
 //! does `cargo test --all-targets`, which runs each case once and prints no table).
 
 use std::{
@@ -17,7 +21,7 @@ use criterion::{BenchmarkId, Criterion};
 use metronome_core::{
     AdvantageEstimator, Completion, Group, PeriodId, Prompt, PromptId, Reward, ScoredGroup, TokenId, mix64,
 };
-use metronome_masking::{Layout, padded, saving_bound, shared_prompt};
+use metronome_masking::{AttentionPairs, Layout, attention_pairs, padded, saving_bound, shared_prompt};
 use metronome_model::{Device, Model, ModelConfig};
 
 fn group(p: usize, l: usize, g: usize, vocab: usize) -> ScoredGroup {
@@ -81,8 +85,8 @@ fn table(model: &Model, cases: &[(usize, usize, usize, Layout, Layout)]) {
     let reps: usize = std::env::var("METRONOME_PACKING_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
     println!("\nshared-prompt vs padded trainer forward+backward (median of {reps}, interleaved)");
     println!(
-        "{:>4} {:>4} {:>3} {:>9} {:>9} {:>7} {:>8} {:>7} {:>7}",
-        "P", "L", "G", "shared", "padded", "bound", "realised", "ratio", "target"
+        "{:>4} {:>4} {:>3} {:>9} {:>9} {:>7} {:>8} {:>7} {:>7} {:>10} {:>10}",
+        "P", "L", "G", "shared", "padded", "bound", "realised", "ratio", "target", "attn dense", "attn seg"
     );
     for (p, l, g, shared, base) in cases {
         forward_backward(model, shared);
@@ -107,13 +111,19 @@ fn table(model: &Model, cases: &[(usize, usize, usize, Layout, Layout)]) {
         } else {
             "MISSED"
         };
+        // Attention pairs of the shared row relative to the padded rows: with the dense
+        // mask the model evaluates, and with an attention that follows the segments.
+        let pairs = |l: &Layout| l.batch.rows.iter().map(attention_pairs).sum::<AttentionPairs>();
+        let (ps, pp) = (pairs(shared), pairs(base));
         println!(
-            "{p:>4} {l:>4} {g:>3} {:>7.1}ms {:>7.1}ms {:>6.1}% {:>7.1}% {:>7.2} {target:>7}",
+            "{p:>4} {l:>4} {g:>3} {:>7.1}ms {:>7.1}ms {:>6.1}% {:>7.1}% {:>7.2} {target:>7} {:>9.2}x {:>9.2}x",
             ts.as_secs_f64() * 1e3,
             tp.as_secs_f64() * 1e3,
             bound * 100.0,
             realised * 100.0,
             ratio,
+            ps.dense as f64 / pp.dense as f64,
+            ps.visible as f64 / pp.visible as f64,
         );
     }
 }

@@ -9,7 +9,8 @@ use ndarray::{Array1, Axis, Slice};
 use crate::{MaskingError, Result, TokenAccount, input::check_group};
 
 /// Which layout a batch uses.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LayoutKind {
     /// One prompt copy per group (part), its responses as sibling segments that see the
     /// prompt and not each other; several groups side by side in a row.

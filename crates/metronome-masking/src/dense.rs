@@ -51,6 +51,57 @@ pub fn dense_additive_mask(row: &PackedRow) -> Array2<f32> {
     attention_mask(row).mapv(|ok| if ok { 0.0 } else { f32::NEG_INFINITY })
 }
 
+/// How many (query, key) pairs attention evaluates over a row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttentionPairs {
+    /// Pairs of a dense masked attention over the whole row: `len²`.
+    pub dense: u64,
+    /// Pairs the mask lets through: what an attention that follows the segments (each
+    /// segment's queries against its ancestors' keys and its own causal prefix) computes.
+    pub visible: u64,
+}
+
+impl std::ops::Add for AttentionPairs {
+    type Output = Self;
+
+    fn add(self, o: Self) -> Self {
+        Self { dense: self.dense + o.dense, visible: self.visible + o.visible }
+    }
+}
+
+impl std::iter::Sum for AttentionPairs {
+    fn sum<I: Iterator<Item = Self>>(iter: I) -> Self {
+        iter.fold(Self::default(), std::ops::Add::add)
+    }
+}
+
+/// The attention work of `row`, computed from its segments without materialising a mask.
+///
+/// The shared-prompt layout saves dense-layer tokens, but a row of `P + GL` positions
+/// under a dense mask costs `(P+GL)²` pairs against `G(P+L)²` for padded rows; only an
+/// attention that follows the segments keeps the saving (`P² + GL(P+L)`-ish pairs).
+#[must_use]
+pub fn attention_pairs(row: &PackedRow) -> AttentionPairs {
+    let len = row.len() as u64;
+    let mut visible = 0u64;
+    for seg in &row.segments {
+        let mut ancestors = 0u64;
+        let mut parent = seg.parent;
+        let mut steps = 0;
+        while let Some(p) = parent
+            && steps < row.segments.len()
+        {
+            let Some(ps) = row.segments.get(p as usize) else { break };
+            ancestors += u64::from(ps.len);
+            parent = ps.parent;
+            steps += 1;
+        }
+        let n = u64::from(seg.len);
+        visible += n * ancestors + n * (n + 1) / 2;
+    }
+    AttentionPairs { dense: len * len, visible }
+}
+
 /// The rotary position ids of `row` as an array.
 #[must_use]
 pub fn position_ids(row: &PackedRow) -> Array1<u32> {
@@ -92,6 +143,8 @@ mod tests {
             }
         }
         assert_eq!(position_ids(&row).to_vec(), vec![0, 1, 2, 3, 2]);
+        let visible = expected.iter().flatten().filter(|&&x| x == 1).count() as u64;
+        assert_eq!(attention_pairs(&row), AttentionPairs { dense: 25, visible });
         assert_eq!(token_ids(&row).len(), 5);
     }
 }

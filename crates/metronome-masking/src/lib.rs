@@ -22,7 +22,15 @@
 //!   [`TokenAccount`] (tokens per layout, bound and realised saving, additive over
 //!   micro-batches);
 //! - [`dense_additive_mask`] and [`attention_mask`], which materialise the segment tree
-//!   for attention backends that need a dense mask.
+//!   for attention backends that need a dense mask, and [`attention_pairs`], the
+//!   attention work of a row with a dense mask and with segment-following attention.
+//!
+//! The token saving is a saving of the dense layers. Attention is another matter: one
+//! row of `P + GL` positions under a dense mask costs `(P+GL)²` pairs against
+//! `G(P+L)²` for the padded rows, which for long responses and large groups outweighs
+//! the dense-layer saving. Keeping the saving at every size needs an attention kernel
+//! that follows the segments (each response's queries against the prompt's keys and its
+//! own prefix), which is `metronome-model`'s side of the contract.
 //!
 //! What it deliberately is not: it holds no tensors and runs no network (that is
 //! `metronome-model`, which consumes [`metronome_core::PackedRow`]'s segments), computes
@@ -44,6 +52,8 @@ mod pack;
 
 pub use account::{TokenAccount, saving_bound};
 pub use build::{Layout, LayoutKind, ResponseSpan, padded, shared_prompt};
-pub use dense::{attention_mask, dense_additive_mask, position_ids, token_ids};
+pub use dense::{
+    AttentionPairs, attention_mask, attention_pairs, dense_additive_mask, position_ids, token_ids,
+};
 pub use error::{MaskingError, Result};
 pub use pack::{Packer, PackingConfig, pack_period};

@@ -11,7 +11,8 @@ use crate::{
 };
 
 /// How groups are packed into rows and micro-batches.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct PackingConfig {
     /// The layout of every batch.
     pub layout: LayoutKind,
@@ -233,4 +234,21 @@ pub fn pack_period(groups: &[ScoredGroup], config: &PackingConfig) -> Result<Vec
     }
     out.extend(packer.finish());
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_reads_from_serde_with_defaults_and_rejects_unknown_fields() {
+        let c: PackingConfig = serde_json::from_str(r#"{"layout": "padded", "row_tokens": 512}"#).unwrap();
+        assert_eq!(
+            c,
+            PackingConfig { layout: LayoutKind::Padded, row_tokens: 512, ..PackingConfig::default() }
+        );
+        assert!(serde_json::from_str::<PackingConfig>(r#"{"row_token": 512}"#).is_err());
+        let back: PackingConfig = serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
+    }
 }
