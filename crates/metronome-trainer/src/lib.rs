@@ -37,7 +37,8 @@
 //!
 //! Metrics: `metronome_trainer_steps_total`, `metronome_trainer_skipped_steps_total`,
 //! `metronome_trainer_tokens_total`, `metronome_trainer_zero_advantage_groups_total`,
-//! and gauges `metronome_trainer_{loss,kl,grad_norm,clip_fraction,learning_rate}`.
+//! gauges `metronome_trainer_{loss,kl,grad_norm,clip_fraction,learning_rate}`, and
+//! histograms `metronome_trainer_accumulate_seconds` and `metronome_trainer_step_seconds`.
 
 mod config;
 mod error;

@@ -403,7 +403,9 @@ impl GrpoTrainer {
             self.buffered.push(batch.clone());
             return Ok(AccumulateReport { tokens: prepared.counts.tokens, loss_sum: 0.0 });
         }
+        let start = Instant::now();
         let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
+        metrics::histogram!("metronome_trainer_accumulate_seconds").record(start.elapsed().as_secs_f64());
         self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
         self.sums.add(&sums);
         metrics::counter!("metronome_trainer_tokens_total").increment(sums.tokens);
@@ -456,6 +458,7 @@ impl GrpoTrainer {
     /// (or, with `mini_steps > 1`, trains the buffered batches in that many updates),
     /// then clears the accumulator.
     pub fn step_sync(&mut self) -> Result<StepReport> {
+        let start = Instant::now();
         let report = if self.cfg.mini_steps > 1 && self.mode == Some(Mode::Rl) {
             self.run(Self::mini_steps)?
         } else {
@@ -468,6 +471,7 @@ impl GrpoTrainer {
         }
         let report = StepReport { version: self.version, ..report };
         metrics::counter!("metronome_trainer_steps_total").increment(1);
+        metrics::histogram!("metronome_trainer_step_seconds").record(start.elapsed().as_secs_f64());
         metrics::gauge!("metronome_trainer_loss").set(report.loss);
         metrics::gauge!("metronome_trainer_kl").set(report.kl);
         metrics::gauge!("metronome_trainer_grad_norm").set(report.grad_norm);
@@ -566,8 +570,9 @@ impl GrpoTrainer {
 
     /// Writes a checkpoint directory: `policy/` (Hugging Face `config.json` +
     /// `model.safetensors`), `reference/` when a KL term is used,
-    /// `optimizer.safetensors` (AdamW moments) and `trainer_state.json` (version,
-    /// optimiser step, schedule position, generator state). Only between steps.
+    /// `optimizer.safetensors` (AdamW moments), `trainer_config.json` (for reading) and
+    /// `trainer_state.json` (version, optimiser step, schedule position, generator
+    /// state), written last. Only between steps.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
         if self.accum.micro_batches() > 0 || !self.buffered.is_empty() {
             return Err(TrainerError::checkpoint(
@@ -592,6 +597,13 @@ impl GrpoTrainer {
             rng_state: self.rng_state,
             skipped_steps: self.skipped_steps,
         };
+        // The configuration is written for people reading the run directory; resuming
+        // takes the configuration from the caller.
+        let cfg_path = dir.join("trainer_config.json");
+        let text =
+            serde_json::to_string_pretty(&self.cfg).map_err(|e| TrainerError::checkpoint(&cfg_path, e))?;
+        std::fs::write(&cfg_path, text).map_err(|e| TrainerError::checkpoint(&cfg_path, e))?;
+        // The state file goes last: its presence marks a complete checkpoint.
         let st_path = dir.join("trainer_state.json");
         let text = serde_json::to_string_pretty(&st).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
         std::fs::write(&st_path, text).map_err(|e| TrainerError::checkpoint(&st_path, e))
