@@ -23,6 +23,78 @@ pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
 }
 
+/// `softmax(scores + mask)` over the last dimension in one pass, with its backward.
+///
+/// The attention probabilities are the largest activations of the training forward;
+/// as separate candle ops (add, max, sub, exp, sum, div) each would allocate and walk
+/// a fresh `[heads, q, k]` buffer forward and again backward. `scores` is
+/// `[.., lq, lk]`, `mask` is `[lq, lk]` and broadcast over the leading dimensions;
+/// only `scores` receives a gradient.
+#[derive(Debug, Clone, Copy)]
+struct MaskedSoftmax;
+
+impl candle_core::CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (Some((a0, a1)), Some((m0, m1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("masked-softmax needs contiguous inputs")
+        };
+        let x = &s1.as_slice::<f32>()?[a0..a1];
+        let mask = &s2.as_slice::<f32>()?[m0..m1];
+        let dims = l1.dims();
+        let lk = dims[dims.len() - 1];
+        let lq = dims[dims.len() - 2];
+        if l2.dims() != [lq, lk] {
+            candle_core::bail!("masked-softmax: mask {:?} does not fit scores {:?}", l2.dims(), dims)
+        }
+        let mut out = vec![0f32; x.len()];
+        for (r, (xs, os)) in x.chunks_exact(lk).zip(out.chunks_exact_mut(lk)).enumerate() {
+            let ms = &mask[(r % lq) * lk..(r % lq + 1) * lk];
+            let mut max = f32::NEG_INFINITY;
+            for (o, (&a, &m)) in os.iter_mut().zip(xs.iter().zip(ms)) {
+                *o = a + m;
+                max = max.max(*o);
+            }
+            let mut sum = 0f32;
+            for o in os.iter_mut() {
+                *o = (*o - max).exp();
+                sum += *o;
+            }
+            let inv = 1.0 / sum;
+            for o in os.iter_mut() {
+                *o *= inv;
+            }
+        }
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        _mask: &Tensor,
+        p: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // d softmax: p * (g - sum(g * p)).
+        let dot = (g * p)?.sum_keepdim(D::Minus1)?;
+        Ok((Some((g.broadcast_sub(&dot)? * p)?), None))
+    }
+}
+
+/// `softmax(scores + mask)` over the last dimension; see [`MaskedSoftmax`].
+pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    Ok(scores.contiguous()?.apply_op2(&mask.contiguous()?, MaskedSoftmax)?)
+}
+
 /// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
 pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
@@ -90,17 +162,20 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     let (lk, kv_heads, _) = k.dims3()?;
     let rep = heads / kv_heads;
     let scale = 1.0 / (hd as f64).sqrt();
-    let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
     let k = k.transpose(0, 1)?;
     let v = v.transpose(0, 1)?;
-    let scores = (q.matmul(&k.t()?)? * scale)?;
-    let scores = match mask {
+    let probs = match mask {
         Some(m) => {
-            scores.reshape((kv_heads, rep, lq, lk))?.broadcast_add(m)?.reshape((kv_heads, rep * lq, lk))?
+            // Scaling the queries is cheaper than scaling the `[.., lq, lk]` scores.
+            let q = (q * scale)?.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
+            let scores = q.matmul(&k.t()?)?.reshape((kv_heads, rep, lq, lk))?;
+            masked_softmax(&scores, m)?.reshape((kv_heads, rep * lq, lk))?
         }
-        None => scores,
+        None => {
+            let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
+            softmax_last_dim(&(q.matmul(&k.t()?)? * scale)?)?
+        }
     };
-    let probs = softmax_last_dim(&scores)?;
     let out = probs.matmul(&v)?; // [kv, rep * lq, hd]
     Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
 }
@@ -154,6 +229,30 @@ mod tests {
                 assert_eq!(x == 0.0, row.can_attend(q, k), "query {q} key {k}");
             }
         }
+    }
+
+    #[test]
+    fn masked_softmax_matches_composed_ops_and_gradient() {
+        let dev = Device::Cpu;
+        let x = candle_core::Var::from_tensor(
+            &Tensor::new(
+                &[[[0.3f32, -1.0, 2.0], [1.5, 0.2, -0.7]], [[0.0, 0.1, 0.2], [3.0, -2.0, 1.0]]],
+                &dev,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let mask = Tensor::new(&[[0f32, f32::NEG_INFINITY, 0.0], [0.0, 0.0, 0.0]], &dev).unwrap();
+        let w = Tensor::new(&[1f32, -2.0, 0.5], &dev).unwrap();
+        let fused = masked_softmax(x.as_tensor(), &mask).unwrap();
+        let composed = softmax_last_dim(&x.as_tensor().broadcast_add(&mask).unwrap()).unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        };
+        assert!(diff(&fused, &composed) < 1e-6);
+        let gf = fused.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gc = composed.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(diff(gf.get(x.as_tensor()).unwrap(), gc.get(x.as_tensor()).unwrap()) < 1e-6);
     }
 
     #[test]
