@@ -18,7 +18,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
 use metronome_transport::nats::{NatsConfig, NatsTransport, Storage};
 use metronome_transport::testdata::{scored_group, snapshot_of_bytes};
-use metronome_transport::wire::{decode_weights, encode_weights};
+use metronome_transport::wire::{WeightsDecoder, decode_weights, encode_weights, encode_weights_chunks};
 
 #[path = "../tests/it/server.rs"]
 #[allow(dead_code, reason = "the bench uses a subset of the test helper")]
@@ -61,6 +61,16 @@ fn weights(c: &mut Criterion) {
     group.bench_function("memcpy", |b| b.iter(|| std::hint::black_box(encoded.to_vec())));
     group.bench_function("encode_decode", |b| {
         b.iter(|| decode_weights(&encode_weights(&snapshot).expect("encode")).expect("decode"));
+    });
+    group.bench_function("encode_chunks_stream_decode", |b| {
+        b.iter(|| {
+            let chunks = encode_weights_chunks(&snapshot, 1 << 20).expect("encode");
+            let mut decoder = WeightsDecoder::new(encoded.len() as u64);
+            for c in &chunks {
+                decoder.push(c).expect("decode");
+            }
+            decoder.finish().expect("decode")
+        });
     });
     group.bench_function("tcp_loopback", |b| {
         b.iter_custom(|iters| (0..iters).map(|_| tcp_transfer(&encoded)).sum())

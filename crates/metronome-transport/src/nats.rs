@@ -38,12 +38,12 @@ use metronome_core::{
     WeightSnapshot, WeightSubscriber,
 };
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncReadExt;
 
 use crate::dedup::{Admit, Dedup, KeyGuard};
 use crate::stats::{Counters, Stats};
 use crate::wire::{
-    check_size, decode_control, decode_group, decode_weights, encode_control, encode_group, encode_weights,
+    WeightsDecoder, check_size, decode_control, decode_group, encode_control, encode_group,
+    encode_weights_chunks,
 };
 use crate::{ControlReceiver, ControlSender, Error, Result};
 
@@ -745,6 +745,36 @@ fn object_name(version: PolicyVersion) -> String {
     format!("v{:020}", version.0)
 }
 
+/// A fresh token naming one upload's chunk subject (the object store calls it the
+/// nuid): unique per process, time and object.
+fn object_nuid(name: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let seed = format!("{name}/{}/{nanos}/{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
+    format!("{:016x}{:016x}", xxhash_rust::xxh3::xxh3_64(seed.as_bytes()), metronome_core::mix64(nanos))
+}
+
+/// Base64 with the URL-safe alphabet and padding, as the object store encodes names
+/// and digests.
+fn base64_url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for group in bytes.chunks(3) {
+        let b = [group[0], group.get(1).copied().unwrap_or(0), group.get(2).copied().unwrap_or(0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= group.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
 async fn last_announcement(announce: &stream::Stream, subject: &str) -> Result<Option<Announcement>> {
     match announce.get_last_raw_message_by_subject(subject).await {
         Ok(m) => serde_json::from_slice(&m.payload).map(Some).map_err(|e| Error::Malformed {
@@ -789,23 +819,128 @@ impl NatsWeightPublisher {
             return Err(Error::StaleVersion { version: snapshot.version.0, newest: newest.version });
         }
         let version = snapshot.version;
-        let bytes = tokio::task::spawn_blocking(move || encode_weights(&snapshot))
-            .await
-            .map_err(|e| Error::nats("encode weights", e))??;
         let name = object_name(version);
         let chunk = c.chunk_bytes.clamp(1024, self.transport.client.server_info().max_payload.max(1024));
-        let meta = object_store::ObjectMetadata {
-            name: name.clone(),
-            chunk_size: Some(chunk),
-            ..Default::default()
-        };
-        self.store.put(meta, &mut bytes.as_slice()).await.map_err(|e| Error::nats("store weights", e))?;
-        let announcement = Announcement { version: version.0, object: name, bytes: bytes.len() as u64 };
+        let size = self.put_object(&name, snapshot, chunk).await?;
+        let announcement = Announcement { version: version.0, object: name, bytes: size as u64 };
         let payload = serde_json::to_vec(&announcement).map_err(|e| Error::nats("encode announcement", e))?;
         self.transport.publish_durably("announce weights", &c.announce_subject, None, payload.into()).await?;
-        self.counters.sent(bytes.len(), start.elapsed());
+        self.counters.sent(size, start.elapsed());
         self.prune(version).await;
         Ok(())
+    }
+
+    /// Stores the snapshot as object `name` in the bucket, in the object store's layout
+    /// (chunks on `$O.<bucket>.C.<nuid>`, then the info on `$O.<bucket>.M.<name>`) so
+    /// that any NATS object store client can read it. Unlike `ObjectStore::put`, the
+    /// chunks borrow the tensor data instead of copying it, and are pipelined: the
+    /// next chunk is sent while earlier acknowledgements are in flight. The SHA-256
+    /// digest the object store format requires is computed on a blocking thread
+    /// meanwhile. Returns the object's size.
+    async fn put_object(&self, name: &str, snapshot: Arc<WeightSnapshot>, chunk: usize) -> Result<usize> {
+        const IN_FLIGHT: usize = 32;
+        let bucket = &self.transport.config.weights.bucket;
+        let previous = self.store.info(name).await.ok();
+        let chunks = {
+            let snapshot = Arc::clone(&snapshot);
+            tokio::task::spawn_blocking(move || encode_weights_chunks(&snapshot, chunk))
+                .await
+                .map_err(|e| Error::nats("encode weights", e))??
+        };
+        let size: usize = chunks.iter().map(Bytes::len).sum();
+        let digest = {
+            let chunks = chunks.clone();
+            tokio::task::spawn_blocking(move || {
+                use sha2::Digest;
+                let mut sha = sha2::Sha256::new();
+                chunks.iter().for_each(|c| sha.update(c));
+                sha.finalize()
+            })
+        };
+        let nuid = object_nuid(name);
+        let chunk_subject = format!("$O.{bucket}.C.{nuid}");
+        let count = chunks.len();
+        let mut acks = std::collections::VecDeque::with_capacity(IN_FLIGHT);
+        let sent: Result<()> = async {
+            for c in chunks {
+                if acks.len() >= IN_FLIGHT
+                    && let Some(ack) = acks.pop_front()
+                {
+                    let ack: jetstream::context::PublishAckFuture = ack;
+                    ack.await.map_err(|e| Error::nats("store weight chunk", e))?;
+                }
+                let ack = self
+                    .transport
+                    .js
+                    .publish(chunk_subject.clone(), c)
+                    .await
+                    .map_err(|e| Error::nats("store weight chunk", e))?;
+                acks.push_back(ack);
+            }
+            for ack in acks.drain(..) {
+                ack.await.map_err(|e| Error::nats("store weight chunk", e))?;
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = sent {
+            self.purge_chunks(&chunk_subject).await;
+            return Err(e);
+        }
+        let digest = digest.await.map_err(|e| Error::nats("hash weights", e))?;
+        let info = object_store::ObjectInfo {
+            name: name.to_owned(),
+            description: Some(format!("metronome weight snapshot version {}", snapshot.version)),
+            metadata: std::collections::HashMap::new(),
+            headers: None,
+            options: Some(object_store::ObjectOptions { link: None, max_chunk_size: Some(chunk) }),
+            bucket: bucket.clone(),
+            nuid,
+            size,
+            chunks: count,
+            modified: None,
+            digest: Some(format!("SHA-256={}", base64_url(&digest))),
+            deleted: false,
+        };
+        let payload = serde_json::to_vec(&info).map_err(|e| Error::nats("encode object info", e))?;
+        let mut headers = HeaderMap::new();
+        headers.insert(async_nats::header::NATS_ROLLUP, "sub");
+        let meta_subject = format!("$O.{bucket}.M.{}", base64_url(name.as_bytes()));
+        if let Err(e) = self
+            .transport
+            .publish_durably("store weight info", &meta_subject, Some(headers), payload.into())
+            .await
+        {
+            self.purge_chunks(&chunk_subject).await;
+            return Err(e);
+        }
+        if let Some(previous) = previous {
+            self.purge_chunks(&format!("$O.{bucket}.C.{}", previous.nuid)).await;
+        }
+        Ok(size)
+    }
+
+    async fn object_stream(&self) -> Result<stream::Stream> {
+        let name = format!("OBJ_{}", self.transport.config.weights.bucket);
+        self.transport
+            .js
+            .get_stream(name)
+            .await
+            .map_err(|e| Error::nats("open the weight bucket's stream", e))
+    }
+
+    /// Removes the chunks of an object that was replaced or never completed; a
+    /// failure only costs space.
+    async fn purge_chunks(&self, subject: &str) {
+        let purged = match self.object_stream().await {
+            Ok(stream) => {
+                stream.purge().filter(subject).await.map(drop).map_err(|e| Error::nats("purge chunks", e))
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = purged {
+            tracing::warn!(error = %e, subject, "could not purge weight chunks");
+        }
     }
 
     /// Deletes versions older than the newest `keep_versions`; a failure only costs
@@ -899,17 +1034,46 @@ impl NatsWeightSubscriber {
         }
     }
 
+    /// Reads the object's chunks with an ordered consumer and decodes them as they
+    /// arrive ([`WeightsDecoder`]): one copy into the tensors, checked by the format's
+    /// own checksum (the object store reader would add a SHA-256 pass and a copy).
     async fn fetch(&self, announcement: &Announcement) -> Result<WeightSnapshot> {
         let start = Instant::now();
-        let mut object =
-            self.store.get(&announcement.object).await.map_err(|e| Error::nats("fetch weights", e))?;
-        let size = usize::try_from(announcement.bytes).unwrap_or(0);
-        let mut bytes = Vec::with_capacity(size);
-        object.read_to_end(&mut bytes).await.map_err(|e| Error::nats("read weights", e))?;
-        let len = bytes.len();
-        let snapshot = tokio::task::spawn_blocking(move || decode_weights(&bytes))
+        let info =
+            self.store.info(&announcement.object).await.map_err(|e| Error::nats("look up weights", e))?;
+        if info.deleted {
+            return Err(Error::nats(
+                "look up weights",
+                std::io::Error::other(format!("object {} was deleted", info.name)),
+            ));
+        }
+        let bucket = &self.transport.config.weights.bucket;
+        let stream = self
+            .transport
+            .js
+            .get_stream(format!("OBJ_{bucket}"))
             .await
-            .map_err(|e| Error::nats("decode weights", e))??;
+            .map_err(|e| Error::nats("open the weight bucket's stream", e))?;
+        let mut chunks = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subject: format!("$O.{bucket}.C.{}", info.nuid),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| Error::nats("fetch weights", e))?
+            .messages()
+            .await
+            .map_err(|e| Error::nats("fetch weights", e))?;
+        let mut decoder = WeightsDecoder::new(info.size as u64);
+        for _ in 0..info.chunks {
+            let chunk = match chunks.next().await {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => return Err(Error::nats("fetch weights", e)),
+                None => return Err(Error::Closed("weight chunk stream")),
+            };
+            decoder.push(&chunk.payload)?;
+        }
+        let snapshot = decoder.finish()?;
         if snapshot.version.0 != announcement.version {
             return Err(Error::Malformed {
                 kind: "weights",
@@ -917,7 +1081,7 @@ impl NatsWeightSubscriber {
                 reason: format!("object {} holds version {}", announcement.object, snapshot.version),
             });
         }
-        self.counters.received(len);
+        self.counters.received(info.size);
         self.counters.fetched(start.elapsed());
         Ok(snapshot)
     }
@@ -1060,6 +1224,22 @@ mod tests {
         assert_eq!(c.groups.max_pending, 16);
         assert_eq!(c.groups.subject, "metronome.groups");
         assert!(serde_json::from_str::<NatsConfig>(r#"{"url": "x"}"#).is_err(), "unknown fields are refused");
+    }
+
+    #[test]
+    fn base64_url_matches_the_rfc_4648_vectors() {
+        let cases = [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+        ];
+        for (input, expected) in cases {
+            assert_eq!(base64_url(input.as_bytes()), expected);
+        }
+        assert_eq!(base64_url(&[0xfb, 0xff]), "-_8=");
     }
 
     #[test]

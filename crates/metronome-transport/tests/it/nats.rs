@@ -282,7 +282,7 @@ async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn old_weight_versions_are_pruned() {
+async fn old_weight_versions_are_pruned_and_readable_by_any_object_store_client() {
     let server = NatsServer::start();
     let mut cfg = config(&server, "prune");
     cfg.weights.keep_versions = 2;
@@ -300,6 +300,12 @@ async fn old_weight_versions_are_pruned() {
     }
     names.sort();
     assert_eq!(names, [format!("v{:020}", 3), format!("v{:020}", 4)]);
+    // Any object store client reads what we stored: the stock reader checks the
+    // SHA-256 digest and gets the exact encoding.
+    let mut object = store.get(&names[1]).await.unwrap();
+    let mut bytes = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut object, &mut bytes).await.unwrap();
+    assert_eq!(bytes, encode_weights(&snapshot(4, 16)).unwrap());
     let mut subscriber = t.weight_subscriber().await.unwrap();
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(4));
 }
