@@ -37,8 +37,10 @@
 //!
 //! Metrics: `metronome_trainer_steps_total`, `metronome_trainer_skipped_steps_total`,
 //! `metronome_trainer_tokens_total`, `metronome_trainer_zero_advantage_groups_total`,
-//! gauges `metronome_trainer_{loss,kl,grad_norm,clip_fraction,learning_rate}`, and
-//! histograms `metronome_trainer_accumulate_seconds` and `metronome_trainer_step_seconds`.
+//! and histograms `metronome_trainer_accumulate_seconds` and
+//! `metronome_trainer_step_seconds`. Per-step values (loss, KL, clip fraction, …) are
+//! returned in `metronome_core::StepReport`; whoever drives the trainer (the pipeline)
+//! records them as gauges, so each gauge has one writer.
 
 mod config;
 mod error;

@@ -472,11 +472,6 @@ impl GrpoTrainer {
         let report = StepReport { version: self.version, ..report };
         metrics::counter!("metronome_trainer_steps_total").increment(1);
         metrics::histogram!("metronome_trainer_step_seconds").record(start.elapsed().as_secs_f64());
-        metrics::gauge!("metronome_trainer_loss").set(report.loss);
-        metrics::gauge!("metronome_trainer_kl").set(report.kl);
-        metrics::gauge!("metronome_trainer_grad_norm").set(report.grad_norm);
-        metrics::gauge!("metronome_trainer_clip_fraction").set(report.clip_fraction);
-        metrics::gauge!("metronome_trainer_learning_rate").set(report.learning_rate);
         Ok(report)
     }
 
