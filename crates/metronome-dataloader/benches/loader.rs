@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::io::Write;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arrow_array::{ArrayRef, RecordBatch, StringArray};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -100,16 +101,39 @@ fn bench(c: &mut Criterion) {
     });
     group.finish();
 
-    // One period's batch planned on demand (prefetch off), so the whole cost shows.
+    // How long `next_batch` keeps a period waiting for a batch of 64: planned on demand
+    // (prefetch off), and prefetched while a simulated 2 ms period runs (only the call
+    // is timed). The ratio is what prefetching saves at each period start.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let dataset: Arc<dyn Dataset> =
         Arc::new(FileDataset::open_jsonl(&jsonl, &fields, BadRecordPolicy::Fail).unwrap());
-    let release = ReleaseConfig { batch_size: 64, prefetch: false, ..ReleaseConfig::default() };
-    let mut loader =
-        PromptLoader::new(dataset, Arc::new(Bytes), RunSeed(0), release, PromptConfig::default()).unwrap();
-    let mut group = c.benchmark_group("next_batch");
+    let mut group = c.benchmark_group("next_batch_wait");
     group.throughput(Throughput::Elements(64));
-    group.bench_function("b64_on_demand", |b| b.iter(|| runtime.block_on(loader.next()).unwrap().unwrap()));
+    group.sample_size(20);
+    for prefetch in [false, true] {
+        let release = ReleaseConfig { batch_size: 64, prefetch, ..ReleaseConfig::default() };
+        let mut loader = PromptLoader::new(
+            Arc::clone(&dataset),
+            Arc::new(Bytes),
+            RunSeed(0),
+            release,
+            PromptConfig::default(),
+        )
+        .unwrap();
+        let name = if prefetch { "b64_prefetched" } else { "b64_on_demand" };
+        group.bench_function(name, |b| {
+            b.iter_custom(|iterations| {
+                let mut waited = Duration::ZERO;
+                for _ in 0..iterations {
+                    let started = Instant::now();
+                    black_box(runtime.block_on(loader.next()).unwrap().unwrap());
+                    waited += started.elapsed();
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                waited
+            });
+        });
+    }
     group.finish();
 }
 

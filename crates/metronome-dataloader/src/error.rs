@@ -141,8 +141,17 @@ pub enum Error {
         /// Why it does not fit.
         reason: String,
     },
-    /// The background prefetch worker stopped without delivering its batch.
-    #[error("the prefetch worker stopped without delivering the batch of period {period}")]
+    /// Planning a batch panicked: a bug in a dataset or tokenizer implementation. The
+    /// loader stays usable; the same cursor will most likely panic again.
+    #[error("planning the batch of period {period} panicked: {message}")]
+    PlanningPanicked {
+        /// The period being planned.
+        period: u64,
+        /// The panic's message.
+        message: String,
+    },
+    /// The planning thread could not be started, or stopped without delivering.
+    #[error("the planning thread stopped without delivering the batch of period {period}")]
     PrefetchLost {
         /// The period it was preparing.
         period: u64,

@@ -1,7 +1,8 @@
 //! [`PromptLoader`]: the [`PromptSource`] that releases one batch per period, with
 //! the next batch prepared in the background.
 
-use std::sync::Arc;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use async_trait::async_trait;
@@ -30,7 +31,45 @@ pub struct LoaderStats {
     pub prefetched_ready: u64,
 }
 
-/// A batch being planned on a background thread, from cursor `from`.
+/// A request to the planning thread: the cursor to plan from, and where to answer.
+type Job = (Cursor, oneshot::Sender<Result<Planned>>);
+
+/// Starts the loader's planning thread. Planning reads and tokenises, which must not
+/// block the async runtime that awaits the result; a plain thread keeps the loader
+/// independent of which runtime that is, and one long-lived thread avoids a thread
+/// start per period. It exits when the loader (the job sender) is dropped. A panic in
+/// planning (a bug in a dataset or tokenizer) becomes an error for that batch and the
+/// thread lives on.
+fn start_worker(planner: Arc<Planner>) -> Option<mpsc::Sender<Job>> {
+    let (jobs, queue) = mpsc::channel::<Job>();
+    let worker = move || {
+        for (from, reply) in queue {
+            if reply.is_closed() {
+                // Superseded by a restore before it started.
+                continue;
+            }
+            let planned =
+                std::panic::catch_unwind(AssertUnwindSafe(|| planner.plan(from))).unwrap_or_else(|panic| {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "unknown panic".to_owned());
+                    Err(Error::PlanningPanicked { period: from.period.0, message })
+                });
+            let _ = reply.send(planned);
+        }
+    };
+    match std::thread::Builder::new().name("metronome-dataloader".into()).spawn(worker) {
+        Ok(_) => Some(jobs),
+        Err(error) => {
+            tracing::error!(target: "metronome_dataloader", "cannot start the batch planning thread: {error}");
+            None
+        }
+    }
+}
+
+/// A batch being planned on the planning thread, from cursor `from`.
 #[derive(Debug)]
 struct Pending {
     from: Cursor,
@@ -41,13 +80,14 @@ struct Pending {
 /// the model's [`Tokenizer`], in a shuffled order derived from the run seed, and can
 /// resume exactly from a saved [`Cursor`].
 ///
-/// With prefetching on, the batch of period `k + 1` is read, rendered and tokenised
-/// on a background thread as soon as batch `k` is released, so `next_batch` at the
+/// Batches are planned on the loader's own thread. With prefetching on, the batch of
+/// period `k + 1` is read, rendered and tokenised there as soon as batch `k` is released, so `next_batch` at the
 /// start of the next period usually returns at once. Prefetching never changes what
 /// is released: a batch is a pure function of the cursor.
 #[derive(Debug)]
 pub struct PromptLoader {
     planner: Arc<Planner>,
+    jobs: Option<mpsc::Sender<Job>>,
     cursor: Cursor,
     pending: Option<Pending>,
     stats: LoaderStats,
@@ -71,6 +111,7 @@ impl PromptLoader {
         }
         let planner = Arc::new(Planner::new(dataset, Renderer::new(tokenizer, prompt), seed, release));
         let mut loader = Self {
+            jobs: start_worker(Arc::clone(&planner)),
             planner,
             cursor: Cursor::default(),
             pending: None,
@@ -150,18 +191,21 @@ impl PromptLoader {
         }
     }
 
-    /// Plans the batch at `from` on its own thread. Planning reads and tokenises, which
-    /// must not block the async runtime that awaits the result; a plain thread keeps
-    /// the loader independent of which runtime that is. If the thread cannot be
-    /// started, or dies, the receiver reports it and `next` returns an error.
-    fn spawn(&self, from: Cursor) -> Pending {
-        let (sender, result) = oneshot::channel();
-        let planner = Arc::clone(&self.planner);
-        let spawned = std::thread::Builder::new().name("metronome-dataloader".into()).spawn(move || {
-            let _ = sender.send(planner.plan(from));
-        });
-        if let Err(error) = spawned {
-            tracing::error!(target: "metronome_dataloader", "cannot start the batch planning thread: {error}");
+    /// Asks the planning thread for the batch at `from`. A thread that could not be
+    /// started is retried here; if it still cannot start, the receiver reports it
+    /// closed and `next` returns an error.
+    fn spawn(&mut self, from: Cursor) -> Pending {
+        let (reply, result) = oneshot::channel();
+        let mut job = (from, reply);
+        if let Some(jobs) = &self.jobs {
+            match jobs.send(job) {
+                Ok(()) => return Pending { from, result },
+                Err(mpsc::SendError(returned)) => job = returned,
+            }
+        }
+        self.jobs = start_worker(Arc::clone(&self.planner));
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
         }
         Pending { from, result }
     }
