@@ -31,7 +31,8 @@ pub trait InferenceModel: Send + Sync + 'static {
     fn max_context(&self) -> usize;
 }
 
-/// Builds a model from a weight snapshot (on [`crate::Engine::install_weights`]).
+/// Builds a model from a weight snapshot (on
+/// [`RolloutEngine::install_weights`](metronome_core::RolloutEngine::install_weights)).
 pub trait WeightLoader<M>: Send + Sync + 'static {
     /// A model holding `weights`.
     fn load(&self, weights: &WeightSnapshot) -> Result<M>;

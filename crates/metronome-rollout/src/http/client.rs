@@ -196,6 +196,8 @@ impl OpenAiEngine {
             logprobs: Some(0),
             return_tokens_as_token_ids: Some(true),
             prompt_ids: self.config.send_prompt_ids.then(|| vec![prompt.id.0]),
+            stream: None,
+            echo: None,
         }
     }
 

@@ -18,7 +18,9 @@
 //! then written `token_id:<id>`), token-id prompts (`[1, 2, 3]` or `[[1, 2], [3]]`).
 //! Metronome's own: `prompt_ids`. Responses carry the policy version in
 //! `system_fingerprint` as `metronome-v<version>`. `logprobs` returns the sampled
-//! tokens' log-probs only (`top_logprobs` is `null`).
+//! tokens' log-probs only (`top_logprobs` is `null`). Not supported, and answered with
+//! 400: `stream: true` and `echo: true`; other unknown fields (`best_of`,
+//! `logit_bias`, `suffix`, ...) are ignored.
 
 mod client;
 mod server;

@@ -116,6 +116,15 @@ async fn complete<M: InferenceModel>(
             param: Some("model"),
         });
     }
+    if req.stream == Some(true) {
+        return Err(ApiError::bad(
+            "`stream` is true, but this server only answers whole responses",
+            Some("stream"),
+        ));
+    }
+    if req.echo == Some(true) {
+        return Err(ApiError::bad("`echo` is true, but this server does not echo prompts", Some("echo")));
+    }
     let n = req.n.unwrap_or(1);
     if n == 0 {
         return Err(ApiError::bad("`n` is 0 (expected at least 1)", Some("n")));

@@ -90,6 +90,12 @@ pub struct CompletionRequest {
     /// Metronome extension: the prompt ids of the seed mapping, one per prompt.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_ids: Option<Vec<u64>>,
+    /// Server-sent-event streaming; our server rejects `true`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// Echo the prompt in the text; our server rejects `true`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub echo: Option<bool>,
 }
 
 /// Per-token log-probs of a choice, in OpenAI's legacy completions layout.

@@ -85,7 +85,8 @@ async fn bad_requests_get_4xx_and_the_server_keeps_serving() {
     let base = start(engine).await;
     let http = reqwest::Client::new();
     let url = format!("{base}/v1/completions");
-    let cases: [(&str, u16, &str); 7] = [
+    let cases: [(&str, u16, &str); 8] = [
+        (r#"{"model": "tiny", "prompt": "1 + 1 = ", "stream": true}"#, 400, "`stream` is true"),
         (r#"{"model": "gpt-9", "prompt": "1 + 1 = "}"#, 404, "model `gpt-9` does not exist"),
         (r#"{"model": "tiny", "prompt": "1 + 1 = ", "n": 0}"#, 400, "`n` is 0"),
         (

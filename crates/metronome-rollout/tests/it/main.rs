@@ -4,6 +4,7 @@
 
 mod common;
 mod determinism;
+#[cfg(feature = "http")]
 mod http;
 mod stops;
 mod streaming;
