@@ -32,6 +32,33 @@
 //! that follows the segments (each response's queries against the prompt's keys and its
 //! own prefix), which is `metronome-model`'s side of the contract.
 //!
+//! ```
+//! use metronome_core::{AdvantageEstimator, Completion, Group, Prompt, Reward, ScoredGroup};
+//! use metronome_masking::{PackingConfig, pack_period, shared_prompt};
+//!
+//! let prompt = Prompt { tokens: vec![5, 6, 7], ..Prompt::default() };
+//! let completions = (0..2u32)
+//!     .map(|i| Completion { sample_index: i, tokens: vec![8, 9], logprobs: vec![-0.5; 2], ..Completion::default() })
+//!     .collect();
+//! let group = Group { prompt, completions, ..Group::default() };
+//! let rewards = vec![Reward::scalar(0.0), Reward::scalar(1.0)];
+//! let scored = ScoredGroup::new(group, rewards, AdvantageEstimator::GroupNorm)?;
+//!
+//! let layout = shared_prompt(&scored)?;
+//! let row = &layout.batch.rows[0];
+//! assert_eq!(row.tokens, [5, 6, 7, 8, 9, 8, 9]);
+//! assert_eq!(row.positions, [0, 1, 2, 3, 4, 3, 4]);
+//! // The last prompt position (2) predicts both first response tokens.
+//! assert_eq!(layout.batch.targets.position, [2, 3, 2, 5]);
+//! // 2·(3+2) = 10 tokens as separate rows, 7 shared: the bound (G−1)P / (G(P+L)) = 3/10.
+//! assert!((layout.account.bound() - 0.3).abs() < 1e-12);
+//!
+//! // A period's groups, in completion order, packed into micro-batches by budget.
+//! let micro_batches = pack_period(&[scored], &PackingConfig::default())?;
+//! assert_eq!(micro_batches.len(), 1);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! What it deliberately is not: it holds no tensors and runs no network (that is
 //! `metronome-model`, which consumes [`metronome_core::PackedRow`]'s segments), computes
 //! no loss (`metronome-trainer`), and does no I/O or async work. It is pure and
