@@ -145,14 +145,15 @@ impl Planner {
             if cursor.offset as usize == len {
                 cursor = Cursor { epoch: cursor.epoch + 1, offset: 0, ..cursor };
             }
-            let place = self.dataset.place(index);
-            match self.renderer.render(self.dataset.record(index)?, &place)? {
+            // The place is only formatted when a message needs it.
+            let place = || self.dataset.place(index);
+            match self.renderer.render(self.dataset.record(index)?, place)? {
                 Rendered::Fits(prompt) => {
                     prompts.push(prompt);
                     skipped_in_a_row = 0;
                 }
                 Rendered::TooLong { id, tokens } => {
-                    too_long.push((id, place, tokens));
+                    too_long.push((id, place(), tokens));
                     skipped_in_a_row += 1;
                     // A whole epoch without a prompt that fits would loop forever.
                     if skipped_in_a_row >= len {

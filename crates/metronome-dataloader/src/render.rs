@@ -84,9 +84,9 @@ impl Renderer {
         self.config.max_tokens
     }
 
-    pub(crate) fn render(&self, record: Record, place: &str) -> Result<Rendered> {
+    pub(crate) fn render(&self, record: Record, place: impl Fn() -> String) -> Result<Rendered> {
         let id = record.id;
-        let failed = |reason: String| Error::Prompt { prompt: id, place: place.to_owned(), reason };
+        let failed = |reason: String| Error::Prompt { prompt: id, place: place(), reason };
         let text = match (record.content, self.config.chat_template) {
             (PromptContent::Text(text), false) => text,
             (PromptContent::Messages(_), false) => {
@@ -116,12 +116,9 @@ impl Renderer {
         {
             return match self.config.on_overlong {
                 OverlongPolicy::Skip => Ok(Rendered::TooLong { id, tokens: tokens.len() }),
-                OverlongPolicy::Reject => Err(Error::PromptTooLong {
-                    prompt: id,
-                    place: place.to_owned(),
-                    tokens: tokens.len(),
-                    max,
-                }),
+                OverlongPolicy::Reject => {
+                    Err(Error::PromptTooLong { prompt: id, place: place(), tokens: tokens.len(), max })
+                }
             };
         }
         Ok(Rendered::Fits(Prompt {
