@@ -42,6 +42,15 @@ pub enum Error {
     /// A background task panicked or was cancelled.
     #[error("the {0} task stopped unexpectedly")]
     TaskLost(&'static str),
+    /// Reading or writing a file of the run directory failed; `path` names the file.
+    #[error("cannot write or read `{}`: {source}", path.display())]
+    Io {
+        /// The file or directory at fault.
+        path: std::path::PathBuf,
+        /// The I/O error (or, for plots and `metrics.jsonl` lines, what went wrong).
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// `Result` with the pipeline's [`Error`].

@@ -16,12 +16,17 @@
 
 mod error;
 mod metrics;
+mod plots;
 mod report;
+mod rundir;
 mod runner;
 mod schedule;
+mod summary;
 
 pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};
 pub use report::{Interval, PeriodReport, StageKind};
+pub use rundir::RunDir;
 pub use runner::{Packer, PeriodHook, Runner, RunnerOptions, Stages, Transport};
 pub use schedule::{ParseScheduleError, Schedule};
+pub use summary::summary_table;

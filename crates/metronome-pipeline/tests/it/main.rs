@@ -2,4 +2,5 @@
 //! engine or trainer (those are tested end to end in the workspace `tests` package).
 
 mod mocks;
+mod rundir;
 mod schedules;

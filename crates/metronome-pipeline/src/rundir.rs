@@ -1,0 +1,279 @@
+//! The run directory: everything a run leaves behind for people and tools.
+//!
+//! ```text
+//! <root>/<name>/
+//!   config.toml      the resolved configuration (defaults, file and flags merged)
+//!   metrics.jsonl    one `PeriodReport` as JSON per line, appended as each period ends
+//!   checkpoints/     written by the trainer's checkpointing
+//!   reward.svg       reward mean and accuracy per period
+//!   throughput.svg   generation and training tokens/s per period
+//!   timeline.svg     busy intervals of each stage, with period boundaries
+//! ```
+//!
+//! `metrics.jsonl` is the record of truth: each line is written whole and flushed to
+//! the disk before `append_period` returns, so a crash loses no finished period, and
+//! the plots can always be redrawn from it ([`RunDir::read_periods`]).
+
+use std::fs::{self, OpenOptions};
+use std::io::{self, BufRead, BufReader, Write};
+use std::path::{Component, Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::plots;
+use crate::report::PeriodReport;
+
+/// The resolved configuration's file name.
+pub(crate) const CONFIG_FILE: &str = "config.toml";
+/// The per-period metrics file name.
+pub(crate) const METRICS_FILE: &str = "metrics.jsonl";
+/// The checkpoint folder's name.
+pub(crate) const CHECKPOINTS_DIR: &str = "checkpoints";
+/// The reward and accuracy plot's file name.
+pub(crate) const REWARD_PLOT: &str = "reward.svg";
+/// The tokens/s plot's file name.
+pub(crate) const THROUGHPUT_PLOT: &str = "throughput.svg";
+/// The stage timeline's file name.
+pub(crate) const TIMELINE_PLOT: &str = "timeline.svg";
+
+/// A run's output folder, `<root>/<name>/`. Cheap to clone; holds no open files,
+/// so it can be shared with hooks on other threads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunDir {
+    path: PathBuf,
+}
+
+fn io_error(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
+    move |source| Error::Io { path: path.to_path_buf(), source }
+}
+
+impl RunDir {
+    /// Creates `<root>/<name>/` and its `checkpoints/` folder (and `root` if missing).
+    ///
+    /// An existing folder is reused and `metrics.jsonl` is appended to, so a resumed
+    /// run continues its own record; pick a fresh `name` for a fresh run.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when `name` is not a single plain folder name (empty, `..`, a
+    /// separator) or a folder cannot be created.
+    pub fn create(root: &Path, name: &str) -> Result<Self> {
+        let path = root.join(name);
+        let mut components = Path::new(name).components();
+        let plain = matches!(components.next(), Some(Component::Normal(_))) && components.next().is_none();
+        if !plain {
+            return Err(Error::Io {
+                path,
+                source: io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("the run name {name:?} must be one plain folder name"),
+                ),
+            });
+        }
+        let checkpoints = path.join(CHECKPOINTS_DIR);
+        fs::create_dir_all(&checkpoints).map_err(io_error(&checkpoints))?;
+        Ok(Self { path })
+    }
+
+    /// The run's folder.
+    #[must_use]
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The folder checkpoints go to.
+    #[must_use]
+    pub fn checkpoints(&self) -> PathBuf {
+        self.path.join(CHECKPOINTS_DIR)
+    }
+
+    /// The `metrics.jsonl` file.
+    #[must_use]
+    pub fn metrics_path(&self) -> PathBuf {
+        self.path.join(METRICS_FILE)
+    }
+
+    /// Writes the resolved configuration to `config.toml`, replacing an older one.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming `config.toml`.
+    pub fn write_config(&self, resolved_toml: &str) -> Result<()> {
+        let path = self.path.join(CONFIG_FILE);
+        write_file(&path, resolved_toml.as_bytes())
+    }
+
+    /// Appends one period as a JSON line to `metrics.jsonl` and flushes it to the disk.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming `metrics.jsonl`.
+    pub fn append_period(&self, report: &PeriodReport) -> Result<()> {
+        let path = self.metrics_path();
+        let mut line =
+            serde_json::to_vec(report).map_err(|e| Error::Io { path: path.clone(), source: e.into() })?;
+        line.push(b'\n');
+        let mut file = OpenOptions::new().create(true).append(true).open(&path).map_err(io_error(&path))?;
+        // One write of the whole line: an appending reader (or a crash) never sees half a
+        // record followed by the next one.
+        file.write_all(&line).map_err(io_error(&path))?;
+        file.sync_data().map_err(io_error(&path))?;
+        Ok(())
+    }
+
+    /// Reads `metrics.jsonl` back, one report per line (empty when no period ended yet).
+    ///
+    /// A last line without its newline is the trace of a crash mid-write and is
+    /// skipped; any other unparsable line is an error naming its number.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming `metrics.jsonl` and the line at fault.
+    pub fn read_periods(&self) -> Result<Vec<PeriodReport>> {
+        let path = self.metrics_path();
+        let file = match fs::File::open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::Io { path, source: e }),
+        };
+        let mut reader = BufReader::new(file);
+        let mut reports = Vec::new();
+        let mut line = String::new();
+        for number in 1.. {
+            line.clear();
+            if reader.read_line(&mut line).map_err(io_error(&path))? == 0 {
+                break;
+            }
+            let complete = line.ends_with('\n');
+            if line.trim().is_empty() {
+                continue;
+            }
+            match parse_line(&line) {
+                Ok(report) => reports.push(report),
+                Err(_) if !complete => break,
+                Err(e) => {
+                    return Err(Error::Io {
+                        path,
+                        source: io::Error::new(io::ErrorKind::InvalidData, format!("line {number}: {e}")),
+                    });
+                }
+            }
+        }
+        Ok(reports)
+    }
+
+    /// Draws `reward.svg`, `throughput.svg` and `timeline.svg` from the periods so far,
+    /// replacing older ones. With no periods the plots are drawn with empty axes.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the plot that could not be drawn or written.
+    pub fn write_plots(&self, reports: &[PeriodReport]) -> Result<()> {
+        let plots: [(&str, plots::Draw); 3] = [
+            (REWARD_PLOT, plots::reward_svg),
+            (THROUGHPUT_PLOT, plots::throughput_svg),
+            (TIMELINE_PLOT, plots::timeline_svg),
+        ];
+        for (name, draw) in plots {
+            let path = self.path.join(name);
+            let svg = draw(reports)
+                .map_err(|reason| Error::Io { path: path.clone(), source: io::Error::other(reason) })?;
+            write_file(&path, svg.as_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+/// JSON has no NaN or infinity, so `serde_json` writes a non-finite float as `null`,
+/// which it then refuses to read back as an `f64`. A skipped step (non-finite loss or
+/// gradient norm) is exactly such a period; these fields read back as NaN.
+const REPORT_FLOATS: &[&str] = &["period_s", "generation_s", "training_s", "publication_s", "reward_mean"];
+const STEP_FLOATS: &[&str] =
+    &["loss", "policy_loss", "kl", "clip_fraction", "entropy", "grad_norm", "learning_rate", "logprob_gap"];
+
+fn parse_line(line: &str) -> serde_json::Result<PeriodReport> {
+    let mut value: serde_json::Value = serde_json::from_str(line)?;
+    let mut missing: (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    if let Some(object) = value.as_object_mut() {
+        for &field in REPORT_FLOATS {
+            if object.get(field).is_some_and(serde_json::Value::is_null) {
+                object.insert(field.to_owned(), 0.0.into());
+                missing.0.push(field);
+            }
+        }
+        if let Some(step) = object.get_mut("step").and_then(serde_json::Value::as_object_mut) {
+            for &field in STEP_FLOATS {
+                if step.get(field).is_some_and(serde_json::Value::is_null) {
+                    step.insert(field.to_owned(), 0.0.into());
+                    missing.1.push(field);
+                }
+            }
+        }
+    }
+    let mut report: PeriodReport = serde_json::from_value(value)?;
+    for field in missing.0 {
+        *match field {
+            "period_s" => &mut report.period_s,
+            "generation_s" => &mut report.generation_s,
+            "training_s" => &mut report.training_s,
+            "publication_s" => &mut report.publication_s,
+            _ => &mut report.reward_mean,
+        } = f64::NAN;
+    }
+    let step = &mut report.step;
+    for field in missing.1 {
+        *match field {
+            "loss" => &mut step.loss,
+            "policy_loss" => &mut step.policy_loss,
+            "kl" => &mut step.kl,
+            "clip_fraction" => &mut step.clip_fraction,
+            "entropy" => &mut step.entropy,
+            "grad_norm" => &mut step.grad_norm,
+            "learning_rate" => &mut step.learning_rate,
+            _ => &mut step.logprob_gap,
+        } = f64::NAN;
+    }
+    Ok(report)
+}
+
+/// Writes a whole file through a temporary sibling and a rename, so a reader (a
+/// browser refreshing a plot) never sees it half written.
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    fs::write(&tmp, bytes).map_err(io_error(&tmp))?;
+    fs::rename(&tmp, path).map_err(io_error(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_are_not_one_folder_are_refused() {
+        let root = tempfile::tempdir().unwrap();
+        for bad in ["", "..", "a/b", "/abs", "."] {
+            let err = RunDir::create(root.path(), bad).unwrap_err();
+            assert!(matches!(err, Error::Io { .. }), "{bad:?}: {err}");
+            assert!(err.to_string().contains("plain folder name"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_torn_last_line_is_skipped_but_a_bad_middle_line_is_named() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = RunDir::create(root.path(), "run").unwrap();
+        dir.append_period(&PeriodReport::default()).unwrap();
+        let mut text = fs::read_to_string(dir.metrics_path()).unwrap();
+        text.push_str("{\"period\":1,\"peri");
+        fs::write(dir.metrics_path(), &text).unwrap();
+        assert_eq!(dir.read_periods().unwrap().len(), 1);
+
+        text.push('\n');
+        fs::write(dir.metrics_path(), &text).unwrap();
+        let err = dir.read_periods().unwrap_err().to_string();
+        assert!(err.contains("metrics.jsonl") && err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn no_metrics_file_reads_as_no_periods() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = RunDir::create(root.path(), "run").unwrap();
+        assert!(dir.read_periods().unwrap().is_empty());
+    }
+}

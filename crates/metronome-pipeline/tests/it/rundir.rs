@@ -1,0 +1,303 @@
+//! The run directory, its plots, the summary table and the Grafana dashboard.
+
+use std::collections::BTreeSet;
+use std::fs;
+
+use metronome_core::{PeriodId, PolicyVersion, StepReport};
+use metronome_pipeline::{Error, Interval, METRICS, PeriodReport, RunDir, StageKind, summary_table};
+
+const DASHBOARD: &str = include_str!("../../../../dashboards/grafana.json");
+
+/// A period of the `periodic` schedule starting at `t`: publication, generation
+/// overlapped by training in completion order, then the step.
+fn period(k: u64, t: f64) -> PeriodReport {
+    let at = |stage, a: f64, b: f64| Interval { stage, period: PeriodId(k), start_s: t + a, end_s: t + b };
+    PeriodReport {
+        period: PeriodId(k),
+        period_s: 2.1,
+        generation_s: 1.6,
+        training_s: 1.5,
+        publication_s: 0.05,
+        groups: 6,
+        dropped_stale: 0,
+        duplicates: usize::from(k == 1),
+        generated_tokens: 1200 + 10 * k,
+        reward_mean: 0.2 + 0.1 * k as f64,
+        accuracy: Some(0.15 + 0.1 * k as f64),
+        staleness: vec![0; 6],
+        step: StepReport {
+            version: PolicyVersion(k + 1),
+            applied: true,
+            loss: 0.5 - 0.01 * k as f64,
+            kl: 1e-3 * k as f64,
+            clip_fraction: 0.02,
+            tokens: 900,
+            groups: 6,
+            ..StepReport::default()
+        },
+        intervals: vec![
+            at(StageKind::Publication, 0.0, 0.05),
+            at(StageKind::Generation, 0.05, 1.65),
+            at(StageKind::Training, 0.4, 0.9),
+            at(StageKind::Training, 1.0, 1.7),
+            at(StageKind::Training, 1.8, 2.1),
+        ],
+    }
+}
+
+fn periods(n: u64) -> Vec<PeriodReport> {
+    (0..n).map(|k| period(k, 2.1 * k as f64)).collect()
+}
+
+#[test]
+fn a_run_directory_holds_config_checkpoints_and_one_json_line_per_period() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = RunDir::create(&root.path().join("runs"), "demo").unwrap();
+    assert_eq!(dir.path(), root.path().join("runs/demo"));
+    assert!(dir.checkpoints().is_dir());
+
+    let config = "[run]\nschedule = \"periodic\"\nperiods = 3\n";
+    dir.write_config(config).unwrap();
+    assert_eq!(fs::read_to_string(dir.path().join("config.toml")).unwrap(), config);
+
+    let reports = periods(3);
+    for (k, report) in reports.iter().enumerate() {
+        dir.append_period(report).unwrap();
+        // Each line is on disk as soon as its period is appended.
+        let text = fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(text.lines().count(), k + 1);
+        assert!(text.ends_with('\n'));
+    }
+    let text = fs::read_to_string(dir.metrics_path()).unwrap();
+    for (line, report) in text.lines().zip(&reports) {
+        let back: PeriodReport = serde_json::from_str(line).unwrap();
+        assert_eq!(&back, report);
+    }
+    assert_eq!(dir.read_periods().unwrap(), reports);
+}
+
+#[test]
+fn reopening_a_run_directory_appends_to_its_record() {
+    let root = tempfile::tempdir().unwrap();
+    let reports = periods(4);
+    let first = RunDir::create(root.path(), "resumed").unwrap();
+    for r in &reports[..2] {
+        first.append_period(r).unwrap();
+    }
+    let again = RunDir::create(root.path(), "resumed").unwrap();
+    for r in &reports[2..] {
+        again.append_period(r).unwrap();
+    }
+    assert_eq!(again.read_periods().unwrap(), reports);
+}
+
+#[test]
+fn a_skipped_step_with_a_non_finite_loss_reads_back_as_nan() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = RunDir::create(root.path(), "diverged").unwrap();
+    let mut report = period(0, 0.0);
+    report.step.applied = false;
+    report.step.loss = f64::NAN;
+    report.step.grad_norm = f64::INFINITY;
+    report.accuracy = None;
+    dir.append_period(&report).unwrap();
+    dir.append_period(&period(1, 2.1)).unwrap();
+
+    let back = dir.read_periods().unwrap();
+    assert_eq!(back.len(), 2);
+    assert!(back[0].step.loss.is_nan() && back[0].step.grad_norm.is_nan());
+    assert_eq!(back[0].accuracy, None);
+    assert_eq!(back[0].intervals, report.intervals);
+    assert_eq!(back[1], period(1, 2.1));
+}
+
+#[test]
+fn plots_are_svg_documents_with_their_series() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = RunDir::create(root.path(), "plots").unwrap();
+    let reports = periods(4);
+    dir.write_plots(&reports).unwrap();
+    for (name, words) in [
+        ("reward.svg", &["reward mean", "accuracy", "period"][..]),
+        ("throughput.svg", &["generation tokens/s", "training tokens/s"][..]),
+        ("timeline.svg", &["generation", "training", "publication", "p0", "p3"][..]),
+    ] {
+        let svg = fs::read_to_string(dir.path().join(name)).unwrap();
+        assert!(svg.starts_with("<svg"), "{name}: {}", &svg[..svg.len().min(60)]);
+        assert!(svg.trim_end().ends_with("</svg>"), "{name} is not closed");
+        assert_eq!(svg.matches("<svg").count(), svg.matches("</svg>").count(), "{name}");
+        assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count(), "{name}");
+        for word in words {
+            assert!(svg.contains(word), "{name} lacks {word:?}");
+        }
+    }
+    // A bar per busy interval: 5 per period, beside the background and frame rectangles.
+    let timeline = fs::read_to_string(dir.path().join("timeline.svg")).unwrap();
+    assert!(timeline.matches("<rect").count() >= 4 * 5, "too few bars");
+    // Redrawing replaces the files and leaves no temporary file behind.
+    dir.write_plots(&reports[..1]).unwrap();
+    let names: BTreeSet<String> =
+        fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["checkpoints", "reward.svg", "throughput.svg", "timeline.svg"].map(String::from).into()
+    );
+}
+
+#[test]
+fn errors_name_the_file_at_fault() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = RunDir::create(root.path(), "broken").unwrap();
+    // A folder where the file should be: opening it for appending fails.
+    fs::create_dir(dir.metrics_path()).unwrap();
+    let err = dir.append_period(&period(0, 0.0)).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }));
+    assert!(err.to_string().contains("metrics.jsonl"), "{err}");
+
+    fs::create_dir(dir.path().join("config.toml")).unwrap();
+    let err = dir.write_config("").unwrap_err();
+    assert!(err.to_string().contains("config.toml"), "{err}");
+
+    let err = RunDir::create(root.path(), "../escape").unwrap_err();
+    assert!(err.to_string().contains("escape"), "{err}");
+}
+
+#[test]
+fn the_summary_has_a_row_per_period_and_a_totals_line() {
+    let reports = periods(5);
+    let table = summary_table(&reports);
+    println!("{table}");
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 2 + reports.len() + 2);
+    for header in [
+        "period",
+        "seconds",
+        "gen busy",
+        "train busy",
+        "overlap",
+        "reward",
+        "accuracy",
+        "loss",
+        "KL",
+        "groups",
+    ] {
+        assert!(lines[0].contains(header), "no {header} column");
+    }
+    for (line, report) in lines[2..].iter().zip(&reports) {
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cells[0], report.period.to_string());
+        assert_eq!(cells[1], "2.10");
+        assert_eq!(cells[4], format!("{:.2}", report.overlap_efficiency()));
+        assert_eq!(cells.last().copied(), Some("6"));
+    }
+    let totals: Vec<&str> = lines.last().unwrap().split_whitespace().collect();
+    assert_eq!(&totals[..3], ["all", "5", "10.50"]);
+    assert_eq!(totals.last().copied(), Some("30"));
+}
+
+/// Every `metronome_…` name in a Prometheus expression of the dashboard, with the
+/// suffixes Prometheus adds to histograms removed.
+fn dashboard_metrics(dashboard: &serde_json::Value) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    let mut stack = vec![dashboard];
+    while let Some(value) = stack.pop() {
+        match value {
+            serde_json::Value::Object(map) => {
+                if let Some(serde_json::Value::String(expr)) = map.get("expr") {
+                    for (at, _) in expr.match_indices("metronome_") {
+                        let name: String = expr[at..]
+                            .chars()
+                            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                            .collect();
+                        let base = ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .find_map(|s| name.strip_suffix(s))
+                            .unwrap_or(&name);
+                        names.insert(base.to_owned());
+                    }
+                }
+                stack.extend(map.values());
+            }
+            serde_json::Value::Array(items) => stack.extend(items),
+            _ => {}
+        }
+    }
+    names
+}
+
+#[test]
+fn the_grafana_dashboard_parses_and_charts_every_pipeline_metric() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(DASHBOARD).expect("dashboards/grafana.json parses");
+    let charted = dashboard_metrics(&dashboard);
+    for (name, kind, _) in METRICS {
+        assert!(charted.contains(*name), "{name} ({kind}) has no panel in dashboards/grafana.json");
+    }
+    // A Prometheus data-source variable that every panel uses, so the dashboard imports anywhere.
+    let variables = dashboard["templating"]["list"].as_array().unwrap();
+    assert!(variables.iter().any(|v| v["type"] == "datasource" && v["query"] == "prometheus"));
+    let mut ids = BTreeSet::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        assert!(ids.insert(panel["id"].as_u64().unwrap()), "duplicate panel id {}", panel["id"]);
+        if panel["type"] != "row" {
+            assert_eq!(panel["datasource"]["uid"], "${datasource}", "panel {}", panel["title"]);
+        }
+    }
+    // Counters are charted as rates, never as raw totals that only grow.
+    let exprs = DASHBOARD.matches("\"expr\"").count();
+    assert!(exprs >= METRICS.len());
+    for (name, kind, _) in METRICS {
+        if *kind == "counter" {
+            assert!(DASHBOARD.contains(&format!("rate({name}")), "{name} is charted without rate()");
+        }
+    }
+}
+
+/// Every string literal shaped like a metric name (`"metronome_<stage>_<name>…"`) in
+/// the sources of `crates/*/src`.
+fn metric_names_in_sources() -> BTreeSet<String> {
+    fn walk(dir: &std::path::Path, names: &mut BTreeSet<String>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, names);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let source = fs::read_to_string(&path).unwrap();
+                for (at, _) in source.match_indices("\"metronome_") {
+                    let Some(len) = source[at + 1..].find('"') else { continue };
+                    let name = &source[at + 1..at + 1 + len];
+                    let shaped =
+                        name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+                    // Two parts are a tracing target or a crate name, not a metric.
+                    if shaped && name.split('_').count() >= 3 {
+                        names.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+    }
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let mut names = BTreeSet::new();
+    for krate in fs::read_dir(crates).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        if src.is_dir() {
+            walk(&src, &mut names);
+        }
+    }
+    names
+}
+
+#[test]
+fn the_grafana_dashboard_charts_the_metrics_of_every_crate() {
+    let dashboard: serde_json::Value = serde_json::from_str(DASHBOARD).unwrap();
+    let charted = dashboard_metrics(&dashboard);
+    let emitted = metric_names_in_sources();
+    for stage in ["pipeline", "trainer", "rollout", "reward", "transport"] {
+        assert!(
+            emitted.iter().any(|n| n.starts_with(&format!("metronome_{stage}_"))),
+            "no {stage} metric found"
+        );
+    }
+    let missing: Vec<_> = emitted.difference(&charted).collect();
+    assert!(missing.is_empty(), "metrics without a panel in dashboards/grafana.json: {missing:?}");
+}
