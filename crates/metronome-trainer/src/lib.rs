@@ -27,7 +27,9 @@
 //! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]).
 //! - Checkpoints ([`GrpoTrainer::save_checkpoint`], [`GrpoTrainer::resume`]): Hugging
 //!   Face safetensors for the weights, AdamW state, version, schedule position and
-//!   generator state; a resumed run takes bit-identical steps.
+//!   generator state; a resumed run takes bit-identical steps. A checkpoint may be
+//!   written mid-period: the accumulated gradient (f64 sums) and the step's counts go
+//!   with it, so groups already accumulated may be acknowledged and are never lost.
 //! - Compute runs on the trainer's own rayon pool (`TrainerConfig::threads`), so the
 //!   pipeline can give training and generation separate cores (DESIGN.md §6).
 //!

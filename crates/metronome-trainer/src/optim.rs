@@ -55,6 +55,19 @@ impl GradAccumulator {
         &self.sums
     }
 
+    /// Puts back sums saved from [`GradAccumulator::sums`] (for resuming mid-period).
+    pub fn restore(&mut self, sums: Vec<Option<Tensor>>, micro_batches: u64) -> Result<()> {
+        if sums.len() != self.sums.len() {
+            return Err(TrainerError::invalid(
+                "gradient accumulator",
+                format!("got {} sums for {} parameters", sums.len(), self.sums.len()),
+            ));
+        }
+        self.sums = sums;
+        self.micro_batches = micro_batches;
+        Ok(())
+    }
+
     /// Forgets everything accumulated.
     pub fn clear(&mut self) {
         self.sums.iter_mut().for_each(|s| *s = None);

@@ -91,7 +91,7 @@ pub struct PhaseTimes {
 }
 
 /// Sums over the micro-batches of the current step.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 struct Sums {
     tokens: u64,
     sequences: u64,
@@ -120,7 +120,7 @@ impl Sums {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Mode {
     Rl,
     Sft,
@@ -132,6 +132,17 @@ struct Prepared {
     targets: Targets,
     weights: Vec<f32>,
     counts: Sums,
+}
+
+/// The part of a step already accumulated when a checkpoint is written mid-period
+/// (`accumulator.json`; the gradient sums are in `accumulator.safetensors`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct PendingState {
+    mode: Option<Mode>,
+    micro_batches: u64,
+    sums: Sums,
+    seen_groups: BTreeSet<GroupKey>,
+    buffered: Vec<TrainBatch>,
 }
 
 /// What a checkpoint's `trainer_state.json` holds besides the tensors.
@@ -565,17 +576,17 @@ impl GrpoTrainer {
 
     /// Writes a checkpoint directory: `policy/` (Hugging Face `config.json` +
     /// `model.safetensors`), `reference/` when a KL term is used,
-    /// `optimizer.safetensors` (AdamW moments), `trainer_config.json` (for reading) and
-    /// `trainer_state.json` (version, optimiser step, schedule position, generator
-    /// state), written last. Only between steps.
+    /// `optimizer.safetensors` (AdamW moments), `accumulator.safetensors` and
+    /// `accumulator.json` (the step under way, possibly empty), `trainer_config.json`
+    /// (for reading) and `trainer_state.json` (version, optimiser step, schedule
+    /// position, generator state), written last.
+    ///
+    /// It may be written mid-period: micro-batches already accumulated are part of it,
+    /// so a transport may treat their groups as done (acknowledged) and a resumed run
+    /// continues the period with the remaining groups and reaches the same weights.
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
-        if self.accum.micro_batches() > 0 || !self.buffered.is_empty() {
-            return Err(TrainerError::checkpoint(
-                dir,
-                "cannot be written mid-step: micro-batches are accumulated; call step first",
-            ));
-        }
         std::fs::create_dir_all(dir).map_err(|e| TrainerError::checkpoint(dir, e))?;
+        self.save_pending(dir)?;
         self.policy.save_hf(&dir.join("policy"))?;
         if let Some(r) = &self.reference {
             r.save_hf(&dir.join("reference"))?;
@@ -602,6 +613,62 @@ impl GrpoTrainer {
         let st_path = dir.join("trainer_state.json");
         let text = serde_json::to_string_pretty(&st).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
         std::fs::write(&st_path, text).map_err(|e| TrainerError::checkpoint(&st_path, e))
+    }
+
+    /// Mid-period state: the accumulated gradient sums (f64, exactly as held) and the
+    /// counts, groups and buffered batches of the step under way. Always written, so
+    /// a stale pair never survives from an earlier checkpoint in the same directory.
+    fn save_pending(&self, dir: &Path) -> Result<()> {
+        let grads: HashMap<String, Tensor> = self
+            .params
+            .iter()
+            .zip(self.accum.sums())
+            .filter_map(|((name, _), s)| s.as_ref().map(|s| (name.clone(), s.clone())))
+            .collect();
+        let path = dir.join("accumulator.safetensors");
+        candle_core::safetensors::save(&grads, &path).map_err(|e| TrainerError::checkpoint(&path, e))?;
+        let pending = PendingState {
+            mode: self.mode,
+            micro_batches: self.accum.micro_batches(),
+            sums: self.sums,
+            seen_groups: self.seen_groups.clone(),
+            buffered: self.buffered.clone(),
+        };
+        let path = dir.join("accumulator.json");
+        let text = serde_json::to_string(&pending).map_err(|e| TrainerError::checkpoint(&path, e))?;
+        std::fs::write(&path, text).map_err(|e| TrainerError::checkpoint(&path, e))
+    }
+
+    fn restore_pending(&mut self, dir: &Path, device: &Device) -> Result<()> {
+        let path = dir.join("accumulator.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| TrainerError::checkpoint(&path, e))?;
+        let pending: PendingState =
+            serde_json::from_str(&text).map_err(|e| TrainerError::checkpoint(&path, e))?;
+        let path = dir.join("accumulator.safetensors");
+        let mut grads =
+            candle_core::safetensors::load(&path, device).map_err(|e| TrainerError::checkpoint(&path, e))?;
+        let mut sums = Vec::with_capacity(self.params.len());
+        for (name, var) in &self.params {
+            let g = grads.remove(name);
+            if let Some(g) = &g
+                && g.dims() != var.dims()
+            {
+                return Err(TrainerError::checkpoint(
+                    &path,
+                    format!("tensor `{name}` has shape {:?}, the parameter has {:?}", g.dims(), var.dims()),
+                ));
+            }
+            sums.push(g);
+        }
+        if let Some(name) = grads.keys().next() {
+            return Err(TrainerError::checkpoint(&path, format!("holds `{name}`, which is not a parameter")));
+        }
+        self.accum.restore(sums, pending.micro_batches)?;
+        self.mode = pending.mode;
+        self.sums = pending.sums;
+        self.seen_groups = pending.seen_groups;
+        self.buffered = pending.buffered;
+        Ok(())
     }
 
     /// A trainer restored from [`GrpoTrainer::save_checkpoint`]'s directory: the
@@ -640,6 +707,7 @@ impl GrpoTrainer {
         t.version = PolicyVersion(st.version);
         t.rng_state = st.rng_state;
         t.skipped_steps = st.skipped_steps;
+        t.restore_pending(dir, device)?;
         Ok(t)
     }
 }

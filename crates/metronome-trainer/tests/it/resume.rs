@@ -45,12 +45,43 @@ fn three_plus_three_steps_equal_resumed_three() {
 }
 
 #[test]
-fn checkpoint_mid_step_is_refused_and_missing_files_are_named() {
+fn a_checkpoint_mid_period_resumes_to_the_same_weights() {
     let groups = period_groups();
-    let mut t = config().build(tiny_model()).unwrap();
-    t.accumulate_sync(&groups[0]).unwrap();
+    let mut cfg = config();
+    cfg.loss.kl_coef = 0.05;
     let dir = tempfile::tempdir().unwrap();
-    assert!(t.save_checkpoint(dir.path()).unwrap_err().to_string().contains("mid-step"));
+    let mut a = cfg.build(tiny_model()).unwrap();
+    // One full period, then half of the next before the checkpoint.
+    for g in &groups {
+        a.accumulate_sync(g).unwrap();
+    }
+    a.step_sync().unwrap();
+    for g in &groups[..2] {
+        a.accumulate_sync(&stamped(g, a.version())).unwrap();
+    }
+    a.save_checkpoint(dir.path()).unwrap();
+    let mut b = cfg.resume(dir.path(), &Device::Cpu).unwrap();
+    for t in [&mut a, &mut b] {
+        for g in &groups[2..] {
+            t.accumulate_sync(&stamped(g, t.version())).unwrap();
+        }
+    }
+    let (ra, rb) = (a.step_sync().unwrap(), b.step_sync().unwrap());
+    assert_eq!((ra.groups, ra.sequences, ra.tokens), (4, 16, rb.tokens));
+    assert_eq!((rb.groups, rb.sequences), (4, 16));
+    assert_eq!(ra.loss.to_bits(), rb.loss.to_bits());
+    let (wa, wb) = (flat_weights(a.policy()), flat_weights(b.policy()));
+    assert!(wa.iter().zip(&wb).all(|(x, y)| x.to_bits() == y.to_bits()), "weights differ after resume");
+}
+
+#[test]
+fn missing_checkpoint_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
     let err = config().resume(dir.path(), &Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("trainer_state.json"), "{err}");
+    let t = config().build(tiny_model()).unwrap();
+    t.save_checkpoint(dir.path()).unwrap();
+    std::fs::remove_file(dir.path().join("optimizer.safetensors")).unwrap();
+    let err = config().resume(dir.path(), &Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("optimizer.safetensors"), "{err}");
 }
