@@ -17,6 +17,9 @@ pub struct PackingConfig {
     /// The layout of every batch.
     pub layout: LayoutKind,
     /// Most positions in one row (the model's context, or the attention kernel's tile).
+    /// With an attention that evaluates a dense `[len, len]` mask per row, a row's
+    /// attention cost grows with the square of its length; a smaller row budget splits
+    /// large groups and trades repeated prompts for attention work.
     pub row_tokens: usize,
     /// Most positions in one micro-batch, summed over its rows (memory per forward);
     /// at least `row_tokens`. For the padded layout pads count.
