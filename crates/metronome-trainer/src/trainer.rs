@@ -294,16 +294,14 @@ impl GrpoTrainer {
         pool.install(|| f(self))
     }
 
-    fn set_mode(&mut self, mode: Mode) -> Result<()> {
+    /// Refuses to mix RL and SFT micro-batches in one step (their normalisers differ).
+    fn check_mode(&self, mode: Mode) -> Result<()> {
         match self.mode {
             Some(m) if m != mode => Err(TrainerError::invalid(
                 "accumulate",
                 format!("mixes {mode:?} and {m:?} micro-batches in one step; call step first"),
             )),
-            _ => {
-                self.mode = Some(mode);
-                Ok(())
-            }
+            _ => Ok(()),
         }
     }
 
@@ -407,15 +405,17 @@ impl GrpoTrainer {
     /// Runs forward and backward on one micro-batch and adds its gradient (with
     /// `mini_steps > 1`, only checks and buffers it: the work happens at step time).
     pub fn accumulate_sync(&mut self, batch: &TrainBatch) -> Result<AccumulateReport> {
-        self.set_mode(Mode::Rl)?;
+        self.check_mode(Mode::Rl)?;
         let prepared = self.prepare(batch)?;
         if self.cfg.mini_steps > 1 {
+            self.mode = Some(Mode::Rl);
             self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
             self.buffered.push(batch.clone());
             return Ok(AccumulateReport { tokens: prepared.counts.tokens, loss_sum: 0.0 });
         }
         let start = Instant::now();
         let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
+        self.mode = Some(Mode::Rl);
         metrics::histogram!("metronome_trainer_accumulate_seconds").record(start.elapsed().as_secs_f64());
         self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
         self.sums.add(&sums);
@@ -427,7 +427,7 @@ impl GrpoTrainer {
     /// Accumulates the supervised cross-entropy of `examples` (token mean over the
     /// step). SFT and RL micro-batches cannot share a step.
     pub fn accumulate_sft(&mut self, examples: &[SftExample]) -> Result<AccumulateReport> {
-        self.set_mode(Mode::Sft)?;
+        self.check_mode(Mode::Sft)?;
         let batch = sft_batch(examples)?;
         let n = batch.targets.len();
         let sums = self.run(|t| {
@@ -449,6 +449,7 @@ impl GrpoTrainer {
                 ..Sums::default()
             })
         })?;
+        self.mode = Some(Mode::Sft);
         self.sums.add(&sums);
         Ok(AccumulateReport { tokens: sums.tokens, loss_sum: sums.loss })
     }

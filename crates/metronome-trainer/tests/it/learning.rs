@@ -58,6 +58,13 @@ fn sft_steps_lower_the_sft_loss() {
     assert!(after < before - 0.5, "sft loss {before} -> {after}");
     let err = t.accumulate_sft(&[SftExample { prompt: vec![], answer: vec![1] }]).unwrap_err().to_string();
     assert!(err.contains("sft example 0"), "{err}");
+    // A failed SFT call leaves the trainer free to take RL micro-batches, and the
+    // two never share a step.
+    let rl =
+        crate::common::group_batch_at(0, &[20, 21], &[vec![30, 31], vec![40]], &[1.0, -1.0], t.version());
+    t.accumulate_sync(&rl).unwrap();
+    let err = t.accumulate_sft(&examples).unwrap_err().to_string();
+    assert!(err.contains("call step first"), "{err}");
 }
 
 /// A minimal executor: the trainer's futures never wait on I/O, so polling once with a
