@@ -6,10 +6,10 @@
 //! (optionally through the model's chat template) and tokenised through a
 //! [`metronome_core::Tokenizer`] trait object. The crate offers:
 //!
-//! - **Sources** ([`SourceConfig`]): JSONL and Parquet files (or directories of
-//!   shards) read through a
-//!   [`FieldMapping`] (prompt, reference answer, metadata; dotted paths into nested
-//!   fields; a prompt may be a string or a list of chat messages), and procedural
+//! - **Sources** ([`SourceConfig`]): JSONL and Parquet files, or directories of
+//!   shards, read whole and validated when opened, through a [`FieldMapping`]
+//!   (prompt, reference answer, metadata; dotted paths into nested fields; a prompt
+//!   may be a string or a list of chat messages), and procedural
 //!   tasks: [`ArithmeticTask`] (operators, digits, number of terms) and
 //!   [`CountdownTask`] (instances built from a solution, so always solvable), each with
 //!   its reference answer in `Prompt::reference` and task fields in
@@ -27,8 +27,9 @@
 //!   future batch; restoring it reproduces the uninterrupted sequence exactly. It
 //!   assumes the same dataset, seed and configuration: a cursor cannot tell whether
 //!   the file changed underneath it.
-//! - **Prefetching**: the next period's batch is read, rendered and tokenised on a
-//!   background thread while the current period runs.
+//! - **Prefetching**: batches are planned on the loader's own thread, never on the
+//!   async runtime; the next period's batch is read, rendered and tokenised there
+//!   while the current period runs.
 //! - **Bad input**: errors name the file, line or row, and field; a
 //!   [`BadRecordPolicy`] skips and counts bad records instead; over-long prompts are
 //!   skipped (counted, ids logged) or rejected per [`OverlongPolicy`].
