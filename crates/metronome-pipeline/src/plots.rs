@@ -5,6 +5,7 @@
 //! function returns the whole document; [`crate::RunDir::write_plots`] names the files.
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::report::{PeriodReport, StageKind};
 
@@ -95,6 +96,7 @@ fn lines_svg(
             .x_desc("period")
             .y_desc(y_desc)
             .x_label_formatter(&period_label)
+            .y_label_formatter(&|v| if y.1 - y.0 >= 10.0 { format!("{v:.0}") } else { format!("{v:.2}") })
             .draw()
             .map_err(text)?;
         for (name, colour, data) in series {
@@ -144,11 +146,13 @@ pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
         })
         .collect();
     let lane_of = |kind: StageKind| lanes.iter().position(|(k, ..)| *k == kind);
-    let boundaries: Vec<(u64, f64)> = reports.iter().filter_map(period_end).collect();
+    let boundaries: Vec<(u64, f64, f64)> = reports.iter().filter_map(period_span).collect();
     let t0 = intervals.iter().map(|i| i.start_s).fold(f64::INFINITY, f64::min).min(0.0);
-    let t1 = intervals.iter().map(|i| i.end_s).chain(boundaries.iter().map(|b| b.1)).fold(0.0, f64::max);
+    let t1 = intervals.iter().map(|i| i.end_s).chain(boundaries.iter().map(|b| b.2)).fold(0.0, f64::max);
     let t1 = if t1 > t0 { t1 + (t1 - t0) * 0.02 } else { t0 + 1.0 };
     let n = lanes.len() as f64;
+    // A strip above the lanes for the period names.
+    let top = n + 0.3;
 
     let mut svg = String::new();
     {
@@ -159,14 +163,15 @@ pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
             .margin(16)
             .x_label_area_size(40)
             .y_label_area_size(100)
-            .build_cartesian_2d(t0..t1, 0.0..n)
+            .build_cartesian_2d(t0..t1, 0.0..top)
             .map_err(text)?;
         chart
             .configure_mesh()
             .disable_y_mesh()
             .y_labels(0)
             .y_label_formatter(&|_| String::new())
-            .x_desc("seconds since the run started")
+            .light_line_style(WHITE)
+            .x_desc("seconds since the run started (shades alternate by period; dashed: the period's optimiser step)")
             .draw()
             .map_err(text)?;
 
@@ -184,18 +189,19 @@ pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
                 ))
             }))
             .map_err(text)?;
-        for &(period, end) in &boundaries {
+        for &(period, start, end) in &boundaries {
             chart
-                .draw_series(DashedLineSeries::new([(end, 0.0), (end, n)], 6, 4, BOUNDARY.stroke_width(1)))
+                .draw_series(DashedLineSeries::new([(end, 0.0), (end, top)], 6, 4, BOUNDARY.stroke_width(1)))
                 .map_err(text)?;
-            let at = chart.backend_coord(&(end, n));
-            root.draw(&Text::new(format!("p{period}"), (at.0 + 3, at.1 + 2), ("sans-serif", 12).into_font()))
-                .map_err(text)?;
+            let style =
+                TextStyle::from(("sans-serif", 12).into_font()).pos(Pos::new(HPos::Center, VPos::Center));
+            let label = Text::new(format!("p{period}"), ((start + end) / 2.0, (n + top) / 2.0), style);
+            chart.draw_series(std::iter::once(label)).map_err(text)?;
         }
         for (lane, (_, name, colour)) in lanes.iter().enumerate() {
             let (lo, hi) = band(lane);
             let at = chart.backend_coord(&(t0, (lo + hi) / 2.0));
-            let style = ("sans-serif", 14).into_font().color(colour).pos(text_anchor_right_middle());
+            let style = ("sans-serif", 14).into_font().color(colour).pos(Pos::new(HPos::Right, VPos::Center));
             root.draw(&Text::new(name.to_string(), (at.0 - 8, at.1), style)).map_err(text)?;
         }
         root.present().map_err(text)?;
@@ -203,14 +209,10 @@ pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
     Ok(svg)
 }
 
-fn text_anchor_right_middle() -> plotters::style::text_anchor::Pos {
-    use plotters::style::text_anchor::{HPos, Pos, VPos};
-    Pos::new(HPos::Right, VPos::Center)
-}
-
-/// Where a period ended: its last training interval (the optimiser step), else its
-/// last interval of any kind.
-fn period_end(report: &PeriodReport) -> Option<(u64, f64)> {
+/// A period's first instant and where it ended: its last training interval (the
+/// optimiser step), else its last interval of any kind.
+fn period_span(report: &PeriodReport) -> Option<(u64, f64, f64)> {
+    let start = report.intervals.iter().map(|i| i.start_s).filter(|t| t.is_finite()).reduce(f64::min)?;
     let last = |training_only: bool| {
         report
             .intervals
@@ -220,7 +222,7 @@ fn period_end(report: &PeriodReport) -> Option<(u64, f64)> {
             .filter(|t| t.is_finite())
             .reduce(f64::max)
     };
-    last(true).or_else(|| last(false)).map(|end| (report.period.0, end))
+    last(true).or_else(|| last(false)).map(|end| (report.period.0, start, end))
 }
 
 #[cfg(test)]
@@ -264,8 +266,8 @@ mod tests {
 
     #[test]
     fn the_period_ends_with_its_last_training_interval() {
-        assert_eq!(period_end(&report(3, 10.0)), Some((3, 12.0)));
-        assert_eq!(period_end(&PeriodReport::default()), None);
+        assert_eq!(period_span(&report(3, 10.0)), Some((3, 10.0, 12.0)));
+        assert_eq!(period_span(&PeriodReport::default()), None);
     }
 
     #[test]
