@@ -3,7 +3,7 @@
 //!
 //! # Threads
 //! Each worker is an OS thread with its own KV cache and its own rayon pool; its
-//! prefill and decode run inside `pool.install`, so candle's matmuls use that pool's
+//! whole loop runs inside `pool.install`, so candle's matmuls use that pool's
 //! threads only (candle's element-wise "barrier pool" is process-wide and is sized
 //! by `CANDLE_NUM_THREADS`; set it to 1 when a trainer shares the machine). Workers
 //! share one queue of pending sequences: a worker with a free slot takes the next one.
@@ -214,7 +214,9 @@ impl<M: InferenceModel> Engine<M> {
             let shared = Arc::clone(&engine.shared);
             let handle = std::thread::Builder::new()
                 .name(format!("rollout-{index}"))
-                .spawn(move || Worker::new(index, shared, cache, pool).run())
+                // The whole worker loop runs inside its pool, so the matmuls of every
+                // step use this pool's threads without a hand-off per call.
+                .spawn(move || pool.install(|| Worker::new(index, shared, cache).run()))
                 .map_err(|e| Error::Worker { worker: index, reason: e.to_string() })?;
             engine.workers.push(handle);
         }
@@ -499,14 +501,13 @@ struct Worker<M: InferenceModel> {
     label: String,
     shared: Arc<Shared<M>>,
     cache: M::Cache,
-    pool: rayon::ThreadPool,
     slots: Vec<Option<Seq<M>>>,
     sampler: Sampler,
     max_seq_len: usize,
 }
 
 impl<M: InferenceModel> Worker<M> {
-    fn new(index: usize, shared: Arc<Shared<M>>, cache: M::Cache, pool: rayon::ThreadPool) -> Self {
+    fn new(index: usize, shared: Arc<Shared<M>>, cache: M::Cache) -> Self {
         let max_num_seqs = shared.max_num_seqs;
         let max_seq_len = shared.max_seq_len;
         Self {
@@ -514,7 +515,6 @@ impl<M: InferenceModel> Worker<M> {
             label: index.to_string(),
             shared,
             cache,
-            pool,
             slots: (0..max_num_seqs).map(|_| None).collect(),
             sampler: Sampler::new(),
             max_seq_len,
@@ -610,8 +610,7 @@ impl<M: InferenceModel> Worker<M> {
             model,
             request: Arc::clone(&request),
         };
-        let (cache, pool) = (&mut self.cache, &self.pool);
-        let logits = pool.install(|| seq.model.model.prefill(cache, slot, &seq.context));
+        let logits = seq.model.model.prefill(&mut self.cache, slot, &seq.context);
         self.slots[slot] = Some(seq);
         match logits {
             Ok(logits) => self.advance(slot, &logits),
@@ -633,8 +632,7 @@ impl<M: InferenceModel> Worker<M> {
             }
         }
         for (model, batch) in batches {
-            let (cache, pool) = (&mut self.cache, &self.pool);
-            let result = pool.install(|| model.model.decode_step(cache, &batch));
+            let result = model.model.decode_step(&mut self.cache, &batch);
             self.counters().decode_steps.fetch_add(1, Ordering::Relaxed);
             self.counters().decode_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
             match result {
