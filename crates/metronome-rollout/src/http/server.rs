@@ -386,3 +386,39 @@ pub fn snapshot_from_safetensors(bytes: &[u8], version: PolicyVersion) -> Result
     }
     Ok(WeightSnapshot { version, tensors })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshots_round_trip_through_safetensors() {
+        let s = WeightSnapshot {
+            version: PolicyVersion(7),
+            tensors: vec![
+                HostTensor {
+                    name: "a.weight".into(),
+                    shape: vec![2, 3],
+                    data: TensorData::F32(vec![1.5, -2.0, 0.0, 3.25, f32::MIN_POSITIVE, 9.0]),
+                },
+                HostTensor {
+                    name: "b.bias".into(),
+                    shape: vec![2],
+                    data: TensorData::Bf16(vec![0x3f80, 0xc000]),
+                },
+                HostTensor { name: "c".into(), shape: vec![1], data: TensorData::F16(vec![0x3c00]) },
+            ],
+        };
+        let bytes = snapshot_to_safetensors(&s).unwrap();
+        let mut back = snapshot_from_safetensors(&bytes, PolicyVersion(7)).unwrap();
+        back.tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(back, s);
+        assert!(snapshot_from_safetensors(b"not a file", PolicyVersion(0)).is_err());
+    }
+
+    #[test]
+    fn versions_parse_from_our_fingerprint_only() {
+        assert_eq!(super::super::version_from_fingerprint("metronome-v12"), Some(PolicyVersion(12)));
+        assert_eq!(super::super::version_from_fingerprint("fp_44709d6fcb"), None);
+    }
+}
