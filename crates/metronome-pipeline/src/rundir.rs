@@ -37,6 +37,25 @@ pub(crate) const TIMELINE_PLOT: &str = "timeline.svg";
 
 /// A run's output folder, `<root>/<name>/`. Cheap to clone; holds no open files,
 /// so it can be shared with hooks on other threads.
+///
+/// ```
+/// # fn main() -> metronome_pipeline::Result<()> {
+/// use metronome_pipeline::{PeriodReport, RunDir, summary_table};
+///
+/// # let root = tempfile::tempdir().unwrap();
+/// let dir = RunDir::create(root.path(), "arith-periodic-seed1")?;
+/// dir.write_config("[run]\nschedule = \"periodic\"\n")?;
+/// // From the runner's period hook, as each period ends:
+/// let report = PeriodReport::default();
+/// dir.append_period(&report)?;
+/// // At the end (or every few periods): plots and the table, from the record on disk.
+/// let reports = dir.read_periods()?;
+/// dir.write_plots(&reports)?;
+/// print!("{}", summary_table(&reports));
+/// assert!(dir.path().join("timeline.svg").is_file());
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunDir {
     path: PathBuf,

@@ -301,3 +301,49 @@ fn the_grafana_dashboard_charts_the_metrics_of_every_crate() {
     let missing: Vec<_> = emitted.difference(&charted).collect();
     assert!(missing.is_empty(), "metrics without a panel in dashboards/grafana.json: {missing:?}");
 }
+
+/// The run directory fed by a real `Runner` (over the mock stages) through its
+/// period hook, as the binary does it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_hook_records_every_period_and_the_plots_show_its_intervals() {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use metronome_pipeline::{Runner, RunnerOptions, Schedule, Stages};
+
+    use crate::mocks::*;
+
+    for schedule in [Schedule::Periodic, Schedule::Stale(1)] {
+        let root = tempfile::tempdir().unwrap();
+        let dir = RunDir::create(root.path(), "mock").unwrap();
+        let engine = MockEngine::new(Duration::from_millis(2));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let stages = Stages {
+            source: Box::new(MockSource { next: 0, n: 1000, batch: 4, period: 0 }),
+            engine: Arc::new(engine),
+            scorer: Arc::new(MockScorer),
+            packer: mock_packer(),
+            trainer: Box::new(trainer),
+        };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 2 };
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let (hook_dir, hook_errors) = (dir.clone(), errors.clone());
+        let runner =
+            Runner::new(stages, Some(channel_transport(2)), options).unwrap().on_period(move |report, _| {
+                if let Err(e) = hook_dir.append_period(report) {
+                    hook_errors.lock().unwrap().push(e.to_string());
+                }
+            });
+        let (reports, _) = runner.run().await.unwrap();
+        assert!(errors.lock().unwrap().is_empty(), "{:?}", errors.lock().unwrap());
+
+        assert_eq!(reports.len(), 3);
+        assert_eq!(dir.read_periods().unwrap(), reports, "{schedule}");
+        dir.write_plots(&reports).unwrap();
+        let timeline = fs::read_to_string(dir.path().join("timeline.svg")).unwrap();
+        let intervals: usize = reports.iter().map(|r| r.intervals.len()).sum();
+        // The background and one bar per interval.
+        assert_eq!(timeline.matches("<rect").count(), 1 + intervals, "{schedule}");
+        assert_eq!(summary_table(&reports).lines().count(), 2 + 3 + 2);
+    }
+}
