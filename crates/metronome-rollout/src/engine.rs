@@ -504,6 +504,11 @@ struct Worker<M: InferenceModel> {
     slots: Vec<Option<Seq<M>>>,
     sampler: Sampler,
     max_seq_len: usize,
+    /// Tokens sampled since the metrics counter was last advanced: it is advanced
+    /// once per step, and before a completion is reported so that a caller who has
+    /// its group also sees its tokens counted.
+    unflushed_tokens: u64,
+    tokens_total: metrics::Counter,
 }
 
 impl<M: InferenceModel> Worker<M> {
@@ -518,6 +523,8 @@ impl<M: InferenceModel> Worker<M> {
             slots: (0..max_num_seqs).map(|_| None).collect(),
             sampler: Sampler::new(),
             max_seq_len,
+            unflushed_tokens: 0,
+            tokens_total: metrics::counter!("metronome_rollout_generated_tokens_total", "worker" => index.to_string()),
         }
     }
 
@@ -534,7 +541,6 @@ impl<M: InferenceModel> Worker<M> {
             metrics::counter!("metronome_rollout_generated_tokens_total", "worker" => self.label.clone());
         let active_gauge = metrics::gauge!("metronome_rollout_active_slots", "worker" => self.label.clone());
         while let Some(jobs) = self.admit() {
-            let before = self.counters().generated_tokens.load(Ordering::Relaxed);
             for (slot, job) in jobs {
                 self.start(slot, job);
             }
@@ -542,7 +548,7 @@ impl<M: InferenceModel> Worker<M> {
             let active = self.active() as u64;
             self.counters().active_slots.store(active, Ordering::Relaxed);
             active_gauge.set(active as f64);
-            tokens_total.increment(self.counters().generated_tokens.load(Ordering::Relaxed) - before);
+            self.flush_tokens();
         }
         // Shutdown: sequences still running are dropped; their requests see the
         // channel close once the queue's jobs are dropped too.
@@ -675,6 +681,7 @@ impl<M: InferenceModel> Worker<M> {
         seq.context.push(sampled.token);
         seq.logprobs.push(sampled.logprob);
         self.shared.counters[self.index].generated_tokens.fetch_add(1, Ordering::Relaxed);
+        self.unflushed_tokens += 1;
 
         let stop = &seq.request.stop;
         let mut finish = None;
@@ -728,7 +735,14 @@ impl<M: InferenceModel> Worker<M> {
             version: seq.model.version,
         };
         self.counters().sequences.fetch_add(1, Ordering::Relaxed);
+        self.flush_tokens();
         seq.request.send(Event::Finished { prompt: seq.prompt, completion });
+    }
+
+    fn flush_tokens(&mut self) {
+        if self.unflushed_tokens > 0 {
+            self.tokens_total.increment(std::mem::take(&mut self.unflushed_tokens));
+        }
     }
 
     fn seq_done(&mut self, slot: usize) {

@@ -6,6 +6,7 @@ mod common;
 mod determinism;
 #[cfg(feature = "http")]
 mod http;
+mod metrics;
 mod stops;
 mod streaming;
 mod versions;
