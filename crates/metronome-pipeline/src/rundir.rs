@@ -256,7 +256,10 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
     fs::write(&tmp, bytes).map_err(io_error(&tmp))?;
-    fs::rename(&tmp, path).map_err(io_error(path))
+    fs::rename(&tmp, path).map_err(|source| {
+        let _ = fs::remove_file(&tmp);
+        Error::Io { path: path.to_path_buf(), source }
+    })
 }
 
 #[cfg(test)]

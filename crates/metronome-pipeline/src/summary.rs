@@ -9,7 +9,8 @@ const HEADERS: [&str; 10] =
 
 /// A fixed-width text table of the periods: period, wall seconds, generation and
 /// training busy seconds, overlap efficiency (max(gen, train) / seconds), mean
-/// reward, accuracy, loss, KL and groups trained; then a line with the totals
+/// reward, accuracy, loss, KL (in scientific notation: it is often below 1e-3) and
+/// groups trained; then a line with the totals
 /// (seconds, busy times, groups), the whole run's overlap efficiency and the means
 /// over periods of the rest (accuracy over the periods that report one).
 ///
@@ -54,7 +55,7 @@ fn row(r: &PeriodReport) -> [String; 10] {
         format!("{:.3}", r.reward_mean),
         r.accuracy.map_or_else(|| "-".to_owned(), |a| format!("{a:.3}")),
         format!("{:.4}", r.step.loss),
-        format!("{:.4}", r.step.kl),
+        format!("{:.2e}", r.step.kl),
         r.groups.to_string(),
     ]
 }
@@ -64,23 +65,19 @@ fn totals(reports: &[PeriodReport]) -> [String; 10] {
     let (seconds, generation, training) =
         (sum(|r| r.period_s), sum(|r| r.generation_s), sum(|r| r.training_s));
     let overlap = if seconds > 0.0 { generation.max(training) / seconds } else { 0.0 };
-    let mean_of = |values: Vec<f64>, digits: usize| {
-        if values.is_empty() {
-            "-".to_owned()
-        } else {
-            format!("{:.digits$}", values.iter().sum::<f64>() / values.len() as f64)
-        }
-    };
+    let mean =
+        |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
+    let show = |value: Option<f64>, fmt: fn(f64) -> String| value.map_or_else(|| "-".to_owned(), fmt);
     [
         format!("all {}", reports.len()),
         format!("{seconds:.2}"),
         format!("{generation:.2}"),
         format!("{training:.2}"),
         format!("{overlap:.2}"),
-        mean_of(reports.iter().map(|r| r.reward_mean).collect(), 3),
-        mean_of(reports.iter().filter_map(|r| r.accuracy).collect(), 3),
-        mean_of(reports.iter().map(|r| r.step.loss).collect(), 4),
-        mean_of(reports.iter().map(|r| r.step.kl).collect(), 4),
+        show(mean(reports.iter().map(|r| r.reward_mean).collect()), |v| format!("{v:.3}")),
+        show(mean(reports.iter().filter_map(|r| r.accuracy).collect()), |v| format!("{v:.3}")),
+        show(mean(reports.iter().map(|r| r.step.loss).collect()), |v| format!("{v:.4}")),
+        show(mean(reports.iter().map(|r| r.step.kl).collect()), |v| format!("{v:.2e}")),
         reports.iter().map(|r| r.groups).sum::<usize>().to_string(),
     ]
 }
@@ -112,7 +109,7 @@ mod tests {
         // "all 3", seconds, gen, train, overlap, reward, accuracy, loss, KL, groups
         assert_eq!(
             total,
-            ["all", "3", "6.00", "4.50", "3.00", "0.75", "0.500", "0.250", "0.0000", "0.0000", "24"]
+            ["all", "3", "6.00", "4.50", "3.00", "0.75", "0.500", "0.250", "0.0000", "0.00e0", "24"]
         );
         assert!(lines[3].contains(" - "), "missing accuracy shows as -: {}", lines[3]);
     }
