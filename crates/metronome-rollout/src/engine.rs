@@ -537,8 +537,6 @@ impl<M: InferenceModel> Worker<M> {
     }
 
     fn run(mut self) {
-        let tokens_total =
-            metrics::counter!("metronome_rollout_generated_tokens_total", "worker" => self.label.clone());
         let active_gauge = metrics::gauge!("metronome_rollout_active_slots", "worker" => self.label.clone());
         while let Some(jobs) = self.admit() {
             for (slot, job) in jobs {
