@@ -32,10 +32,10 @@ async fn workers_report_slots_queue_tokens_and_group_times() {
                 tokens += n;
             }
         }
-        if name == "metronome_rollout_group_duration_seconds" {
-            if let DebugValue::Histogram(v) = &value {
-                assert!(v.len() >= 4, "one observation per group");
-            }
+        if let ("metronome_rollout_group_duration_seconds", DebugValue::Histogram(v)) =
+            (name.as_str(), &value)
+        {
+            assert!(v.len() >= 4, "one observation per group");
         }
         names.insert(name);
     }
