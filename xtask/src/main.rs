@@ -15,6 +15,10 @@ const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
   ci     formatting, dependency invariants, clippy (-D warnings), cargo deny, tests
+  e2e    build in release and run the embedded default end to end; extra arguments go to
+         `metronome run` (e.g. --schedule sync|periodic|stale:2 --workers N --periods N)
+  bench  criterion benchmarks: `cargo xtask bench [CRATE ...]` (all when none given),
+         e.g. `cargo xtask bench pipeline model`
   deps   check the dependency invariants of ARCHITECTURE.md
          (--manifest-path PATH checks another workspace)";
 
@@ -28,11 +32,8 @@ fn main() -> Result<()> {
             [flag, path] if flag == "--manifest-path" => check_deps(Path::new(path)),
             _ => bail!("usage: cargo xtask deps [--manifest-path PATH]"),
         },
-        Some(task @ ("e2e" | "bench")) => {
-            bail!(
-                "`cargo xtask {task}` runs the pipeline, which is not built yet (metronome-pipeline, issue 10)"
-            )
-        }
+        Some("e2e") => e2e(&root, &args[1..]),
+        Some("bench") => bench(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
             println!("{USAGE}");
             Ok(())
@@ -82,6 +83,37 @@ fn test_thread_env() -> Vec<(&'static str, String)> {
         .into_iter()
         .map(|var| (var, std::env::var(var).unwrap_or_else(|_| "1".into())))
         .collect()
+}
+
+fn e2e(root: &Path, args: &[String]) -> Result<()> {
+    step(root, "build", &["build", "--release", "--package", "metronome-cli"])?;
+    let exe = root.join("target/release/metronome");
+    eprintln!("==> e2e: metronome run {}", args.join(" "));
+    // One candle element-wise thread: the stages have their own pools (DESIGN.md §6).
+    let status = Command::new(&exe)
+        .arg("run")
+        .args(args)
+        .env("CANDLE_NUM_THREADS", std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "1".into()))
+        .current_dir(root)
+        .status()
+        .with_context(|| format!("starting {}", exe.display()))?;
+    if !status.success() {
+        bail!("e2e failed ({status})");
+    }
+    Ok(())
+}
+
+fn bench(root: &Path, crates: &[String]) -> Result<()> {
+    let mut args = vec!["bench".to_owned()];
+    if crates.is_empty() {
+        args.push("--workspace".into());
+    }
+    for c in crates {
+        args.push("--package".into());
+        args.push(if c.starts_with("metronome-") { c.clone() } else { format!("metronome-{c}") });
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    step(root, "bench", &args)
 }
 
 fn cargo() -> String {

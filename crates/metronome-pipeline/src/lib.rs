@@ -14,6 +14,8 @@
 //! in-process transport and a NATS one, or a local engine and a remote one, are
 //! swapped without touching schedule code. It does not implement any stage itself.
 
+mod app;
+mod config;
 mod error;
 mod metrics;
 mod plots;
@@ -23,6 +25,8 @@ mod runner;
 mod schedule;
 mod summary;
 
+pub use app::{EvalPoint, RunOutcome, load_model, run};
+pub use config::{DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig};
 pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};
 pub use report::{Interval, PeriodReport, StageKind};

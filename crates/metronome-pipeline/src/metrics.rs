@@ -41,13 +41,7 @@ pub const METRICS: &[(&str, &str, &str)] = &[
 /// Registers help texts and units with the installed recorder.
 pub fn describe_metrics() {
     for &(name, kind, help) in METRICS {
-        let unit = if name.ends_with("_seconds") {
-            Some(Unit::Seconds)
-        } else if name.ends_with("_ratio") {
-            Some(Unit::Percent)
-        } else {
-            None
-        };
+        let unit = if name.ends_with("_seconds") { Some(Unit::Seconds) } else { None };
         match (kind, unit) {
             ("counter", _) => describe_counter!(name, help),
             ("gauge", Some(u)) => describe_gauge!(name, u, help),

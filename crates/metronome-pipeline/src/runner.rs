@@ -268,9 +268,11 @@ impl Runner {
         let mut producer_done = false;
         let mut reports = Vec::new();
 
+        // A period starts when its weights are published: the consumer's own loop may
+        // begin later (after the previous period's hook), while generation already runs.
+        let mut start = Instant::now();
         'periods: for k in 0..self.options.periods {
             let period = PeriodId(k);
-            let start = Instant::now();
             let mut report = PeriodReport { period, ..PeriodReport::default() };
             report.intervals.push(publication);
 
@@ -356,6 +358,7 @@ impl Runner {
             publisher.publish(weights.clone()).await?;
             publication = self.interval(StageKind::Publication, PeriodId(k + 1), t);
             report.publication_s = publication.seconds();
+            let next_start = Instant::now();
 
             // The generation of this period finished before its last group arrived.
             while !generated.contains_key(&period) && !producer_done {
@@ -371,6 +374,7 @@ impl Runner {
             finalise_report(&mut report, start);
             self.finish_period(&report, &weights);
             reports.push(report);
+            start = next_start;
         }
 
         // Closing the receiver ends a producer that ran ahead (stale schedules).

@@ -62,6 +62,8 @@ pub(crate) struct MockEngine {
     pub(crate) generating: Arc<AtomicBool>,
     /// When set, completions claim this version whatever is installed (a broken engine).
     pub(crate) force_version: Option<PolicyVersion>,
+    /// Groups in the order the engine emitted them: the completion order.
+    pub(crate) emitted: Arc<Mutex<Vec<GroupKey>>>,
 }
 
 impl MockEngine {
@@ -71,6 +73,7 @@ impl MockEngine {
             tick,
             generating: Arc::new(AtomicBool::new(false)),
             force_version: None,
+            emitted: Arc::default(),
         }
     }
 }
@@ -108,13 +111,10 @@ impl RolloutEngine for MockEngine {
                         }
                     })
                     .collect();
-                sink.emit(Group {
-                    period: request.period,
-                    prompt,
-                    completions,
-                    timing: GroupTiming::default(),
-                })
-                .await
+                let group =
+                    Group { period: request.period, prompt, completions, timing: GroupTiming::default() };
+                self.emitted.lock().unwrap().push(group.key());
+                sink.emit(group).await
             }
         });
         let results = futures::future::join_all(futures).await;

@@ -11,6 +11,7 @@ struct Outcome {
     reports: Vec<PeriodReport>,
     weights: Vec<f32>,
     log: Arc<Mutex<TrainLog>>,
+    emitted: Vec<GroupKey>,
 }
 
 async fn run(schedule: Schedule, periods: u64, tick_ms: u64, step_delay_ms: u64) -> Outcome {
@@ -18,6 +19,7 @@ async fn run(schedule: Schedule, periods: u64, tick_ms: u64, step_delay_ms: u64)
     let mut trainer = MockTrainer::new(engine.generating.clone());
     trainer.step_delay = Duration::from_millis(step_delay_ms);
     let log = trainer.log.clone();
+    let emitted = engine.emitted.clone();
     let stages = Stages {
         source: Box::new(MockSource { next: 0, n: 1000, batch: 6, period: 0 }),
         engine: Arc::new(engine),
@@ -30,7 +32,8 @@ async fn run(schedule: Schedule, periods: u64, tick_ms: u64, step_delay_ms: u64)
     let (reports, stages) = runner.run().await.unwrap();
     let snapshot = stages.trainer.snapshot().await.unwrap();
     let TensorData::F32(weights) = snapshot.tensors[0].data.clone() else { unreachable!() };
-    Outcome { reports, weights, log }
+    let emitted = std::mem::take(&mut *emitted.lock().unwrap());
+    Outcome { reports, weights, log, emitted }
 }
 
 /// The trained rollouts of each step, sorted by group so orders compare equal.
@@ -74,14 +77,11 @@ async fn periodic_trains_groups_while_generation_continues() {
     // Groups complete tens of milliseconds apart and accumulation is instant, so the
     // trainer consumes early groups while later ones are still being generated.
     assert!(log.during_generation >= 3, "only {} accumulations overlapped generation", log.during_generation);
-    // And groups are consumed in completion order (the mock's response length), which
+    // And groups are consumed in completion order (the engine's emission order), which
     // is not the release order.
-    for step in &log.steps {
-        let lengths: Vec<usize> = step.iter().map(|(_, seqs)| seqs[0].len()).collect();
-        assert!(lengths.is_sorted(), "not in completion order: {lengths:?}");
-        let prompts: Vec<u64> = step.iter().map(|(k, _)| k.prompt.0).collect();
-        assert!(!prompts.is_sorted(), "trained in release order: {prompts:?}");
-    }
+    let trained: Vec<GroupKey> = log.steps.iter().flatten().map(|(k, _)| *k).collect();
+    assert_eq!(trained, periodic.emitted, "trained out of completion order");
+    assert!(!trained.is_sorted(), "completion order happened to equal release order");
     let sync = run(Schedule::Sync, 3, 15, 0).await;
     assert_eq!(sync.log.lock().unwrap().during_generation, 0, "sync never overlaps");
     // Every period of a sync run is generation, then scoring, then training, in order.

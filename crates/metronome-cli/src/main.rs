@@ -1,0 +1,178 @@
+//! `metronome`: run RL post-training from a config file.
+//!
+//! ```text
+//! metronome run [--config FILE] [--set key.path=value]... [--schedule S] [--periods N] [--workers N]
+//! metronome config [--config FILE] [--set ...]     # print the resolved, validated config
+//! ```
+//!
+//! Without `--config` the embedded default runs: the built-in arithmetic task on the
+//! tiny model. Metrics are served for Prometheus on `--metrics-addr` (loopback by
+//! default; `off` disables).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use metronome_pipeline::{PipelineConfig, Schedule};
+
+// Training allocates and frees many tensors per step; mimalloc avoids the page-fault
+// churn of the system allocator (DESIGN.md §6). Only the binary chooses an allocator.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "metronome",
+    version,
+    about = "RL post-training of language models with periodic asynchrony"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the pipeline in this process (SFT warm start, then RL).
+    Run {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Serve Prometheus metrics here; `off` disables.
+        #[arg(long, default_value = "127.0.0.1:9464")]
+        metrics_addr: String,
+        /// No progress bars (logs only).
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Print the resolved configuration after overrides and validation.
+    Config {
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ConfigArgs {
+    /// A TOML config file; the embedded default when absent.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Override any value: `--set trainer.schedule.lr=3e-4` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Shorthand for `--set run.schedule=...`: sync, periodic or stale:<s>.
+    #[arg(long)]
+    schedule: Option<Schedule>,
+    /// Shorthand for `--set run.periods=N`.
+    #[arg(long)]
+    periods: Option<u64>,
+    /// Shorthand for `--set rollout.workers=N`.
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Shorthand for `--set run.seed=N`.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Shorthand for `--set run.out_dir=DIR`.
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<PipelineConfig> {
+        let mut overrides = self.overrides.clone();
+        if let Some(s) = self.schedule {
+            overrides.push(format!("run.schedule=\"{s}\""));
+        }
+        if let Some(n) = self.periods {
+            overrides.push(format!("run.periods={n}"));
+        }
+        if let Some(n) = self.workers {
+            overrides.push(format!("rollout.workers={n}"));
+        }
+        if let Some(n) = self.seed {
+            overrides.push(format!("run.seed={n}"));
+        }
+        if let Some(dir) = &self.out_dir {
+            overrides.push(format!("run.out_dir={:?}", dir.display().to_string()));
+        }
+        Ok(match &self.config {
+            Some(path) => PipelineConfig::load(path, &overrides)?,
+            None => PipelineConfig::embedded(&overrides)?,
+        })
+    }
+}
+
+fn main() -> ExitCode {
+    // candle sizes its spinning element-wise pool from CANDLE_NUM_THREADS once, process
+    // wide; left to default it takes every core and oversubscribes the stages' own
+    // pools (DESIGN.md §6). Setting the environment of a running process is unsafe, so
+    // re-execute with it set instead.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        let args: Vec<_> = std::env::args_os().skip(1).collect();
+        let status = std::env::current_exe().and_then(|exe| {
+            std::process::Command::new(exe).args(args).env("CANDLE_NUM_THREADS", "1").status()
+        });
+        return match status {
+            Ok(s) => ExitCode::from(s.code().unwrap_or(1).clamp(0, 255) as u8),
+            Err(e) => {
+                eprintln!("error: cannot re-execute metronome: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match real_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Config { config } => {
+            print!("{}", config.load()?.to_toml()?);
+            Ok(())
+        }
+        Command::Run { config, metrics_addr, quiet } => {
+            let config = config.load()?;
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            runtime.block_on(async {
+                if metrics_addr != "off" {
+                    let addr: SocketAddr =
+                        metrics_addr.parse().with_context(|| format!("--metrics-addr `{metrics_addr}`"))?;
+                    metrics_exporter_prometheus::PrometheusBuilder::new()
+                        .with_http_listener(addr)
+                        .install()
+                        .with_context(|| format!("serving metrics on {addr}"))?;
+                    metronome_pipeline::describe_metrics();
+                    eprintln!("metrics: http://{addr}/metrics");
+                }
+                let outcome = metronome_pipeline::run(config, !quiet).await?;
+                if let (Some(first), Some(last)) = (outcome.evals.first(), outcome.evals.last()) {
+                    eprintln!(
+                        "held-out accuracy: {:.1}% after warm start, {:.1}% after {} periods",
+                        first.accuracy * 100.0,
+                        last.accuracy * 100.0,
+                        last.after_periods
+                    );
+                }
+                anyhow::Ok(())
+            })
+        }
+    }
+}

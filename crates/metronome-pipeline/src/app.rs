@@ -1,0 +1,385 @@
+//! A whole run from a [`PipelineConfig`]: build the stages, warm-start with SFT, run
+//! the schedule, evaluate on held-out prompts, and record everything in the run
+//! directory. The `metronome` binary and `cargo xtask e2e` call [`run`].
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use async_trait::async_trait;
+use metronome_core::{
+    AccumulateReport, Completion, PeriodId, PolicyVersion, Prompt, PromptSource, RewardFn, RolloutEngine,
+    RolloutRequest, RunSeed, ScoredGroup, StepReport, Tokenizer, TrainBatch, Trainer, WeightSnapshot,
+};
+use metronome_model::{CharTokenizer, Device, HfTokenizer, Model, ModelConfig};
+use metronome_reward::{RewardConfig, ScorerConfig};
+use metronome_rollout::CollectSink;
+use metronome_trainer::{GrpoTrainer, SftExample};
+use metronome_transport::local;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{ModelSource, PipelineConfig};
+use crate::error::{Error, Result};
+use crate::report::PeriodReport;
+use crate::rundir::RunDir;
+use crate::runner::{Runner, RunnerOptions, Stages, Transport};
+use crate::schedule::Schedule;
+use crate::summary::summary_table;
+
+/// Held-out accuracy at one point of the run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalPoint {
+    /// Optimiser steps of RL taken before the evaluation (0: after the warm start).
+    pub after_periods: u64,
+    /// Fraction of held-out prompts answered correctly by greedy decoding.
+    pub accuracy: f64,
+}
+
+/// What a run produced.
+#[derive(Debug)]
+pub struct RunOutcome {
+    /// The run directory.
+    pub dir: RunDir,
+    /// One report per period.
+    pub periods: Vec<PeriodReport>,
+    /// Held-out accuracy before RL and after every `eval.every` periods.
+    pub evals: Vec<EvalPoint>,
+    /// The final weights.
+    pub weights: Arc<WeightSnapshot>,
+    /// Mean SFT loss of the first and last warm-start steps.
+    pub sft_loss: Option<(f64, f64)>,
+}
+
+fn err<E: std::error::Error + Send + Sync + 'static>(stage: &'static str) -> impl Fn(E) -> Error {
+    move |e| Error::Stage(metronome_core::Error::stage(stage, e))
+}
+
+/// Builds the policy network and its tokenizer.
+pub fn load_model(config: &PipelineConfig) -> Result<(Model, Arc<dyn Tokenizer>)> {
+    let device = Device::Cpu;
+    Ok(match &config.model {
+        ModelSource::Tiny => {
+            let model = Model::new(ModelConfig::tiny(), &device, config.run.seed).map_err(err("model"))?;
+            (model, Arc::new(CharTokenizer))
+        }
+        ModelSource::Hf { path } => {
+            let model = Model::load_hf(path, &device).map_err(err("model"))?;
+            (model, Arc::new(HfTokenizer::from_dir(path).map_err(err("model"))?))
+        }
+        ModelSource::Gguf { path } => {
+            let (model, tokenizer) = Model::load_gguf(path, &device).map_err(err("model"))?;
+            (model, Arc::new(tokenizer))
+        }
+    })
+}
+
+/// The per-completion scorer evaluation uses: the run's local scorer, or the math
+/// verifier when rewards come from a remote service.
+fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
+    let scorer = match &config.reward {
+        RewardConfig::Local { scorer, .. } => scorer.clone(),
+        RewardConfig::Remote(_) => ScorerConfig::Math(Default::default()),
+    };
+    scorer.build().map_err(err("reward"))
+}
+
+/// Greedy answers to held-out prompts, scored by the `correct` part of the reward
+/// (or a positive total when the scorer reports no such part).
+struct Evaluator {
+    engine: metronome_rollout::ModelEngine,
+    prompts: Vec<Prompt>,
+    scorer: Arc<dyn RewardFn>,
+}
+
+impl Evaluator {
+    async fn new(
+        config: &PipelineConfig,
+        model: &Model,
+        tokenizer: Arc<dyn Tokenizer>,
+    ) -> Result<Option<Self>> {
+        if config.eval.prompts == 0 {
+            return Ok(None);
+        }
+        let source = config.heldout_source().expect("validated: a held-out source exists");
+        let mut data = config.data.clone();
+        data.source = source;
+        data.release.batch_size = config.eval.prompts;
+        data.release.shuffle = false;
+        data.release.prefetch = false;
+        data.release.epochs = None;
+        let mut loader =
+            data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
+        let prompts = loader.next().await.map_err(err("dataloader"))?.map(|b| b.prompts).unwrap_or_default();
+        let mut engine_cfg = config.rollout.clone();
+        engine_cfg.sampling.temperature = 0.0;
+        engine_cfg.workers = 1;
+        let inference = Model::from_snapshot(
+            model.config().clone(),
+            &model.snapshot(PolicyVersion(0)).map_err(err("model"))?,
+            model.device(),
+            false,
+        )
+        .map_err(err("model"))?;
+        let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+        Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)? }))
+    }
+
+    async fn accuracy(&self, weights: Arc<WeightSnapshot>) -> Result<f64> {
+        self.engine.install_weights(weights).await?;
+        let request =
+            RolloutRequest { period: PeriodId(u64::MAX), prompts: self.prompts.clone(), group_size: 1 };
+        let sink = CollectSink::default();
+        self.engine.generate(request, &sink).await?;
+        let groups = sink.into_groups();
+        let correct: f64 = groups
+            .iter()
+            .flat_map(|g| g.completions.iter().map(move |c| (&g.prompt, c)))
+            .map(|(p, c): (&Prompt, &Completion)| {
+                let r = self.scorer.score(p, c);
+                r.parts.get("correct").map_or(f64::from(u8::from(r.total > 0.0)), |&x| f64::from(x))
+            })
+            .sum();
+        Ok(correct / groups.len().max(1) as f64)
+    }
+}
+
+/// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers.
+async fn warm_start(
+    config: &PipelineConfig,
+    model: Model,
+    tokenizer: &Arc<dyn Tokenizer>,
+) -> Result<(Model, Option<(f64, f64)>)> {
+    let sft = &config.sft;
+    if sft.steps == 0 {
+        return Ok((model, None));
+    }
+    let mut data = config.data.clone();
+    data.release.batch_size = sft.batch_size;
+    data.release.epochs = None;
+    // A stream of the run seed of its own: SFT batches are not the RL batches.
+    let mut loader = data
+        .build(RunSeed(metronome_core::stream_seed(RunSeed(config.run.seed), 0x5f7, 0)), tokenizer.clone())
+        .map_err(err("dataloader"))?;
+    let mut cfg = config.trainer.clone();
+    // A short warm-up and a cosine decay to a tenth: the supervised phase is long
+    // enough for the decay to matter, unlike the RL periods.
+    cfg.schedule = metronome_trainer::schedule::LrSchedule {
+        lr: sft.learning_rate,
+        warmup_steps: (sft.steps / 20).min(50),
+        decay: metronome_trainer::schedule::Decay::Cosine { total_steps: sft.steps, min_ratio: 0.1 },
+    };
+    cfg.loss.kl_coef = 0.0;
+    let eos = tokenizer.stop_token_ids().first().copied();
+    let mut trainer = GrpoTrainer::new(cfg, model).map_err(err("trainer"))?;
+    let mut losses = Vec::new();
+    for _ in 0..sft.steps {
+        let Some(batch) = loader.next().await.map_err(err("dataloader"))? else { break };
+        let mut examples = Vec::with_capacity(batch.prompts.len());
+        for p in &batch.prompts {
+            let Some(reference) = &p.reference else { continue };
+            let mut answer = tokenizer.encode(reference)?;
+            answer.extend(eos);
+            examples.push(SftExample { prompt: p.tokens.clone(), answer });
+        }
+        if examples.is_empty() {
+            return Err(Error::Config {
+                key: "sft.steps".into(),
+                reason: "the training prompts have no reference answers to warm-start on".into(),
+            });
+        }
+        let report = trainer.accumulate_sft(&examples).map_err(err("trainer"))?;
+        trainer.step_sync().map_err(err("trainer"))?;
+        losses.push(report.loss_sum / report.tokens.max(1) as f64);
+    }
+    let first_last = losses.first().copied().zip(losses.last().copied());
+    Ok((trainer.policy().clone(), first_last))
+}
+
+/// The GRPO trainer behind a lock, so the app keeps a handle for checkpoints while the
+/// runner owns the stage.
+#[derive(Clone)]
+struct SharedTrainer(Arc<Mutex<GrpoTrainer>>);
+
+impl SharedTrainer {
+    fn lock(&self) -> std::sync::MutexGuard<'_, GrpoTrainer> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl Trainer for SharedTrainer {
+    fn version(&self) -> PolicyVersion {
+        self.lock().version()
+    }
+
+    async fn accumulate(&mut self, batch: TrainBatch) -> metronome_core::Result<AccumulateReport> {
+        self.lock().accumulate_sync(&batch).map_err(|e| metronome_core::Error::stage("trainer", e))
+    }
+
+    async fn step(&mut self) -> metronome_core::Result<StepReport> {
+        self.lock().step_sync().map_err(|e| metronome_core::Error::stage("trainer", e))
+    }
+
+    async fn snapshot(&self) -> metronome_core::Result<WeightSnapshot> {
+        self.lock().snapshot_sync().map_err(|e| metronome_core::Error::stage("trainer", e))
+    }
+}
+
+/// Runs a whole configured run. `progress` draws progress bars on stderr.
+pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcome> {
+    config.place();
+    config.validate()?;
+    let name = config.run.name.clone().unwrap_or_else(|| {
+        let secs =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        format!("{}-{secs}", config.run.schedule).replace(':', "")
+    });
+    let dir = RunDir::create(&config.run.out_dir, &name)?;
+    dir.write_config(&config.to_toml()?)?;
+
+    let (model, tokenizer) = load_model(&config)?;
+    let bar = progress_bar(progress, config.sft.steps, "sft");
+    let (model, sft_loss) = warm_start(&config, model, &tokenizer).await?;
+    bar.finish_and_clear();
+    if let Some((first, last)) = sft_loss {
+        tracing::info!(first, last, "warm start done");
+    }
+
+    let evaluator = Evaluator::new(&config, &model, tokenizer.clone()).await?.map(Arc::new);
+    let mut evals = Vec::new();
+    let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
+    if let Some(e) = &evaluator {
+        let accuracy = e.accuracy(initial.clone()).await?;
+        eprintln!("held-out accuracy after warm start: {:.1}%", accuracy * 100.0);
+        evals.push(EvalPoint { after_periods: 0, accuracy });
+    }
+
+    let stages_and_handle = build_stages(&config, model, tokenizer.clone()).await?;
+    let (stages, trainer) = stages_and_handle;
+    let transport = (config.run.schedule != Schedule::Sync).then(|| local_transport(&config));
+    let options = RunnerOptions {
+        schedule: config.run.schedule,
+        periods: config.run.periods,
+        group_size: config.run.group_size,
+    };
+
+    let bar = Arc::new(progress_bar(progress, config.run.periods, "periods"));
+    let shared_evals = Arc::new(Mutex::new(Vec::new()));
+    let hook_evals = shared_evals.clone();
+    let hook_dir = dir.clone();
+    let hook_bar = bar.clone();
+    let hook_trainer = trainer.clone();
+    let (every, total, checkpoint_every) =
+        (config.eval.every.max(1), config.run.periods, config.run.checkpoint_every);
+    let hook_evaluator = evaluator.clone();
+    let hook = move |report: &PeriodReport, weights: &Arc<WeightSnapshot>| {
+        let done = report.period.0 + 1;
+        if let Err(e) = hook_dir.append_period(report) {
+            tracing::error!("cannot record period {}: {e}", report.period);
+        }
+        if checkpoint_every > 0 && done.is_multiple_of(checkpoint_every) {
+            let path = hook_dir.path().join("checkpoints").join(format!("period-{done}"));
+            if let Err(e) = hook_trainer.lock().save_checkpoint(&path) {
+                tracing::error!("cannot save checkpoint {}: {e}", path.display());
+            }
+        }
+        let mut line = format!(
+            "period {:>3}  {:6.2}s  reward {:.3}  loss {:+.4}  kl {:.4}",
+            report.period, report.period_s, report.reward_mean, report.step.loss, report.step.kl
+        );
+        if let Some(e) = &hook_evaluator
+            && (done.is_multiple_of(every) || done == total)
+        {
+            let handle = tokio::runtime::Handle::current();
+            match tokio::task::block_in_place(|| handle.block_on(e.accuracy(weights.clone()))) {
+                Ok(accuracy) => {
+                    line.push_str(&format!("  held-out accuracy {:.1}%", accuracy * 100.0));
+                    hook_evals
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(EvalPoint { after_periods: done, accuracy });
+                }
+                Err(err) => tracing::error!("evaluation failed: {err}"),
+            }
+        }
+        hook_bar.inc(1);
+        hook_bar.suspend(|| eprintln!("{line}"));
+    };
+    let started = Instant::now();
+    let runner = Runner::new(stages, transport, options)?.on_period(hook);
+    let (periods, stages) = runner.run().await?;
+    bar.finish_and_clear();
+    tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
+
+    let weights = Arc::new(stages.trainer.snapshot().await?);
+    trainer.lock().save_checkpoint(&dir.path().join("checkpoints").join("final")).map_err(err("trainer"))?;
+    evals.extend(shared_evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..));
+    dir.write_plots(&periods)?;
+    eprintln!("\n{}", summary_table(&periods));
+    eprintln!("run directory: {}", dir.path().display());
+    Ok(RunOutcome { dir, periods, evals, weights, sft_loss })
+}
+
+fn progress_bar(show: bool, len: u64, what: &'static str) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {elapsed}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_prefix(what);
+    bar
+}
+
+fn local_transport(config: &PipelineConfig) -> Transport {
+    let (sender, receiver) = local::group_channel(config.data.release.batch_size.max(1));
+    let (publisher, subscriber) = local::weight_channel();
+    Transport {
+        sender: Arc::new(sender),
+        receiver: Box::new(receiver),
+        publisher: Arc::new(publisher),
+        subscriber: Box::new(subscriber),
+    }
+}
+
+/// The stages of a configured run, and a handle on its trainer.
+async fn build_stages(
+    config: &PipelineConfig,
+    policy: Model,
+    tokenizer: Arc<dyn Tokenizer>,
+) -> Result<(Stages, SharedTrainer)> {
+    let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
+    let inference = Model::from_snapshot(
+        policy.config().clone(),
+        &policy.snapshot(PolicyVersion(0)).map_err(err("model"))?,
+        policy.device(),
+        false,
+    )
+    .map_err(err("model"))?;
+    let mut engine_cfg = config.rollout.clone();
+    engine_cfg.seed = config.run.seed;
+    let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+    let mut reward = config.reward.clone();
+    if let RewardConfig::Local { pool, .. } = &mut reward {
+        pool.estimator = config.trainer.advantage;
+    }
+    let scorer = reward.build().map_err(err("reward"))?;
+    let packing = config.packing;
+    let packer = move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
+        metronome_masking::pack_period(groups, &packing)
+            .map(|layouts| layouts.into_iter().map(|l| l.batch).collect())
+            .map_err(|e| metronome_core::Error::stage("masking", e))
+    };
+    let trainer = SharedTrainer(Arc::new(Mutex::new(
+        GrpoTrainer::new(config.trainer.clone(), policy).map_err(err("trainer"))?,
+    )));
+    let stages = Stages {
+        source: Box::new(source) as Box<dyn PromptSource>,
+        engine: Arc::new(engine),
+        scorer: Arc::from(scorer),
+        packer: Arc::new(packer),
+        trainer: Box::new(trainer.clone()),
+    };
+    Ok((stages, trainer))
+}

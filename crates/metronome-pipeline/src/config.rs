@@ -1,0 +1,330 @@
+//! The run configuration: one TOML document whose sections are the stages' own serde
+//! configs, validated before any work starts, with every value overridable by
+//! `key.path=value` (the command line's `--set`).
+
+use std::path::{Path, PathBuf};
+
+use metronome_dataloader::{Holdout, LoaderConfig, SourceConfig, Split};
+use metronome_masking::PackingConfig;
+use metronome_reward::RewardConfig;
+use metronome_rollout::EngineConfig;
+use metronome_trainer::TrainerConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::schedule::Schedule;
+
+/// The embedded default: the built-in arithmetic task on the tiny model, SFT warm
+/// start, then GRPO with periodic asynchrony. `cargo xtask e2e` runs it.
+pub const DEFAULT_CONFIG: &str = include_str!("../configs/default.toml");
+
+/// A whole run.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Seed, schedule, periods, group size, output.
+    pub run: RunConfig,
+    /// Which network and tokenizer.
+    #[serde(default)]
+    pub model: ModelSource,
+    /// Training prompts.
+    pub data: LoaderConfig,
+    /// Held-out evaluation.
+    #[serde(default)]
+    pub eval: EvalConfig,
+    /// Supervised warm start before RL.
+    #[serde(default)]
+    pub sft: SftConfig,
+    /// The rollout engine.
+    pub rollout: EngineConfig,
+    /// Rewards.
+    pub reward: RewardConfig,
+    /// The trainer.
+    pub trainer: TrainerConfig,
+    /// Micro-batch packing.
+    pub packing: PackingConfig,
+}
+
+/// The run itself.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// The run seed every random choice derives from.
+    pub seed: u64,
+    /// `sync`, `periodic` or `stale:<s>`.
+    pub schedule: Schedule,
+    /// Periods (optimiser steps) of RL.
+    pub periods: u64,
+    /// Responses per prompt (`G`).
+    pub group_size: u32,
+    /// Where run directories are created.
+    pub out_dir: PathBuf,
+    /// The run directory's name; a timestamped one when absent.
+    pub name: Option<String>,
+    /// Save a checkpoint every this many periods (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Size the stages' thread pools from the cores (`rollout.threads_per_worker`,
+    /// `trainer.threads`): `sync` gives every stage all cores in turn; overlapped
+    /// schedules split them so the stages do not oversubscribe (DESIGN.md §6).
+    pub auto_placement: bool,
+    /// Cores to place on; 0 detects them.
+    pub cores: usize,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            schedule: Schedule::Periodic,
+            periods: 10,
+            group_size: 8,
+            out_dir: PathBuf::from("runs"),
+            name: None,
+            checkpoint_every: 0,
+            auto_placement: true,
+            cores: 0,
+        }
+    }
+}
+
+/// Where the network and its tokenizer come from.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ModelSource {
+    /// The built-in tiny configuration with the character-level tokenizer, randomly
+    /// initialised from the run seed.
+    #[default]
+    Tiny,
+    /// A Hugging Face directory (config.json, model.safetensors, tokenizer.json).
+    Hf {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// A GGUF file with its embedded tokenizer.
+    Gguf {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// Held-out evaluation: greedy answers to prompts never trained on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvalConfig {
+    /// Held-out prompts per evaluation; 0 disables evaluation.
+    pub prompts: usize,
+    /// Evaluate every this many periods (and before the first and after the last).
+    pub every: u64,
+    /// The held-out source; absent, the training task's held-out split is used (procedural
+    /// tasks only).
+    pub source: Option<SourceConfig>,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self { prompts: 64, every: 1, source: None }
+    }
+}
+
+/// Supervised warm start on the training task's reference answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    /// Optimiser steps; 0 skips the warm start.
+    pub steps: u64,
+    /// Prompt/answer pairs per step.
+    pub batch_size: usize,
+    /// Learning rate (constant).
+    pub learning_rate: f64,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        Self { steps: 0, batch_size: 32, learning_rate: 1e-3 }
+    }
+}
+
+impl PipelineConfig {
+    /// Parses a TOML document, applies `overrides` (`key.path=value`; the value is read
+    /// as TOML, else as a string), and validates the result.
+    pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
+        let mut doc: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config {
+            key: origin.to_owned(),
+            reason: format!("is not valid TOML: {}", e.message()),
+        })?;
+        for o in overrides {
+            apply_override(&mut doc, o)?;
+        }
+        let config: Self = doc.try_into().map_err(|e: toml::de::Error| Error::Config {
+            key: error_key(&e, origin),
+            reason: e.message().to_owned(),
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and parses a config file.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+            key: path.display().to_string(),
+            reason: format!("cannot be read: {e}"),
+        })?;
+        Self::parse(&text, &path.display().to_string(), overrides)
+    }
+
+    /// The embedded default with `overrides`.
+    pub fn embedded(overrides: &[String]) -> Result<Self> {
+        Self::parse(DEFAULT_CONFIG, "the embedded default config", overrides)
+    }
+
+    /// The configuration as TOML, as written to the run directory.
+    pub fn to_toml(&self) -> Result<String> {
+        toml::to_string_pretty(self)
+            .map_err(|e| Error::Config { key: "config".into(), reason: format!("cannot be written: {e}") })
+    }
+
+    /// Checks each section and the combinations between them; the error names the key.
+    pub fn validate(&self) -> Result<()> {
+        let stage =
+            |key: &str, e: &dyn std::fmt::Display| Error::Config { key: key.into(), reason: e.to_string() };
+        self.data.validate().map_err(|e| stage("data", &e))?;
+        self.rollout.validate().map_err(|e| stage("rollout", &e))?;
+        self.trainer.validate().map_err(|e| stage("trainer", &e))?;
+        self.packing.validate().map_err(|e| stage("packing", &e))?;
+        let bad = |key: &str, reason: String| Err(Error::Config { key: key.into(), reason });
+        let run = &self.run;
+        if run.group_size == 0 {
+            return bad("run.group_size", "must be at least 1".into());
+        }
+        if run.periods == 0 {
+            return bad("run.periods", "must be at least 1".into());
+        }
+        let batch = self.data.release.batch_size;
+        if self.trainer.mini_steps as usize > batch {
+            return bad(
+                "trainer.mini_steps",
+                format!(
+                    "is {} but a period has only data.release.batch_size = {batch} groups",
+                    self.trainer.mini_steps
+                ),
+            );
+        }
+        let stale = !run.schedule.is_on_policy();
+        if stale && self.trainer.loss.tis_cap.is_none() {
+            return bad(
+                "trainer.loss.tis_cap",
+                format!(
+                    "must be set for `{}`: stale samples need importance-sampling correction",
+                    run.schedule
+                ),
+            );
+        }
+        let longest = self.data.prompt.max_tokens.unwrap_or(0) + self.rollout.sampling.max_new_tokens;
+        if self.data.prompt.max_tokens.is_some() && longest > self.packing.row_tokens {
+            return bad(
+                "packing.row_tokens",
+                format!(
+                    "is {} but a prompt (data.prompt.max_tokens) and a response (rollout.sampling.max_new_tokens) \
+                     take up to {longest}",
+                    self.packing.row_tokens
+                ),
+            );
+        }
+        if self.sft.steps > 0 && self.sft.batch_size == 0 {
+            return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());
+        }
+        if self.eval.prompts > 0 && self.eval.source.is_none() && self.heldout_source().is_none() {
+            return bad(
+                "eval.source",
+                "must be given for a file dataset (only procedural tasks have a built-in held-out split)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The evaluation source: `eval.source`, or the training task's held-out split.
+    #[must_use]
+    pub fn heldout_source(&self) -> Option<SourceConfig> {
+        if let Some(source) = &self.eval.source {
+            return Some(source.clone());
+        }
+        let percent = |h: Holdout| if h.split == Split::All { 10 } else { h.percent };
+        match &self.data.source {
+            SourceConfig::Arithmetic(c) => {
+                let mut c = c.clone();
+                c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
+                Some(SourceConfig::Arithmetic(c))
+            }
+            SourceConfig::Countdown(c) => {
+                let mut c = c.clone();
+                c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
+                Some(SourceConfig::Countdown(c))
+            }
+            SourceConfig::Default => {
+                let c = metronome_dataloader::ArithmeticConfig {
+                    holdout: Holdout { split: Split::Heldout, percent: 10 },
+                    ..Default::default()
+                };
+                Some(SourceConfig::Arithmetic(c))
+            }
+            SourceConfig::Jsonl(_) | SourceConfig::Parquet(_) => None,
+        }
+    }
+
+    /// Sets the stages' thread counts from the cores when `run.auto_placement` is on.
+    pub fn place(&mut self) {
+        if !self.run.auto_placement {
+            return;
+        }
+        let cores = if self.run.cores > 0 {
+            self.run.cores
+        } else {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        };
+        let workers = self.rollout.workers.max(1);
+        if self.run.schedule == Schedule::Sync {
+            // Phases take turns, so each may use every core.
+            self.trainer.threads = cores;
+            self.rollout.threads_per_worker = (cores / workers).max(1);
+        } else {
+            // Stages overlap: give the trainer half and the workers the rest, one
+            // thread each at least, so no core runs two busy threads.
+            self.trainer.threads = (cores / 2).max(1);
+            self.rollout.threads_per_worker = (cores.saturating_sub(self.trainer.threads) / workers).max(1);
+        }
+    }
+}
+
+/// Names the key of a deserialisation error: `origin` plus the TOML line when known.
+fn error_key(e: &toml::de::Error, origin: &str) -> String {
+    match e.span() {
+        Some(span) => format!("{origin} at byte {}", span.start),
+        None => origin.to_owned(),
+    }
+}
+
+/// Applies `key.path=value` to the document, creating tables on the way.
+fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
+    let bad = |reason: String| Error::Config { key: assignment.to_owned(), reason };
+    let (path, raw) = assignment.split_once('=').ok_or_else(|| bad("expected `key.path=value`".into()))?;
+    let keys: Vec<&str> = path.trim().split('.').collect();
+    if keys.iter().any(|k| k.is_empty()) {
+        return Err(bad("has an empty key".into()));
+    }
+    // Read the value as TOML (numbers, booleans, arrays, inline tables), else as text.
+    let value = format!("v = {}", raw.trim())
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.trim().to_owned()));
+    let (last, parents) = keys.split_last().expect("split yields at least one key");
+    let mut table = doc;
+    for (i, key) in parents.iter().enumerate() {
+        let entry = table.entry((*key).to_owned()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        table =
+            entry.as_table_mut().ok_or_else(|| bad(format!("`{}` is not a table", keys[..=i].join("."))))?;
+    }
+    table.insert((*last).to_owned(), value);
+    Ok(())
+}
