@@ -151,7 +151,7 @@ impl Model {
         let n = tokens.len();
         let start = cache.lens[slot];
         let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-        let (cos, sin) = rope_tables(&positions, cfg.head_dim, cfg.rope_theta, dev)?;
+        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
         let total = start + n;
         // Query i (position start + i) sees keys 0..=start + i.
         let mask = if n > 1 {
@@ -173,8 +173,8 @@ impl Model {
             let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
             let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
             let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
+            let q = apply_rope(&q, &rope)?;
+            let k = apply_rope(&k, &rope)?;
             cache.write(li, slot, start, &k, &v)?;
             let (ks, vs) = cache.read(li, slot, total)?;
             let att = attention(&q, &ks, &vs, mask.as_ref())?;
@@ -216,7 +216,7 @@ impl Model {
         let dev = &m.device;
         let n = batch.len();
         let positions: Vec<u32> = batch.iter().map(|&(s, _)| cache.lens[s] as u32).collect();
-        let (cos, sin) = rope_tables(&positions, cfg.head_dim, cfg.rope_theta, dev)?;
+        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
         let w = |v: &candle_core::Var| Self::w(v, false);
         let mut x = w(&m.embed).index_select(&Tensor::from_vec(tokens, n, dev)?, 0)?;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
@@ -226,8 +226,8 @@ impl Model {
             let q = padded_linear(&a, &w(&l.q), wo(&l.q_bias).as_ref(), mr)?.reshape((n, h, hd))?;
             let k = padded_linear(&a, &w(&l.k), wo(&l.k_bias).as_ref(), mr)?.reshape((n, kvh, hd))?;
             let v = padded_linear(&a, &w(&l.v), wo(&l.v_bias).as_ref(), mr)?.reshape((n, kvh, hd))?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
+            let q = apply_rope(&q, &rope)?;
+            let k = apply_rope(&k, &rope)?;
             let mut outs = Vec::with_capacity(n);
             for (i, &(slot, _)) in batch.iter().enumerate() {
                 let pos = positions[i] as usize;

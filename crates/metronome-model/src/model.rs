@@ -281,7 +281,7 @@ impl Model {
         }
         let ids = Tensor::from_vec(tokens, n, dev)?;
         let mut x = Self::w(&m.embed, grad).index_select(&ids, 0)?;
-        let (cos, sin) = rope_tables(&positions, cfg.head_dim, cfg.rope_theta, dev)?;
+        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         for l in &m.layers {
             let w = |v: &Var| Self::w(v, grad);
@@ -290,8 +290,8 @@ impl Model {
             let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
             let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
             let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
+            let q = apply_rope(&q, &rope)?;
+            let k = apply_rope(&k, &rope)?;
             // Attention runs per row, without padding: rows never see each other.
             let mut outs = Vec::with_capacity(rows.len());
             let mut start = 0;

@@ -9,10 +9,130 @@ use candle_core::{D, Device, Tensor};
 use crate::Result;
 
 /// RMSNorm over the last dimension, as Hugging Face computes it:
-/// `w * x / sqrt(mean(x²) + eps)`.
+/// `w * x / sqrt(mean(x²) + eps)`, in one pass forward, with its backward.
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })?)
+}
+
+/// The composed (unfused) RMSNorm, the reference the fused one is tested against.
+#[cfg(test)]
+fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
     Ok(x.broadcast_mul(&inv)?.broadcast_mul(weight)?)
+}
+
+/// Fused RMSNorm: candle-nn's fused kernel has no backward (DESIGN.md §6), and the
+/// composed form costs seven allocating ops forward and more backward.
+#[derive(Debug, Clone, Copy)]
+struct RmsNorm {
+    eps: f32,
+}
+
+impl candle_core::CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (Some((a0, a1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("rms-norm needs contiguous inputs")
+        };
+        let x = &s1.as_slice::<f32>()?[a0..a1];
+        let w = &s2.as_slice::<f32>()?[w0..w1];
+        let d = w.len();
+        if l1.dims().last() != Some(&d) {
+            candle_core::bail!("rms-norm: weight of {d} does not fit input {:?}", l1.dims())
+        }
+        let mut out = vec![0f32; x.len()];
+        for (xs, os) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let r = 1.0 / (ms + self.eps).sqrt();
+            for ((o, &v), &g) in os.iter_mut().zip(xs).zip(w) {
+                *o = v * r * g;
+            }
+        }
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // With r = 1/rms(x) and x̂ = x·r: dw = Σ_rows g·x̂, dx = r·(g·w − x̂·mean(g·w·x̂)).
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + f64::from(self.eps))?.sqrt()?.recip()?;
+        let xhat = x.broadcast_mul(&r)?;
+        let d = w.elem_count();
+        let rows = xhat.elem_count() / d;
+        let dw = (g * &xhat)?.reshape((rows, d))?.sum(0)?;
+        let gw = g.broadcast_mul(w)?;
+        let dot = (&gw * &xhat)?.mean_keepdim(D::Minus1)?;
+        let dx = (gw - xhat.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// Rotary embedding as one op: rotates `[n, heads, head_dim]` by per-position
+/// angles (rotate-half convention); its backward is the inverse rotation.
+#[derive(Debug, Clone)]
+struct Rope {
+    /// `[n, head_dim / 2]` each.
+    cos: std::sync::Arc<Vec<f32>>,
+    sin: std::sync::Arc<Vec<f32>>,
+    /// Rotate by the negated angles (the backward).
+    inverse: bool,
+}
+
+impl candle_core::CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let Some((a0, a1)) = l.contiguous_offsets() else {
+            candle_core::bail!("rope needs a contiguous input")
+        };
+        let x = &s.as_slice::<f32>()?[a0..a1];
+        let (n, heads, hd) = l.shape().dims3()?;
+        let half = hd / 2;
+        if self.cos.len() != n * half {
+            candle_core::bail!("rope: tables for {} positions, input has {n}", self.cos.len() / half.max(1))
+        }
+        let sign = if self.inverse { -1.0f32 } else { 1.0 };
+        let mut out = vec![0f32; x.len()];
+        for p in 0..n {
+            let c = &self.cos[p * half..(p + 1) * half];
+            let sn = &self.sin[p * half..(p + 1) * half];
+            for h in 0..heads {
+                let base = (p * heads + h) * hd;
+                let (x1, x2) = x[base..base + hd].split_at(half);
+                let (o1, o2) = out[base..base + hd].split_at_mut(half);
+                for i in 0..half {
+                    let s = sign * sn[i];
+                    o1[i] = x1[i] * c[i] - x2[i] * s;
+                    o2[i] = x2[i] * c[i] + x1[i] * s;
+                }
+            }
+        }
+        Ok((candle_core::CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let inv = Rope { inverse: !self.inverse, ..self.clone() };
+        Ok(Some(g.contiguous()?.apply_op1(inv)?))
+    }
 }
 
 /// Softmax over the last dimension. The max is subtracted for stability and
@@ -116,12 +236,7 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tenso
 /// computed in f32 the way `transformers` does (`inv_freq = 1 / theta^(2i/d)`, then
 /// `position * inv_freq`), so positions that restart mid-row rotate exactly as
 /// separately decoded sequences would.
-pub(crate) fn rope_tables(
-    positions: &[u32],
-    head_dim: usize,
-    theta: f64,
-    device: &Device,
-) -> Result<(Tensor, Tensor)> {
+pub(crate) fn rope_tables(positions: &[u32], head_dim: usize, theta: f64) -> RopeTables {
     let half = head_dim / 2;
     let theta = theta as f32;
     let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
@@ -134,22 +249,20 @@ pub(crate) fn rope_tables(
             sin.push(a.sin());
         }
     }
-    let n = positions.len();
-    Ok((Tensor::from_vec(cos, (n, half), device)?, Tensor::from_vec(sin, (n, half), device)?))
+    RopeTables { cos: std::sync::Arc::new(cos), sin: std::sync::Arc::new(sin) }
+}
+
+/// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each.
+#[derive(Debug, Clone)]
+pub(crate) struct RopeTables {
+    cos: std::sync::Arc<Vec<f32>>,
+    sin: std::sync::Arc<Vec<f32>>,
 }
 
 /// Applies rotary embeddings to `x: [n, heads, head_dim]` (Hugging Face's
 /// rotate-half convention) with tables from [`rope_tables`].
-pub(crate) fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (n, _heads, hd) = x.dims3()?;
-    let half = hd / 2;
-    let cos = cos.reshape((n, 1, half))?;
-    let sin = sin.reshape((n, 1, half))?;
-    let x1 = x.narrow(2, 0, half)?;
-    let x2 = x.narrow(2, half, half)?;
-    let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-    let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-    Ok(Tensor::cat(&[a, b], 2)?)
+pub(crate) fn apply_rope(x: &Tensor, t: &RopeTables) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1(Rope { cos: t.cos.clone(), sin: t.sin.clone(), inverse: false })?)
 }
 
 /// Scaled dot-product attention of one sequence with grouped-query heads.
@@ -253,6 +366,52 @@ mod tests {
         let gf = fused.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         let gc = composed.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
         assert!(diff(gf.get(x.as_tensor()).unwrap(), gc.get(x.as_tensor()).unwrap()) < 1e-6);
+    }
+
+    #[test]
+    fn fused_rms_norm_and_rope_match_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let xs: Vec<f32> = (0..48).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+        let x = candle_core::Var::from_tensor(&Tensor::from_vec(xs, (3, 2, 8), &dev).unwrap()).unwrap();
+        let w = candle_core::Var::from_tensor(
+            &Tensor::new(&[0.5f32, 1.0, 1.5, 2.0, -1.0, 0.3, 0.7, 1.1], &dev).unwrap(),
+        )
+        .unwrap();
+        let probe =
+            Tensor::from_vec((0..48).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>(), (3, 2, 8), &dev)
+                .unwrap();
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        };
+        let t = rope_tables(&[0, 5, 2], 8, 10_000.0);
+        let run = |fused: bool| {
+            let y = if fused {
+                rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            } else {
+                rms_norm_composed(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            };
+            let y = if fused { apply_rope(&y, &t).unwrap() } else { rope_composed(&y, &t).unwrap() };
+            let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            (y, g.get(x.as_tensor()).unwrap().clone(), g.get(w.as_tensor()).unwrap().clone())
+        };
+        let (yf, gxf, gwf) = run(true);
+        let (yc, gxc, gwc) = run(false);
+        assert!(diff(&yf, &yc) < 1e-5, "forward {}", diff(&yf, &yc));
+        assert!(diff(&gxf, &gxc) < 1e-5, "dx {}", diff(&gxf, &gxc));
+        assert!(diff(&gwf, &gwc) < 1e-5, "dw {}", diff(&gwf, &gwc));
+    }
+
+    /// Rotary embedding from composed candle ops, for the fused op's test.
+    fn rope_composed(x: &Tensor, t: &RopeTables) -> Result<Tensor> {
+        let (n, _heads, hd) = x.dims3()?;
+        let half = hd / 2;
+        let cos = Tensor::from_vec(t.cos.to_vec(), (n, 1, half), x.device())?;
+        let sin = Tensor::from_vec(t.sin.to_vec(), (n, 1, half), x.device())?;
+        let x1 = x.narrow(2, 0, half)?;
+        let x2 = x.narrow(2, half, half)?;
+        let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        Ok(Tensor::cat(&[a, b], 2)?)
     }
 
     #[test]
