@@ -33,8 +33,7 @@ async fn same_seed_same_tokens_across_layouts() {
     assert_eq!(base.len(), 24);
     assert_eq!(base, signature(&one_by_eight), "1x1 vs 1x8");
     assert_eq!(base, signature(&two_by_four), "1x1 vs 2x4");
-    // The layout did change the order groups completed in, or at least allowed it to;
-    // the lengths differ, which is what makes refilling matter.
+    // Lengths differ, so slots were refilled mid-batch in the multi-slot layouts.
     let lengths: Vec<usize> =
         by_prompt(one_by_one).iter().flat_map(|g| g.completions.iter().map(|c| c.tokens.len())).collect();
     assert!(lengths.iter().min() < lengths.iter().max(), "lengths {lengths:?}");
@@ -80,7 +79,7 @@ async fn static_batching_gives_the_same_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn different_seeds_or_samples_differ() {
+async fn responses_of_a_group_differ() {
     let groups = run(1, 8, sampling(16)).await;
     // Within a group, the G responses use different streams.
     let g = &by_prompt(groups)[0];
