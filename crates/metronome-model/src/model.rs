@@ -269,7 +269,7 @@ impl Model {
         let mut positions = Vec::new();
         let mut masks = Vec::with_capacity(rows.len());
         for (r, row) in rows.iter().enumerate() {
-            row.validate(r).map_err(|e| Error::invalid(format!("packed row {r}"), e.to_string()))?;
+            row.validate(r).map_err(|e| Error::invalid("batch:", e.to_string()))?;
             self.check_tokens(&row.tokens, &|| format!("packed row {r}"))?;
             tokens.extend_from_slice(&row.tokens);
             positions.extend_from_slice(&row.positions);
