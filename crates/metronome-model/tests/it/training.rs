@@ -118,3 +118,22 @@ fn malformed_targets_are_errors() {
         model.target_logprobs(&[bad], &Targets::default()).unwrap_err().to_string().contains("packed row 0")
     );
 }
+
+#[test]
+fn gradient_steps_raise_the_target_logprobs() {
+    // Plain SGD on the log-prob loss through `parameters()`: what an optimiser does.
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 21).unwrap();
+    let (row, targets) = shared_prompt_row(&tokens(1, 5, 99), &[tokens(2, 6, 99), tokens(3, 4, 99)]);
+    let rows = [row];
+    let mean_logprob = || model.target_logprobs(&rows, &targets).unwrap().logprobs.mean_all().unwrap();
+    let before = mean_logprob().to_scalar::<f32>().unwrap();
+    for _ in 0..5 {
+        let grads = mean_logprob().neg().unwrap().backward().unwrap();
+        for (_, var) in model.parameters() {
+            let g = grads.get(var.as_tensor()).unwrap();
+            var.set(&(var.as_tensor() - (g * 0.05).unwrap()).unwrap()).unwrap();
+        }
+    }
+    let after = mean_logprob().to_scalar::<f32>().unwrap();
+    assert!(after > before + 0.1, "mean log-prob {before} -> {after}");
+}
