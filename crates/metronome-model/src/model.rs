@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::ops::{apply_rope, attention, linear, log_softmax_last_dim, rms_norm, rope_tables, segment_mask};
+use crate::ops::{apply_rope, attention, linear, log_softmax_last_dim, rms_norm, rope_tables, segment_plans};
 use crate::{Error, Result};
 
 /// One decoder layer's parameters.
@@ -267,13 +267,13 @@ impl Model {
         let dev = &m.device;
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
-        let mut masks = Vec::with_capacity(rows.len());
+        let mut plans = Vec::with_capacity(rows.len());
         for (r, row) in rows.iter().enumerate() {
             row.validate(r).map_err(|e| Error::invalid("batch:", e.to_string()))?;
             self.check_tokens(&row.tokens, &|| format!("packed row {r}"))?;
             tokens.extend_from_slice(&row.tokens);
             positions.extend_from_slice(&row.positions);
-            masks.push(segment_mask(row, dev)?);
+            plans.push(segment_plans(row, dev)?);
         }
         let n = tokens.len();
         if n == 0 {
@@ -292,18 +292,24 @@ impl Model {
             let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
             let q = apply_rope(&q, &rope)?;
             let k = apply_rope(&k, &rope)?;
-            // Attention runs per row, without padding: rows never see each other.
-            let mut outs = Vec::with_capacity(rows.len());
-            let mut start = 0;
-            for (row, mask) in rows.iter().zip(&masks) {
-                let len = row.len();
-                outs.push(attention(
-                    &q.narrow(0, start, len)?,
-                    &k.narrow(0, start, len)?,
-                    &v.narrow(0, start, len)?,
-                    Some(mask),
-                )?);
-                start += len;
+            // Attention runs per segment, without padding: its queries against its
+            // ancestors' keys and its own causal prefix, the only pairs it may see.
+            let mut outs = Vec::new();
+            let mut row_start = 0;
+            for (row, row_plans) in rows.iter().zip(&plans) {
+                for plan in row_plans {
+                    let gather = |t: &Tensor| -> Result<Tensor> {
+                        let parts = plan
+                            .keys
+                            .iter()
+                            .map(|&(s, l)| t.narrow(0, row_start + s, l))
+                            .collect::<std::result::Result<Vec<_>, _>>()?;
+                        Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
+                    };
+                    let q = q.narrow(0, row_start + plan.start, plan.len)?;
+                    outs.push(attention(&q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
+                }
+                row_start += row.len();
             }
             let att = if outs.len() == 1 {
                 outs.pop().unwrap_or_else(|| unreachable!())

@@ -293,29 +293,44 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
 }
 
-/// The additive attention mask of a packed row: 0 where a query may attend a key
-/// (same segment and not later, or any position of an ancestor segment), `-inf`
-/// elsewhere. `[len, len]` f32.
-pub(crate) fn segment_mask(row: &metronome_core::PackedRow, device: &Device) -> Result<Tensor> {
-    let len = row.len();
-    let mut mask = vec![f32::NEG_INFINITY; len * len];
+/// How one segment of a packed row attends: its queries against every key of its
+/// ancestors and its own causal prefix. Attending per segment costs the pairs the
+/// segment tree allows, where one `[len, len]` mask per row would cost the row's
+/// square: for a shared-prompt row of G responses that is up to G times less.
+pub(crate) struct SegmentPlan {
+    /// First query position in the row.
+    pub(crate) start: usize,
+    /// Number of queries.
+    pub(crate) len: usize,
+    /// Key ranges `(start, len)` in the row: the ancestors, root first, then the segment.
+    pub(crate) keys: Vec<(usize, usize)>,
+    /// `[len, keys]` additive mask: 0 on the ancestors and the causal prefix, `-inf` after.
+    pub(crate) mask: Tensor,
+}
+
+/// One [`SegmentPlan`] per segment of `row`, in row order.
+pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) -> Result<Vec<SegmentPlan>> {
+    let mut plans = Vec::with_capacity(row.segments.len());
     for seg in &row.segments {
-        // Ancestors are earlier segments, wholly before this one.
-        let mut ancestors = Vec::new();
-        let mut p = seg.parent;
-        while let Some(a) = p {
-            ancestors.push(row.segments[a as usize]);
-            p = row.segments[a as usize].parent;
+        let mut keys = Vec::new();
+        let mut parent = seg.parent;
+        while let Some(a) = parent {
+            let ancestor = row.segments[a as usize];
+            keys.push((ancestor.start as usize, ancestor.len as usize));
+            parent = ancestor.parent;
         }
-        for q in seg.start as usize..seg.end() as usize {
-            let line = &mut mask[q * len..(q + 1) * len];
-            line[seg.start as usize..=q].fill(0.0);
-            for a in &ancestors {
-                line[a.start as usize..a.end() as usize].fill(0.0);
-            }
+        keys.reverse();
+        let visible: usize = keys.iter().map(|k| k.1).sum();
+        let (start, len) = (seg.start as usize, seg.len as usize);
+        keys.push((start, len));
+        let width = visible + len;
+        let mut mask = vec![f32::NEG_INFINITY; len * width];
+        for i in 0..len {
+            mask[i * width..i * width + visible + i + 1].fill(0.0);
         }
+        plans.push(SegmentPlan { start, len, keys, mask: Tensor::from_vec(mask, (len, width), device)? });
     }
-    Ok(Tensor::from_vec(mask, (len, len), device)?)
+    Ok(plans)
 }
 
 #[cfg(test)]
@@ -325,21 +340,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn segment_mask_matches_can_attend() {
+    fn segment_plans_cover_exactly_what_can_attend_allows() {
         let row = PackedRow {
-            tokens: vec![0; 9],
-            positions: vec![0; 9],
+            tokens: vec![0; 11],
+            positions: vec![0; 11],
             segments: vec![
                 Segment { start: 0, len: 3, parent: None },
                 Segment { start: 3, len: 2, parent: Some(0) },
-                Segment { start: 5, len: 2, parent: Some(0) },
-                Segment { start: 7, len: 2, parent: None },
+                Segment { start: 5, len: 2, parent: Some(1) },
+                Segment { start: 7, len: 2, parent: Some(0) },
+                Segment { start: 9, len: 2, parent: None },
             ],
         };
-        let m = segment_mask(&row, &Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
-        for (q, line) in m.iter().enumerate() {
-            for (k, &x) in line.iter().enumerate() {
-                assert_eq!(x == 0.0, row.can_attend(q, k), "query {q} key {k}");
+        let mut allowed = vec![vec![false; row.len()]; row.len()];
+        for plan in segment_plans(&row, &Device::Cpu).unwrap() {
+            let key_positions: Vec<usize> = plan.keys.iter().flat_map(|&(s, l)| s..s + l).collect();
+            let mask = plan.mask.to_vec2::<f32>().unwrap();
+            for i in 0..plan.len {
+                for (j, &k) in key_positions.iter().enumerate() {
+                    allowed[plan.start + i][k] |= mask[i][j] == 0.0;
+                }
+            }
+        }
+        for (q, line) in allowed.iter().enumerate() {
+            for (k, &a) in line.iter().enumerate() {
+                assert_eq!(a, row.can_attend(q, k), "query {q} key {k}");
             }
         }
     }

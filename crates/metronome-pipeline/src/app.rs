@@ -194,19 +194,20 @@ async fn warm_start(
     Ok((trainer.policy().clone(), first_last))
 }
 
-/// The GRPO trainer behind a lock, so the app keeps a handle for checkpoints while the
-/// runner owns the stage.
-#[derive(Clone)]
-struct SharedTrainer(Arc<Mutex<GrpoTrainer>>);
+/// The GRPO trainer behind a lock: the runner owns it as a stage while the caller keeps
+/// this handle for checkpoints and inspection.
+#[derive(Clone, Debug)]
+pub struct TrainerHandle(Arc<Mutex<GrpoTrainer>>);
 
-impl SharedTrainer {
-    fn lock(&self) -> std::sync::MutexGuard<'_, GrpoTrainer> {
+impl TrainerHandle {
+    /// Locks the trainer (between the runner's calls).
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, GrpoTrainer> {
         self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 #[async_trait]
-impl Trainer for SharedTrainer {
+impl Trainer for TrainerHandle {
     fn version(&self) -> PolicyVersion {
         self.lock().version()
     }
@@ -253,7 +254,7 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
         evals.push(EvalPoint { after_periods: 0, accuracy });
     }
 
-    let stages_and_handle = build_stages(&config, model, tokenizer.clone()).await?;
+    let stages_and_handle = build_stages(&config, model, tokenizer.clone())?;
     let (stages, trainer) = stages_and_handle;
     let transport = (config.run.schedule != Schedule::Sync).then(|| local_transport(&config));
     let options = RunnerOptions {
@@ -332,7 +333,9 @@ fn progress_bar(show: bool, len: u64, what: &'static str) -> indicatif::Progress
     bar
 }
 
-fn local_transport(config: &PipelineConfig) -> Transport {
+/// The in-process transport: a bounded group channel (backpressure at one period's
+/// groups) and a watch cell for the newest weights.
+pub fn local_transport(config: &PipelineConfig) -> Transport {
     let (sender, receiver) = local::group_channel(config.data.release.batch_size.max(1));
     let (publisher, subscriber) = local::weight_channel();
     Transport {
@@ -343,12 +346,12 @@ fn local_transport(config: &PipelineConfig) -> Transport {
     }
 }
 
-/// The stages of a configured run, and a handle on its trainer.
-async fn build_stages(
+/// The stages of a configured run on `policy`, and a handle on its trainer.
+pub fn build_stages(
     config: &PipelineConfig,
     policy: Model,
     tokenizer: Arc<dyn Tokenizer>,
-) -> Result<(Stages, SharedTrainer)> {
+) -> Result<(Stages, TrainerHandle)> {
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
     let inference = Model::from_snapshot(
         policy.config().clone(),
@@ -371,7 +374,7 @@ async fn build_stages(
             .map(|layouts| layouts.into_iter().map(|l| l.batch).collect())
             .map_err(|e| metronome_core::Error::stage("masking", e))
     };
-    let trainer = SharedTrainer(Arc::new(Mutex::new(
+    let trainer = TrainerHandle(Arc::new(Mutex::new(
         GrpoTrainer::new(config.trainer.clone(), policy).map_err(err("trainer"))?,
     )));
     let stages = Stages {

@@ -25,7 +25,7 @@ mod runner;
 mod schedule;
 mod summary;
 
-pub use app::{EvalPoint, RunOutcome, load_model, run};
+pub use app::{EvalPoint, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run};
 pub use config::{DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig};
 pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};

@@ -1,0 +1,3 @@
+//! The `metronome` binary, run for real.
+
+mod prometheus;

@@ -1,0 +1,81 @@
+//! Bad configuration fails before any work, naming the key.
+
+use metronome_pipeline::{PipelineConfig, Schedule};
+
+fn err(overrides: &[&str]) -> String {
+    let overrides: Vec<String> = overrides.iter().map(|s| (*s).to_owned()).collect();
+    PipelineConfig::embedded(&overrides).unwrap_err().to_string()
+}
+
+#[test]
+fn the_embedded_default_is_valid_and_round_trips() {
+    let config = PipelineConfig::embedded(&[]).unwrap();
+    assert_eq!(config.run.schedule, Schedule::Periodic);
+    let again = PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap();
+    assert_eq!(again, config);
+}
+
+#[test]
+fn overrides_reach_every_section() {
+    let overrides: Vec<String> = [
+        "run.schedule=\"stale:2\"",
+        "trainer.loss.tis_cap=2.0",
+        "rollout.sampling.temperature=0.7",
+        "data.release.batch_size=4",
+        "run.name=plain-text",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    let config = PipelineConfig::embedded(&overrides).unwrap();
+    assert_eq!(config.run.schedule, Schedule::Stale(2));
+    assert_eq!(config.rollout.sampling.temperature, 0.7);
+    assert_eq!(config.data.release.batch_size, 4);
+    assert_eq!(config.run.name.as_deref(), Some("plain-text"));
+}
+
+#[test]
+fn unknown_keys_are_named() {
+    let e = err(&["run.periodz=3"]);
+    assert!(e.contains("periodz"), "{e}");
+    let e = err(&["trainer.optimizer.betta1=0.9"]);
+    assert!(e.contains("betta1"), "{e}");
+    let e = err(&["nonsense.key=1"]);
+    assert!(e.contains("nonsense"), "{e}");
+}
+
+#[test]
+fn wrong_types_are_named() {
+    let e = err(&["run.periods=\"ten\""]);
+    assert!(e.contains("invalid type") || e.contains("periods"), "{e}");
+    let e = err(&["run.schedule=\"sometimes\""]);
+    assert!(e.contains("sometimes"), "{e}");
+}
+
+#[test]
+fn impossible_combinations_are_named() {
+    let e = err(&["trainer.mini_steps=64"]);
+    assert!(e.starts_with("invalid configuration `trainer.mini_steps`"), "{e}");
+    let e = err(&["run.schedule=\"stale:1\""]);
+    assert!(e.starts_with("invalid configuration `trainer.loss.tis_cap`"), "{e}");
+    let e = err(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"]);
+    assert!(e.starts_with("invalid configuration `packing.row_tokens`"), "{e}");
+    let e = err(&["run.group_size=0"]);
+    assert!(e.starts_with("invalid configuration `run.group_size`"), "{e}");
+    let e = err(&["data.source={ kind = \"jsonl\", path = \"x.jsonl\" }"]);
+    assert!(e.starts_with("invalid configuration `eval.source`"), "{e}");
+}
+
+#[test]
+fn malformed_overrides_and_files_are_named() {
+    let e = err(&["run.periods"]);
+    assert!(e.contains("expected `key.path=value`"), "{e}");
+    let e = err(&["run.periods.x=1"]);
+    assert!(e.contains("`run.periods` is not a table"), "{e}");
+    let e = PipelineConfig::load(std::path::Path::new("/nonexistent/metronome.toml"), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/nonexistent/metronome.toml"), "{e}");
+    let e = PipelineConfig::parse("run = [", "broken.toml", &[]).unwrap_err().to_string();
+    assert!(e.contains("broken.toml"), "{e}");
+}
