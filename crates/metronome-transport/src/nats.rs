@@ -1057,6 +1057,10 @@ impl NatsWeightSubscriber {
         let mut chunks = stream
             .create_consumer(consumer::pull::OrderedConfig {
                 filter_subject: format!("$O.{bucket}.C.{}", info.nuid),
+                // The default batch of 500 chunks would make the server push up to
+                // 500 MiB at once and cut the connection as a slow consumer; a few
+                // chunks per pull keep the pipe full without that.
+                max_batch: 8,
                 ..Default::default()
             })
             .await

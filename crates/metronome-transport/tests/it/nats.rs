@@ -320,3 +320,21 @@ async fn connecting_to_nothing_is_a_clear_error() {
     let err = NatsTransport::connect(NatsConfig { urls: vec![], ..NatsConfig::default() }).await.unwrap_err();
     assert!(err.to_string().contains("urls"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_many_chunks_round_trips() {
+    let server = NatsServer::start();
+    let mut cfg = config(&server, "chunks");
+    // Small chunks, so that the pipelined upload and the streaming decode see many.
+    cfg.weights.chunk_bytes = 64 * 1024;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let publisher = t.weight_publisher().await.unwrap();
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    // Several versions, so that pruning runs between fetches.
+    for v in 1..=4 {
+        let s = Arc::new(metronome_transport::testdata::snapshot_of_bytes(v, 6 << 20));
+        tokio::time::timeout(PATIENCE, publisher.publish(Arc::clone(&s))).await.unwrap().unwrap();
+        let got = tokio::time::timeout(PATIENCE, subscriber.latest()).await.unwrap().unwrap().unwrap();
+        assert_eq!(encode_weights(&got).unwrap(), encode_weights(&s).unwrap());
+    }
+}
