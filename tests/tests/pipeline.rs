@@ -40,7 +40,7 @@ fn digit_share(_: &Prompt, c: &Completion) -> f32 {
 }
 
 async fn run(schedule: Schedule, workers: usize) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
-    let overrides: Vec<String> = [
+    let mut overrides: Vec<String> = [
         "run.periods=3".to_owned(),
         "run.group_size=4".to_owned(),
         "data.release.batch_size=6".to_owned(),
@@ -54,6 +54,9 @@ async fn run(schedule: Schedule, workers: usize) -> (Rollouts, Vec<PeriodReport>
         "trainer.schedule.lr=0.01".to_owned(),
     ]
     .to_vec();
+    if !schedule.is_on_policy() {
+        overrides.push("trainer.loss.tis_cap=2.0".to_owned());
+    }
     let mut config = PipelineConfig::embedded(&overrides).unwrap();
     config.place();
     let (model, tokenizer) = load_model(&config).unwrap();
@@ -102,4 +105,14 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
         let diff = max_weight_difference(&base_weights, &weights);
         assert!(diff <= 1e-6, "{schedule} with {workers} workers: weights differ by {diff}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_schedule_trains_nothing_older_than_its_bound() {
+    let (rollouts, reports, _) = run(Schedule::Stale(1), 1).await;
+    assert_eq!(rollouts.len(), 18);
+    let staleness: Vec<u64> = reports.iter().flat_map(|r| r.staleness.iter().copied()).collect();
+    assert_eq!(staleness.len(), 18, "every group trained");
+    assert!(staleness.iter().all(|&s| s <= 1), "{staleness:?}");
+    assert!(reports.iter().all(|r| r.dropped_stale == 0));
 }
