@@ -39,6 +39,7 @@
 //! installed by `metronome-rollout`. Its only Metronome dependency is `metronome-core`.
 
 pub mod conformance;
+#[cfg(any(feature = "local", feature = "nats"))]
 mod dedup;
 mod error;
 #[cfg(feature = "local")]

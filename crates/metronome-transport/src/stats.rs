@@ -45,6 +45,10 @@ impl Stats {
 
 /// Shared counters of one endpoint.
 #[derive(Debug)]
+#[cfg_attr(
+    not(any(feature = "local", feature = "nats")),
+    allow(dead_code, reason = "no transport is enabled to count")
+)]
 pub(crate) struct Counters {
     transport: &'static str,
     kind: &'static str,
@@ -57,6 +61,10 @@ pub(crate) struct Counters {
     rejected: Mutex<BTreeMap<&'static str, u64>>,
 }
 
+#[cfg_attr(
+    not(any(feature = "local", feature = "nats")),
+    allow(dead_code, reason = "no transport is enabled to count")
+)]
 impl Counters {
     pub(crate) fn new(transport: &'static str, kind: &'static str) -> Self {
         Self {

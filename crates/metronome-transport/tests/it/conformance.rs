@@ -5,6 +5,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
 use metronome_transport::conformance::{self, Transport};
+#[cfg(feature = "local")]
 use metronome_transport::local;
 use metronome_transport::{ControlReceiver, ControlSender};
 
@@ -44,8 +45,10 @@ macro_rules! conformance_tests {
 }
 
 /// The in-process transport: each call makes new channels.
+#[cfg(feature = "local")]
 struct Local;
 
+#[cfg(feature = "local")]
 #[async_trait]
 impl Transport for Local {
     async fn groups(&self) -> (Arc<dyn GroupSender>, Box<dyn GroupReceiver>) {
@@ -67,6 +70,7 @@ impl Transport for Local {
     }
 }
 
+#[cfg(feature = "local")]
 mod in_process {
     use super::*;
 

@@ -3,7 +3,9 @@
 //! real `nats-server` (started on a free loopback port by [`server::NatsServer`]).
 
 mod codec;
+#[cfg(any(feature = "local", feature = "nats"))]
 mod conformance;
+#[cfg(feature = "local")]
 mod local;
 #[cfg(feature = "nats")]
 mod nats;
