@@ -626,6 +626,11 @@ impl GroupSender for NatsGroupSender {
 }
 
 /// Receives groups from the group stream through the trainer's durable consumer.
+///
+/// Unlike the in-process receiver it cannot know when every sender is gone (senders
+/// are other processes): `recv` waits through server restarts and returns `Ok(None)`
+/// only when the connection is closed for good; a pipeline ends the stream with
+/// [`ControlMessage::Shutdown`].
 pub struct NatsGroupReceiver {
     messages: consumer::pull::Stream,
     max_message: usize,
