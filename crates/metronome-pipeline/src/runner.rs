@@ -18,6 +18,7 @@ use metronome_core::{
     PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, StepReport, TrainBatch, Trainer,
     WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
+use metronome_rollout::CollectSink;
 use tokio::sync::mpsc;
 
 use crate::error::{Error, Result};
@@ -204,7 +205,7 @@ impl Runner {
 
             let t = Instant::now();
             let mut scored = Vec::with_capacity(order.len());
-            for group in sink.take() {
+            for group in sink.into_groups() {
                 scored.push(self.stages.scorer.score(group).await?);
             }
             report.intervals.push(self.interval(StageKind::Scoring, period, t));
@@ -533,26 +534,6 @@ impl GroupSink for ScoreAndSend {
         *self.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += tokens as u64;
         let scored = self.scorer.score(group).await?;
         self.sender.send(scored).await
-    }
-}
-
-/// The sync schedule's sink: keep every group until generation is done.
-#[derive(Default)]
-struct CollectSink {
-    groups: Mutex<Vec<Group>>,
-}
-
-impl CollectSink {
-    fn take(&self) -> Vec<Group> {
-        std::mem::take(&mut *self.groups.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
-    }
-}
-
-#[async_trait]
-impl GroupSink for CollectSink {
-    async fn emit(&self, group: Group) -> metronome_core::Result<()> {
-        self.groups.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(group);
-        Ok(())
     }
 }
 
