@@ -48,7 +48,15 @@ async fn run(workload: &[String], schedule: Schedule, periods: u64) -> Vec<Perio
 fn main() {
     let bench = std::env::args().any(|a| a == "--bench");
     let (periods, warmup) = if bench { (6, 1) } else { (1, 0) };
-    let common = ["sft.steps=0", "eval.prompts=0", "data.release.batch_size=16", "run.group_size=8"];
+    // An untrained model scores 0 everywhere; train every group anyway so the training
+    // stage does the work a learning run would.
+    let common = [
+        "sft.steps=0",
+        "eval.prompts=0",
+        "data.release.batch_size=16",
+        "run.group_size=8",
+        "trainer.skip_zero_advantage_groups=false",
+    ];
     let workloads: Vec<(&str, Vec<String>)> = vec![
         ("default (8-token responses)", common.iter().map(|s| (*s).to_owned()).collect()),
         (
