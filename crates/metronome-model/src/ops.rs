@@ -28,6 +28,18 @@ struct RmsNorm {
     eps: f32,
 }
 
+/// The f32 elements of a two-input custom op's operands, which must be contiguous.
+fn contiguous_f32_pair<'a>(
+    op: &str,
+    (s1, l1): (&'a candle_core::CpuStorage, &candle_core::Layout),
+    (s2, l2): (&'a candle_core::CpuStorage, &candle_core::Layout),
+) -> candle_core::Result<(&'a [f32], &'a [f32])> {
+    let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+        candle_core::bail!("{op} needs contiguous inputs")
+    };
+    Ok((&s1.as_slice::<f32>()?[a0..a1], &s2.as_slice::<f32>()?[b0..b1]))
+}
+
 impl candle_core::CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
         "rms-norm"
@@ -40,11 +52,7 @@ impl candle_core::CustomOp2 for RmsNorm {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (Some((a0, a1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("rms-norm needs contiguous inputs")
-        };
-        let x = &s1.as_slice::<f32>()?[a0..a1];
-        let w = &s2.as_slice::<f32>()?[w0..w1];
+        let (x, w) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let d = w.len();
         if l1.dims().last() != Some(&d) {
             candle_core::bail!("rms-norm: weight of {d} does not fit input {:?}", l1.dims())
@@ -165,11 +173,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
         s2: &candle_core::CpuStorage,
         l2: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let (Some((a0, a1)), Some((m0, m1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
-            candle_core::bail!("masked-softmax needs contiguous inputs")
-        };
-        let x = &s1.as_slice::<f32>()?[a0..a1];
-        let mask = &s2.as_slice::<f32>()?[m0..m1];
+        let (x, mask) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let dims = l1.dims();
         let lk = dims[dims.len() - 1];
         let lq = dims[dims.len() - 2];
