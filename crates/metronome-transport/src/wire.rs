@@ -248,18 +248,7 @@ pub fn encode_weights(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
         snapshot.tensors.iter().map(|t| 4 + t.name.len() + 1 + 4 + 8 * t.shape.len() + 8).sum();
     let mut w =
         Writer::new(WEIGHTS_MAGIC, WEIGHTS_FORMAT_VERSION, 12 + table + snapshot.num_bytes(), "weights");
-    w.u64(snapshot.version.0);
-    w.len32(snapshot.tensors.len(), "tensors")?;
-    for t in &snapshot.tensors {
-        check_shape(t)?;
-        w.str(&t.name, "tensor.name")?;
-        w.u8(dtype_code(&t.data));
-        w.len32(t.shape.len(), "tensor.shape")?;
-        for &d in &t.shape {
-            w.u64(d as u64);
-        }
-        w.u64(t.data.len() as u64);
-    }
+    write_weights_table(&mut w, snapshot)?;
     for t in &snapshot.tensors {
         match &t.data {
             TensorData::F32(v) => w.raw(v),
@@ -368,9 +357,9 @@ pub fn encode_weights_chunks(
     Ok(chunks)
 }
 
-/// The header (checksum and length left zero) and the tensor table of `snapshot`.
-fn encode_weights_table(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
-    let mut w = Writer::new(WEIGHTS_MAGIC, WEIGHTS_FORMAT_VERSION, 256, "weights");
+/// The version and tensor table of `snapshot` (names, dtypes, shapes, lengths): the
+/// part of the weights format both the contiguous and the chunked encoders write.
+fn write_weights_table(w: &mut Writer, snapshot: &WeightSnapshot) -> Result<()> {
     w.u64(snapshot.version.0);
     w.len32(snapshot.tensors.len(), "tensors")?;
     for t in &snapshot.tensors {
@@ -383,6 +372,13 @@ fn encode_weights_table(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
         }
         w.u64(t.data.len() as u64);
     }
+    Ok(())
+}
+
+/// The header (checksum and length left zero) and the tensor table of `snapshot`.
+fn encode_weights_table(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
+    let mut w = Writer::new(WEIGHTS_MAGIC, WEIGHTS_FORMAT_VERSION, 256, "weights");
+    write_weights_table(&mut w, snapshot)?;
     Ok(w.buf)
 }
 
