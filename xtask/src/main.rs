@@ -89,11 +89,11 @@ fn e2e(root: &Path, args: &[String]) -> Result<()> {
     step(root, "build", &["build", "--release", "--package", "metronome-cli"])?;
     let exe = root.join("target/release/metronome");
     eprintln!("==> e2e: metronome run {}", args.join(" "));
-    // One candle element-wise thread: the stages have their own pools (DESIGN.md §6).
+    // The binary sets its own thread environment (candle's pools, DESIGN.md §6) when
+    // the caller has not, so nothing is set here.
     let status = Command::new(&exe)
         .arg("run")
         .args(args)
-        .env("CANDLE_NUM_THREADS", std::env::var("CANDLE_NUM_THREADS").unwrap_or_else(|_| "1".into()))
         .current_dir(root)
         .status()
         .with_context(|| format!("starting {}", exe.display()))?;
