@@ -3,11 +3,16 @@
 //! ```text
 //! metronome run [--config FILE] [--set key.path=value]... [--schedule S] [--periods N] [--workers N]
 //! metronome config [--config FILE] [--set ...]     # print the resolved, validated config
+//! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
+//! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
 //! ```
 //!
 //! Without `--config` the embedded default runs: the built-in arithmetic task on the
 //! tiny model. Metrics are served for Prometheus on `--metrics-addr` (loopback by
-//! default; `off` disables).
+//! default; `off` disables), labelled with the process's `role` and `worker` id.
+//!
+//! `trainer` and `rollout-worker` share one config file with `transport.kind = "nats"`
+//! (see `deploy/README.md`); `run` is the single-process pipeline.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -45,6 +50,32 @@ enum Command {
         /// No progress bars (logs only).
         #[arg(long)]
         quiet: bool,
+    },
+    /// The trainer of a multi-process run (needs `transport.kind = "nats"`): publishes
+    /// weights, offers each period's prompts as claims, trains the groups workers send.
+    /// Restarted with the same `run.name`, it resumes from its last period checkpoint.
+    Trainer {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Serve Prometheus metrics here; `off` disables.
+        #[arg(long, default_value = "127.0.0.1:9464")]
+        metrics_addr: String,
+        /// No progress bars (logs only).
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// A rollout worker of a multi-process run: takes prompt claims, generates with the
+    /// weights they name, publishes groups. Leaves on the trainer's shutdown, SIGTERM or
+    /// Ctrl-C after finishing the claims in hand.
+    RolloutWorker {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// This worker's name in logs and metrics (the `worker` label).
+        #[arg(long, default_value = "0")]
+        worker_id: String,
+        /// Serve Prometheus metrics here; `off` disables.
+        #[arg(long, default_value = "127.0.0.1:9465")]
+        metrics_addr: String,
     },
     /// Print the resolved configuration after overrides and validation.
     Config {
@@ -137,12 +168,73 @@ fn main() -> ExitCode {
     }
 }
 
+/// Installs the Prometheus exporter with the process's labels.
+fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
+    if addr == "off" {
+        return Ok(());
+    }
+    let addr: SocketAddr = addr.parse().with_context(|| format!("--metrics-addr `{addr}`"))?;
+    let mut builder = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .add_global_label("role", role);
+    if let Some(worker) = worker {
+        builder = builder.add_global_label("worker", worker);
+    }
+    builder.install().with_context(|| format!("serving metrics on {addr}"))?;
+    metronome_pipeline::describe_metrics();
+    metronome_pipeline::cluster::describe_cluster_metrics();
+    eprintln!("metrics: http://{addr}/metrics");
+    Ok(())
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Config { config } => {
             print!("{}", config.load()?.to_toml()?);
             Ok(())
+        }
+        Command::Trainer { config, metrics_addr, quiet } => {
+            let config = config.load()?;
+            runtime()?.block_on(async {
+                serve_metrics(&metrics_addr, "trainer", None)?;
+                metronome_pipeline::cluster::run_trainer(config, !quiet).await?;
+                anyhow::Ok(())
+            })
+        }
+        Command::RolloutWorker { config, worker_id, metrics_addr } => {
+            let config = config.load()?;
+            runtime()?.block_on(async {
+                serve_metrics(&metrics_addr, "rollout-worker", Some(&worker_id))?;
+                let stop = metronome_pipeline::cluster::StopFlag::default();
+                let on_signal = stop.clone();
+                tokio::spawn(async move {
+                    let mut term =
+                        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                            Ok(term) => term,
+                            Err(e) => {
+                                tracing::warn!("cannot listen for SIGTERM: {e}");
+                                return;
+                            }
+                        };
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = tokio::signal::ctrl_c() => {}
+                    }
+                    eprintln!("leaving after the claims in hand");
+                    on_signal.stop();
+                });
+                metronome_pipeline::cluster::run_worker(config, &worker_id, stop).await?;
+                anyhow::Ok(())
+            })
         }
         Command::Run { config, metrics_addr, quiet } => {
             let config = config.load()?;

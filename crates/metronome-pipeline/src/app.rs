@@ -49,7 +49,7 @@ pub struct RunOutcome {
     pub sft_loss: Option<(f64, f64)>,
 }
 
-fn err<E: std::error::Error + Send + Sync + 'static>(stage: &'static str) -> impl Fn(E) -> Error {
+pub(crate) fn err<E: std::error::Error + Send + Sync + 'static>(stage: &'static str) -> impl Fn(E) -> Error {
     move |e| Error::Stage(metronome_core::Error::stage(stage, e))
 }
 
@@ -143,7 +143,7 @@ impl Evaluator {
 }
 
 /// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers.
-async fn warm_start(
+pub(crate) async fn warm_start(
     config: &PipelineConfig,
     model: Model,
     tokenizer: &Arc<dyn Tokenizer>,
@@ -320,7 +320,7 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
     Ok(RunOutcome { dir, periods, evals, weights, sft_loss })
 }
 
-fn progress_bar(show: bool, len: u64, what: &'static str) -> indicatif::ProgressBar {
+pub(crate) fn progress_bar(show: bool, len: u64, what: &'static str) -> indicatif::ProgressBar {
     if !show {
         return indicatif::ProgressBar::hidden();
     }

@@ -43,6 +43,24 @@ pub struct PipelineConfig {
     pub trainer: TrainerConfig,
     /// Micro-batch packing.
     pub packing: PackingConfig,
+    /// How the trainer and rollout workers talk when they are separate processes
+    /// (`metronome trainer` / `metronome rollout-worker`); `metronome run` is always
+    /// one process and ignores it.
+    #[serde(default)]
+    pub transport: TransportConfig,
+}
+
+/// The transport between the trainer and rollout workers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum TransportConfig {
+    /// Everything in one process (tokio channels).
+    #[default]
+    InProcess,
+    /// NATS JetStream: URLs, credentials, TLS, stream and subject names, the claim
+    /// lease (`transport.claims.lease_ms`). Every field of
+    /// `metronome_transport::nats::NatsConfig`.
+    Nats(Box<metronome_transport::nats::NatsConfig>),
 }
 
 /// The run itself.

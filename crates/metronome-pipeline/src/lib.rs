@@ -13,8 +13,13 @@
 //! The runner holds every stage as a trait object from `metronome-core`, so an
 //! in-process transport and a NATS one, or a local engine and a remote one, are
 //! swapped without touching schedule code. It does not implement any stage itself.
+//!
+//! [`cluster`] runs the same periods as separate processes — one trainer, any number
+//! of rollout workers — over NATS JetStream (`transport.kind = "nats"`), with prompt
+//! claims under leases so that workers may join and leave at any time.
 
 mod app;
+pub mod cluster;
 mod config;
 mod error;
 mod metrics;
@@ -26,7 +31,9 @@ mod schedule;
 mod summary;
 
 pub use app::{EvalPoint, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run};
-pub use config::{DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig};
+pub use config::{
+    DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig, TransportConfig,
+};
 pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};
 pub use report::{Interval, PeriodReport, StageKind};

@@ -17,6 +17,10 @@
 //!   pruned; connection options (URLs, token, user/password, creds file, TLS,
 //!   reconnect backoff) and every stream name in a serde [`nats::NatsConfig`].
 //!
+//! With `nats`, [`claims`] adds the prompt claim queue of multi-process runs: the
+//! trainer offers one claim per prompt, rollout workers take them under a lease, and
+//! a dead worker's claims go to another worker when the lease expires.
+//!
 //! Both count a group once per (period, prompt) key, keep [`Stats`] and emit the
 //! `metronome_transport_*` metrics listed in [`stats`]. The [`wire`] module defines
 //! the versioned binary formats, and [`conformance`] is the test suite both
@@ -38,6 +42,8 @@
 //! snapshots are `metronome-core` host data produced by `metronome-trainer` and
 //! installed by `metronome-rollout`. Its only Metronome dependency is `metronome-core`.
 
+#[cfg(feature = "nats")]
+pub mod claims;
 pub mod conformance;
 #[cfg(any(feature = "local", feature = "nats"))]
 mod dedup;

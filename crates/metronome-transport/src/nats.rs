@@ -78,6 +78,8 @@ pub struct NatsConfig {
     pub weights: WeightStoreConfig,
     /// The control channel.
     pub control: ControlConfig,
+    /// The prompt claim queue of multi-process runs ([`crate::claims`]).
+    pub claims: crate::claims::ClaimQueueConfig,
 }
 
 impl Default for NatsConfig {
@@ -94,6 +96,7 @@ impl Default for NatsConfig {
             groups: GroupStreamConfig::default(),
             weights: WeightStoreConfig::default(),
             control: ControlConfig::default(),
+            claims: crate::claims::ClaimQueueConfig::default(),
         }
     }
 }
@@ -123,6 +126,12 @@ impl NatsConfig {
                 stream: format!("{upper}_CONTROL"),
                 subject: format!("{lower}.control"),
                 ..ControlConfig::default()
+            },
+            claims: crate::claims::ClaimQueueConfig {
+                stream: format!("{upper}_CLAIMS"),
+                subject: format!("{lower}.claims"),
+                consumer: format!("{lower}-workers"),
+                ..crate::claims::ClaimQueueConfig::default()
             },
             ..Self::default()
         }
@@ -400,6 +409,11 @@ impl NatsTransport {
         &self.config
     }
 
+    /// The JetStream context.
+    pub(crate) fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
     async fn group_stream(&self) -> Result<stream::Stream> {
         let c = &self.config.groups;
         self.js
@@ -551,7 +565,7 @@ impl NatsTransport {
     /// Publishes `payload` on `subject` and waits for the stream's acknowledgement,
     /// retrying with backoff while the server is unreachable or the stream is full,
     /// up to `publish_timeout_ms`.
-    async fn publish_durably(
+    pub(crate) async fn publish_durably(
         &self,
         op: &'static str,
         subject: &str,

@@ -1,0 +1,288 @@
+//! `metronome trainer`: the training side of a multi-process run.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use metronome_core::{
+    ControlMessage, Cursor, Delivery, GroupKey, GroupReceiver, PeriodId, PromptSource, RunSeed, ScoredGroup,
+    WeightPublisher, WeightSnapshot,
+};
+use metronome_model::Device;
+use metronome_trainer::GrpoTrainer;
+use metronome_transport::ControlSender;
+use serde::{Deserialize, Serialize};
+
+use crate::app::{err, load_model, progress_bar, warm_start};
+use crate::config::PipelineConfig;
+use crate::error::{Error, Result};
+use crate::metrics::record_period;
+use crate::report::{Interval, PeriodReport, StageKind};
+use crate::rundir::RunDir;
+use crate::summary::summary_table;
+
+/// Where the trainer stands after a period: enough to repeat the protocol from there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ClusterState {
+    /// The next period to run.
+    next_period: u64,
+    /// The data loader's position for that period.
+    cursor: Cursor,
+}
+
+const STATE_FILE: &str = "cluster_state.json";
+const LATEST_FILE: &str = "latest";
+
+/// What a trainer process produced.
+#[derive(Debug)]
+pub struct TrainerOutcome {
+    /// The run directory.
+    pub dir: RunDir,
+    /// The periods this process ran (after a resume, only the remaining ones).
+    pub periods: Vec<PeriodReport>,
+    /// The period it resumed from, when it restarted from a checkpoint.
+    pub resumed_at: Option<u64>,
+    /// The final weights.
+    pub weights: Arc<WeightSnapshot>,
+}
+
+/// The checkpoints of the period protocol: `checkpoints/cluster/period-<n>/` and a
+/// `latest` file naming the newest complete one (replaced atomically).
+struct Checkpoints {
+    root: PathBuf,
+}
+
+impl Checkpoints {
+    fn new(dir: &RunDir) -> Self {
+        Self { root: dir.checkpoints().join("cluster") }
+    }
+
+    fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+        move |source| Error::Io { path: path.to_owned(), source }
+    }
+
+    fn latest(&self) -> Result<Option<(PathBuf, ClusterState)>> {
+        let pointer = self.root.join(LATEST_FILE);
+        let name = match std::fs::read_to_string(&pointer) {
+            Ok(name) => name,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::Io { path: pointer, source: e }),
+        };
+        let dir = self.root.join(name.trim());
+        let state_path = dir.join(STATE_FILE);
+        let text = std::fs::read_to_string(&state_path).map_err(Self::io(&state_path))?;
+        let state = serde_json::from_str(&text)
+            .map_err(|e| Error::Io { path: state_path.clone(), source: std::io::Error::other(e) })?;
+        Ok(Some((dir, state)))
+    }
+
+    /// Writes the trainer and the protocol state, then points `latest` at them; older
+    /// checkpoints but the previous one are removed.
+    fn save(&self, trainer: &GrpoTrainer, state: ClusterState) -> Result<()> {
+        let name = format!("period-{}", state.next_period);
+        let dir = self.root.join(&name);
+        trainer.save_checkpoint(&dir).map_err(err("trainer"))?;
+        let state_path = dir.join(STATE_FILE);
+        let text = serde_json::to_string_pretty(&state)
+            .map_err(|e| Error::Io { path: state_path.clone(), source: std::io::Error::other(e) })?;
+        std::fs::write(&state_path, text).map_err(Self::io(&state_path))?;
+        let tmp = self.root.join(format!("{LATEST_FILE}.tmp"));
+        std::fs::write(&tmp, &name).map_err(Self::io(&tmp))?;
+        let pointer = self.root.join(LATEST_FILE);
+        std::fs::rename(&tmp, &pointer).map_err(Self::io(&pointer))?;
+        if let Some(old) = state.next_period.checked_sub(2) {
+            let old = self.root.join(format!("period-{old}"));
+            if old.exists()
+                && let Err(e) = std::fs::remove_dir_all(&old)
+            {
+                tracing::warn!("cannot remove old checkpoint {}: {e}", old.display());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the trainer of a multi-process run: connects to NATS (failing fast on bad
+/// credentials or a dead server), warm-starts or resumes from the run directory's
+/// last period checkpoint, then drives the period protocol of [`crate::cluster`].
+/// `run.name` must be set for a restart to find its run directory.
+pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<TrainerOutcome> {
+    config.place();
+    config.validate()?;
+    let transport = super::connect(&config, "trainer", "metronome-trainer".to_owned()).await?;
+    let name = config.run.name.clone().unwrap_or_else(|| {
+        let secs =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        format!("trainer-{secs}")
+    });
+    let dir = RunDir::create(&config.run.out_dir, &name)?;
+    dir.write_config(&config.to_toml()?)?;
+    let checkpoints = Checkpoints::new(&dir);
+
+    let (_, tokenizer) = load_model(&config)?;
+    let mut source =
+        config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
+    let (mut trainer, first_period, resumed_at) = match checkpoints.latest()? {
+        Some((path, state)) => {
+            tracing::info!(period = state.next_period, "resuming from {}", path.display());
+            eprintln!("resuming at period {} from {}", state.next_period, path.display());
+            metrics::counter!("metronome_cluster_trainer_resumes_total").increment(1);
+            let trainer =
+                GrpoTrainer::resume(config.trainer.clone(), &path, &Device::Cpu).map_err(err("trainer"))?;
+            source.restore(state.cursor).map_err(err("dataloader"))?;
+            (trainer, state.next_period, Some(state.next_period))
+        }
+        None => {
+            let (model, _) = load_model(&config)?;
+            let bar = progress_bar(progress, config.sft.steps, "sft");
+            let (model, sft_loss) = warm_start(&config, model, &tokenizer).await?;
+            bar.finish_and_clear();
+            if let Some((first, last)) = sft_loss {
+                tracing::info!(first, last, "warm start done");
+            }
+            (GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?, 0, None)
+        }
+    };
+
+    let publisher = transport.weight_publisher().await.map_err(err("transport"))?;
+    let offerer = transport.claim_offerer().await.map_err(err("transport"))?;
+    let control = transport.control_sender().await.map_err(err("transport"))?;
+    let mut receiver = transport.group_receiver().await.map_err(err("transport"))?;
+
+    let t0 = Instant::now();
+    let interval = |stage, period, start: Instant| Interval {
+        stage,
+        period,
+        start_s: start.duration_since(t0).as_secs_f64(),
+        end_s: t0.elapsed().as_secs_f64(),
+    };
+    let bar = progress_bar(progress, config.run.periods.saturating_sub(first_period), "periods");
+    let mut reports = Vec::new();
+    let mut weights = Arc::new(trainer.snapshot_sync().map_err(err("trainer"))?);
+    for k in first_period..config.run.periods {
+        let period = PeriodId(k);
+        metrics::gauge!("metronome_cluster_period").set(k as f64);
+        let Some(batch) = source.next_batch().await? else { break };
+        let start = Instant::now();
+        let mut report = PeriodReport { period, ..PeriodReport::default() };
+
+        let version = trainer.version();
+        publisher.publish(weights.clone()).await?;
+        report.intervals.push(interval(StageKind::Publication, period, start));
+        report.publication_s = start.elapsed().as_secs_f64();
+        offerer.offer(period, version, &batch.prompts).await.map_err(err("transport"))?;
+        metrics::counter!("metronome_cluster_claims_offered_total").increment(batch.prompts.len() as u64);
+        control
+            .send(ControlMessage::PeriodStart {
+                period,
+                version,
+                prompts: batch.prompts.iter().map(|p| p.id).collect(),
+            })
+            .await?;
+
+        let expected: std::collections::BTreeSet<GroupKey> =
+            batch.prompts.iter().map(|p| GroupKey { period, prompt: p.id }).collect();
+        let mut trained = std::collections::BTreeSet::new();
+        // Acknowledged only after the checkpoint that contains them.
+        let mut held: Vec<Delivery> = Vec::with_capacity(expected.len());
+        while trained.len() < expected.len() {
+            let Some(delivery) = receiver.recv().await? else {
+                return Err(Error::StreamClosed {
+                    period,
+                    received: trained.len(),
+                    expected: expected.len(),
+                });
+            };
+            let key = delivery.group.key();
+            if key.period < period || trained.contains(&key) {
+                // A redelivery of a group already in a checkpoint or in this period.
+                report.duplicates += 1;
+                metrics::counter!("metronome_cluster_trainer_duplicate_groups_total").increment(1);
+                delivery.acker.ack().await?;
+                continue;
+            }
+            if !expected.contains(&key) {
+                return Err(Error::UnexpectedGroup(key));
+            }
+            let sampled = delivery.group.group.oldest_version();
+            if sampled != Some(version) {
+                return Err(Error::Config {
+                    key: "transport".into(),
+                    reason: format!(
+                        "group {key} was sampled with weights {sampled:?}, the period's are {version}: \
+                         two trainers may share these streams"
+                    ),
+                });
+            }
+            note_group(&mut report, &delivery.group);
+            let t = Instant::now();
+            let layouts =
+                metronome_masking::pack_period(std::slice::from_ref(&delivery.group), &config.packing)
+                    .map_err(err("masking"))?;
+            tokio::task::block_in_place(|| {
+                layouts.iter().try_for_each(|l| trainer.accumulate_sync(&l.batch).map(drop))
+            })
+            .map_err(err("trainer"))?;
+            report.intervals.push(interval(StageKind::Training, period, t));
+            report.generated_tokens +=
+                delivery.group.group.completions.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
+            trained.insert(key);
+            held.push(delivery);
+        }
+        let t = Instant::now();
+        report.step = tokio::task::block_in_place(|| trainer.step_sync()).map_err(err("trainer"))?;
+        weights = Arc::new(trainer.snapshot_sync().map_err(err("trainer"))?);
+        checkpoints.save(&trainer, ClusterState { next_period: k + 1, cursor: source.cursor() })?;
+        report.intervals.push(interval(StageKind::Training, period, t));
+        for delivery in held {
+            delivery.acker.ack().await?;
+        }
+        control.send(ControlMessage::PeriodEnd { period }).await?;
+
+        finalise(&mut report, start);
+        record_period(&report);
+        dir.append_period(&report)?;
+        bar.inc(1);
+        bar.suspend(|| {
+            eprintln!(
+                "period {:>3}  {:6.2}s  reward {:.3}  loss {:+.4}  duplicates {}",
+                report.period, report.period_s, report.reward_mean, report.step.loss, report.duplicates
+            );
+        });
+        reports.push(report);
+    }
+    bar.finish_and_clear();
+    // Publish the final weights too, so workers (and anyone else) can fetch them.
+    publisher.publish(weights.clone()).await?;
+    control.send(ControlMessage::Shutdown).await?;
+    trainer.save_checkpoint(&dir.checkpoints().join("final")).map_err(err("trainer"))?;
+    if !reports.is_empty() {
+        dir.write_plots(&reports)?;
+        eprintln!("\n{}", summary_table(&reports));
+    }
+    eprintln!("run directory: {}", dir.path().display());
+    Ok(TrainerOutcome { dir, periods: reports, resumed_at, weights })
+}
+
+fn note_group(report: &mut PeriodReport, group: &ScoredGroup) {
+    report.groups += 1;
+    report.staleness.push(0);
+    let n = group.rewards.len().max(1) as f64;
+    report.reward_mean += group.rewards.iter().map(|r| f64::from(r.total)).sum::<f64>() / n;
+    let correct: Vec<f64> =
+        group.rewards.iter().filter_map(|r| r.parts.get("correct")).map(|&c| f64::from(c)).collect();
+    if !correct.is_empty() {
+        *report.accuracy.get_or_insert(0.0) += correct.iter().sum::<f64>() / correct.len() as f64;
+    }
+}
+
+fn finalise(report: &mut PeriodReport, start: Instant) {
+    report.period_s = start.elapsed().as_secs_f64();
+    let groups = report.groups.max(1) as f64;
+    report.reward_mean /= groups;
+    if let Some(acc) = report.accuracy.as_mut() {
+        *acc /= groups;
+    }
+    report.training_s =
+        report.intervals.iter().filter(|i| i.stage == StageKind::Training).map(Interval::seconds).sum();
+}

@@ -1,0 +1,336 @@
+//! Prompt claims with leases, so that many rollout workers share one period's prompts
+//! and a dead worker's prompts go to another.
+//!
+//! The trainer *offers* one claim per prompt of a period on a JetStream work-queue
+//! stream (`Nats-Msg-Id` = `claim-<period>-<prompt>`, so offering a period twice, as a
+//! restarted trainer does, adds nothing within the duplicate window). Workers pull
+//! claims through one shared durable consumer whose `ack_wait` is the *lease*: a claim
+//! a worker neither completes nor extends within the lease is delivered to another
+//! worker. A worker completes a claim only after the group it generated is published
+//! to the group stream, so a crash between the two costs a regeneration, never a
+//! group; determinism (per-sample seeds) makes the regenerated group identical and
+//! the trainer's (period, prompt) de-duplication counts it once.
+//!
+//! A claim is plain data for the worker (period, weights version, the prompt itself),
+//! so workers need no data loader.
+
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer, stream};
+use bytes::Bytes;
+use futures::StreamExt;
+use metronome_core::{PeriodId, PolicyVersion, Prompt};
+use serde::{Deserialize, Serialize};
+
+use crate::nats::{NatsTransport, Storage};
+use crate::stats::Counters;
+use crate::{Error, Result, Stats};
+
+/// The format version of a claim message; a reader refuses others.
+pub const CLAIM_FORMAT_VERSION: u16 = 1;
+
+/// The claim queue's stream and the workers' shared consumer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClaimQueueConfig {
+    /// Stream name (a work queue: a completed claim is removed).
+    pub stream: String,
+    /// Subject claims are offered on.
+    pub subject: String,
+    /// Durable consumer shared by every worker.
+    pub consumer: String,
+    /// Lease: a claim neither completed nor extended for this many milliseconds goes
+    /// to another worker.
+    pub lease_ms: u64,
+    /// Window in which offering the same (period, prompt) again adds nothing, in milliseconds.
+    pub duplicate_window_ms: u64,
+    /// Storage.
+    pub storage: Storage,
+}
+
+impl Default for ClaimQueueConfig {
+    fn default() -> Self {
+        Self {
+            stream: "METRONOME_CLAIMS".to_owned(),
+            subject: "metronome.claims".to_owned(),
+            consumer: "metronome-workers".to_owned(),
+            lease_ms: 30_000,
+            duplicate_window_ms: 600_000,
+            storage: Storage::File,
+        }
+    }
+}
+
+/// The body of a claim message.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct ClaimBody {
+    format: u16,
+    period: PeriodId,
+    version: PolicyVersion,
+    prompt: Prompt,
+}
+
+/// One prompt to generate, leased to this worker until completed, released or expired.
+pub struct Claim {
+    /// The period the prompt belongs to.
+    pub period: PeriodId,
+    /// The weights version the period samples with.
+    pub version: PolicyVersion,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// How many times the claim was delivered (1 on first delivery; more after a lease
+    /// expired or a worker released it).
+    pub deliveries: u64,
+    message: jetstream::Message,
+}
+
+impl std::fmt::Debug for Claim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("period", &self.period)
+            .field("version", &self.version)
+            .field("prompt", &self.prompt.id)
+            .field("deliveries", &self.deliveries)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Claim {
+    /// Marks the claim done (after its group is published): it is never delivered again.
+    pub async fn complete(&self) -> Result<()> {
+        self.message.double_ack().await.map_err(|e| Error::Nats { op: "complete claim", source: e })
+    }
+
+    /// Gives the claim back at once, for another worker (graceful leave).
+    pub async fn release(&self) -> Result<()> {
+        self.message
+            .ack_with(jetstream::AckKind::Nak(None))
+            .await
+            .map_err(|e| Error::Nats { op: "release claim", source: e })
+    }
+
+    /// Renews the lease (the worker is still on it).
+    pub async fn extend(&self) -> Result<()> {
+        self.message
+            .ack_with(jetstream::AckKind::Progress)
+            .await
+            .map_err(|e| Error::Nats { op: "extend claim", source: e })
+    }
+}
+
+fn encode_claim(body: &ClaimBody) -> Result<Vec<u8>> {
+    serde_json::to_vec(body).map_err(|e| Error::Malformed {
+        kind: "claim",
+        field: "body".into(),
+        reason: e.to_string(),
+    })
+}
+
+fn decode_claim(bytes: &[u8]) -> Result<ClaimBody> {
+    #[derive(Deserialize)]
+    struct Format {
+        format: u16,
+    }
+    let malformed = |e: serde_json::Error| Error::Malformed {
+        kind: "claim",
+        field: "body".into(),
+        reason: e.to_string(),
+    };
+    let format: Format = serde_json::from_slice(bytes).map_err(malformed)?;
+    if format.format != CLAIM_FORMAT_VERSION {
+        return Err(Error::IncompatibleVersion {
+            kind: "claim",
+            found: format.format,
+            oldest: CLAIM_FORMAT_VERSION,
+            newest: CLAIM_FORMAT_VERSION,
+            hint: "run the trainer and the workers from the same release",
+        });
+    }
+    serde_json::from_slice(bytes).map_err(malformed)
+}
+
+impl NatsTransport {
+    async fn claim_stream(&self) -> Result<stream::Stream> {
+        let c = &self.config().claims;
+        self.jetstream()
+            .get_or_create_stream(stream::Config {
+                name: c.stream.clone(),
+                subjects: vec![c.subject.clone()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                duplicate_window: Duration::from_millis(c.duplicate_window_ms),
+                max_message_size: i32::try_from(self.max_message_bytes()).unwrap_or(i32::MAX),
+                storage: c.storage.into(),
+                ..stream::Config::default()
+            })
+            .await
+            .map_err(|e| Error::nats("create claim stream", e))
+    }
+
+    /// The trainer's side of the claim queue (creates the stream when missing).
+    pub async fn claim_offerer(&self) -> Result<NatsClaimOfferer> {
+        self.claim_stream().await?;
+        Ok(NatsClaimOfferer { transport: self.clone(), counters: Counters::new("nats", "claim").into() })
+    }
+
+    /// A worker's side of the claim queue (creates the stream and the shared consumer
+    /// when missing).
+    pub async fn claim_taker(&self) -> Result<NatsClaimTaker> {
+        let c = &self.config().claims;
+        let stream = self.claim_stream().await?;
+        let consumer: consumer::PullConsumer = stream
+            .get_or_create_consumer(
+                &c.consumer,
+                consumer::pull::Config {
+                    durable_name: Some(c.consumer.clone()),
+                    ack_policy: consumer::AckPolicy::Explicit,
+                    ack_wait: Duration::from_millis(c.lease_ms),
+                    ..consumer::pull::Config::default()
+                },
+            )
+            .await
+            .map_err(|e| Error::nats("create claim consumer", e))?;
+        Ok(NatsClaimTaker { consumer, counters: Counters::new("nats", "claim").into() })
+    }
+}
+
+/// Offers a period's prompts as claims.
+#[derive(Debug, Clone)]
+pub struct NatsClaimOfferer {
+    transport: NatsTransport,
+    counters: std::sync::Arc<Counters>,
+}
+
+impl NatsClaimOfferer {
+    /// Offers one claim per prompt of `period`, to be sampled with `version`. Offering
+    /// the same period again within the duplicate window adds nothing.
+    pub async fn offer(&self, period: PeriodId, version: PolicyVersion, prompts: &[Prompt]) -> Result<()> {
+        let subject = self.transport.config().claims.subject.clone();
+        for prompt in prompts {
+            let start = std::time::Instant::now();
+            let body = ClaimBody { format: CLAIM_FORMAT_VERSION, period, version, prompt: prompt.clone() };
+            let bytes = encode_claim(&body)?;
+            crate::wire::check_size("claim", bytes.len(), self.transport.max_message_bytes())?;
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                async_nats::header::NATS_MESSAGE_ID,
+                format!("claim-{period}-{}", prompt.id).as_str(),
+            );
+            let len = bytes.len();
+            self.transport
+                .publish_durably("offer claim", &subject, Some(headers), Bytes::from(bytes))
+                .await?;
+            self.counters.sent(len, start.elapsed());
+        }
+        Ok(())
+    }
+
+    /// This offerer's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+}
+
+/// Takes claims for one worker.
+pub struct NatsClaimTaker {
+    consumer: consumer::PullConsumer,
+    counters: std::sync::Arc<Counters>,
+}
+
+impl std::fmt::Debug for NatsClaimTaker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsClaimTaker").finish_non_exhaustive()
+    }
+}
+
+impl NatsClaimTaker {
+    /// Up to `max` claims: waits up to `wait` for the first, then takes whatever else
+    /// is available at once. Empty when no claim came within `wait`. A malformed claim
+    /// is terminated (never redelivered), counted and skipped.
+    pub async fn take(&self, max: usize, wait: Duration) -> Result<Vec<Claim>> {
+        let mut out = Vec::new();
+        let first = self
+            .consumer
+            .batch()
+            .max_messages(1)
+            .expires(wait)
+            .messages()
+            .await
+            .map_err(|e| Error::nats("take claims", e))?;
+        self.collect(first, &mut out).await;
+        if !out.is_empty() && max > 1 {
+            let rest = self
+                .consumer
+                .fetch()
+                .max_messages(max - 1)
+                .messages()
+                .await
+                .map_err(|e| Error::nats("take claims", e))?;
+            self.collect(rest, &mut out).await;
+        }
+        Ok(out)
+    }
+
+    async fn collect(&self, mut batch: consumer::pull::Batch, out: &mut Vec<Claim>) {
+        while let Some(next) = batch.next().await {
+            let message = match next {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::debug!(error = %e, "claim pull interrupted");
+                    break;
+                }
+            };
+            let deliveries = message.info().map_or(1, |i| i.delivered.max(1) as u64);
+            if deliveries > 1 {
+                self.counters.redelivered();
+            }
+            match decode_claim(&message.payload) {
+                Ok(body) => {
+                    self.counters.received(message.payload.len());
+                    out.push(Claim {
+                        period: body.period,
+                        version: body.version,
+                        prompt: body.prompt,
+                        deliveries,
+                        message,
+                    });
+                }
+                Err(e) => {
+                    self.counters.rejected(e.reason());
+                    tracing::warn!(error = %e, "rejected a claim message");
+                    if let Err(e) = message.ack_with(jetstream::AckKind::Term).await {
+                        tracing::warn!(error = %e, "could not terminate a rejected claim");
+                    }
+                }
+            }
+        }
+    }
+
+    /// This taker's counters.
+    #[must_use]
+    pub fn stats(&self) -> Stats {
+        self.counters.snapshot()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claims_round_trip_and_refuse_other_formats() {
+        let body = ClaimBody {
+            format: CLAIM_FORMAT_VERSION,
+            period: PeriodId(3),
+            version: PolicyVersion(3),
+            prompt: Prompt { id: metronome_core::PromptId(7), text: "1+2=".into(), ..Prompt::default() },
+        };
+        let bytes = encode_claim(&body).unwrap();
+        assert_eq!(decode_claim(&bytes).unwrap(), body);
+        let newer = String::from_utf8(bytes).unwrap().replace("\"format\":1", "\"format\":9");
+        let err = decode_claim(newer.as_bytes()).unwrap_err();
+        assert!(err.to_string().contains("format version 9"), "{err}");
+        assert!(decode_claim(b"{").unwrap_err().is_bad_message());
+    }
+}
