@@ -11,7 +11,8 @@ use metronome_reward::{Composite, FormatReward, MathVerifier, Meter, PoolConfig,
 fn main() -> anyhow::Result<()> {
     // The data loader fills `reference` from the dataset; the verifier compares the
     // completion's final answer against it.
-    let prompt = Prompt { reference: Some("3/4".into()), text: "What is 0.5 + 1/4?".into(), ..Prompt::default() };
+    let prompt =
+        Prompt { reference: Some("3/4".into()), text: "What is 0.5 + 1/4?".into(), ..Prompt::default() };
     let texts = [
         "<think>1/2 + 1/4 = 3/4</think><answer>3/4</answer>", // right, well formatted
         "The sum is \\boxed{0.75}",                           // right (numeric equality), no format
