@@ -88,6 +88,7 @@ struct Evaluator {
     engine: metronome_rollout::ModelEngine,
     prompts: Vec<Prompt>,
     scorer: Arc<dyn RewardFn>,
+    samples: u32,
 }
 
 impl Evaluator {
@@ -110,7 +111,7 @@ impl Evaluator {
             data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
         let prompts = loader.next().await.map_err(err("dataloader"))?.map(|b| b.prompts).unwrap_or_default();
         let mut engine_cfg = config.rollout.clone();
-        engine_cfg.sampling.temperature = 0.0;
+        engine_cfg.sampling.temperature = config.eval.temperature;
         engine_cfg.workers = 1;
         let inference = Model::from_snapshot(
             model.config().clone(),
@@ -120,16 +121,17 @@ impl Evaluator {
         )
         .map_err(err("model"))?;
         let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
-        Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)? }))
+        Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
 
     async fn accuracy(&self, weights: Arc<WeightSnapshot>) -> Result<f64> {
         self.engine.install_weights(weights).await?;
         let request =
-            RolloutRequest { period: PeriodId(u64::MAX), prompts: self.prompts.clone(), group_size: 1 };
+            RolloutRequest { period: PeriodId(u64::MAX), prompts: self.prompts.clone(), group_size: self.samples };
         let sink = CollectSink::default();
         self.engine.generate(request, &sink).await?;
         let groups = sink.into_groups();
+        let answers: usize = groups.iter().map(|g| g.completions.len()).sum();
         let correct: f64 = groups
             .iter()
             .flat_map(|g| g.completions.iter().map(move |c| (&g.prompt, c)))
@@ -138,7 +140,7 @@ impl Evaluator {
                 r.parts.get("correct").map_or(f64::from(u8::from(r.total > 0.0)), |&x| f64::from(x))
             })
             .sum();
-        Ok(correct / groups.len().max(1) as f64)
+        Ok(correct / answers.max(1) as f64)
     }
 }
 
@@ -250,7 +252,7 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
     let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
     if let Some(e) = &evaluator {
         let accuracy = e.accuracy(initial.clone()).await?;
-        eprintln!("held-out accuracy after warm start: {:.1}%", accuracy * 100.0);
+        eprintln!("held-out accuracy ({}) after warm start: {:.1}%", config.eval.describe(), accuracy * 100.0);
         evals.push(EvalPoint { after_periods: 0, accuracy });
     }
 

@@ -125,7 +125,7 @@ pub enum ModelSource {
     },
 }
 
-/// Held-out evaluation: greedy answers to prompts never trained on.
+/// Held-out evaluation: answers to prompts never trained on, greedy by default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalConfig {
@@ -136,11 +136,28 @@ pub struct EvalConfig {
     /// The held-out source; absent, the training task's held-out split is used (procedural
     /// tasks only).
     pub source: Option<SourceConfig>,
+    /// Sampling temperature of the evaluation; 0 is greedy. At the rollout temperature
+    /// the accuracy is the quantity GRPO maximises (expected reward of a sample).
+    pub temperature: f32,
+    /// Answers sampled per prompt (mean@k); above 1 only with `temperature > 0`.
+    pub samples: u32,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { prompts: 64, every: 1, source: None }
+        Self { prompts: 64, every: 1, source: None, temperature: 0.0, samples: 1 }
+    }
+}
+
+impl EvalConfig {
+    /// How the accuracy was measured, for logs: `greedy` or `T=1, mean@4`.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        if self.temperature == 0.0 {
+            "greedy".into()
+        } else {
+            format!("T={}, mean@{}", self.temperature, self.samples)
+        }
     }
 }
 
@@ -250,6 +267,21 @@ impl PipelineConfig {
         }
         if self.sft.steps > 0 && self.sft.batch_size == 0 {
             return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());
+        }
+        if !(self.eval.temperature.is_finite() && self.eval.temperature >= 0.0) {
+            return bad("eval.temperature", format!("is {}, expected a number >= 0", self.eval.temperature));
+        }
+        if self.eval.samples == 0 {
+            return bad("eval.samples", "is 0, expected at least 1".into());
+        }
+        if self.eval.samples > 1 && self.eval.temperature == 0.0 {
+            return bad(
+                "eval.samples",
+                format!(
+                    "is {} with eval.temperature = 0: greedy answers are all the same, sample once or set a temperature",
+                    self.eval.samples
+                ),
+            );
         }
         if self.eval.prompts > 0 && self.eval.source.is_none() && self.heldout_source().is_none() {
             return bad(

@@ -226,6 +226,7 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             report.intervals.push(interval(StageKind::Training, period, t));
             report.generated_tokens +=
                 delivery.group.group.completions.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
+            tracing::info!("accumulated a group of period {k} (prompt {})", key.prompt);
             trained.insert(key);
             held.push(delivery);
         }

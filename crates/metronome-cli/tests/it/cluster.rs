@@ -1,0 +1,365 @@
+//! Many processes: a real `nats-server`, one `metronome trainer` and rollout-worker
+//! processes, killed and restarted; the final weights are compared with the
+//! single-process `periodic` run of the same config.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::nats_server::{NatsServer, free_port};
+
+/// How long any one step may take before the test gives up (a hang, not a timing).
+const PATIENCE: Duration = Duration::from_secs(300);
+
+/// The cluster tests share two cores: run them one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A small run whose rewards (length shaping) vary for an untrained model, so the
+/// weights move; short leases and acknowledgement waits so that recovery is quick.
+fn settings(url: &str, periods: u64) -> Vec<String> {
+    [
+        format!("run.periods={periods}"),
+        "run.group_size=4".into(),
+        "data.release.batch_size=6".into(),
+        "sft.steps=0".into(),
+        "eval.prompts=0".into(),
+        "rollout.max_num_seqs=8".into(),
+        "rollout.sampling.max_new_tokens=24".into(),
+        "run.cores=2".into(),
+        "trainer.schedule.lr=0.01".into(),
+        r#"reward.scorer={kind="length", max_len=12, cache_len=10, penalty=1.0}"#.into(),
+        "transport.kind=nats".into(),
+        format!(r#"transport.urls=["{url}"]"#),
+        "transport.connect_timeout_ms=2000".into(),
+        "transport.claims.lease_ms=1500".into(),
+        "transport.groups.ack_wait_ms=2000".into(),
+        "run.name=cluster".into(),
+    ]
+    .to_vec()
+}
+
+/// A `metronome` process whose stderr lines are collected.
+struct Proc {
+    name: String,
+    child: Child,
+    lines: Receiver<String>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[&str], sets: &[String], out: &Path) -> Self {
+        Self::spawn_with(name, args, sets, out, &[])
+    }
+
+    fn spawn_with(name: &str, args: &[&str], sets: &[String], out: &Path, env: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_metronome"));
+        command.envs(env.iter().copied());
+        command.args(args).arg("--metrics-addr").arg("off");
+        for s in sets {
+            command.arg("--set").arg(s);
+        }
+        // Set here so the binary does not re-execute itself: a signal must reach the
+        // process that does the work.
+        let mut child = command
+            .arg("--out-dir")
+            .arg(out)
+            .env("CANDLE_NUM_THREADS", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line.clone());
+                let _ = tx.send(line);
+            }
+        });
+        Self { name: name.to_owned(), child, lines, log }
+    }
+
+    fn trainer(sets: &[String], out: &Path) -> Self {
+        Self::spawn("trainer", &["trainer", "--quiet"], sets, out)
+    }
+
+    /// A trainer that logs every group it accumulates.
+    fn verbose_trainer(sets: &[String], out: &Path) -> Self {
+        let env = [("RUST_LOG", "metronome_pipeline::cluster=info")];
+        Self::spawn_with("trainer", &["trainer", "--quiet"], sets, out, &env)
+    }
+
+    fn worker(id: &str, sets: &[String], out: &Path) -> Self {
+        Self::spawn(&format!("worker {id}"), &["rollout-worker", "--worker-id", id], sets, out)
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// Waits for a stderr line containing `pattern` and returns it.
+    fn wait_for(&self, pattern: &str) -> String {
+        self.wait_until(pattern, |l| l.contains(pattern))
+    }
+
+    /// Waits for a stderr line for which `matches` holds and returns it.
+    fn wait_until(&self, pattern: &str, matches: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + PATIENCE;
+        while Instant::now() < deadline {
+            match self.lines.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) if matches(&line) => return line,
+                Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        panic!("{} never printed {pattern:?}:\n{}", self.name, self.log())
+    }
+
+    fn finish(&mut self) -> ExitStatus {
+        let deadline = Instant::now() + PATIENCE;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                // Let the reader thread drain the pipe.
+                std::thread::sleep(Duration::from_millis(100));
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("{} did not exit:\n{}", self.name, self.log())
+    }
+
+    fn finish_ok(&mut self) {
+        let status = self.finish();
+        assert!(status.success(), "{} failed ({status}):\n{}", self.name, self.log());
+    }
+
+    fn sigkill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    fn sigterm(&self) {
+        let status = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status().unwrap();
+        assert!(status.success());
+    }
+
+    /// The worker's closing report: (groups, redelivered claims, versions, periods).
+    fn worker_report(&self) -> (u64, u64, Vec<u64>, Vec<u64>) {
+        let log = self.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains(": done: "))
+            .unwrap_or_else(|| panic!("{} printed no report:\n{log}", self.name));
+        let number_before = |word: &str| -> u64 {
+            let head = &line[..line.find(word).unwrap()];
+            head.trim_end().rsplit([' ', ':']).next().unwrap().parse().unwrap()
+        };
+        let list_after = |word: &str| -> Vec<u64> {
+            let tail = &line[line.find(word).unwrap() + word.len()..];
+            let inner = &tail[tail.find('[').unwrap() + 1..tail.find(']').unwrap()];
+            inner.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect()
+        };
+        (
+            number_before(" groups"),
+            number_before(" redelivered"),
+            list_after("versions"),
+            list_after("periods"),
+        )
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+type Weights = BTreeMap<String, Vec<f32>>;
+
+fn read_weights(run: &Path) -> Weights {
+    let path = run.join("checkpoints/final/policy/model.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let data =
+                view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            (name, data)
+        })
+        .collect()
+}
+
+fn max_difference(a: &Weights, b: &Weights) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter().flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
+}
+
+/// The single-process `periodic` run of the same settings (the transport section is
+/// ignored by `metronome run`), once per period count.
+fn reference(periods: u64) -> Weights {
+    static CACHE: Mutex<Option<HashMap<u64, Weights>>> = Mutex::new(None);
+    let mut cache = CACHE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(w) = cache.get_or_insert_with(HashMap::new).get(&periods) {
+        return w.clone();
+    }
+    let out = tempfile::tempdir().unwrap();
+    let mut sets = settings("nats://127.0.0.1:1", periods);
+    sets.push("run.schedule=\"periodic\"".into());
+    let mut run = Proc::spawn("single-process run", &["run", "--quiet"], &sets, out.path());
+    run.finish_ok();
+    let weights = read_weights(&out.path().join("cluster"));
+    cache.get_or_insert_with(HashMap::new).insert(periods, weights.clone());
+    weights
+}
+
+/// Groups trained per period, from the trainer's `metrics.jsonl`, each period once.
+fn groups_per_period(run: &Path) -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["period"].as_u64().unwrap(), v["groups"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+fn assert_trained_once(run: &Path, periods: u64) {
+    let expected: Vec<(u64, u64)> = (0..periods).map(|p| (p, 6)).collect();
+    assert_eq!(groups_per_period(run), expected, "every period trains its 6 groups exactly once");
+}
+
+fn assert_same_weights(run: &Path, periods: u64) {
+    let diff = max_difference(&reference(periods), &read_weights(run));
+    assert!(diff <= 1e-6, "weights differ from the single-process periodic run by {diff}");
+}
+
+#[test]
+fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() {
+    let _serial = serial();
+    let periods = 4;
+    let server = NatsServer::start(&[]);
+    let out = tempfile::tempdir().unwrap();
+    let sets = settings(&server.url(), periods);
+    let mut a = Proc::worker("a", &sets, out.path());
+    let mut b = Proc::worker("b", &sets, out.path());
+    a.wait_for("ready");
+    b.wait_for("ready");
+    let mut trainer = Proc::trainer(&sets, out.path());
+    // Worker b prints this after it took claims of a period after the first and
+    // before it generates them: it dies holding claims, which must go to a when their
+    // lease expires.
+    b.wait_until("installed weights version >= 1", |l| {
+        l.contains("installed weights version") && !l.contains("version 0 ")
+    });
+    b.sigkill();
+    trainer.finish_ok();
+    a.finish_ok();
+
+    let run = out.path().join("cluster");
+    assert_trained_once(&run, periods);
+    assert_same_weights(&run, periods);
+    eprintln!("{}\n{}\n{}", trainer.log(), a.log(), b.log());
+    let (groups, redelivered, _, periods_done) = a.worker_report();
+    assert!(redelivered >= 1, "worker a took none of b's claims:\n{}", a.log());
+    assert!(groups >= 1 && periods_done.contains(&(periods - 1)), "{}", a.log());
+}
+
+#[test]
+fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
+    let _serial = serial();
+    let periods = 5;
+    let server = NatsServer::start(&[]);
+    let out = tempfile::tempdir().unwrap();
+    let sets = settings(&server.url(), periods);
+    let mut a = Proc::worker("a", &sets, out.path());
+    a.wait_for("ready");
+    let mut trainer = Proc::trainer(&sets, out.path());
+    trainer.wait_for("period   1");
+    // Worker a leaves gracefully (finishing the claims in hand); until b joins the
+    // trainer waits for the next period's groups.
+    a.sigterm();
+    a.finish_ok();
+    let mut b = Proc::worker("b", &sets, out.path());
+    trainer.finish_ok();
+    b.finish_ok();
+
+    let run = out.path().join("cluster");
+    assert_trained_once(&run, periods);
+    assert_same_weights(&run, periods);
+    eprintln!("{}\n{}\n{}", trainer.log(), a.log(), b.log());
+    let (groups, _, versions, b_periods) = b.worker_report();
+    assert!(groups >= 1, "worker b contributed nothing:\n{}", b.log());
+    let joined = *versions.first().expect("b installed weights");
+    assert!(joined >= 2, "b started from version {joined}, not the current weights:\n{}", b.log());
+    assert_eq!(b_periods.first(), Some(&joined), "b's first claim samples with the weights it fetched");
+    assert_eq!(b_periods.last(), Some(&(periods - 1)), "b carried the run to its end");
+}
+
+#[test]
+fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights() {
+    let _serial = serial();
+    let periods = 4;
+    let server = NatsServer::start(&[]);
+    let out = tempfile::tempdir().unwrap();
+    let sets = settings(&server.url(), periods);
+    let mut a = Proc::worker("a", &sets, out.path());
+    let mut b = Proc::worker("b", &sets, out.path());
+    let mut trainer = Proc::verbose_trainer(&sets, out.path());
+    // Killed after accumulating a group of period 2 and before stepping: the groups it
+    // holds are unacknowledged and come back to the restarted trainer.
+    trainer.wait_until("a group of period 2", |l| l.contains("accumulated a group of period 2"));
+    trainer.sigkill();
+    let mut restarted = Proc::trainer(&sets, out.path());
+    let line = restarted.wait_for("resuming at period");
+    restarted.finish_ok();
+    a.finish_ok();
+    b.finish_ok();
+
+    let run = out.path().join("cluster");
+    eprintln!("{}\n{}\n{}\n{}", trainer.log(), restarted.log(), a.log(), b.log());
+    assert!(line.contains("resuming at period 2 "), "{line}");
+    assert_trained_once(&run, periods);
+    assert_same_weights(&run, periods);
+}
+
+#[test]
+fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
+    let _serial = serial();
+    let out = tempfile::tempdir().unwrap();
+    // Nothing listens on this port.
+    let dead = format!("nats://127.0.0.1:{}", free_port());
+    let mut worker = Proc::worker("dead-server", &settings(&dead, 1), out.path());
+    let status = worker.finish();
+    assert!(!status.success());
+    let log = worker.log();
+    assert!(log.contains("cannot connect to NATS at nats://127.0.0.1"), "{log}");
+
+    let server = NatsServer::start(&["--user", "metronome", "--pass", "right"]);
+    let mut sets = settings(&server.url(), 1);
+    sets.push(r#"transport.auth={kind="user_password", user="metronome", password="wrong"}"#.into());
+    for role in ["worker", "trainer"] {
+        let mut p = if role == "worker" {
+            Proc::worker("wrong", &sets, out.path())
+        } else {
+            Proc::trainer(&sets, out.path())
+        };
+        let status = p.finish();
+        assert!(!status.success(), "{role} connected with a wrong password");
+        let log = p.log().to_lowercase();
+        assert!(log.contains("cannot connect to nats") && log.contains("authorization"), "{role}: {log}");
+    }
+}
