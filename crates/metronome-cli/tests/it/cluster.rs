@@ -363,3 +363,19 @@ fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
         assert!(log.contains("cannot connect to nats") && log.contains("authorization"), "{role}: {log}");
     }
 }
+
+#[test]
+fn the_dashboard_charts_every_cluster_metric() {
+    let text = include_str!("../../../../dashboards/grafana.json");
+    let dashboard: serde_json::Value = serde_json::from_str(text).unwrap();
+    let mut exprs = String::new();
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for target in panel["targets"].as_array().into_iter().flatten() {
+            exprs.push_str(target["expr"].as_str().unwrap_or_default());
+            exprs.push('\n');
+        }
+    }
+    for (name, _, _) in metronome_pipeline::cluster::CLUSTER_METRICS {
+        assert!(exprs.contains(name), "{name} has no panel in dashboards/grafana.json");
+    }
+}
