@@ -108,3 +108,31 @@ impl StopFlag {
         self.0.load(Ordering::SeqCst)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(overrides: &[&str]) -> PipelineConfig {
+        let overrides: Vec<String> = overrides.iter().map(|s| (*s).to_owned()).collect();
+        PipelineConfig::embedded(&overrides).unwrap()
+    }
+
+    #[test]
+    fn default_names_are_scoped_to_the_run_and_custom_ones_kept() {
+        let c = config(&["transport.kind=nats", "run.name=exp 7", "transport.claims.stream=MINE"]);
+        let nats = nats_config(&c, "trainer").unwrap();
+        assert_eq!(nats.groups.stream, "METRONOME_EXP_7_GROUPS");
+        assert_eq!(nats.weights.bucket, "metronome-exp_7-weights");
+        assert_eq!(nats.claims.subject, "metronome-exp_7.claims");
+        assert_eq!(nats.claims.stream, "MINE");
+    }
+
+    #[test]
+    fn the_roles_need_nats_and_a_run_name() {
+        let err = nats_config(&config(&["run.name=x"]), "trainer").unwrap_err().to_string();
+        assert!(err.contains("transport.kind"), "{err}");
+        let err = nats_config(&config(&["transport.kind=nats"]), "rollout-worker").unwrap_err().to_string();
+        assert!(err.contains("run.name"), "{err}");
+    }
+}
