@@ -4,7 +4,9 @@
 use candle_core::{DType, Tensor};
 
 use crate::model::Model;
-use crate::ops::{apply_rope, attention, linear, rms_norm, rope_tables};
+use crate::ops::{
+    DecodeRows, apply_rope, attention, decode_attention, linear, rms_norm, rope_tables, write_decode_rows,
+};
 use crate::{Error, Result};
 
 /// Linear layers in a decode step see at least this many rows (zero rows pad the
@@ -195,8 +197,9 @@ impl Model {
     /// Returns one `Vec<f32>` of `vocab` logits per pair, in order.
     ///
     /// Batch-invariant: a slot's logits are bitwise the same whichever other slots
-    /// decode with it. Attention runs per slot over its own cache without padding,
-    /// and linear layers see at least [`DECODE_MIN_ROWS`] rows. Builds no autograd graph.
+    /// decode with it. Attention runs per slot over its own cache without padding (one
+    /// fused CPU op per layer reads every slot's prefix in place), and linear layers see
+    /// at least [`DECODE_MIN_ROWS`] rows. Builds no autograd graph.
     pub fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, u32)]) -> Result<Vec<Vec<f32>>> {
         if batch.is_empty() {
             return Ok(Vec::new());
@@ -217,6 +220,10 @@ impl Model {
         let n = batch.len();
         let positions: Vec<u32> = batch.iter().map(|&(s, _)| cache.lens[s] as u32).collect();
         let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
+        // Each row's slot block in the cache, and its length with this step's token.
+        let base: Vec<usize> = batch.iter().map(|&(s, _)| s * cache.max_seq_len).collect();
+        let lens: Vec<usize> = positions.iter().map(|&p| p as usize + 1).collect();
+        let rows = DecodeRows { base: &base, len: &lens };
         let w = |v: &candle_core::Var| Self::w(v, false);
         let mut x = w(&m.embed).index_select(&Tensor::from_vec(tokens, n, dev)?, 0)?;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
@@ -228,14 +235,9 @@ impl Model {
             let v = padded_linear(&a, &w(&l.v), wo(&l.v_bias).as_ref(), mr)?.reshape((n, kvh, hd))?;
             let q = apply_rope(&q, &rope)?;
             let k = apply_rope(&k, &rope)?;
-            let mut outs = Vec::with_capacity(n);
-            for (i, &(slot, _)) in batch.iter().enumerate() {
-                let pos = positions[i] as usize;
-                cache.write(li, slot, pos, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
-                let (ks, vs) = cache.read(li, slot, pos + 1)?;
-                outs.push(attention(&q.narrow(0, i, 1)?, &ks, &vs, None)?);
-            }
-            let att = Tensor::cat(&outs, 0)?;
+            write_decode_rows(&cache.keys[li], &k, rows)?;
+            write_decode_rows(&cache.values[li], &v, rows)?;
+            let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
             x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
             let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
             let g = padded_linear(&b, &w(&l.gate), None, mr)?.silu()?;

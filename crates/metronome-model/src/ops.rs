@@ -297,6 +297,187 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
 }
 
+/// Where each row of a decode step lives in one layer's key/value cache: row `i`'s
+/// slot starts at cache row `base[i]` and, with this step's token, holds `len[i]`
+/// positions (the new key and value go to cache row `base[i] + len[i] - 1`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DecodeRows<'a> {
+    pub(crate) base: &'a [usize],
+    pub(crate) len: &'a [usize],
+}
+
+impl DecodeRows<'_> {
+    /// Checks that `n` rows are described and that each fits a cache of `cache_rows` rows.
+    fn check(&self, op: &str, n: usize, cache_rows: usize) -> candle_core::Result<()> {
+        if self.base.len() != n || self.len.len() != n {
+            candle_core::bail!("{op}: {} row placements for {n} rows", self.base.len().min(self.len.len()))
+        }
+        for (i, (&b, &l)) in self.base.iter().zip(self.len).enumerate() {
+            if l == 0 || b + l > cache_rows {
+                candle_core::bail!("{op}: row {i} spans cache rows {b}..{} of {cache_rows}", b + l)
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The contiguous f32 elements of one custom-op operand.
+fn contiguous_f32<'a>(
+    op: &str,
+    s: &'a candle_core::CpuStorage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<&'a [f32]> {
+    let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
+    Ok(&s.as_slice::<f32>()?[a0..a1])
+}
+
+/// Writes a decode step's new keys (or values) `[n, kv_heads, head_dim]` into a
+/// layer's cache `[rows, kv_heads, head_dim]` at the rows [`DecodeRows`] names: one
+/// scatter instead of a `slice_set` per row.
+#[derive(Debug)]
+struct DecodeWrite<'a>(DecodeRows<'a>);
+
+impl candle_core::InplaceOp2 for DecodeWrite<'_> {
+    fn name(&self) -> &'static str {
+        "decode-write"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let new = contiguous_f32(self.name(), s2, l2)?;
+        let (n, kvh, hd) = l2.shape().dims3()?;
+        let (rows, ckvh, chd) = l1.shape().dims3()?;
+        if (ckvh, chd) != (kvh, hd) {
+            candle_core::bail!("decode-write: rows {:?} do not fit cache {:?}", l2.dims(), l1.dims())
+        }
+        self.0.check(self.name(), n, rows)?;
+        let (Some((c0, c1)), candle_core::CpuStorage::F32(cache)) = (l1.contiguous_offsets(), s1) else {
+            candle_core::bail!("decode-write needs a contiguous f32 cache")
+        };
+        let cache = &mut cache[c0..c1];
+        let width = kvh * hd;
+        for (i, src) in new.chunks_exact(width).enumerate() {
+            let at = (self.0.base[i] + self.0.len[i] - 1) * width;
+            cache[at..at + width].copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+/// Writes `new: [n, kv_heads, head_dim]` into `cache` at the rows `rows` names (see
+/// [`DecodeWrite`]).
+pub(crate) fn write_decode_rows(cache: &Tensor, new: &Tensor, rows: DecodeRows<'_>) -> Result<()> {
+    Ok(cache.inplace_op2(&new.contiguous()?, &DecodeWrite(rows))?)
+}
+
+/// Grouped-query attention of every row of a decode step over its own cached prefix,
+/// read directly from a layer's cache: one op per layer instead of about ten candle
+/// ops per row (each a few µs of dispatch and allocation), which dominated decode
+/// steps of many slots.
+///
+/// Each row is computed alone by the same code with a fixed reduction order (dot
+/// products in eight fixed lanes, softmax and the weighted sum of values in key
+/// order), so its result is bitwise the same whichever rows share the step: decode
+/// stays batch-invariant (DESIGN.md §6). Forward only: decoding builds no graph.
+#[derive(Debug)]
+struct DecodeAttention<'a>(DecodeRows<'a>);
+
+/// `a · b` summed in eight fixed lanes (vectorisable, and the same order every call).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let mut acc = [0f32; 8];
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+impl candle_core::CustomOp3 for DecodeAttention<'_> {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+        s3: &candle_core::CpuStorage,
+        l3: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (n, heads, hd) = l1.shape().dims3()?;
+        let (rows, kvh, khd) = l2.shape().dims3()?;
+        if l3.dims() != l2.dims() || khd != hd || kvh == 0 || heads % kvh != 0 {
+            candle_core::bail!(
+                "decode-attention: queries {:?} do not fit keys {:?} and values {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )
+        }
+        self.0.check(self.name(), n, rows)?;
+        let q = contiguous_f32(self.name(), s1, l1)?;
+        let k = contiguous_f32(self.name(), s2, l2)?;
+        let v = contiguous_f32(self.name(), s3, l3)?;
+        let rep = heads / kvh;
+        let width = kvh * hd;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let mut out = vec![0f32; n * heads * hd];
+        let mut probs = Vec::new();
+        for i in 0..n {
+            let (base, len) = (self.0.base[i], self.0.len[i]);
+            let keys = &k[base * width..(base + len) * width];
+            let values = &v[base * width..(base + len) * width];
+            probs.clear();
+            probs.resize(len, 0f32);
+            for h in 0..heads {
+                let g = (h / rep) * hd;
+                let qh = &q[(i * heads + h) * hd..(i * heads + h + 1) * hd];
+                let mut max = f32::NEG_INFINITY;
+                for (p, kr) in probs.iter_mut().zip(keys.chunks_exact(width)) {
+                    *p = dot(qh, &kr[g..g + hd]) * scale;
+                    max = max.max(*p);
+                }
+                let mut sum = 0f32;
+                for p in &mut probs {
+                    *p = (*p - max).exp();
+                    sum += *p;
+                }
+                let inv = 1.0 / sum;
+                let o = &mut out[(i * heads + h) * hd..(i * heads + h + 1) * hd];
+                for (&p, vr) in probs.iter().zip(values.chunks_exact(width)) {
+                    let p = p * inv;
+                    for (o, &x) in o.iter_mut().zip(&vr[g..g + hd]) {
+                        *o += p * x;
+                    }
+                }
+            }
+        }
+        Ok((candle_core::CpuStorage::F32(out), (n, heads * hd).into()))
+    }
+}
+
+/// Attention of a decode step's queries `q: [n, heads, head_dim]` over each row's
+/// cached prefix in `keys`, `values: [rows, kv_heads, head_dim]` (see
+/// [`DecodeAttention`]). Returns `[n, heads * head_dim]`, as [`attention`] does.
+pub(crate) fn decode_attention(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    rows: DecodeRows<'_>,
+) -> Result<Tensor> {
+    Ok(q.contiguous()?.apply_op3_no_bwd(keys, values, &DecodeAttention(rows))?)
+}
+
 /// How one segment of a packed row attends: its queries against every key of its
 /// ancestors and its own causal prefix. Attending per segment costs the pairs the
 /// segment tree allows, where one `[len, len]` mask per row would cost the row's
@@ -441,6 +622,84 @@ mod tests {
         let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
         let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
         Ok(Tensor::cat(&[a, b], 2)?)
+    }
+
+    /// `n` pseudo-random values in `[-2, 2)`.
+    fn noise(seed: u64, n: usize) -> Vec<f32> {
+        (0..n as u64).map(|i| (metronome_core::mix64(seed << 32 | i) % 4096) as f32 / 1024.0 - 2.0).collect()
+    }
+
+    #[test]
+    fn fused_decode_attention_matches_reference_on_ragged_rows() {
+        let dev = Device::Cpu;
+        // 4 query heads over 2 key/value heads; head_dim 40 also exercises the dot
+        // product's tail after its eight lanes.
+        let (heads, kvh, hd, slots, max_len) = (4, 2, 40, 6, 50);
+        let shape = (slots * max_len, kvh, hd);
+        let keys = Tensor::from_vec(noise(1, slots * max_len * kvh * hd), shape, &dev).unwrap();
+        let values = Tensor::from_vec(noise(2, slots * max_len * kvh * hd), shape, &dev).unwrap();
+        // Ragged lengths, slots out of order, one row of length 1 and one filling its slot.
+        let slot_of = [4usize, 0, 5, 2, 1];
+        let len = [17usize, 1, 50, 33, 8];
+        let base: Vec<usize> = slot_of.iter().map(|s| s * max_len).collect();
+        let rows = DecodeRows { base: &base, len: &len };
+        let n = slot_of.len();
+        let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
+        let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        let new_v = Tensor::from_vec(noise(5, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        write_decode_rows(&keys, &new_k, rows).unwrap();
+        write_decode_rows(&values, &new_v, rows).unwrap();
+        let fused = decode_attention(&q, &keys, &values, rows).unwrap();
+        assert_eq!(fused.dims(), [n, heads * hd]);
+        for i in 0..n {
+            let last = base[i] + len[i] - 1;
+            let written = keys.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(written, new_k.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let written = values.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(written, new_v.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let reference = attention(
+                &q.narrow(0, i, 1).unwrap(),
+                &keys.narrow(0, base[i], len[i]).unwrap(),
+                &values.narrow(0, base[i], len[i]).unwrap(),
+                None,
+            )
+            .unwrap();
+            let got = fused.narrow(0, i, 1).unwrap();
+            let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-5, "row {i} (length {}): max diff {d}", len[i]);
+        }
+        // Each row alone gives bitwise the batch's result.
+        let all = fused.to_vec2::<f32>().unwrap();
+        for i in 0..n {
+            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i] };
+            let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
+        }
+    }
+
+    #[test]
+    fn fused_decode_ops_reject_rows_outside_the_cache() {
+        let dev = Device::Cpu;
+        let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
+        let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
+        let new = Tensor::zeros((1, 1, 4), candle_core::DType::F32, &dev).unwrap();
+        let past_end = DecodeRows { base: &[4], len: &[5] };
+        let empty = DecodeRows { base: &[0], len: &[0] };
+        let two = DecodeRows { base: &[0, 1], len: &[1, 1] };
+        for rows in [past_end, empty, two] {
+            assert!(write_decode_rows(&cache, &new, rows).is_err());
+            assert!(decode_attention(&q, &cache, &cache, rows).is_err());
+        }
+        let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
+        let ok = DecodeRows { base: &[0], len: &[1] };
+        let err = decode_attention(
+            &wrong_heads,
+            &cache.repeat((1, 2, 1)).unwrap(),
+            &cache.repeat((1, 2, 1)).unwrap(),
+            ok,
+        );
+        assert!(err.unwrap_err().to_string().contains("decode-attention"));
     }
 
     #[test]
