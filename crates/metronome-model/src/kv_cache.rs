@@ -5,7 +5,7 @@ use candle_core::{DType, Tensor};
 
 use crate::model::Model;
 use crate::ops::{
-    DecodeRows, apply_rope, attention, decode_attention, linear, rms_norm, rope_tables, write_decode_rows,
+    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, write_decode_rows,
 };
 use crate::{Error, Result};
 
@@ -112,20 +112,6 @@ impl KvCache {
         }
         Ok(())
     }
-
-    /// Writes `k`, `v` (`[n, kv_heads, head_dim]`) at `slot`'s positions `start..`.
-    fn write(&self, layer: usize, slot: usize, start: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let row = slot * self.max_seq_len + start;
-        self.keys[layer].slice_set(&k.contiguous()?, 0, row)?;
-        self.values[layer].slice_set(&v.contiguous()?, 0, row)?;
-        Ok(())
-    }
-
-    /// The first `len` cached keys and values of `slot`, `[len, kv_heads, head_dim]`.
-    fn read(&self, layer: usize, slot: usize, len: usize) -> Result<(Tensor, Tensor)> {
-        let row = slot * self.max_seq_len;
-        Ok((self.keys[layer].narrow(0, row, len)?, self.values[layer].narrow(0, row, len)?))
-    }
 }
 
 /// `linear` with the input padded to `min_rows` rows.
@@ -141,55 +127,29 @@ fn padded_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, min_rows: usize) ->
 impl Model {
     /// Appends `tokens` (a prompt, or any continuation) to `slot`'s cache and returns
     /// the logits `[vocab]` of the last position. Builds no autograd graph.
+    /// [`Model::prefill_many`] prefills several slots in one forward.
     pub fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[u32]) -> Result<Vec<f32>> {
-        if tokens.is_empty() {
-            return Err(Error::invalid(format!("prefill of slot {slot}"), "has no tokens"));
-        }
-        cache.check(self, slot, tokens.len())?;
-        self.check_tokens(tokens, &|| format!("prefill of slot {slot}"))?;
-        let m = &self.inner;
-        let cfg = &m.cfg;
-        let dev = &m.device;
-        let n = tokens.len();
-        let start = cache.lens[slot];
-        let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
-        let total = start + n;
-        // Query i (position start + i) sees keys 0..=start + i.
-        let mask = if n > 1 {
-            let mut mask = vec![0.0f32; n * total];
-            for i in 0..n {
-                mask[i * total + start + i + 1..(i + 1) * total].fill(f32::NEG_INFINITY);
+        let mut logits = self.prefill_many(cache, &[(slot, tokens)])?;
+        Ok(logits.pop().unwrap_or_default())
+    }
+
+    /// Appends each `(slot, tokens)` to its slot in one forward pass and returns, per
+    /// pair and in order, the logits `[vocab]` of its last position. Builds no autograd
+    /// graph.
+    ///
+    /// One forward for many prompts costs about what one prompt costs on a small model
+    /// (the linear layers' per-call work dominates), so an engine admitting many
+    /// sequences at once should prefill them together. Batch-invariant like
+    /// [`Model::decode_step`]: a slot's logits and cached keys and values are bitwise
+    /// the same whichever other slots are prefilled with it.
+    pub fn prefill_many(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
+        for &(slot, tokens) in seqs {
+            if tokens.is_empty() {
+                return Err(Error::invalid(format!("prefill of slot {slot}"), "has no tokens"));
             }
-            Some(Tensor::from_vec(mask, (n, total), dev)?)
-        } else {
-            None
-        };
-        let ids = Tensor::from_slice(tokens, n, dev)?;
-        let w = |v: &candle_core::Var| Self::w(v, false);
-        let mut x = w(&m.embed).index_select(&ids, 0)?;
-        let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        for (li, l) in m.layers.iter().enumerate() {
-            let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
-            let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
-            let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let q = apply_rope(&q, &rope)?;
-            let k = apply_rope(&k, &rope)?;
-            cache.write(li, slot, start, &k, &v)?;
-            let (ks, vs) = cache.read(li, slot, total)?;
-            let att = attention(&q, &ks, &vs, mask.as_ref())?;
-            x = (x + linear(&att, &w(&l.o), None)?)?;
-            let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let g = linear(&b, &w(&l.gate), None)?.silu()?;
-            let u = linear(&b, &w(&l.up), None)?;
-            x = (x + linear(&(g * u)?, &w(&l.down), None)?)?;
+            self.check_tokens(tokens, &|| format!("prefill of slot {slot}"))?;
         }
-        let last = rms_norm(&x.narrow(0, n - 1, 1)?, &w(&m.norm), cfg.rms_norm_eps)?;
-        let logits = linear(&last, &self.lm_head(false), None)?;
-        cache.lens[slot] = total;
-        Ok(logits.squeeze(0)?.to_vec1::<f32>()?)
+        self.extend(cache, seqs)
     }
 
     /// One decode step for several slots of possibly different lengths: each
@@ -201,38 +161,63 @@ impl Model {
     /// fused CPU op per layer reads every slot's prefix in place), and linear layers see
     /// at least [`DECODE_MIN_ROWS`] rows. Builds no autograd graph.
     pub fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, u32)]) -> Result<Vec<Vec<f32>>> {
-        if batch.is_empty() {
+        let tokens: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
+        self.check_tokens(&tokens, &|| "decode step".to_owned())?;
+        let seqs: Vec<(usize, &[u32])> =
+            batch.iter().zip(&tokens).map(|(&(slot, _), t)| (slot, std::slice::from_ref(t))).collect();
+        self.extend(cache, &seqs)
+    }
+
+    /// Appends every `(slot, tokens)` to its slot in one forward pass; the logits of
+    /// each pair's last position. Tokens are already checked against the vocabulary.
+    ///
+    /// Every token is one row: linear layers run on all rows at once (padded to the
+    /// cache's minimum rows), and attention is the fused per-row op over the row's own
+    /// slot prefix (causal within a prompt, since token `j` sees `start + j + 1` cached
+    /// positions). No row's arithmetic depends on another's, hence batch invariance.
+    fn extend(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
+        if seqs.is_empty() {
             return Ok(Vec::new());
         }
         let mut seen = vec![false; cache.num_slots()];
-        for &(slot, _) in batch {
-            cache.check(self, slot, 1)?;
+        for &(slot, tokens) in seqs {
+            cache.check(self, slot, tokens.len())?;
             if std::mem::replace(&mut seen[slot], true) {
-                return Err(Error::invalid(format!("slot {slot}"), "appears twice in one decode step"));
+                return Err(Error::invalid(format!("slot {slot}"), "appears twice in one step"));
             }
         }
-        let tokens: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
-        let mr = cache.min_rows;
-        self.check_tokens(&tokens, &|| "decode step".to_owned())?;
         let m = &self.inner;
         let cfg = &m.cfg;
         let dev = &m.device;
-        let n = batch.len();
-        let positions: Vec<u32> = batch.iter().map(|&(s, _)| cache.lens[s] as u32).collect();
-        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
-        // Each row's slot block in the cache, and its length with this step's token.
-        let base: Vec<usize> = batch.iter().map(|&(s, _)| s * cache.max_seq_len).collect();
-        let lens: Vec<usize> = positions.iter().map(|&p| p as usize + 1).collect();
+        let mr = cache.min_rows;
+        let total: usize = seqs.iter().map(|(_, t)| t.len()).sum();
+        let mut ids = Vec::with_capacity(total);
+        let mut positions = Vec::with_capacity(total);
+        // Each row's slot block in the cache, and its cached length once it is written.
+        let mut base = Vec::with_capacity(total);
+        let mut lens = Vec::with_capacity(total);
+        let mut last = Vec::with_capacity(seqs.len());
+        for &(slot, tokens) in seqs {
+            let start = cache.lens[slot];
+            ids.extend_from_slice(tokens);
+            for j in 0..tokens.len() {
+                positions.push((start + j) as u32);
+                base.push(slot * cache.max_seq_len);
+                lens.push(start + j + 1);
+            }
+            last.push((ids.len() - 1) as u32);
+        }
         let rows = DecodeRows { base: &base, len: &lens };
+        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
         let w = |v: &candle_core::Var| Self::w(v, false);
-        let mut x = w(&m.embed).index_select(&Tensor::from_vec(tokens, n, dev)?, 0)?;
+        let mut x = w(&m.embed).index_select(&Tensor::from_vec(ids, total, dev)?, 0)?;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         for (li, l) in m.layers.iter().enumerate() {
             let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
             let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let q = padded_linear(&a, &w(&l.q), wo(&l.q_bias).as_ref(), mr)?.reshape((n, h, hd))?;
-            let k = padded_linear(&a, &w(&l.k), wo(&l.k_bias).as_ref(), mr)?.reshape((n, kvh, hd))?;
-            let v = padded_linear(&a, &w(&l.v), wo(&l.v_bias).as_ref(), mr)?.reshape((n, kvh, hd))?;
+            let q = padded_linear(&a, &w(&l.q), wo(&l.q_bias).as_ref(), mr)?.reshape((total, h, hd))?;
+            let k = padded_linear(&a, &w(&l.k), wo(&l.k_bias).as_ref(), mr)?.reshape((total, kvh, hd))?;
+            let v = padded_linear(&a, &w(&l.v), wo(&l.v_bias).as_ref(), mr)?.reshape((total, kvh, hd))?;
             let q = apply_rope(&q, &rope)?;
             let k = apply_rope(&k, &rope)?;
             write_decode_rows(&cache.keys[li], &k, rows)?;
@@ -244,10 +229,13 @@ impl Model {
             let u = padded_linear(&b, &w(&l.up), None, mr)?;
             x = (x + padded_linear(&(g * u)?, &w(&l.down), None, mr)?)?;
         }
+        if total > seqs.len() {
+            x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;
+        }
         let x = rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?;
         let logits = padded_linear(&x, &self.lm_head(false), None, mr)?;
-        for &(slot, _) in batch {
-            cache.lens[slot] += 1;
+        for &(slot, tokens) in seqs {
+            cache.lens[slot] += tokens.len();
         }
         Ok(logits.to_vec2::<f32>()?)
     }

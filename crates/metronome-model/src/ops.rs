@@ -297,9 +297,10 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
 }
 
-/// Where each row of a decode step lives in one layer's key/value cache: row `i`'s
-/// slot starts at cache row `base[i]` and, with this step's token, holds `len[i]`
-/// positions (the new key and value go to cache row `base[i] + len[i] - 1`).
+/// Where each token row of a cached forward (a decode step, or prompts being
+/// prefilled) lives in one layer's key/value cache: row `i`'s slot starts at cache row
+/// `base[i]`, its key and value go to cache row `base[i] + len[i] - 1`, and it attends
+/// to the `len[i]` cached positions up to and including its own.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DecodeRows<'a> {
     pub(crate) base: &'a [usize],

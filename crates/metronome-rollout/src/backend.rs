@@ -21,6 +21,15 @@ pub trait InferenceModel: Send + Sync + 'static {
     /// Appends `tokens` to the empty `slot` and returns the last position's logits.
     fn prefill(&self, cache: &mut Self::Cache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>>;
 
+    /// Prefills several empty slots, each `(slot, tokens)`, and returns each one's last
+    /// position's logits, in order. Must give each slot what [`InferenceModel::prefill`]
+    /// gives it alone; the default does exactly that, one slot at a time. Models that
+    /// can prefill in one forward (as `metronome_model::Model` does) override it: the
+    /// engine calls it with every sequence it admits at once.
+    fn prefill_many(&self, cache: &mut Self::Cache, seqs: &[(usize, &[TokenId])]) -> Result<Vec<Vec<f32>>> {
+        seqs.iter().map(|&(slot, tokens)| self.prefill(cache, slot, tokens)).collect()
+    }
+
     /// Appends one token to each `(slot, token)` pair and returns one logits row per pair.
     fn decode_step(&self, cache: &mut Self::Cache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>>;
 
@@ -62,6 +71,10 @@ mod candle_model {
 
         fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>> {
             Model::prefill(self, cache, slot, tokens).map_err(Error::model)
+        }
+
+        fn prefill_many(&self, cache: &mut KvCache, seqs: &[(usize, &[TokenId])]) -> Result<Vec<Vec<f32>>> {
+            Model::prefill_many(self, cache, seqs).map_err(Error::model)
         }
 
         fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>> {

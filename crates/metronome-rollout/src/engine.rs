@@ -466,6 +466,11 @@ impl GroupSink for CollectSink {
     }
 }
 
+/// Most prompt tokens one prefill forward takes: sequences admitted together are
+/// prefilled in one forward (on a small model one prompt costs about what many cost),
+/// in chunks of at most this many tokens to bound the activations' memory.
+const PREFILL_TOKENS: usize = 2048;
+
 /// The active slots (with their last tokens) that decode with one weight version.
 type VersionBatch<M> = (Arc<Versioned<M>>, Vec<(usize, TokenId)>);
 
@@ -539,9 +544,7 @@ impl<M: InferenceModel> Worker<M> {
     fn run(mut self) {
         let active_gauge = metrics::gauge!("metronome_rollout_active_slots", "worker" => self.label.clone());
         while let Some(jobs) = self.admit() {
-            for (slot, job) in jobs {
-                self.start(slot, job);
-            }
+            self.start(jobs);
             self.step();
             let active = self.active() as u64;
             self.counters().active_slots.store(active, Ordering::Relaxed);
@@ -591,36 +594,75 @@ impl<M: InferenceModel> Worker<M> {
         Some(jobs)
     }
 
-    /// Prefills `job` into `slot` with the current weights and samples its first token.
-    fn start(&mut self, slot: usize, job: Job) {
+    /// Puts `jobs` into their slots with the current weights, prefills them in as few
+    /// forwards as [`PREFILL_TOKENS`] allows, and samples each one's first token.
+    fn start(&mut self, jobs: Vec<(usize, Job)>) {
+        if jobs.is_empty() {
+            return;
+        }
         let model = self.shared.current();
-        let request = job.request;
-        let prompt = &request.prompts[job.prompt];
-        request.send(Event::Started { prompt: job.prompt, at_s: request.start.elapsed().as_secs_f64() });
-        let seed = sample_seed(request.seed, model.version, prompt.id, job.sample_index);
-        let budget =
-            request.sampling.max_new_tokens.min(self.max_seq_len.saturating_sub(prompt.tokens.len()).max(1));
-        let mut context = Vec::with_capacity(prompt.tokens.len() + budget);
-        context.extend_from_slice(&prompt.tokens);
-        let seq = Seq {
-            prompt: job.prompt,
-            sample_index: job.sample_index,
-            rng: TokenRng::new(seed),
-            prompt_len: prompt.tokens.len(),
-            context,
-            logprobs: Vec::with_capacity(budget),
-            budget,
-            text_checked: 0,
-            model,
-            request: Arc::clone(&request),
+        let mut chunk: Vec<usize> = Vec::with_capacity(jobs.len());
+        let mut chunk_tokens = 0;
+        for (slot, job) in jobs {
+            let request = job.request;
+            let prompt = &request.prompts[job.prompt];
+            request.send(Event::Started { prompt: job.prompt, at_s: request.start.elapsed().as_secs_f64() });
+            let seed = sample_seed(request.seed, model.version, prompt.id, job.sample_index);
+            let budget = request
+                .sampling
+                .max_new_tokens
+                .min(self.max_seq_len.saturating_sub(prompt.tokens.len()).max(1));
+            let mut context = Vec::with_capacity(prompt.tokens.len() + budget);
+            context.extend_from_slice(&prompt.tokens);
+            if !chunk.is_empty() && chunk_tokens + context.len() > PREFILL_TOKENS {
+                self.prefill(&model, &std::mem::take(&mut chunk));
+                chunk_tokens = 0;
+            }
+            chunk_tokens += context.len();
+            chunk.push(slot);
+            self.slots[slot] = Some(Seq {
+                prompt: job.prompt,
+                sample_index: job.sample_index,
+                rng: TokenRng::new(seed),
+                prompt_len: prompt.tokens.len(),
+                context,
+                logprobs: Vec::with_capacity(budget),
+                budget,
+                text_checked: 0,
+                model: Arc::clone(&model),
+                request: Arc::clone(&request),
+            });
+        }
+        self.prefill(&model, &chunk);
+    }
+
+    /// Prefills the freshly started sequences in `slots` together and samples their
+    /// first tokens. If the joint forward fails, each is retried alone, so one bad
+    /// prompt fails only its own request.
+    fn prefill(&mut self, model: &Versioned<M>, slots: &[usize]) {
+        let seqs: Vec<(usize, &[TokenId])> = slots
+            .iter()
+            .filter_map(|&s| self.slots[s].as_ref().map(|seq| (s, seq.context.as_slice())))
+            .collect();
+        let joint = match model.model.prefill_many(&mut self.cache, &seqs) {
+            Ok(rows) if rows.len() == seqs.len() => Some(rows),
+            _ => None,
         };
-        let logits = seq.model.model.prefill(&mut self.cache, slot, &seq.context);
-        self.slots[slot] = Some(seq);
-        match logits {
-            Ok(logits) => self.advance(slot, &logits),
-            Err(e) => {
-                request.fail(e);
-                self.release(slot);
+        drop(seqs);
+        if let Some(rows) = joint {
+            for (&slot, logits) in slots.iter().zip(&rows) {
+                self.advance(slot, logits);
+            }
+            return;
+        }
+        for &slot in slots {
+            let Some(seq) = self.slots[slot].as_ref() else { continue };
+            match model.model.prefill(&mut self.cache, slot, &seq.context) {
+                Ok(logits) => self.advance(slot, &logits),
+                Err(e) => {
+                    seq.request.fail(e);
+                    self.release(slot);
+                }
             }
         }
     }

@@ -85,6 +85,47 @@ fn decode_is_batch_invariant_bitwise() {
 }
 
 #[test]
+fn prefilling_together_is_bitwise_prefilling_alone() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 4).unwrap().with_trainable(false);
+    let vocab = model.config().vocab_size;
+    // Ragged prompts, among them one token and one longer than the minimum rows.
+    let prompts: Vec<Vec<u32>> =
+        [12usize, 1, 30, 5, 17].iter().enumerate().map(|(i, &n)| tokens(50 + i as u64, n, vocab)).collect();
+    let mut alone = KvCache::new(&model, 8, 64).unwrap();
+    let mut together = KvCache::new(&model, 8, 64).unwrap();
+    let slots = [6usize, 0, 3, 7, 1];
+    let firsts: Vec<Vec<f32>> =
+        slots.iter().zip(&prompts).map(|(&s, p)| model.prefill(&mut alone, s, p).unwrap()).collect();
+    let batch: Vec<(usize, &[u32])> = slots.iter().zip(&prompts).map(|(&s, p)| (s, p.as_slice())).collect();
+    let joint = model.prefill_many(&mut together, &batch).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, &s) in slots.iter().enumerate() {
+        assert_eq!(bits(&firsts[i]), bits(&joint[i]), "prompt {i}: first logits");
+        assert_eq!(together.len(s), prompts[i].len());
+    }
+    // The caches hold the same keys and values: later decode steps agree bitwise too.
+    for step in 0..3u64 {
+        let b: Vec<(usize, u32)> =
+            slots.iter().map(|&s| (s, tokens(900 + step * 8 + s as u64, 1, vocab)[0])).collect();
+        let a = model.decode_step(&mut alone, &b).unwrap();
+        let t = model.decode_step(&mut together, &b).unwrap();
+        for i in 0..slots.len() {
+            assert_eq!(bits(&a[i]), bits(&t[i]), "step {step}, prompt {i}");
+        }
+    }
+    // And both match the full forward.
+    let full = full_logits(&model, &prompts[2]);
+    assert!(max_abs_diff(&joint[2], full.last().unwrap()) < 1e-5);
+    assert!(
+        model
+            .prefill_many(&mut together, &[(2, &[5][..]), (2, &[6][..])])
+            .unwrap_err()
+            .to_string()
+            .contains("twice")
+    );
+}
+
+#[test]
 fn slots_are_freed_and_reused() {
     let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 5).unwrap();
     let vocab = model.config().vocab_size;
