@@ -137,15 +137,33 @@ impl ConfigArgs {
 fn main() -> ExitCode {
     // candle sizes its spinning element-wise pool from CANDLE_NUM_THREADS once, process
     // wide; left to default it takes every core and oversubscribes the stages' own
-    // pools (DESIGN.md §6). Setting the environment of a running process is unsafe, so
-    // re-execute with it set instead.
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        let args: Vec<_> = std::env::args_os().skip(1).collect();
-        let status = std::env::current_exe().and_then(|exe| {
-            std::process::Command::new(exe).args(args).env("CANDLE_NUM_THREADS", "1").status()
-        });
-        return match status {
-            Ok(s) => ExitCode::from(s.code().unwrap_or(1).clamp(0, 255) as u8),
+    // pools (DESIGN.md §6). And without RAYON_NUM_THREADS, candle re-reads
+    // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
+    // here, that made a period of the default run 4x slower, in system time. The value
+    // keeps what candle would compute (the cores), so `sync` still splits its matmuls.
+    // Setting the environment of a running process is unsafe, so re-execute with both
+    // set instead.
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() || std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).to_string();
+        let mut child =
+            std::process::Command::new(std::env::current_exe().unwrap_or_else(|_| "metronome".into()));
+        child.args(std::env::args_os().skip(1));
+        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+            child.env("CANDLE_NUM_THREADS", "1");
+        }
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            child.env("RAYON_NUM_THREADS", cores);
+        }
+        return match child.status() {
+            Ok(s) => ExitCode::from(s.code().map_or_else(
+                || {
+                    use std::os::unix::process::ExitStatusExt;
+                    // Killed: say so, or an out-of-memory kill looks like a silent failure.
+                    eprintln!("error: metronome was killed by signal {}", s.signal().unwrap_or(0));
+                    1
+                },
+                |c| c.clamp(0, 255) as u8,
+            )),
             Err(e) => {
                 eprintln!("error: cannot re-execute metronome: {e}");
                 ExitCode::FAILURE
