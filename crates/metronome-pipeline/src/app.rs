@@ -30,7 +30,7 @@ use crate::summary::summary_table;
 pub struct EvalPoint {
     /// Optimiser steps of RL taken before the evaluation (0: after the warm start).
     pub after_periods: u64,
-    /// Fraction of held-out prompts answered correctly by greedy decoding.
+    /// Fraction of held-out answers that are correct (greedy, or sampled as `eval` says).
     pub accuracy: f64,
 }
 
@@ -126,8 +126,11 @@ impl Evaluator {
 
     async fn accuracy(&self, weights: Arc<WeightSnapshot>) -> Result<f64> {
         self.engine.install_weights(weights).await?;
-        let request =
-            RolloutRequest { period: PeriodId(u64::MAX), prompts: self.prompts.clone(), group_size: self.samples };
+        let request = RolloutRequest {
+            period: PeriodId(u64::MAX),
+            prompts: self.prompts.clone(),
+            group_size: self.samples,
+        };
         let sink = CollectSink::default();
         self.engine.generate(request, &sink).await?;
         let groups = sink.into_groups();
@@ -252,7 +255,11 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
     let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
     if let Some(e) = &evaluator {
         let accuracy = e.accuracy(initial.clone()).await?;
-        eprintln!("held-out accuracy ({}) after warm start: {:.1}%", config.eval.describe(), accuracy * 100.0);
+        eprintln!(
+            "held-out accuracy ({}) after warm start: {:.1}%",
+            config.eval.describe(),
+            accuracy * 100.0
+        );
         evals.push(EvalPoint { after_periods: 0, accuracy });
     }
 

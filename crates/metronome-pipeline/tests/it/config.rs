@@ -64,6 +64,10 @@ fn impossible_combinations_are_named() {
     assert!(e.starts_with("invalid configuration `run.group_size`"), "{e}");
     let e = err(&["data.source={ kind = \"jsonl\", path = \"x.jsonl\" }"]);
     assert!(e.starts_with("invalid configuration `eval.source`"), "{e}");
+    let e = err(&["eval.temperature=0.0", "eval.samples=4"]);
+    assert!(e.starts_with("invalid configuration `eval.samples`"), "{e}");
+    let e = err(&["eval.temperature=-1.0"]);
+    assert!(e.starts_with("invalid configuration `eval.temperature`"), "{e}");
 }
 
 #[test]
