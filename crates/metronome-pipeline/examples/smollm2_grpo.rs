@@ -14,6 +14,8 @@
 //! `transformers` and compares. `--set` overrides any key of the run configuration
 //! below (e.g. `--set run.periods=8`).
 //!
+//! Under `cargo test --examples` it runs one short period (2 prompts × G = 2, 8 new
+//! tokens) into a temporary directory.
 //! The dev profile is enough: it optimises candle and the model like a release build.
 //! The GGUF path comes from `--gguf`, else `METRONOME_SMOLLM2_GGUF`, else `python3` is
 //! asked where the package is installed. Without the package the example prints how to
@@ -82,6 +84,10 @@ row_tokens = 512
 micro_batch_tokens = 1024
 "#;
 
+/// One short period, for tests.
+const SMOKE: [&str; 4] =
+    ["run.periods=1", "data.release.batch_size=2", "run.group_size=2", "rollout.sampling.max_new_tokens=8"];
+
 fn locate(arg: Option<String>) -> Option<PathBuf> {
     if let Some(p) = arg.or_else(|| std::env::var("METRONOME_SMOLLM2_GGUF").ok()) {
         return Some(PathBuf::from(p));
@@ -113,6 +119,13 @@ fn main() -> anyhow::Result<()> {
     }
 
     let (mut gguf, mut out, mut overrides) = (None, PathBuf::from("target/smollm2_grpo"), Vec::new());
+    // `cargo test --examples` builds this example with cfg(test) and runs it: then it
+    // takes one short period into a temporary directory (arguments still override).
+    let scratch = tempfile::tempdir()?;
+    if cfg!(test) {
+        out = scratch.path().to_path_buf();
+        overrides.extend(SMOKE.map(str::to_owned));
+    }
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().with_context(|| format!("{a} needs a value"));
