@@ -5,7 +5,7 @@ use candle_core::{DType, Tensor};
 
 use crate::model::Model;
 use crate::ops::{
-    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, write_decode_rows,
+    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu, write_decode_rows,
 };
 use crate::{Error, Result};
 
@@ -225,9 +225,9 @@ impl Model {
             let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
             x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
             let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let g = padded_linear(&b, &w(&l.gate), None, mr)?.silu()?;
+            let g = padded_linear(&b, &w(&l.gate), None, mr)?;
             let u = padded_linear(&b, &w(&l.up), None, mr)?;
-            x = (x + padded_linear(&(g * u)?, &w(&l.down), None, mr)?)?;
+            x = (x + padded_linear(&swiglu(&g, &u)?, &w(&l.down), None, mr)?)?;
         }
         if total > seqs.len() {
             x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;

@@ -433,32 +433,45 @@ impl candle_core::CustomOp3 for DecodeAttention<'_> {
         let width = kvh * hd;
         let scale = 1.0 / (hd as f32).sqrt();
         let mut out = vec![0f32; n * heads * hd];
+        // Per row and key/value head: the `rep` query heads that share it are handled
+        // together, so each cached key and value is loaded once for all of them.
         let mut probs = Vec::new();
         for i in 0..n {
             let (base, len) = (self.0.base[i], self.0.len[i]);
             let keys = &k[base * width..(base + len) * width];
             let values = &v[base * width..(base + len) * width];
             probs.clear();
-            probs.resize(len, 0f32);
-            for h in 0..heads {
-                let g = (h / rep) * hd;
-                let qh = &q[(i * heads + h) * hd..(i * heads + h + 1) * hd];
-                let mut max = f32::NEG_INFINITY;
-                for (p, kr) in probs.iter_mut().zip(keys.chunks_exact(width)) {
-                    *p = dot(qh, &kr[g..g + hd]) * scale;
-                    max = max.max(*p);
+            probs.resize(rep * len, 0f32);
+            for g in 0..kvh {
+                let off = g * hd;
+                let heads_at = (i * heads + g * rep) * hd;
+                let qg = &q[heads_at..heads_at + rep * hd];
+                for (j, kr) in keys.chunks_exact(width).enumerate() {
+                    let kr = &kr[off..off + hd];
+                    for (r, qh) in qg.chunks_exact(hd).enumerate() {
+                        probs[r * len + j] = dot(qh, kr) * scale;
+                    }
                 }
-                let mut sum = 0f32;
-                for p in &mut probs {
-                    *p = (*p - max).exp();
-                    sum += *p;
+                for ps in probs.chunks_exact_mut(len) {
+                    let max = ps.iter().fold(f32::NEG_INFINITY, |m, &p| m.max(p));
+                    let mut sum = 0f32;
+                    for p in ps.iter_mut() {
+                        *p = (*p - max).exp();
+                        sum += *p;
+                    }
+                    let inv = 1.0 / sum;
+                    for p in ps.iter_mut() {
+                        *p *= inv;
+                    }
                 }
-                let inv = 1.0 / sum;
-                let o = &mut out[(i * heads + h) * hd..(i * heads + h + 1) * hd];
-                for (&p, vr) in probs.iter().zip(values.chunks_exact(width)) {
-                    let p = p * inv;
-                    for (o, &x) in o.iter_mut().zip(&vr[g..g + hd]) {
-                        *o += p * x;
+                let og = &mut out[heads_at..heads_at + rep * hd];
+                for (j, vr) in values.chunks_exact(width).enumerate() {
+                    let vr = &vr[off..off + hd];
+                    for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
+                        let p = probs[r * len + j];
+                        for (o, &x) in oh.iter_mut().zip(vr) {
+                            *o += p * x;
+                        }
                     }
                 }
             }
@@ -477,6 +490,38 @@ pub(crate) fn decode_attention(
     rows: DecodeRows<'_>,
 ) -> Result<Tensor> {
     Ok(q.contiguous()?.apply_op3_no_bwd(keys, values, &DecodeAttention(rows))?)
+}
+
+/// `silu(gate) * up` in one pass, forward only: the SwiGLU of the decode path, where
+/// the separate candle ops would allocate and walk two `[n, intermediate]` buffers.
+/// SiLU is computed as candle computes it, `x / (1 + exp(-x))`.
+#[derive(Debug, Clone, Copy)]
+struct SwiGlu;
+
+impl candle_core::CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        if l1.dims() != l2.dims() {
+            candle_core::bail!("swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())
+        }
+        let out = g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// `silu(gate) * up` without an autograd graph (see [`SwiGlu`]).
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok(gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SwiGlu)?)
 }
 
 /// How one segment of a packed row attends: its queries against every key of its
@@ -677,6 +722,17 @@ mod tests {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
         }
+    }
+
+    #[test]
+    fn fused_swiglu_matches_composed_ops() {
+        let dev = Device::Cpu;
+        let g = Tensor::from_vec(noise(7, 3 * 37), (3, 37), &dev).unwrap();
+        let u = Tensor::from_vec(noise(8, 3 * 37), (3, 37), &dev).unwrap();
+        let composed = (g.silu().unwrap() * &u).unwrap();
+        let d = (swiglu(&g, &u).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
+        assert!(swiglu(&g, &u.narrow(1, 0, 36).unwrap()).is_err());
     }
 
     #[test]

@@ -98,17 +98,7 @@ fn fixed_length(c: &mut Criterion) {
 
 fn long_tail(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let sub = Submission {
-        period: PeriodId(0),
-        prompts: prompts(16),
-        group_size: 4,
-        sampling: SamplingConfig {
-            max_new_tokens: 160,
-            stop_token_ids: Some(vec![2, 50]),
-            ..SamplingConfig::default()
-        },
-        seed: RunSeed(11),
-    };
+    let sub = long_tail_submission();
     let mut group = c.benchmark_group("batching");
     group.sample_size(10).measurement_time(Duration::from_secs(8)).warm_up_time(Duration::from_secs(1));
     for (name, batching) in [("continuous", Batching::Continuous), ("static", Batching::Static)] {
@@ -127,34 +117,53 @@ fn long_tail(c: &mut Criterion) {
 }
 
 /// Ratios robust to a shared, noisy machine: the engines under comparison run
-/// alternately and each keeps its fastest of several runs.
+/// alternately. Throughput per slot count keeps each engine's fastest run; the
+/// continuous/static ratio is taken per round (the two runs of a round are adjacent in
+/// time, so a load burst from another process hits both) and reported as the median
+/// and range over the rounds, a steadier figure than a ratio of two separate minima.
 fn summary() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let best_of = |engines: &[&ModelEngine], sub: &Submission, rounds: usize| -> Vec<(usize, f64)> {
-        let mut best = vec![(0, f64::INFINITY); engines.len()];
-        for _ in 0..rounds {
-            for (i, e) in engines.iter().enumerate() {
-                let t = Instant::now();
-                let tokens = run(&rt, e, sub);
-                best[i] = (tokens, best[i].1.min(t.elapsed().as_secs_f64()));
-            }
-        }
-        best
+    // Per round and engine: (tokens, seconds).
+    let rounds = |engines: &[&ModelEngine], sub: &Submission, n: usize| -> Vec<Vec<(usize, f64)>> {
+        (0..n)
+            .map(|_| {
+                engines
+                    .iter()
+                    .map(|e| {
+                        let t = Instant::now();
+                        let tokens = run(&rt, e, sub);
+                        (tokens, t.elapsed().as_secs_f64())
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let fastest = |runs: &[Vec<(usize, f64)>], i: usize| {
+        runs.iter().map(|r| r[i]).fold((0, f64::INFINITY), |b, (tokens, s)| (tokens, b.1.min(s)))
     };
     let slots: Vec<ModelEngine> = [1, 4, 16, 64].iter().map(|&n| engine(n, Batching::Continuous)).collect();
     let refs: Vec<&ModelEngine> = slots.iter().collect();
+    let runs = rounds(&refs, &fixed_length_submission(), 3);
     println!("summary (fastest of interleaved runs)");
-    for (n, (tokens, secs)) in [1, 4, 16, 64].iter().zip(best_of(&refs, &fixed_length_submission(), 3)) {
+    for (i, n) in [1, 4, 16, 64].iter().enumerate() {
+        let (tokens, secs) = fastest(&runs, i);
         println!("  slots {n:>2}: {:8.0} tokens/s", tokens as f64 / secs);
     }
     let cont = engine(16, Batching::Continuous);
     let stat = engine(16, Batching::Static);
-    let r = best_of(&[&cont, &stat], &long_tail_submission(), 7);
+    let runs = rounds(&[&cont, &stat], &long_tail_submission(), 9);
+    let mut ratios: Vec<f64> = runs.iter().map(|r| r[1].1 / r[0].1).collect();
+    ratios.sort_by(f64::total_cmp);
+    let (c, s) = (fastest(&runs, 0), fastest(&runs, 1));
     println!(
-        "  long tail, 16 slots: continuous {:.0} tokens/s, static {:.0} tokens/s, ratio {:.2}x",
-        r[0].0 as f64 / r[0].1,
-        r[1].0 as f64 / r[1].1,
-        r[1].1 / r[0].1
+        "  long tail, 16 slots: continuous {:.0} tokens/s, static {:.0} tokens/s, ratio {:.2}x \
+         (median of {} paired rounds, range {:.2}-{:.2})",
+        c.0 as f64 / c.1,
+        s.0 as f64 / s.1,
+        ratios[ratios.len() / 2],
+        ratios.len(),
+        ratios[0],
+        ratios[ratios.len() - 1],
     );
 }
 
