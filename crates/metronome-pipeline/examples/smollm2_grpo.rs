@@ -97,11 +97,10 @@ fn locate(arg: Option<String>) -> Option<PathBuf> {
     (out.status.success() && !path.is_empty()).then(|| PathBuf::from(path))
 }
 
-/// Peak resident memory of this process (Linux), for the run's summary.
-fn peak_rss_gib() -> Option<f64> {
+/// Resident memory of this process (Linux): `VmRSS` now or `VmHWM` at its peak, in GiB.
+fn memory_gib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb: f64 =
-        status.lines().find(|l| l.starts_with("VmHWM:"))?.split_whitespace().nth(1)?.parse().ok()?;
+    let kb: f64 = status.lines().find(|l| l.starts_with(field))?.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / (1024.0 * 1024.0))
 }
 
@@ -177,7 +176,8 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
     // Print each period as it ends.
     let hook = move |r: &PeriodReport, _: &Arc<WeightSnapshot>| {
         println!(
-            "period {}: {:.1}s (generation {:.1}s, training {:.1}s), {} tokens generated, mean reward {:.3}, loss {:+.4}, grad norm {:.3}",
+            "period {}: {:.1}s (generation {:.1}s, training {:.1}s), {} tokens generated, mean reward {:.3}, \
+             loss {:+.4}, grad norm {:.3}, memory {:.2} GiB",
             r.period,
             r.period_s,
             r.generation_s,
@@ -185,9 +185,11 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
             r.generated_tokens,
             r.reward_mean,
             r.step.loss,
-            r.step.grad_norm
+            r.step.grad_norm,
+            memory_gib("VmRSS:").unwrap_or(f64::NAN)
         );
     };
+
     let (periods, _stages) = Runner::new(stages, Some(transport), options)?.on_period(hook).run().await?;
 
     let (first, last) = (periods.first().context("no period ran")?, periods.last().context("no period ran")?);
@@ -217,7 +219,7 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
         serde_json::json!({ "input_ids": [ids], "logits": logits }).to_string(),
     )?;
     println!("saved the Hugging Face checkpoint and expected logits to {}", hf.display());
-    if let Some(gib) = peak_rss_gib() {
+    if let Some(gib) = memory_gib("VmHWM:") {
         println!("peak memory {gib:.2} GiB");
     }
     Ok(())
