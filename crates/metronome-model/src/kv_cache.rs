@@ -1,5 +1,16 @@
-//! Incremental decoding: a key/value cache with independent slots, prompt prefill,
-//! and batched single-token decode steps that are batch-invariant.
+//! Incremental decoding: a key/value cache with independent slots, prompt prefill
+//! (one slot or many in one forward), and batched single-token decode steps, all
+//! batch-invariant.
+//!
+//! Prefill and decode share one forward ([`Model::prefill_many`], [`Model::decode_step`]):
+//! every new token is a row; the linear layers run on all rows at once, padded to
+//! [`DECODE_MIN_ROWS`]; per layer, two fused CPU ops write the rows' keys and values
+//! into the cache and one fused op computes each row's grouped-query attention over
+//! its own slot prefix, read in place (crate `ops`: `DecodeWrite`, `DecodeAttention`).
+//! That replaced about ten candle ops per row per layer (cache write, narrow, repeat,
+//! matmul, softmax, matmul), whose dispatch dominated steps of many slots. What a step
+//! costs now is mostly candle's matmuls, and in them, on a model this small, the
+//! repacking of each transposed weight matrix on every call.
 
 use candle_core::{DType, Tensor};
 

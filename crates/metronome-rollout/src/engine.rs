@@ -8,6 +8,14 @@
 //! by `CANDLE_NUM_THREADS`; set it to 1 when a trainer shares the machine). Workers
 //! share one queue of pending sequences: a worker with a free slot takes the next one.
 //!
+//! # Prefill
+//! The sequences a worker admits in one pass (all free slots, refilled from the
+//! queue) are prefilled together in one forward ([`InferenceModel::prefill_many`], in
+//! chunks of at most `PREFILL_TOKENS` tokens): on a small model one prompt's forward
+//! costs about what many cost, and at 64 slots per-sequence prefill was the largest
+//! part of a run of 32-token responses. The model's prefill is batch-invariant, so a
+//! sequence's tokens do not depend on which others were admitted with it.
+//!
 //! # Versions
 //! The installed weights are an `Arc` swapped by [`Engine::install_weights`]. A
 //! sequence takes the `Arc` current when it is prefilled and keeps it until it ends,
