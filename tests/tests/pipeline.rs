@@ -89,7 +89,7 @@ fn max_weight_difference(a: &WeightSnapshot, b: &WeightSnapshot) -> f32 {
 async fn sync_and_periodic_agree_with_one_and_two_workers() {
     let (base_rollouts, base_reports, base_weights) = run(Schedule::Sync, 1).await;
     assert_eq!(base_rollouts.len(), 18, "3 periods of 6 groups");
-    assert!(base_reports.iter().all(|r| r.groups == 6));
+    assert!(base_reports.iter().all(|r| r.groups == 6 && r.generated_tokens > 0));
     // The rewards vary, so the weights move and equality below is not vacuous.
     assert!(base_reports.iter().any(|r| r.step.tokens > 0), "every group had equal rewards");
     let initial = {
@@ -100,8 +100,14 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
     assert!(max_weight_difference(&initial, &base_weights) > 1e-4, "training did not move the weights");
 
     for (schedule, workers) in [(Schedule::Periodic, 1), (Schedule::Sync, 2), (Schedule::Periodic, 2)] {
-        let (rollouts, _, weights) = run(schedule, workers).await;
+        let (rollouts, reports, weights) = run(schedule, workers).await;
         assert_eq!(rollouts, base_rollouts, "{schedule} with {workers} workers: rollouts or rewards differ");
+        let tokens = |r: &[PeriodReport]| r.iter().map(|p| p.generated_tokens).collect::<Vec<_>>();
+        assert_eq!(
+            tokens(&reports),
+            tokens(&base_reports),
+            "{schedule} with {workers} workers: token counts"
+        );
         let diff = max_weight_difference(&base_weights, &weights);
         assert!(diff <= 1e-6, "{schedule} with {workers} workers: weights differ by {diff}");
     }

@@ -206,6 +206,8 @@ impl Runner {
             let t = Instant::now();
             let mut scored = Vec::with_capacity(order.len());
             for group in sink.into_groups() {
+                report.generated_tokens +=
+                    group.completions.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
                 scored.push(self.stages.scorer.score(group).await?);
             }
             report.intervals.push(self.interval(StageKind::Scoring, period, t));
