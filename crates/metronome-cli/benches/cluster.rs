@@ -46,7 +46,12 @@ fn metronome(args: &[&str], sets: &[String], out: &Path) -> Command {
     for s in sets {
         command.arg("--set").arg(s);
     }
-    command.arg("--out-dir").arg(out).env("CANDLE_NUM_THREADS", "1").stdout(Stdio::null());
+    command
+        .arg("--out-dir")
+        .arg(out)
+        .env("CANDLE_NUM_THREADS", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .stdout(Stdio::null());
     command
 }
 

@@ -207,6 +207,15 @@ fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// Runs `work` on a fresh runtime and then shuts the runtime down without waiting
+/// for stray background work: a finished role exits promptly.
+fn run_role<F: std::future::Future<Output = Result<()>>>(work: impl FnOnce() -> F) -> Result<()> {
+    let runtime = runtime()?;
+    let result = runtime.block_on(work());
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    result
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -224,7 +233,7 @@ fn real_main() -> Result<()> {
         }
         Command::Trainer { config, metrics_addr, quiet } => {
             let config = config.load()?;
-            runtime()?.block_on(async {
+            run_role(|| async {
                 serve_metrics(&metrics_addr, "trainer", None)?;
                 metronome_pipeline::cluster::run_trainer(config, !quiet).await?;
                 anyhow::Ok(())
@@ -232,7 +241,7 @@ fn real_main() -> Result<()> {
         }
         Command::RolloutWorker { config, worker_id, metrics_addr } => {
             let config = config.load()?;
-            runtime()?.block_on(async {
+            run_role(|| async {
                 serve_metrics(&metrics_addr, "rollout-worker", Some(&worker_id))?;
                 let stop = metronome_pipeline::cluster::StopFlag::default();
                 let on_signal = stop.clone();

@@ -56,22 +56,31 @@ struct Proc {
 
 impl Proc {
     fn spawn(name: &str, args: &[&str], sets: &[String], out: &Path) -> Self {
-        Self::spawn_with(name, args, sets, out, &[])
+        Self::spawn_with(name, args, sets, out, &[], None)
     }
 
-    fn spawn_with(name: &str, args: &[&str], sets: &[String], out: &Path, env: &[(&str, &str)]) -> Self {
+    fn spawn_with(
+        name: &str,
+        args: &[&str],
+        sets: &[String],
+        out: &Path,
+        env: &[(&str, &str)],
+        metrics_port: Option<u16>,
+    ) -> Self {
         let mut command = Command::new(env!("CARGO_BIN_EXE_metronome"));
         command.envs(env.iter().copied());
-        command.args(args).arg("--metrics-addr").arg("off");
+        let metrics = metrics_port.map_or_else(|| "off".to_owned(), |p| format!("127.0.0.1:{p}"));
+        command.args(args).arg("--metrics-addr").arg(metrics);
         for s in sets {
             command.arg("--set").arg(s);
         }
-        // Set here so the binary does not re-execute itself: a signal must reach the
-        // process that does the work.
+        // Both set here so the binary does not re-execute itself: a signal must reach
+        // the process that does the work.
         let mut child = command
             .arg("--out-dir")
             .arg(out)
             .env("CANDLE_NUM_THREADS", "1")
+            .env("RAYON_NUM_THREADS", "1")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -96,11 +105,32 @@ impl Proc {
     /// A trainer that logs every group it accumulates.
     fn verbose_trainer(sets: &[String], out: &Path) -> Self {
         let env = [("RUST_LOG", "metronome_pipeline::cluster=info")];
-        Self::spawn_with("trainer", &["trainer", "--quiet"], sets, out, &env)
+        Self::spawn_with("trainer", &["trainer", "--quiet"], sets, out, &env, None)
     }
 
     fn worker(id: &str, sets: &[String], out: &Path) -> Self {
         Self::spawn(&format!("worker {id}"), &["rollout-worker", "--worker-id", id], sets, out)
+    }
+
+    /// A worker serving its metrics on `port`.
+    fn worker_with_metrics(id: &str, sets: &[String], out: &Path, port: u16) -> Self {
+        let args = ["rollout-worker", "--worker-id", id];
+        Self::spawn_with(&format!("worker {id}"), &args, sets, out, &[], Some(port))
+    }
+
+    /// Scrapes `port` until the process exits; the last page that has `metric`.
+    fn scrape_until_exit(&mut self, port: u16, metric: &str) -> Option<String> {
+        let mut page = None;
+        let deadline = Instant::now() + PATIENCE;
+        while self.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+            if let Some(body) = crate::prometheus::scrape(port)
+                && body.contains(metric)
+            {
+                page = Some(body);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        page
     }
 
     fn log(&self) -> String {
@@ -255,7 +285,11 @@ fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() 
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
-    let mut b = Proc::worker("b", &sets, out.path());
+    // More slots let b take a whole period's claims at once and generate them longer:
+    // it is killed in the middle. Slots do not change what is generated.
+    let mut b_sets = sets.clone();
+    b_sets.push("rollout.max_num_seqs=24".into());
+    let mut b = Proc::worker("b", &b_sets, out.path());
     a.wait_for("ready");
     b.wait_for("ready");
     let mut trainer = Proc::trainer(&sets, out.path());
@@ -293,9 +327,18 @@ fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
     // trainer waits for the next period's groups.
     a.sigterm();
     a.finish_ok();
-    let mut b = Proc::worker("b", &sets, out.path());
+    let port = free_port();
+    let mut b = Proc::worker_with_metrics("b", &sets, out.path(), port);
+    let page = b.scrape_until_exit(port, "metronome_cluster_worker_groups_total");
     trainer.finish_ok();
     b.finish_ok();
+    // Its own endpoint, labelled with its role and id.
+    let page = page.unwrap_or_else(|| panic!("no scrape of worker b saw a group:\n{}", b.log()));
+    let groups_line = page.lines().find(|l| l.starts_with("metronome_cluster_worker_groups_total")).unwrap();
+    assert!(
+        groups_line.contains(r#"role="rollout-worker""#) && groups_line.contains(r#"worker="b""#),
+        "{groups_line}"
+    );
 
     let run = out.path().join("cluster");
     assert_trained_once(&run, periods);

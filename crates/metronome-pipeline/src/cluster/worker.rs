@@ -92,7 +92,16 @@ pub async fn run_worker(
     let mut installed: Option<PolicyVersion> = None;
     eprintln!("worker {worker_id}: ready");
     while !stop.is_stopped() {
-        let claims = taker.take(per_take, CLAIM_WAIT).await.map_err(err("transport"))?;
+        let claims = match taker.take(per_take, CLAIM_WAIT).await {
+            Ok(claims) => claims,
+            // The server may be restarting: the client reconnects, so wait and retry
+            // (leaving stays possible meanwhile).
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot take claims; retrying");
+                tokio::time::sleep(CLAIM_WAIT).await;
+                continue;
+            }
+        };
         if claims.is_empty() {
             continue;
         }
@@ -115,7 +124,27 @@ pub async fn run_worker(
                 let start = Instant::now();
                 let weights = match subscriber.latest().await? {
                     Some(w) if w.version >= version => w,
-                    _ => subscriber.wait_for(version).await?,
+                    _ => {
+                        // Weights are published before their claims are offered, so
+                        // this wait is short unless the trainer died; a worker asked
+                        // to leave meanwhile gives its claims back.
+                        let stopped = async {
+                            while !stop.is_stopped() {
+                                tokio::time::sleep(CLAIM_WAIT).await;
+                            }
+                        };
+                        tokio::select! {
+                            w = subscriber.wait_for(version) => w?,
+                            () = stopped => {
+                                for claim in claims.iter() {
+                                    claim.release().await.map_err(err("transport"))?;
+                                }
+                                metrics::counter!("metronome_cluster_claims_released_total")
+                                    .increment(claims.len() as u64);
+                                return Ok(None);
+                            }
+                        }
+                    }
                 };
                 if weights.version > version {
                     // The period was stepped already (a claim offered again after a
