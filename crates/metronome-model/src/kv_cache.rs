@@ -125,14 +125,23 @@ impl KvCache {
     }
 }
 
+/// `x` with zero rows appended up to `min_rows` rows (itself when it has that many).
+/// Padding each linear layer's input once, and running the gate, up and down
+/// projections and the SwiGLU between them on the padded rows (zero rows stay zero),
+/// costs three pads per layer instead of seven.
+fn pad_rows(x: &Tensor, min_rows: usize) -> Result<Tensor> {
+    let n = x.dim(0)?;
+    if n >= min_rows {
+        return Ok(x.clone());
+    }
+    let pad = Tensor::zeros((min_rows - n, x.dim(1)?), x.dtype(), x.device())?;
+    Ok(Tensor::cat(&[x, &pad], 0)?)
+}
+
 /// `linear` with the input padded to `min_rows` rows.
 fn padded_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, min_rows: usize) -> Result<Tensor> {
     let n = x.dim(0)?;
-    if n >= min_rows {
-        return linear(x, w, b);
-    }
-    let pad = Tensor::zeros((min_rows - n, x.dim(1)?), x.dtype(), x.device())?;
-    linear(&Tensor::cat(&[x, &pad], 0)?, w, b)?.narrow(0, 0, n).map_err(Into::into)
+    Ok(linear(&pad_rows(x, min_rows)?, w, b)?.narrow(0, 0, n)?)
 }
 
 impl Model {
@@ -226,9 +235,16 @@ impl Model {
         for (li, l) in m.layers.iter().enumerate() {
             let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
             let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let q = padded_linear(&a, &w(&l.q), wo(&l.q_bias).as_ref(), mr)?.reshape((total, h, hd))?;
-            let k = padded_linear(&a, &w(&l.k), wo(&l.k_bias).as_ref(), mr)?.reshape((total, kvh, hd))?;
-            let v = padded_linear(&a, &w(&l.v), wo(&l.v_bias).as_ref(), mr)?.reshape((total, kvh, hd))?;
+            let a = pad_rows(&a, mr)?;
+            let proj = |wt: &candle_core::Var,
+                        bias: &Option<candle_core::Var>,
+                        heads: usize|
+             -> Result<Tensor> {
+                Ok(linear(&a, &w(wt), wo(bias).as_ref())?.narrow(0, 0, total)?.reshape((total, heads, hd))?)
+            };
+            let q = proj(&l.q, &l.q_bias, h)?;
+            let k = proj(&l.k, &l.k_bias, kvh)?;
+            let v = proj(&l.v, &l.v_bias, kvh)?;
             let q = apply_rope(&q, &rope)?;
             let k = apply_rope(&k, &rope)?;
             write_decode_rows(&cache.keys[li], &k, rows)?;
@@ -236,9 +252,9 @@ impl Model {
             let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
             x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
             let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let g = padded_linear(&b, &w(&l.gate), None, mr)?;
-            let u = padded_linear(&b, &w(&l.up), None, mr)?;
-            x = (x + padded_linear(&swiglu(&g, &u)?, &w(&l.down), None, mr)?)?;
+            let b = pad_rows(&b, mr)?;
+            let gu = swiglu(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?, total)?;
+            x = (x + linear(&gu, &w(&l.down), None)?.narrow(0, 0, total)?)?;
         }
         if total > seqs.len() {
             x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;

@@ -494,9 +494,12 @@ pub(crate) fn decode_attention(
 
 /// `silu(gate) * up` in one pass, forward only: the SwiGLU of the decode path, where
 /// the separate candle ops would allocate and walk two `[n, intermediate]` buffers.
-/// SiLU is computed as candle computes it, `x / (1 + exp(-x))`.
+/// SiLU is computed as candle computes it, `x / (1 + exp(-x))`. Only the first `rows`
+/// rows are computed; the rest (padding rows of a decode step) are zero.
 #[derive(Debug, Clone, Copy)]
-struct SwiGlu;
+struct SwiGlu {
+    rows: usize,
+}
 
 impl candle_core::CustomOp2 for SwiGlu {
     fn name(&self) -> &'static str {
@@ -514,14 +517,20 @@ impl candle_core::CustomOp2 for SwiGlu {
         if l1.dims() != l2.dims() {
             candle_core::bail!("swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())
         }
-        let out = g.iter().zip(u).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+        let cols = l1.dims().last().copied().unwrap_or(1);
+        let live = (self.rows * cols).min(g.len());
+        let mut out = vec![0f32; g.len()];
+        for ((o, &g), &u) in out[..live].iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
         Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
-/// `silu(gate) * up` without an autograd graph (see [`SwiGlu`]).
-pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    Ok(gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SwiGlu)?)
+/// `silu(gate) * up` for the first `rows` rows of `[n, d]` inputs, zero after, without
+/// an autograd graph (see [`SwiGlu`]).
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor, rows: usize) -> Result<Tensor> {
+    Ok(gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SwiGlu { rows })?)
 }
 
 /// How one segment of a packed row attends: its queries against every key of its
@@ -730,9 +739,12 @@ mod tests {
         let g = Tensor::from_vec(noise(7, 3 * 37), (3, 37), &dev).unwrap();
         let u = Tensor::from_vec(noise(8, 3 * 37), (3, 37), &dev).unwrap();
         let composed = (g.silu().unwrap() * &u).unwrap();
-        let d = (swiglu(&g, &u).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
+        let d = (swiglu(&g, &u, 3).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
         assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
-        assert!(swiglu(&g, &u.narrow(1, 0, 36).unwrap()).is_err());
+        let two = swiglu(&g, &u, 2).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(two[1], swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap()[1]);
+        assert!(two[2].iter().all(|&x| x == 0.0), "rows past `rows` are zero");
+        assert!(swiglu(&g, &u.narrow(1, 0, 36).unwrap(), 3).is_err());
     }
 
     #[test]
