@@ -31,6 +31,8 @@ struct ClusterState {
 }
 
 const STATE_FILE: &str = "cluster_state.json";
+/// How long the trainer waits for a group before it logs that it is waiting.
+const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
 const LATEST_FILE: &str = "latest";
 
 /// What a trainer process produced.
@@ -186,7 +188,21 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
         // Acknowledged only after the checkpoint that contains them.
         let mut held: Vec<Delivery> = Vec::with_capacity(expected.len());
         while trained.len() < expected.len() {
-            let Some(delivery) = receiver.recv().await? else {
+            // Tell the operator when nothing arrives for a while (no worker running?).
+            // Cancelling a receive loses nothing: an unacknowledged group comes back.
+            let next = match tokio::time::timeout(WAIT_NOTICE, receiver.recv()).await {
+                Ok(next) => next?,
+                Err(_) => {
+                    tracing::warn!(
+                        "period {period}: {} of {} groups in after waiting {}s; are rollout workers running?",
+                        trained.len(),
+                        expected.len(),
+                        WAIT_NOTICE.as_secs()
+                    );
+                    continue;
+                }
+            };
+            let Some(delivery) = next else {
                 return Err(Error::StreamClosed {
                     period,
                     received: trained.len(),
