@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::metrics::record_period;
 use crate::report::{Interval, PeriodReport, StageKind};
 use crate::rundir::RunDir;
+use crate::schedule::Schedule;
 use crate::summary::summary_table;
 
 /// Where the trainer stands after a period: enough to repeat the protocol from there.
@@ -121,11 +122,22 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
     dir.write_config(&config.to_toml()?)?;
     let checkpoints = Checkpoints::new(&dir);
 
-    let (_, tokenizer) = load_model(&config)?;
+    if let Schedule::Stale(_) = config.run.schedule {
+        return Err(Error::Config {
+            key: "run.schedule".into(),
+            reason: format!(
+                "is `{}`, but `metronome trainer` runs the on-policy `periodic` protocol",
+                config.run.schedule
+            ),
+        });
+    }
+    // The model is the warm start's input; a resumed trainer only needs its tokenizer.
+    let (model, tokenizer) = load_model(&config)?;
     let mut source =
         config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
     let (mut trainer, first_period, resumed_at) = match checkpoints.latest()? {
         Some((path, state)) => {
+            drop(model);
             tracing::info!(period = state.next_period, "resuming from {}", path.display());
             eprintln!("resuming at period {} from {}", state.next_period, path.display());
             metrics::counter!("metronome_cluster_trainer_resumes_total").increment(1);
@@ -135,7 +147,6 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             (trainer, state.next_period, Some(state.next_period))
         }
         None => {
-            let (model, _) = load_model(&config)?;
             let bar = progress_bar(progress, config.sft.steps, "sft");
             let (model, sft_loss) = warm_start(&config, model, &tokenizer).await?;
             bar.finish_and_clear();
