@@ -141,34 +141,25 @@ fn main() -> ExitCode {
     // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
     // here, that made a period of the default run 4x slower, in system time. The value
     // keeps what candle would compute (the cores), so `sync` still splits its matmuls.
-    // Setting the environment of a running process is unsafe, so re-execute with both
+    // Setting the environment of a running process is unsafe, so the binary replaces
+    // itself (exec: same process id, so a signal sent to it reaches the run) with both
     // set instead.
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() || std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        use std::os::unix::process::CommandExt;
         let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).to_string();
-        let mut child =
+        let mut again =
             std::process::Command::new(std::env::current_exe().unwrap_or_else(|_| "metronome".into()));
-        child.args(std::env::args_os().skip(1));
+        again.args(std::env::args_os().skip(1));
         if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-            child.env("CANDLE_NUM_THREADS", "1");
+            again.env("CANDLE_NUM_THREADS", "1");
         }
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            child.env("RAYON_NUM_THREADS", cores);
+            again.env("RAYON_NUM_THREADS", cores);
         }
-        return match child.status() {
-            Ok(s) => ExitCode::from(s.code().map_or_else(
-                || {
-                    use std::os::unix::process::ExitStatusExt;
-                    // Killed: say so, or an out-of-memory kill looks like a silent failure.
-                    eprintln!("error: metronome was killed by signal {}", s.signal().unwrap_or(0));
-                    1
-                },
-                |c| c.clamp(0, 255) as u8,
-            )),
-            Err(e) => {
-                eprintln!("error: cannot re-execute metronome: {e}");
-                ExitCode::FAILURE
-            }
-        };
+        // `exec` returns only when it failed.
+        let e = again.exec();
+        eprintln!("error: cannot re-execute metronome: {e}");
+        return ExitCode::FAILURE;
     }
     tracing_subscriber::fmt()
         .with_env_filter(
