@@ -15,10 +15,6 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 
-#[allow(dead_code, reason = "the test helper's restart support is not needed here")]
-#[path = "../tests/it/nats_server.rs"]
-mod nats_server;
-
 struct Measured {
     period_s: f64,
     groups_per_s: f64,
@@ -108,7 +104,7 @@ fn main() {
         base.publication_s * 1e3
     );
     for &n in counts {
-        let server = nats_server::NatsServer::start(&[]);
+        let server = metronome_transport::server::NatsServer::start(&[]).expect("start nats-server");
         let mut sets = workload.clone();
         sets.extend(["transport.kind=nats".to_owned(), format!(r#"transport.urls=["{}"]"#, server.url())]);
         let dir = out.path().join(format!("workers-{n}"));

@@ -6,7 +6,7 @@
 //! - `groups/*`: small groups (G = 4, 32 tokens) sent, received and acknowledged, in
 //!   process and over NATS.
 //!
-//! Starts its own `nats-server` (see `tests/it/server.rs`).
+//! Starts its own `nats-server` (`metronome_transport::server`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -17,12 +17,9 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
 use metronome_transport::nats::{NatsConfig, NatsTransport, Storage};
+use metronome_transport::server;
 use metronome_transport::testdata::{scored_group, snapshot_of_bytes};
 use metronome_transport::wire::{WeightsDecoder, decode_weights, encode_weights, encode_weights_chunks};
-
-#[path = "../tests/it/server.rs"]
-#[allow(dead_code, reason = "the bench uses a subset of the test helper")]
-mod server;
 
 const SNAPSHOT_BYTES: usize = 100 << 20;
 const GROUPS: u64 = 500;
@@ -77,7 +74,7 @@ fn weights(c: &mut Criterion) {
     });
 
     let rt = runtime();
-    let server = server::NatsServer::start();
+    let server = server::NatsServer::start(&[]).expect("start nats-server");
     for storage in [Storage::File, Storage::Memory] {
         let name = format!("nats_publish_fetch_{storage:?}").to_lowercase();
         let mut config = NatsConfig::with_prefix(vec![server.url()], &name);
@@ -140,7 +137,7 @@ fn groups(c: &mut Criterion) {
         });
     });
 
-    let server = server::NatsServer::start();
+    let server = server::NatsServer::start(&[]).expect("start nats-server");
     let (sender, mut receiver) = rt.block_on(async {
         let t = NatsTransport::connect(NatsConfig::with_prefix(vec![server.url()], "bench_groups"))
             .await

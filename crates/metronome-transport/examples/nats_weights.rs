@@ -8,8 +8,6 @@
 //! temporary directory) on a free loopback port and stops it at the end. The server is
 //! the Debian package `nats-server`; `NATS_SERVER_BIN` may name another binary.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -17,43 +15,7 @@ use metronome_core::{
     HostTensor, PolicyVersion, TensorData, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 use metronome_transport::nats::{NatsConfig, NatsTransport};
-
-/// A `nats-server` child process, killed on drop.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `nats-server -js` on a free loopback port and waits until it is ready.
-fn start_server(store: &std::path::Path) -> anyhow::Result<(Server, String)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
-    let mut child = Command::new(&bin)
-        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(store)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| {
-            format!("cannot start `{bin}`: install it (apt-get install nats-server) or pass --url")
-        })?;
-    let stderr = child.stderr.take().context("piped stderr")?;
-    let server = Server(child);
-    // The server logs to stderr; JetStream is up once it prints "Server is ready".
-    let mut lines = BufReader::new(stderr).lines();
-    lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find(|l| l.contains("Server is ready"))
-        .context("nats-server exited before it was ready")?;
-    // Keep draining its log so the server never blocks on a full pipe.
-    std::thread::spawn(move || lines.for_each(drop));
-    Ok((server, format!("nats://127.0.0.1:{port}")))
-}
+use metronome_transport::server::NatsServer;
 
 /// Weights as the trainer's `snapshot()` returns them: named host tensors.
 fn snapshot(version: u64) -> WeightSnapshot {
@@ -76,11 +38,13 @@ fn snapshot(version: u64) -> WeightSnapshot {
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let url = args.iter().position(|a| a == "--url").and_then(|i| args.get(i + 1)).cloned();
-    let store = tempfile::tempdir()?;
+    // `server::NatsServer` is the crate's helper for tests and examples: a real
+    // `nats-server` on a free loopback port, stopped when dropped.
     let (_server, url) = match url {
         Some(url) => (None, url),
         None => {
-            let (server, url) = start_server(store.path())?;
+            let server = NatsServer::start(&[]).context("pass --url to use a running server")?;
+            let url = server.url();
             (Some(server), url)
         }
     };

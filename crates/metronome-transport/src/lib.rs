@@ -52,6 +52,8 @@ mod error;
 pub mod local;
 #[cfg(feature = "nats")]
 pub mod nats;
+#[cfg(feature = "nats")]
+pub mod server;
 pub mod stats;
 pub mod testdata;
 pub mod wire;

@@ -10,7 +10,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::nats_server::{NatsServer, free_port};
+use metronome_transport::server::{NatsServer, free_port};
 
 /// How long any one step may take before the test gives up (a hang, not a timing).
 const PATIENCE: Duration = Duration::from_secs(300);
@@ -281,7 +281,7 @@ fn assert_same_weights(run: &Path, periods: u64) {
 fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() {
     let _serial = serial();
     let periods = 4;
-    let server = NatsServer::start(&[]);
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
@@ -316,7 +316,7 @@ fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() 
 fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
     let _serial = serial();
     let periods = 5;
-    let server = NatsServer::start(&[]);
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
@@ -327,7 +327,7 @@ fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
     // trainer waits for the next period's groups.
     a.sigterm();
     a.finish_ok();
-    let port = free_port();
+    let port = free_port().expect("a free port");
     let mut b = Proc::worker_with_metrics("b", &sets, out.path(), port);
     let page = b.scrape_until_exit(port, "metronome_cluster_worker_groups_total");
     trainer.finish_ok();
@@ -356,7 +356,7 @@ fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
 fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights() {
     let _serial = serial();
     let periods = 4;
-    let server = NatsServer::start(&[]);
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
@@ -384,14 +384,14 @@ fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
     let _serial = serial();
     let out = tempfile::tempdir().unwrap();
     // Nothing listens on this port.
-    let dead = format!("nats://127.0.0.1:{}", free_port());
+    let dead = format!("nats://127.0.0.1:{}", free_port().expect("a free port"));
     let mut worker = Proc::worker("dead-server", &settings(&dead, 1), out.path());
     let status = worker.finish();
     assert!(!status.success());
     let log = worker.log();
     assert!(log.contains("cannot connect to NATS at nats://127.0.0.1"), "{log}");
 
-    let server = NatsServer::start(&["--user", "metronome", "--pass", "right"]);
+    let server = NatsServer::start(&["--user", "metronome", "--pass", "right"]).expect("start nats-server");
     let mut sets = settings(&server.url(), 1);
     sets.push(r#"transport.auth={kind="user_password", user="metronome", password="wrong"}"#.into());
     for role in ["worker", "trainer"] {

@@ -1,5 +1,4 @@
 //! The `metronome` binary, run for real.
 
 mod cluster;
-mod nats_server;
 mod prometheus;

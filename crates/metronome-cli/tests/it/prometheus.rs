@@ -2,13 +2,9 @@
 //! the pipeline documents.
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
 
 pub(crate) fn scrape(port: u16) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -21,7 +17,7 @@ pub(crate) fn scrape(port: u16) -> Option<String> {
 
 #[test]
 fn every_documented_metric_is_served_during_a_run() {
-    let port = free_port();
+    let port = metronome_transport::server::free_port().expect("a free port");
     let out = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_metronome"))
         .args(["run", "--quiet", "--periods", "4", "--metrics-addr", &format!("127.0.0.1:{port}")])

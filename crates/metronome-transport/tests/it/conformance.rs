@@ -84,7 +84,7 @@ mod over_nats {
     use metronome_transport::nats::{NatsConfig, NatsTransport};
 
     use super::*;
-    use crate::server::NatsServer;
+    use metronome_transport::server::NatsServer;
 
     /// One server per test; every call makes endpoints under a new name prefix.
     pub(crate) struct Nats {
@@ -94,7 +94,7 @@ mod over_nats {
 
     impl Nats {
         pub(crate) fn start() -> Self {
-            Self { server: NatsServer::start(), next: AtomicU64::new(0) }
+            Self { server: NatsServer::start(&[]).expect("start nats-server"), next: AtomicU64::new(0) }
         }
 
         async fn transport(&self) -> NatsTransport {

@@ -15,7 +15,7 @@ use metronome_transport::nats::{NatsConfig, NatsTransport};
 use metronome_transport::testdata::{scored_group, snapshot};
 use metronome_transport::wire::{encode_group, encode_weights};
 
-use crate::server::NatsServer;
+use metronome_transport::server::NatsServer;
 
 /// Environment variables that turn this test binary into a helper process.
 const CHILD_ROLE: &str = "METRONOME_TRANSPORT_CHILD_ROLE";
@@ -129,7 +129,7 @@ fn wait_for_line(child: &mut ChildGuard, prefix: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_published_by_one_process_are_fetched_bit_identically_by_another() {
-    let server = NatsServer::start();
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let mut child = spawn_child("publish-weights", &server, "xproc");
     wait_for_line(&mut child, "published");
     assert!(child.wait().unwrap().success(), "the publishing process failed");
@@ -154,7 +154,7 @@ async fn weights_published_by_one_process_are_fetched_bit_identically_by_another
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_killed_before_acknowledging_gets_the_group_again_and_counts_it_once() {
-    let server = NatsServer::start();
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let mut cfg = config(&server, "crash");
     // Redeliver quickly: the killed consumer never acknowledges.
     cfg.groups.ack_wait_ms = 1_000;
@@ -195,7 +195,7 @@ async fn a_consumer_killed_before_acknowledging_gets_the_group_again_and_counts_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
-    let mut server = NatsServer::start();
+    let mut server = NatsServer::start(&[]).expect("start nats-server");
     let sending = NatsTransport::connect(config(&server, "restart")).await.unwrap();
     let receiving = NatsTransport::connect(config(&server, "restart")).await.unwrap();
     let mut receiver = receiving.group_receiver().await.unwrap();
@@ -211,7 +211,7 @@ async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
         d.acker.ack().await.unwrap();
     }
 
-    server.restart();
+    server.restart().expect("restart nats-server");
 
     // Sends during and after the restart retry until the server has them.
     for p in 10..20 {
@@ -228,7 +228,7 @@ async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
-    let server = NatsServer::start();
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let t = NatsTransport::connect(config(&server, "hostile")).await.unwrap();
     let sender = t.group_sender().await.unwrap();
     let mut small = config(&server, "hostile");
@@ -283,7 +283,7 @@ async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn old_weight_versions_are_pruned_and_readable_by_any_object_store_client() {
-    let server = NatsServer::start();
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let mut cfg = config(&server, "prune");
     cfg.weights.keep_versions = 2;
     let t = NatsTransport::connect(cfg).await.unwrap();
@@ -323,7 +323,7 @@ async fn connecting_to_nothing_is_a_clear_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_of_many_chunks_round_trips() {
-    let server = NatsServer::start();
+    let server = NatsServer::start(&[]).expect("start nats-server");
     let mut cfg = config(&server, "chunks");
     // Small chunks, so that the pipelined upload and the streaming decode see many.
     cfg.weights.chunk_bytes = 64 * 1024;
