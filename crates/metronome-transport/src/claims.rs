@@ -23,7 +23,7 @@ use futures::StreamExt;
 use metronome_core::{PeriodId, PolicyVersion, Prompt};
 use serde::{Deserialize, Serialize};
 
-use crate::nats::{NatsTransport, Storage};
+use crate::nats::{NatsTransport, Storage, durable_consumer};
 use crate::stats::Counters;
 use crate::{Error, Result, Stats};
 
@@ -178,18 +178,7 @@ impl NatsTransport {
     pub async fn claim_taker(&self) -> Result<NatsClaimTaker> {
         let c = &self.config().claims;
         let stream = self.claim_stream().await?;
-        let consumer: consumer::PullConsumer = stream
-            .get_or_create_consumer(
-                &c.consumer,
-                consumer::pull::Config {
-                    durable_name: Some(c.consumer.clone()),
-                    ack_policy: consumer::AckPolicy::Explicit,
-                    ack_wait: Duration::from_millis(c.lease_ms),
-                    ..consumer::pull::Config::default()
-                },
-            )
-            .await
-            .map_err(|e| Error::nats("create claim consumer", e))?;
+        let consumer = durable_consumer(&stream, &c.consumer, c.lease_ms, "create claim consumer").await?;
         Ok(NatsClaimTaker { consumer, counters: Counters::new("nats", "claim").into() })
     }
 }

@@ -443,18 +443,7 @@ impl NatsTransport {
     pub async fn group_receiver(&self) -> Result<NatsGroupReceiver> {
         let c = &self.config.groups;
         let stream = self.group_stream().await?;
-        let consumer: consumer::PullConsumer = stream
-            .get_or_create_consumer(
-                &c.consumer,
-                consumer::pull::Config {
-                    durable_name: Some(c.consumer.clone()),
-                    ack_policy: consumer::AckPolicy::Explicit,
-                    ack_wait: Duration::from_millis(c.ack_wait_ms),
-                    ..consumer::pull::Config::default()
-                },
-            )
-            .await
-            .map_err(|e| Error::nats("create group consumer", e))?;
+        let consumer = durable_consumer(&stream, &c.consumer, c.ack_wait_ms, "create group consumer").await?;
         let messages = consumer.messages().await.map_err(|e| Error::nats("subscribe to groups", e))?;
         Ok(NatsGroupReceiver {
             messages,
@@ -598,6 +587,29 @@ impl NatsTransport {
             tokio::time::sleep(backoff).await;
         }
     }
+}
+
+/// The durable pull consumer `name` of `stream` with explicit acknowledgement and an
+/// acknowledgement timeout of `ack_wait_ms` (the redelivery delay of an unacknowledged
+/// message); created when missing, shared by every client that names it.
+pub(crate) async fn durable_consumer(
+    stream: &stream::Stream,
+    name: &str,
+    ack_wait_ms: u64,
+    what: &'static str,
+) -> Result<consumer::PullConsumer> {
+    stream
+        .get_or_create_consumer(
+            name,
+            consumer::pull::Config {
+                durable_name: Some(name.to_owned()),
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_millis(ack_wait_ms),
+                ..consumer::pull::Config::default()
+            },
+        )
+        .await
+        .map_err(|e| Error::nats(what, e))
 }
 
 /// Sends groups to the group stream.
