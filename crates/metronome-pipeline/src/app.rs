@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use metronome_core::{
-    AccumulateReport, Completion, PeriodId, PolicyVersion, Prompt, PromptSource, RewardFn, RolloutEngine,
-    RolloutRequest, RunSeed, ScoredGroup, StepReport, Tokenizer, TrainBatch, Trainer, WeightSnapshot,
+    AccumulateReport, Completion, GroupScorer, PeriodId, PolicyVersion, Prompt, PromptSource, RewardFn,
+    RolloutEngine, RolloutRequest, RunSeed, ScoredGroup, StepReport, Tokenizer, TrainBatch, Trainer,
+    WeightSnapshot,
 };
 use metronome_model::{CharTokenizer, Device, HfTokenizer, Model, ModelConfig};
 use metronome_reward::{RewardConfig, ScorerConfig};
@@ -113,13 +114,7 @@ impl Evaluator {
         let mut engine_cfg = config.rollout.clone();
         engine_cfg.sampling.temperature = config.eval.temperature;
         engine_cfg.workers = 1;
-        let inference = Model::from_snapshot(
-            model.config().clone(),
-            &model.snapshot(PolicyVersion(0)).map_err(err("model"))?,
-            model.device(),
-            false,
-        )
-        .map_err(err("model"))?;
+        let inference = model.frozen_copy().map_err(err("model"))?;
         let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
         Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
@@ -355,6 +350,15 @@ pub fn local_transport(config: &PipelineConfig) -> Transport {
     }
 }
 
+/// The run's group scorer, computing advantages with the trainer's estimator.
+pub(crate) fn group_scorer(config: &PipelineConfig) -> Result<Box<dyn GroupScorer>> {
+    let mut reward = config.reward.clone();
+    if let RewardConfig::Local { pool, .. } = &mut reward {
+        pool.estimator = config.trainer.advantage;
+    }
+    reward.build().map_err(err("reward"))
+}
+
 /// The stages of a configured run on `policy`, and a handle on its trainer.
 pub fn build_stages(
     config: &PipelineConfig,
@@ -362,21 +366,11 @@ pub fn build_stages(
     tokenizer: Arc<dyn Tokenizer>,
 ) -> Result<(Stages, TrainerHandle)> {
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
-    let inference = Model::from_snapshot(
-        policy.config().clone(),
-        &policy.snapshot(PolicyVersion(0)).map_err(err("model"))?,
-        policy.device(),
-        false,
-    )
-    .map_err(err("model"))?;
+    let inference = policy.frozen_copy().map_err(err("model"))?;
     let mut engine_cfg = config.rollout.clone();
     engine_cfg.seed = config.run.seed;
     let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
-    let mut reward = config.reward.clone();
-    if let RewardConfig::Local { pool, .. } = &mut reward {
-        pool.estimator = config.trainer.advantage;
-    }
-    let scorer = reward.build().map_err(err("reward"))?;
+    let scorer = group_scorer(config)?;
     let packing = config.packing;
     let packer = move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
         metronome_masking::pack_period(groups, &packing)

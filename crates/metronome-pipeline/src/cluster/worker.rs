@@ -9,14 +9,12 @@ use metronome_core::{
     ControlMessage, Group, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion, PromptId,
     RolloutEngine, RolloutRequest, WeightSubscriber,
 };
-use metronome_model::Model;
-use metronome_reward::RewardConfig;
 use metronome_transport::ControlReceiver;
 use metronome_transport::claims::Claim;
 use metronome_transport::nats::NatsGroupSender;
 
 use super::StopFlag;
-use crate::app::{err, load_model};
+use crate::app::{err, group_scorer, load_model};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 
@@ -54,22 +52,12 @@ pub async fn run_worker(
     let lease = Duration::from_millis(transport.config().claims.lease_ms.max(1));
 
     let (model, tokenizer) = load_model(&config)?;
-    let inference = Model::from_snapshot(
-        model.config().clone(),
-        &model.snapshot(PolicyVersion(0)).map_err(err("model"))?,
-        model.device(),
-        false,
-    )
-    .map_err(err("model"))?;
+    let inference = model.frozen_copy().map_err(err("model"))?;
     drop(model);
     let mut engine_cfg = config.rollout.clone();
     engine_cfg.seed = config.run.seed;
     let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
-    let mut reward = config.reward.clone();
-    if let RewardConfig::Local { pool, .. } = &mut reward {
-        pool.estimator = config.trainer.advantage;
-    }
-    let scorer: Arc<dyn GroupScorer> = Arc::from(reward.build().map_err(err("reward"))?);
+    let scorer: Arc<dyn GroupScorer> = Arc::from(group_scorer(&config)?);
 
     let mut subscriber = transport.weight_subscriber().await.map_err(err("transport"))?;
     let taker = transport.claim_taker().await.map_err(err("transport"))?;
