@@ -7,7 +7,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::ops::{apply_rope, attention, linear, log_softmax_last_dim, rms_norm, rope_tables, segment_plans};
+use crate::ops::{
+    apply_rope, attention, linear, log_softmax_last_dim, rms_norm, rope_tables, segment_plans, swiglu_train,
+};
 use crate::{Error, Result};
 
 /// One decoder layer's parameters.
@@ -318,9 +320,8 @@ impl Model {
             };
             x = (x + linear(&att, &w(&l.o), None)?)?;
             let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let g = linear(&b, &w(&l.gate), None)?.silu()?;
-            let u = linear(&b, &w(&l.up), None)?;
-            x = (x + linear(&(g * u)?, &w(&l.down), None)?)?;
+            let gu = swiglu_train(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?)?;
+            x = (x + linear(&gu, &w(&l.down), None)?)?;
         }
         rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
     }
