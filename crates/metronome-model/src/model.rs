@@ -8,7 +8,8 @@ use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{
-    apply_rope, attention, linear, log_softmax_last_dim, rms_norm, rope_tables, segment_plans, swiglu_train,
+    apply_rope, attention, linear, rms_norm, rope_tables, segment_plans, swiglu_train,
+    target_logprobs_entropy,
 };
 use crate::{Error, Result};
 
@@ -378,10 +379,9 @@ impl Model {
         }
         let picked = hidden.index_select(&Tensor::from_vec(index, n, dev)?, 0)?;
         let logits = linear(&picked, &self.lm_head(grad), None)?;
-        let logp = log_softmax_last_dim(&logits)?;
-        let tok = Tensor::from_vec(targets.token.clone(), (n, 1), dev)?;
-        let logprobs = logp.gather(&tok, 1)?.squeeze(1)?;
-        let entropy = (logp.exp()? * &logp)?.sum(1)?.neg()?;
+        let both = target_logprobs_entropy(&logits, targets.token.clone())?;
+        let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
+        let entropy = both.narrow(1, 1, 1)?.squeeze(1)?;
         Ok(TargetOutput { logprobs, entropy })
     }
 

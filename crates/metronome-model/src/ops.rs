@@ -190,7 +190,8 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
             }
             let mut sum = 0f32;
             for o in os.iter_mut() {
-                *o = (*o - max).exp();
+                // Masked entries are exactly zero: skip their `exp` (half of a causal block).
+                *o = if *o == f32::NEG_INFINITY { 0.0 } else { (*o - max).exp() };
                 sum += *o;
             }
             let inv = 1.0 / sum;
@@ -208,9 +209,45 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
         p: &Tensor,
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        // d softmax: p * (g - sum(g * p)).
-        let dot = (g * p)?.sum_keepdim(D::Minus1)?;
-        Ok((Some((g.broadcast_sub(&dot)? * p)?), None))
+        Ok((Some(p.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxGrad)?), None))
+    }
+}
+
+/// The backward of a softmax over the last dimension in one pass: from the
+/// probabilities `p` and the output gradient `g`, `p · (g − Σ g·p)` per row (as candle
+/// ops: a product, a sum, a broadcast subtraction and a product, each allocating).
+#[derive(Debug, Clone, Copy)]
+struct SoftmaxGrad;
+
+impl candle_core::CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (p, g) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        if l1.dims() != l2.dims() {
+            candle_core::bail!(
+                "softmax-grad: probabilities {:?} and gradient {:?} differ",
+                l1.dims(),
+                l2.dims()
+            )
+        }
+        let lk = l1.dims().last().copied().unwrap_or(1).max(1);
+        let mut out = vec![0f32; p.len()];
+        for ((ps, gs), os) in p.chunks_exact(lk).zip(g.chunks_exact(lk)).zip(out.chunks_exact_mut(lk)) {
+            let dot: f32 = ps.iter().zip(gs).map(|(a, b)| a * b).sum();
+            for ((o, &a), &b) in os.iter_mut().zip(ps).zip(gs) {
+                *o = a * (b - dot);
+            }
+        }
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
@@ -219,12 +256,133 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
     Ok(scores.contiguous()?.apply_op2(&mask.contiguous()?, MaskedSoftmax)?)
 }
 
-/// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
-pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+/// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]): the
+/// composed reference [`TargetLogProbs`] is tested against.
+#[cfg(test)]
+fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     let z = x.broadcast_sub(&max)?;
     let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
     Ok(z.broadcast_sub(&lse)?)
+}
+
+/// For each row of `logits: [n, vocab]`, the log-prob of its target token and the
+/// entropy of its distribution, as `[n, 2]`, with its backward.
+///
+/// As candle ops this is a log-softmax (six ops), a gather, and exp, product, sum and
+/// negation for the entropy, each with a backward that allocates `[n, vocab]` again.
+/// With `p = softmax(z)`, `H = −Σ p log p` and `t` the target:
+/// `d log p_t / d z_j = [j = t] − p_j` and `d H / d z_j = −p_j (log p_j + H)`.
+#[derive(Debug, Clone)]
+struct TargetLogProbs {
+    targets: std::sync::Arc<Vec<u32>>,
+}
+
+impl TargetLogProbs {
+    /// The contiguous logits and their row width, checked against the targets.
+    fn rows<'a>(
+        &self,
+        op: &str,
+        s: &'a candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(&'a [f32], usize)> {
+        let z = contiguous_f32(op, s, l)?;
+        let (n, vocab) = l.shape().dims2()?;
+        if n != self.targets.len() {
+            candle_core::bail!("{op}: {n} rows of logits for {} targets", self.targets.len())
+        }
+        if let Some((i, t)) = self.targets.iter().enumerate().find(|(_, t)| **t as usize >= vocab) {
+            candle_core::bail!("{op}: target {i} is token {t}, outside the vocabulary of {vocab}")
+        }
+        Ok((z, vocab.max(1)))
+    }
+}
+
+/// Writes `log softmax(z)` into `out` and returns the entropy of the distribution.
+fn log_softmax_row(z: &[f32], out: &mut [f32]) -> f32 {
+    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for (o, &v) in out.iter_mut().zip(z) {
+        *o = v - max;
+        sum += o.exp();
+    }
+    let lse = sum.ln();
+    let mut entropy = 0f32;
+    for o in out.iter_mut() {
+        *o -= lse;
+        entropy -= o.exp() * *o;
+    }
+    entropy
+}
+
+impl candle_core::CustomOp1 for TargetLogProbs {
+    fn name(&self) -> &'static str {
+        "target-logprobs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (z, vocab) = self.rows(self.name(), s, l)?;
+        let n = self.targets.len();
+        let mut out = vec![0f32; 2 * n];
+        let mut logp = vec![0f32; vocab];
+        for (i, zs) in z.chunks_exact(vocab).enumerate() {
+            let entropy = log_softmax_row(zs, &mut logp);
+            out[2 * i] = logp[self.targets[i] as usize];
+            out[2 * i + 1] = entropy;
+        }
+        Ok((candle_core::CpuStorage::F32(out), (n, 2).into()))
+    }
+
+    fn bwd(&self, z: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(z.apply_op2_no_bwd(&g.contiguous()?, &TargetLogProbsGrad(self.clone()))?))
+    }
+}
+
+/// The backward of [`TargetLogProbs`]: from the logits and the `[n, 2]` gradient of
+/// (log-prob, entropy), the `[n, vocab]` gradient of the logits.
+#[derive(Debug, Clone)]
+struct TargetLogProbsGrad(TargetLogProbs);
+
+impl candle_core::CustomOp2 for TargetLogProbsGrad {
+    fn name(&self) -> &'static str {
+        "target-logprobs-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let (z, vocab) = self.0.rows(self.name(), s1, l1)?;
+        let g = contiguous_f32(self.name(), s2, l2)?;
+        let n = self.0.targets.len();
+        if l2.dims() != [n, 2] {
+            candle_core::bail!("{}: gradient {:?} for {n} targets", self.name(), l2.dims())
+        }
+        let mut out = vec![0f32; z.len()];
+        for (i, (zs, os)) in z.chunks_exact(vocab).zip(out.chunks_exact_mut(vocab)).enumerate() {
+            let entropy = log_softmax_row(zs, os);
+            let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
+            for o in os.iter_mut() {
+                let p = o.exp();
+                *o = -p * (g_logp + g_entropy * (*o + entropy));
+            }
+            os[self.0.targets[i] as usize] += g_logp;
+        }
+        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Log-probs of `targets` under `logits: [n, vocab]` and the entropies of the rows, as
+/// `[n, 2]` (see [`TargetLogProbs`]).
+pub(crate) fn target_logprobs_entropy(logits: &Tensor, targets: Vec<u32>) -> Result<Tensor> {
+    Ok(logits.contiguous()?.apply_op1(TargetLogProbs { targets: std::sync::Arc::new(targets) })?)
 }
 
 /// `x @ wᵀ (+ b)` for `x: [n, in]`, `w: [out, in]`.
@@ -859,6 +1017,54 @@ mod tests {
         assert!(diff(&dgf, &dgc) < 1e-5, "d gate {}", diff(&dgf, &dgc));
         assert!(diff(&duf, &duc) < 1e-5, "d up {}", diff(&duf, &duc));
         assert!(swiglu_train(g.as_tensor(), &u.as_tensor().narrow(1, 0, 36).unwrap()).is_err());
+    }
+
+    #[test]
+    fn fused_target_logprobs_match_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let (n, vocab) = (6, 41);
+        let z = Tensor::from_vec(noise(21, n * vocab), (n, vocab), &dev).unwrap();
+        let z = candle_core::Var::from_tensor(&(z * 2.5).unwrap()).unwrap();
+        let targets: Vec<u32> = vec![0, 40, 7, 7, 19, 3];
+        let (wl, we) = (
+            Tensor::from_vec(noise(22, n), n, &dev).unwrap(),
+            Tensor::from_vec(noise(23, n), n, &dev).unwrap(),
+        );
+        let diff = |a: &Tensor, b: &Tensor| {
+            (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        };
+        let fused = target_logprobs_entropy(z.as_tensor(), targets.clone()).unwrap();
+        let (lf, ef) = (
+            fused.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
+            fused.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
+        );
+        let logp = log_softmax_last_dim(z.as_tensor()).unwrap();
+        let tok = Tensor::from_vec(targets.clone(), (n, 1), &dev).unwrap();
+        let lc = logp.gather(&tok, 1).unwrap().squeeze(1).unwrap();
+        let ec = (logp.exp().unwrap() * &logp).unwrap().sum(1).unwrap().neg().unwrap();
+        assert!(diff(&lf, &lc) < 1e-5, "log-probs {}", diff(&lf, &lc));
+        assert!(diff(&ef, &ec) < 1e-5, "entropy {}", diff(&ef, &ec));
+        let loss =
+            |l: &Tensor, e: &Tensor| ((l * &wl).unwrap() + (e * &we).unwrap()).unwrap().sum_all().unwrap();
+        let gf = loss(&lf, &ef).backward().unwrap();
+        let gc = loss(&lc, &ec).backward().unwrap();
+        let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
+        assert!(diff(gf, gc) < 1e-5, "d logits {}", diff(gf, gc));
+        assert!(target_logprobs_entropy(z.as_tensor(), vec![0; n - 1]).is_err());
+        assert!(target_logprobs_entropy(z.as_tensor(), vec![41; n]).is_err());
+    }
+
+    #[test]
+    fn fused_softmax_backward_matches_composed_ops() {
+        let dev = Device::Cpu;
+        let p =
+            softmax_last_dim(&Tensor::from_vec(noise(31, 3 * 2 * 19), (3, 2, 19), &dev).unwrap()).unwrap();
+        let g = Tensor::from_vec(noise(32, 3 * 2 * 19), (3, 2, 19), &dev).unwrap();
+        let fused = p.apply_op2_no_bwd(&g, &SoftmaxGrad).unwrap();
+        let dot = (&g * &p).unwrap().sum_keepdim(D::Minus1).unwrap();
+        let composed = (g.broadcast_sub(&dot).unwrap() * &p).unwrap();
+        let d = (fused - composed).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-6, "{d}");
     }
 
     #[test]
