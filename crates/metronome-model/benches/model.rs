@@ -125,6 +125,18 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
+/// CPU time of this process so far (every thread), from Linux's `/proc/self/task/*/schedstat`
+/// (nanoseconds on a core); `None` elsewhere. On a shared machine it leaves out the time
+/// the process waited for a core, which wall-clock throughput does not.
+fn cpu_seconds() -> Option<f64> {
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 / 1e9)
+}
+
 /// Plain timings after criterion: tokens/s, the matmul peak and MFU in one place.
 fn summary() {
     let m = model();
@@ -140,18 +152,20 @@ fn summary() {
         let (batch, targets) = train_batch(rows);
         train_step(&m, &batch, &targets);
         let reps = 10;
-        let start = Instant::now();
+        let (start, cpu) = (Instant::now(), cpu_seconds());
         for _ in 0..reps {
             train_step(&m, &batch, &targets);
         }
         let tps = (reps * rows * SEQ) as f64 / start.elapsed().as_secs_f64();
+        let cpu_tps = cpu.zip(cpu_seconds()).map(|(a, b)| (reps * rows * SEQ) as f64 / (b - a));
         // Training is ~3x the forward FLOPs; attention scores add 2·2·seq·d per token per layer forward.
         let attn = 4.0 * SEQ as f64 / 2.0
             * (cfg.num_attention_heads * cfg.head_dim) as f64
             * cfg.num_hidden_layers as f64;
         let flops = 3.0 * (cfg.dense_flops_per_token() + attn) * tps;
+        let cpu_tps = cpu_tps.map_or_else(String::new, |t| format!(", {t:.0} tokens per CPU-second"));
         println!(
-            "train fwd+bwd {rows}x{SEQ}: {tps:.0} tokens/s, {:.2} GFLOP/s, MFU {:.1}%",
+            "train fwd+bwd {rows}x{SEQ}: {tps:.0} tokens/s, {:.2} GFLOP/s, MFU {:.1}%{cpu_tps}",
             flops / 1e9,
             100.0 * flops / 1e9 / peak
         );
@@ -166,7 +180,31 @@ fn summary() {
     }
 }
 
+/// mimalloc returns freed memory to the OS 10 ms after it is freed by default, but a
+/// training step frees and re-allocates the same megabyte-sized activations every few
+/// milliseconds, and each re-fault zeroes a fresh page: measured as 17% of the run in
+/// the kernel's `clear_page`; with `MIMALLOC_PURGE_DELAY=-1`, which keeps the memory,
+/// this bench's page faults fell from ~100K to ~500 and its system time from 0.4 s to
+/// 0.08 s (about a fifth of its CPU time). mimalloc reads
+/// options from the environment and setting one in-process needs `unsafe`, so the
+/// bench re-runs itself with the variable set (the same belongs in a trainer's
+/// environment). An explicit value in the environment is left alone.
+fn reexec_with_allocator_env() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else { return };
+    let status = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("MIMALLOC_PURGE_DELAY", "-1")
+        .status();
+    if let Ok(status) = status {
+        std::process::exit(status.code().unwrap_or(1));
+    }
+}
+
 fn main() {
+    reexec_with_allocator_env();
     // `METRONOME_BENCH_SUMMARY=1` skips criterion, for quick back-to-back comparisons.
     if std::env::var_os("METRONOME_BENCH_SUMMARY").is_some() {
         summary();
