@@ -150,7 +150,12 @@ fn summary() {
     println!("matmul peak: {peak:.1} GFLOP/s");
     for rows in TRAIN_ROWS {
         let (batch, targets) = train_batch(rows);
-        train_step(&m, &batch, &targets);
+        // Warm up until the allocator holds the step's peak footprint: first-touch page
+        // faults (2 MiB transparent huge pages, when the kernel has them) otherwise land
+        // in the timed steps and made 1x256 bimodal between runs (11K or 15K tokens/s).
+        for _ in 0..3 {
+            train_step(&m, &batch, &targets);
+        }
         let reps = 10;
         let (start, cpu) = (Instant::now(), cpu_seconds());
         for _ in 0..reps {
