@@ -50,7 +50,8 @@ def train_step(model, ids):
 
 def bench_train(model, rows, reps):
     ids = torch.randint(3, 99, (rows, SEQ))
-    train_step(model, ids)
+    for _ in range(3):  # the same warm-up as the Rust bench
+        train_step(model, ids)
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(reps):
         train_step(model, ids)
