@@ -141,21 +141,22 @@ fn main() -> ExitCode {
     // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
     // here, that made a period of the default run 4x slower, in system time. The value
     // keeps what candle would compute (the cores), so `sync` still splits its matmuls.
+    // mimalloc, by default, hands freed memory back to the OS after a short delay, and
+    // a training step then faults it in zeroed again: about a fifth of the model bench's
+    // CPU time; MIMALLOC_PURGE_DELAY=-1 keeps it (read once, at start-up).
     // Setting the environment of a running process is unsafe, so the binary replaces
-    // itself (exec: same process id, so a signal sent to it reaches the run) with both
-    // set instead.
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() || std::env::var_os("RAYON_NUM_THREADS").is_none() {
+    // itself (exec: same process id, so a signal sent to it reaches the run) with the
+    // variables set instead. A value the caller set is kept.
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).to_string();
+    let defaults =
+        [("CANDLE_NUM_THREADS", "1"), ("RAYON_NUM_THREADS", cores.as_str()), ("MIMALLOC_PURGE_DELAY", "-1")];
+    let missing: Vec<_> = defaults.iter().filter(|(k, _)| std::env::var_os(k).is_none()).collect();
+    if !missing.is_empty() {
         use std::os::unix::process::CommandExt;
-        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).to_string();
         let mut again =
             std::process::Command::new(std::env::current_exe().unwrap_or_else(|_| "metronome".into()));
         again.args(std::env::args_os().skip(1));
-        if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-            again.env("CANDLE_NUM_THREADS", "1");
-        }
-        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-            again.env("RAYON_NUM_THREADS", cores);
-        }
+        again.envs(missing.iter().map(|(k, v)| (k, v)));
         // `exec` returns only when it failed.
         let e = again.exec();
         eprintln!("error: cannot re-execute metronome: {e}");
