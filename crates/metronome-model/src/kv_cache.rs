@@ -14,9 +14,10 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::model::Model;
+use crate::model::{DecodeWeights, Model};
 use crate::ops::{
-    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu, write_decode_rows,
+    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu, swiglu_stacked,
+    write_decode_rows,
 };
 use crate::{Error, Result};
 
@@ -232,38 +233,82 @@ impl Model {
         let w = |v: &candle_core::Var| Self::w(v, false);
         let mut x = w(&m.embed).index_select(&Tensor::from_vec(ids, total, dev)?, 0)?;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        for (li, l) in m.layers.iter().enumerate() {
-            let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
-            let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let a = pad_rows(&a, mr)?;
-            let proj = |wt: &candle_core::Var,
-                        bias: &Option<candle_core::Var>,
-                        heads: usize|
-             -> Result<Tensor> {
-                Ok(linear(&a, &w(wt), wo(bias).as_ref())?.narrow(0, 0, total)?.reshape((total, heads, hd))?)
-            };
-            let q = proj(&l.q, &l.q_bias, h)?;
-            let k = proj(&l.k, &l.k_bias, kvh)?;
-            let v = proj(&l.v, &l.v_bias, kvh)?;
-            let q = apply_rope(&q, &rope)?;
-            let k = apply_rope(&k, &rope)?;
-            write_decode_rows(&cache.keys[li], &k, rows)?;
-            write_decode_rows(&cache.values[li], &v, rows)?;
-            let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
-            x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
-            let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let b = pad_rows(&b, mr)?;
-            let gu = swiglu(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?, total)?;
-            x = (x + linear(&gu, &w(&l.down), None)?.narrow(0, 0, total)?)?;
-        }
-        if total > seqs.len() {
-            x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;
-        }
-        let x = rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?;
-        let logits = padded_linear(&x, &self.lm_head(false), None, mr)?;
+        let logits = match self.decode_weights() {
+            Some(dw) => self.extend_dense(cache, &dw, x, rows, &rope, &last)?,
+            None => {
+                for (li, l) in m.layers.iter().enumerate() {
+                    let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
+                    let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
+                    let a = pad_rows(&a, mr)?;
+                    let proj = |wt: &candle_core::Var,
+                                bias: &Option<candle_core::Var>,
+                                heads: usize|
+                     -> Result<Tensor> {
+                        Ok(linear(&a, &w(wt), wo(bias).as_ref())?
+                            .narrow(0, 0, total)?
+                            .reshape((total, heads, hd))?)
+                    };
+                    let q = proj(&l.q, &l.q_bias, h)?;
+                    let k = proj(&l.k, &l.k_bias, kvh)?;
+                    let v = proj(&l.v, &l.v_bias, kvh)?;
+                    let q = apply_rope(&q, &rope)?;
+                    let k = apply_rope(&k, &rope)?;
+                    write_decode_rows(&cache.keys[li], &k, rows)?;
+                    write_decode_rows(&cache.values[li], &v, rows)?;
+                    let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
+                    x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
+                    let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
+                    let b = pad_rows(&b, mr)?;
+                    let gu = swiglu(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?, total)?;
+                    x = (x + linear(&gu, &w(&l.down), None)?.narrow(0, 0, total)?)?;
+                }
+                if total > seqs.len() {
+                    x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;
+                }
+                let x = rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?;
+                padded_linear(&x, &self.lm_head(false), None, mr)?
+            }
+        };
         for &(slot, tokens) in seqs {
             cache.lens[slot] += tokens.len();
         }
         Ok(logits.to_vec2::<f32>()?)
+    }
+
+    /// The layers and LM head of [`Model::extend`] on decode-layout weights: the
+    /// stacked query/key/value and gate/up products, no padding rows (their kernel is
+    /// batch-invariant at any number of rows). `x` holds the embedded rows; returns
+    /// the logits of the rows `last` names.
+    fn extend_dense(
+        &self,
+        cache: &KvCache,
+        dw: &DecodeWeights,
+        mut x: Tensor,
+        rows: DecodeRows<'_>,
+        rope: &crate::ops::RopeTables,
+        last: &[u32],
+    ) -> Result<Tensor> {
+        let m = &self.inner;
+        let cfg = &m.cfg;
+        let total = x.dim(0)?;
+        let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let w = |v: &candle_core::Var| Self::w(v, false);
+        for (li, (l, d)) in m.layers.iter().zip(&dw.layers).enumerate() {
+            let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
+            let qkv = d.qkv.forward(&a)?;
+            let q = apply_rope(&qkv.narrow(1, 0, h * hd)?.reshape((total, h, hd))?, rope)?;
+            let k = apply_rope(&qkv.narrow(1, h * hd, kvh * hd)?.reshape((total, kvh, hd))?, rope)?;
+            let v = qkv.narrow(1, (h + kvh) * hd, kvh * hd)?.reshape((total, kvh, hd))?;
+            write_decode_rows(&cache.keys[li], &k, rows)?;
+            write_decode_rows(&cache.values[li], &v, rows)?;
+            let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
+            x = (x + d.o.forward(&att)?)?;
+            let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
+            x = (x + d.down.forward(&swiglu_stacked(&d.gate_up.forward(&b)?)?)?)?;
+        }
+        if total > last.len() {
+            x = x.index_select(&Tensor::from_vec(last.to_vec(), last.len(), &m.device)?, 0)?;
+        }
+        dw.lm_head.forward(&rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?)
     }
 }

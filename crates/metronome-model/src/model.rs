@@ -8,7 +8,7 @@ use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{
-    apply_rope, attention, linear, rms_norm, rope_tables, segment_plans, swiglu_train,
+    DenseWeight, apply_rope, attention, linear, rms_norm, rope_tables, segment_plans, swiglu_train,
     target_logprobs_entropy,
 };
 use crate::{Error, Result};
@@ -39,6 +39,55 @@ pub(crate) struct Inner {
     pub(crate) norm: Var,
     /// `None` when the head is tied to the embedding.
     pub(crate) lm_head: Option<Var>,
+    /// The linear layers again in decode layout, for models that never train (built
+    /// non-trainable on the CPU, e.g. by [`Model::frozen_copy`]); `None` otherwise, and
+    /// dropped by `with_trainable(true)`, so a model whose weights an optimiser moves
+    /// never decodes from a stale copy. Replaced whole by [`Model::load_snapshot`].
+    pub(crate) decode: std::sync::RwLock<Option<Arc<DecodeWeights>>>,
+}
+
+/// One layer's linear weights in decode layout ([`DenseWeight`], `[in, out]`): the
+/// query, key and value projections stacked into one product, and the gate and up
+/// projections into another.
+#[derive(Debug)]
+pub(crate) struct DecodeLayer {
+    pub(crate) qkv: DenseWeight,
+    pub(crate) o: DenseWeight,
+    pub(crate) gate_up: DenseWeight,
+    pub(crate) down: DenseWeight,
+}
+
+/// Every linear layer of a model in decode layout, and the LM head.
+#[derive(Debug)]
+pub(crate) struct DecodeWeights {
+    pub(crate) layers: Vec<DecodeLayer>,
+    pub(crate) lm_head: DenseWeight,
+}
+
+impl DecodeWeights {
+    /// The decode layout of `m`'s current weights.
+    fn of(m: &Inner) -> Result<Self> {
+        let t = |v: &Var| v.as_tensor().detach();
+        let layers = m
+            .layers
+            .iter()
+            .map(|l| {
+                let biases: Vec<Tensor> =
+                    [&l.q_bias, &l.k_bias, &l.v_bias].into_iter().flatten().map(t).collect();
+                Ok(DecodeLayer {
+                    qkv: DenseWeight::stacked(
+                        &[&t(&l.q), &t(&l.k), &t(&l.v)],
+                        &biases.iter().collect::<Vec<_>>(),
+                    )?,
+                    o: DenseWeight::stacked(&[&t(&l.o)], &[])?,
+                    gate_up: DenseWeight::stacked(&[&t(&l.gate), &t(&l.up)], &[])?,
+                    down: DenseWeight::stacked(&[&t(&l.down)], &[])?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let lm_head = DenseWeight::stacked(&[&t(m.lm_head.as_ref().unwrap_or(&m.embed))], &[])?;
+        Ok(Self { layers, lm_head })
+    }
 }
 
 /// A Llama/Qwen2-family decoder.
@@ -168,10 +217,22 @@ impl Model {
         } else {
             Some(var("lm_head.weight", &[cfg.vocab_size, d], Init::Normal)?)
         };
-        Ok(Self {
-            inner: Arc::new(Inner { cfg, device: device.clone(), embed, layers, norm, lm_head }),
-            trainable,
-        })
+        let mut inner = Inner {
+            cfg,
+            device: device.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            decode: std::sync::RwLock::new(None),
+        };
+        // A model built to never train (a frozen copy, a rollout worker's) keeps its
+        // linear layers a second time in decode layout: that memory buys decode steps
+        // without repacking transposed weights (crate `ops`, `DecodeLinear`).
+        if !trainable && device.is_cpu() {
+            inner.decode = std::sync::RwLock::new(Some(Arc::new(DecodeWeights::of(&inner)?)));
+        }
+        Ok(Self { inner: Arc::new(inner), trainable })
     }
 
     /// The hyper-parameters.
@@ -194,10 +255,24 @@ impl Model {
 
     /// The same weights (shared, not copied) with forward passes that do or do not
     /// record autograd graphs.
+    ///
+    /// Making a frozen model trainable drops its decode-layout copy of the weights (for
+    /// every handle sharing them), since an optimiser would leave that copy stale; its
+    /// decoding then runs on the training layout, like that of any model built
+    /// trainable. Only a model built frozen ([`Model::frozen_copy`],
+    /// [`Model::from_snapshot`] with `trainable == false`) has that copy.
     #[must_use]
     pub fn with_trainable(mut self, trainable: bool) -> Self {
+        if trainable && let Ok(mut d) = self.inner.decode.write() {
+            *d = None;
+        }
         self.trainable = trainable;
         self
+    }
+
+    /// The decode-layout weights, when this model keeps them.
+    pub(crate) fn decode_weights(&self) -> Option<Arc<DecodeWeights>> {
+        self.inner.decode.read().ok().and_then(|d| d.clone())
     }
 
     /// Every parameter with its Hugging Face name, in a stable order (embedding, then
@@ -461,6 +536,12 @@ impl Model {
         for (name, var) in params {
             if let Some(t) = s.get(&name) {
                 var.set(&host_to_tensor(t, self.device())?)?;
+            }
+        }
+        if self.decode_weights().is_some() {
+            let fresh = Arc::new(DecodeWeights::of(&self.inner)?);
+            if let Ok(mut d) = self.inner.decode.write() {
+                *d = Some(fresh);
             }
         }
         Ok(())

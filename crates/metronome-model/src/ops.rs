@@ -690,6 +690,252 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor, rows: usize) -> Result<Tensor> 
     Ok(gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SwiGlu { rows })?)
 }
 
+/// A linear layer laid out for decoding: `[in, out]` row-major (the transpose of the
+/// training layout `[out, in]`), with its bias. Kept only by models that never train
+/// (see `Model::frozen_copy`), next to the training weights.
+pub(crate) struct DenseWeight {
+    /// `[inputs, outputs]` row-major.
+    data: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    inputs: usize,
+    outputs: usize,
+}
+
+impl std::fmt::Debug for DenseWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DenseWeight")
+            .field("inputs", &self.inputs)
+            .field("outputs", &self.outputs)
+            .field("bias", &self.bias.is_some())
+            .finish()
+    }
+}
+
+impl DenseWeight {
+    /// The decode layout of training weights `ws` stacked along their output
+    /// dimension (`[out_i, in]` each, e.g. the query, key and value projections, read
+    /// by one product), with their biases stacked the same way (all or none).
+    pub(crate) fn stacked(ws: &[&Tensor], biases: &[&Tensor]) -> Result<Self> {
+        let w = if ws.len() == 1 { ws[0].clone() } else { Tensor::cat(ws, 0)? };
+        let (outputs, inputs) = w.dims2()?;
+        let data = w.t()?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let bias = match biases {
+            [] => None,
+            [b] => Some(b.flatten_all()?.to_vec1::<f32>()?),
+            bs => Some(Tensor::cat(bs, 0)?.to_vec1::<f32>()?),
+        };
+        if bias.as_ref().is_some_and(|b| b.len() != outputs) {
+            return Err(crate::Error::invalid("decode weights", "biases do not match the stacked outputs"));
+        }
+        Ok(Self { data, bias, inputs, outputs })
+    }
+
+    /// `x @ w (+ b)` for `x: [n, inputs]` (see [`DecodeLinear`]).
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.contiguous()?.apply_op1_no_bwd(&DecodeLinear(self))?)
+    }
+}
+
+/// `x @ w (+ b)` for the rows of a decode step or prefill, on weights in decode layout.
+///
+/// candle's matmul on `x @ wᵀ` repacked the transposed weights on every call and chose
+/// its kernel by the number of rows, so decoding padded every linear input to
+/// `DECODE_MIN_ROWS` rows to stay batch-invariant. Here every output element is one
+/// fused multiply-add chain over the inputs in index order, then `+ b`, whichever rows
+/// and tile it is computed with: a row's result is bitwise independent of the batch at
+/// any batch size, without padding. Rows are split across the current rayon pool when
+/// it has more than one thread (the split does not change any result).
+#[derive(Debug)]
+struct DecodeLinear<'a>(&'a DenseWeight);
+
+impl candle_core::CustomOp1 for DecodeLinear<'_> {
+    fn name(&self) -> &'static str {
+        "decode-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let w = self.0;
+        let x = contiguous_f32(self.name(), s, l)?;
+        let (n, k) = l.shape().dims2()?;
+        if k != w.inputs {
+            candle_core::bail!(
+                "decode-linear: input {:?} does not fit a {}x{} weight",
+                l.dims(),
+                w.inputs,
+                w.outputs
+            )
+        }
+        let mut out = vec![0f32; n * w.outputs];
+        dense_rows(x, w, &mut out);
+        Ok((candle_core::CpuStorage::F32(out), (n, w.outputs).into()))
+    }
+}
+
+/// Rows per parallel task when a linear layer's rows are split across threads.
+const DENSE_ROWS_PER_TASK: usize = 32;
+
+/// `out = x @ w (+ b)` row by row (see [`DecodeLinear`]); `x` holds whole rows.
+pub(crate) fn dense_rows(x: &[f32], w: &DenseWeight, out: &mut [f32]) {
+    let (k, m) = (w.inputs, w.outputs);
+    let n = x.len().checked_div(k).unwrap_or(0);
+    if n >= 2 * DENSE_ROWS_PER_TASK && rayon::current_num_threads() > 1 {
+        use rayon::prelude::*;
+        x.par_chunks(DENSE_ROWS_PER_TASK * k)
+            .zip(out.par_chunks_mut(DENSE_ROWS_PER_TASK * m))
+            .for_each(|(x, out)| pulp::Arch::new().dispatch(DenseKernel { x, w, out }));
+    } else {
+        pulp::Arch::new().dispatch(DenseKernel { x, w, out });
+    }
+}
+
+/// One thread's share of [`dense_rows`], generic over the SIMD instruction set that
+/// `pulp` picks at run time.
+struct DenseKernel<'a> {
+    x: &'a [f32],
+    w: &'a DenseWeight,
+    out: &'a mut [f32],
+}
+
+/// Rows of one register tile.
+const TILE_ROWS: usize = 4;
+/// SIMD vectors of output columns of one register tile: 4 rows x 3 vectors is twelve
+/// independent accumulators, enough to hide the latency of fused multiply-adds.
+const TILE_VECTORS: usize = 3;
+
+impl pulp::WithSimd for DenseKernel<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let DenseKernel { x, w, out } = self;
+        let (k, m) = (w.inputs, w.outputs);
+        let n = x.len() / k.max(1);
+        let tiled = n / TILE_ROWS * TILE_ROWS;
+        for r in (0..tiled).step_by(TILE_ROWS) {
+            dense_tile_rows::<S, TILE_ROWS>(
+                simd,
+                &x[r * k..(r + TILE_ROWS) * k],
+                w,
+                &mut out[r * m..(r + TILE_ROWS) * m],
+            );
+        }
+        for r in tiled..n {
+            dense_tile_rows::<S, 1>(simd, &x[r * k..(r + 1) * k], w, &mut out[r * m..(r + 1) * m]);
+        }
+    }
+}
+
+/// `R` rows of [`DenseKernel`]: every column tile of the output.
+#[inline(always)]
+fn dense_tile_rows<S: pulp::Simd, const R: usize>(simd: S, x: &[f32], w: &DenseWeight, out: &mut [f32]) {
+    let (k, m) = (w.inputs, w.outputs);
+    let l = S::F32_LANES;
+    let xs: [&[f32]; R] = std::array::from_fn(|r| &x[r * k..(r + 1) * k]);
+    let mut c = 0;
+    while c + TILE_VECTORS * l <= m {
+        dense_tile::<S, R, TILE_VECTORS, true>(simd, &xs, w, c, out);
+        c += TILE_VECTORS * l;
+    }
+    while c + l <= m {
+        dense_tile::<S, R, 1, true>(simd, &xs, w, c, out);
+        c += l;
+    }
+    if c < m {
+        dense_tile::<S, R, 1, false>(simd, &xs, w, c, out);
+    }
+}
+
+/// One register tile: rows `xs` times output columns `c..c + V` vectors (`FULL`), or
+/// the last, partial vector of columns (`!FULL`, `V == 1`, masked loads and stores
+/// computing the same chain per element).
+#[inline(always)]
+fn dense_tile<S: pulp::Simd, const R: usize, const V: usize, const FULL: bool>(
+    simd: S,
+    xs: &[&[f32]; R],
+    w: &DenseWeight,
+    c: usize,
+    out: &mut [f32],
+) {
+    let m = w.outputs;
+    let l = S::F32_LANES;
+    let width = if FULL { V * l } else { m - c };
+    let load = |s: &[f32]| -> S::f32s {
+        if FULL {
+            bytemuck::pod_read_unaligned(bytemuck::cast_slice(&s[..l]))
+        } else {
+            simd.partial_load_f32s(s)
+        }
+    };
+    let mut acc = [[simd.splat_f32s(0.0); V]; R];
+    for (p, wrow) in w.data.chunks_exact(m).enumerate() {
+        let wrow = &wrow[c..c + width];
+        let wv: [S::f32s; V] = std::array::from_fn(|v| load(&wrow[v * l..]));
+        for r in 0..R {
+            let xv = simd.splat_f32s(xs[r][p]);
+            for v in 0..V {
+                acc[r][v] = simd.mul_add_e_f32s(xv, wv[v], acc[r][v]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let o = &mut out[r * m + c..r * m + c + width];
+        for (v, &a) in acc.iter().enumerate() {
+            let y = match &w.bias {
+                Some(b) => simd.add_f32s(a, load(&b[c + v * l..c + width])),
+                None => a,
+            };
+            if FULL {
+                o[v * l..(v + 1) * l].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&y)));
+            } else {
+                simd.partial_store_f32s(o, y);
+            }
+        }
+    }
+}
+
+/// `silu(gate) * up` from one `[n, 2 * intermediate]` tensor holding each row's gate
+/// then its up projection (the product of a stacked gate/up [`DenseWeight`]), to
+/// `[n, intermediate]`; forward only, computed as [`SwiGlu`] computes it.
+#[derive(Debug, Clone, Copy)]
+struct SwiGluStacked;
+
+impl candle_core::CustomOp1 for SwiGluStacked {
+    fn name(&self) -> &'static str {
+        "swiglu-stacked"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let gu = contiguous_f32(self.name(), s, l)?;
+        let (n, two) = l.shape().dims2()?;
+        if two % 2 != 0 {
+            candle_core::bail!("swiglu-stacked: {two} columns do not split into gate and up")
+        }
+        let i = two / 2;
+        let mut out = vec![0f32; n * i];
+        for (o, row) in out.chunks_exact_mut(i.max(1)).zip(gu.chunks_exact(two.max(1))) {
+            let (g, u) = row.split_at(i);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + (-g).exp()) * u;
+            }
+        }
+        Ok((candle_core::CpuStorage::F32(out), (n, i).into()))
+    }
+}
+
+/// `silu(gate) * up` of a stacked `[n, 2 * intermediate]` gate/up product (see
+/// [`SwiGluStacked`]).
+pub(crate) fn swiglu_stacked(gate_up: &Tensor) -> Result<Tensor> {
+    Ok(gate_up.contiguous()?.apply_op1_no_bwd(&SwiGluStacked)?)
+}
+
 /// `silu(gate) * up` with its backward, for training: as candle ops the SiLU and the
 /// product each allocate and walk an `[n, intermediate]` buffer forward, and their
 /// backwards take several more (SiLU's alone is five ops); here the forward is one
@@ -820,6 +1066,63 @@ mod tests {
     use metronome_core::{PackedRow, Segment};
 
     use super::*;
+
+    /// Deterministic values in `[-1, 1)`.
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| (metronome_core::mix64(seed * 1_000_003 + i) >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            .collect()
+    }
+
+    /// A `[out, in]` training-layout weight, its decode-layout copy, and a bias.
+    fn dense(inputs: usize, outputs: usize, bias: bool) -> (Tensor, Option<Tensor>, DenseWeight) {
+        let w = Tensor::from_vec(values(1, outputs * inputs), (outputs, inputs), &Device::Cpu).unwrap();
+        let b = bias.then(|| Tensor::from_vec(values(2, outputs), outputs, &Device::Cpu).unwrap());
+        let d = DenseWeight::stacked(&[&w], &b.iter().collect::<Vec<_>>()).unwrap();
+        (w, b, d)
+    }
+
+    #[test]
+    fn decode_linear_matches_candle_linear() {
+        // Widths with and without a partial SIMD vector, tile tails of 1-3 rows.
+        for (inputs, outputs, n, bias) in
+            [(128, 256, 64, true), (128, 99, 7, false), (384, 128, 5, false), (3, 5, 1, true)]
+        {
+            let (w, b, d) = dense(inputs, outputs, bias);
+            let x = Tensor::from_vec(values(3, n * inputs), (n, inputs), &Device::Cpu).unwrap();
+            let want = linear(&x, &w, b.as_ref()).unwrap().to_vec2::<f32>().unwrap();
+            let got = d.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!((g - w).abs() < 1e-4, "{inputs}x{outputs} n={n}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn decode_linear_rows_do_not_depend_on_the_batch() {
+        let (_, _, d) = dense(128, 99, true);
+        let xs = values(4, 70 * 128);
+        let x = Tensor::from_vec(xs.clone(), (70, 128), &Device::Cpu).unwrap();
+        let all = d.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        // Each row alone, and the batch split across two threads (the parallel path).
+        for r in [0, 3, 4, 69] {
+            let one = Tensor::from_vec(xs[r * 128..(r + 1) * 128].to_vec(), (1, 128), &Device::Cpu).unwrap();
+            assert_eq!(d.forward(&one).unwrap().to_vec2::<f32>().unwrap()[0], all[r], "row {r}");
+        }
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let split = pool.install(|| d.forward(&x).unwrap().to_vec2::<f32>().unwrap());
+        assert_eq!(split, all);
+        assert!(d.forward(&Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap()).is_err());
+    }
+
+    #[test]
+    fn stacked_swiglu_matches_the_two_input_form() {
+        let g = Tensor::from_vec(values(5, 3 * 6), (3, 6), &Device::Cpu).unwrap();
+        let u = Tensor::from_vec(values(6, 3 * 6), (3, 6), &Device::Cpu).unwrap();
+        let want = swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap();
+        let got = swiglu_stacked(&Tensor::cat(&[&g, &u], 1).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(got, want);
+    }
 
     #[test]
     fn segment_plans_cover_exactly_what_can_attend_allows() {

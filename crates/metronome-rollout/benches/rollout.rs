@@ -40,7 +40,14 @@ fn prompts(n: usize) -> Vec<Prompt> {
 }
 
 fn engine(slots: usize, batching: Batching) -> ModelEngine {
-    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap().with_trainable(false);
+    engine_with(slots, batching, true)
+}
+
+/// With `frozen`, the engine decodes from a frozen copy, as a rollout worker does
+/// (decode-layout weights); without, from the training model's own weights.
+fn engine_with(slots: usize, batching: Batching, frozen: bool) -> ModelEngine {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
+    let model = if frozen { model.frozen_copy().unwrap() } else { model.with_trainable(false) };
     let config = EngineConfig {
         workers: 1,
         threads_per_worker: 1,

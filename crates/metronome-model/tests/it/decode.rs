@@ -64,11 +64,15 @@ fn filled_cache(model: &Model, n: usize) -> KvCache {
 
 #[test]
 fn decode_is_batch_invariant_bitwise() {
-    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 3).unwrap().with_trainable(false);
+    batch_invariance(&Model::new(ModelConfig::tiny(), &Device::Cpu, 3).unwrap().with_trainable(false));
+}
+
+/// Slot 3 decoded alone, in a batch of 7 and in one of 64: bitwise the same logits.
+fn batch_invariance(model: &Model) {
     let vocab = model.config().vocab_size;
-    let mut alone = filled_cache(&model, 64);
-    let mut seven = filled_cache(&model, 64);
-    let mut all = filled_cache(&model, 64);
+    let mut alone = filled_cache(model, 64);
+    let mut seven = filled_cache(model, 64);
+    let mut all = filled_cache(model, 64);
     for step in 0..4u64 {
         let tok = |s: usize| tokens(1000 + s as u64 * 10 + step, 1, vocab)[0];
         let a = model.decode_step(&mut alone, &[(3, tok(3))]).unwrap();
@@ -86,7 +90,7 @@ fn decode_is_batch_invariant_bitwise() {
 
 #[test]
 fn prefilling_together_is_bitwise_prefilling_alone() {
-    prefill_invariance(ModelConfig::tiny());
+    prefill_invariance(ModelConfig::tiny(), false);
 }
 
 #[test]
@@ -102,13 +106,15 @@ fn prefilling_together_is_bitwise_prefilling_alone_at_smollm2_widths() {
         head_dim: 64,
         ..ModelConfig::tiny()
     };
-    prefill_invariance(cfg);
+    prefill_invariance(cfg, false);
 }
 
 /// Prefills ragged prompts alone and all together, then decodes a few steps: the
 /// logits agree bitwise throughout.
-fn prefill_invariance(cfg: ModelConfig) {
+/// With `frozen`, on a frozen copy, which decodes from its decode-layout weights.
+fn prefill_invariance(cfg: ModelConfig, frozen: bool) {
     let model = Model::new(cfg, &Device::Cpu, 4).unwrap().with_trainable(false);
+    let model = if frozen { model.frozen_copy().unwrap() } else { model };
     let vocab = model.config().vocab_size;
     // Ragged prompts, among them one token and one of 150 (alone, 150 rows; together, 198).
     let prompts: Vec<Vec<u32>> =
@@ -187,4 +193,67 @@ fn decode_without_batch_invariance_is_close() {
         let b = model.decode_step(&mut off, &[(0, t)]).unwrap();
         assert!(max_abs_diff(&a[0], &b[0]) < 1e-5);
     }
+}
+
+// A frozen copy decodes from its own decode-layout weights (stacked products, no
+// padding rows): the same guarantees hold on that path.
+
+#[test]
+fn frozen_decode_equals_full_forward() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 7).unwrap();
+    decode_matches_full_forward(&model.frozen_copy().unwrap(), 1e-5);
+    let fixture = Model::load_hf(&fixture("tiny_qwen2"), &Device::Cpu).unwrap();
+    decode_matches_full_forward(&fixture.frozen_copy().unwrap(), 1e-5);
+}
+
+#[test]
+fn frozen_decode_is_batch_invariant_bitwise() {
+    batch_invariance(&Model::new(ModelConfig::tiny(), &Device::Cpu, 3).unwrap().frozen_copy().unwrap());
+}
+
+#[test]
+fn frozen_prefill_is_batch_invariant_bitwise() {
+    prefill_invariance(ModelConfig::tiny(), true);
+    let cfg = ModelConfig {
+        hidden_size: 576,
+        intermediate_size: 1536,
+        num_attention_heads: 9,
+        num_key_value_heads: 3,
+        head_dim: 64,
+        ..ModelConfig::tiny()
+    };
+    prefill_invariance(cfg, true);
+}
+
+/// Logits of one prompt prefilled alone and then one decode step.
+fn two_steps(model: &Model) -> Vec<Vec<f32>> {
+    let mut cache = KvCache::new(model, 1, 16).unwrap();
+    let prompt = tokens(21, 6, model.config().vocab_size);
+    vec![
+        model.prefill(&mut cache, 0, &prompt).unwrap(),
+        model.decode_step(&mut cache, &[(0, 7)]).unwrap().remove(0),
+    ]
+}
+
+#[test]
+fn frozen_decode_follows_new_weights() {
+    let a = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
+    let b = Model::new(ModelConfig::tiny(), &Device::Cpu, 2).unwrap();
+    let frozen = a.frozen_copy().unwrap();
+    let before = two_steps(&frozen);
+    assert_eq!(before, two_steps(&a.frozen_copy().unwrap()));
+    // Installing a snapshot refreshes the decode layout: the copy decodes as b's would.
+    frozen.load_snapshot(&b.snapshot(metronome_core::PolicyVersion(1)).unwrap()).unwrap();
+    let after = two_steps(&frozen);
+    assert_ne!(after, before);
+    assert_eq!(after, two_steps(&b.frozen_copy().unwrap()));
+    // Made trainable, it drops that layout: weights written in place (as an optimiser
+    // writes them) are what it decodes with.
+    let trainable = frozen.with_trainable(true);
+    for (_, var) in trainable.parameters() {
+        var.set(&(var.as_tensor() * 0.5).unwrap()).unwrap();
+    }
+    let seq = tokens(21, 6, trainable.config().vocab_size);
+    let full = full_logits(&trainable, &seq);
+    assert!(max_abs_diff(&two_steps(&trainable)[0], full.last().unwrap()) < 1e-5);
 }

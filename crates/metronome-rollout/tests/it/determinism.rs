@@ -85,3 +85,36 @@ async fn responses_of_a_group_differ() {
     let g = &by_prompt(groups)[0];
     assert_ne!(g.completions[0].tokens, g.completions[1].tokens);
 }
+
+/// A frozen copy (what pipeline workers decode with) keeps its weights in decode
+/// layout; its tokens are layout-independent too, with two threads per worker as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_copies_are_layout_independent_too() {
+    let mut s = sampling(24);
+    s.stop_token_ids = Some(vec![2, 4, 40, 70]);
+    let run = |workers: usize, slots: usize, threads: usize| {
+        let cfg = EngineConfig {
+            workers,
+            threads_per_worker: threads,
+            max_num_seqs: slots,
+            max_seq_len: 128,
+            seed: 42,
+            sampling: s.clone(),
+            ..EngineConfig::default()
+        };
+        let model = tiny_model(7).frozen_copy().expect("frozen copy");
+        let e = model_engine(model, metronome_core::PolicyVersion(0), tokenizer(), cfg).expect("engine");
+        let sub = metronome_rollout::Submission {
+            period: PeriodId(3),
+            prompts: prompts(16),
+            group_size: 4,
+            sampling: s.clone(),
+            seed: metronome_core::RunSeed(42),
+        };
+        async move { e.generate_groups(sub).await.expect("generate") }
+    };
+    let base = signature(&run(1, 1, 1).await);
+    assert_eq!(base.len(), 64);
+    assert_eq!(base, signature(&run(1, 64, 2).await), "1x1 vs 1x64 on two threads");
+    assert_eq!(base, signature(&run(2, 4, 1).await), "1x1 vs 2x4");
+}
