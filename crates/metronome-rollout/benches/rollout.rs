@@ -8,10 +8,13 @@
 //!   static batching waits for the longest response of each batch of 16.
 //!
 //! `benches/hf_generate.py` measures Hugging Face `transformers` `generate` on the same
-//! architecture for comparison (opt-in: needs torch and transformers).
+//! architecture for comparison (opt-in: needs torch and transformers). With
+//! `METRONOME_HF_PYTHON=python3` set, the summary runs it between its own rounds, one
+//! thread on both sides, and reports the ratio per slot count side by side.
 //!
 //! Run with `cargo bench -p metronome-rollout`; `RAYON_NUM_THREADS=1
-//! CANDLE_NUM_THREADS=1` pins every path to one thread.
+//! CANDLE_NUM_THREADS=1` pins every path to one thread. `-- --bench summary` (a filter
+//! no criterion group matches) runs only the summary.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -148,13 +151,40 @@ fn summary() {
     let fastest = |runs: &[Vec<(usize, f64)>], i: usize| {
         runs.iter().map(|r| r[i]).fold((0, f64::INFINITY), |b, (tokens, s)| (tokens, b.1.min(s)))
     };
-    let slots: Vec<ModelEngine> = [1, 4, 16, 64].iter().map(|&n| engine(n, Batching::Continuous)).collect();
+    let slots: Vec<ModelEngine> = SLOTS.iter().map(|&n| engine(n, Batching::Continuous)).collect();
     let refs: Vec<&ModelEngine> = slots.iter().collect();
-    let runs = rounds(&refs, &fixed_length_submission(), 3);
+    let hf = std::env::var("METRONOME_HF_PYTHON").ok();
+    let mut runs = Vec::new();
+    let mut hf_rounds = Vec::new();
+    for _ in 0..3 {
+        runs.extend(rounds(&refs, &fixed_length_submission(), 1));
+        if let Some(python) = &hf {
+            hf_rounds.push(hf_generate(python));
+        }
+    }
     println!("summary (fastest of interleaved runs)");
-    for (i, n) in [1, 4, 16, 64].iter().enumerate() {
+    for (i, n) in SLOTS.iter().enumerate() {
         let (tokens, secs) = fastest(&runs, i);
-        println!("  slots {n:>2}: {:8.0} tokens/s", tokens as f64 / secs);
+        print!("  slots {n:>2}: {:8.0} tokens/s", tokens as f64 / secs);
+        // Per round: ours over transformers in the adjacent run, then median and range.
+        let mut ratios: Vec<f64> = runs
+            .iter()
+            .zip(&hf_rounds)
+            .filter_map(|(r, hf)| Some(r[i].0 as f64 / r[i].1 / hf.get(i).copied().flatten()?))
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        if !ratios.is_empty() {
+            let best_hf = hf_rounds.iter().filter_map(|h| h.get(i).copied().flatten()).fold(0.0, f64::max);
+            print!(
+                ", transformers generate {best_hf:6.0} tokens/s, ratio {:.2}x (median of {} paired rounds, range \
+                 {:.2}-{:.2})",
+                ratios[ratios.len() / 2],
+                ratios.len(),
+                ratios[0],
+                ratios[ratios.len() - 1]
+            );
+        }
+        println!();
     }
     let cont = engine(16, Batching::Continuous);
     let stat = engine(16, Batching::Static);
@@ -174,9 +204,66 @@ fn summary() {
     );
 }
 
+/// Slot counts of the fixed-length workload.
+const SLOTS: [usize; 4] = [1, 4, 16, 64];
+
+/// One run of `benches/hf_generate.py` (one repeat, one thread): tokens/s per slot count
+/// of [`SLOTS`], `None` where it failed or printed no figure.
+fn hf_generate(python: &str) -> Vec<Option<f64>> {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/hf_generate.py");
+    let batches: Vec<String> = SLOTS.iter().map(ToString::to_string).collect();
+    let out = std::process::Command::new(python)
+        .args([script, "--threads", "1", "--repeats", "1", "--batches"])
+        .args(&batches)
+        .output();
+    let text = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Ok(o) => {
+            eprintln!("hf_generate.py failed: {}", String::from_utf8_lossy(&o.stderr));
+            String::new()
+        }
+        Err(e) => {
+            eprintln!("cannot run {python}: {e}");
+            String::new()
+        }
+    };
+    // Lines read "transformers generate batch  64:     12016 tokens/s (...)".
+    SLOTS
+        .iter()
+        .map(|n| {
+            text.lines().find_map(|l| {
+                let rest = l.strip_prefix("transformers generate batch")?.trim_start();
+                let (batch, rest) = rest.split_once(':')?;
+                (batch.trim() == n.to_string()).then_some(())?;
+                rest.split_whitespace().next()?.parse().ok()
+            })
+        })
+        .collect()
+}
+
 criterion_group!(benches, fixed_length, long_tail);
 
+/// Re-runs the bench with `MIMALLOC_PURGE_DELAY=-1` unless the environment sets it, as
+/// the `metronome` binary runs its workers: each decode step frees and re-allocates the
+/// same activation buffers, and with mimalloc's default purging each re-fault zeroes
+/// fresh pages in the kernel (about 4% of a 64-slot run, measured). mimalloc reads its
+/// options at start-up, and setting one in-process needs `unsafe`.
+fn reexec_with_allocator_env() {
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+        return;
+    }
+    let Ok(exe) = std::env::current_exe() else { return };
+    let status = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .env("MIMALLOC_PURGE_DELAY", "-1")
+        .status();
+    if let Ok(status) = status {
+        std::process::exit(status.code().unwrap_or(1));
+    }
+}
+
 fn main() {
+    reexec_with_allocator_env();
     benches();
     // `cargo bench` passes `--bench`; `cargo test --benches` does not, and then the
     // summary's timed runs are skipped.
