@@ -997,7 +997,7 @@ pub(crate) fn exp_vectorisable(x: f32) -> f32 {
     p = p.mul_add(r, 8.333_452e-3);
     p = p.mul_add(r, 4.166_579_6e-2);
     p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 5.000_000_1e-1);
+    p = p.mul_add(r, 0.5); // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
     let y = (p * r).mul_add(r, r) + 1.0;
     y * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
