@@ -638,10 +638,13 @@ impl pulp::WithSimd for AttentionRows<'_> {
                 }
                 for ps in probs.chunks_exact_mut(len) {
                     let max = ps.iter().fold(f32::NEG_INFINITY, |m, &p| m.max(p));
-                    let mut sum = 0f32;
+                    // The exponentials vectorise; their sum runs in key order.
                     for p in ps.iter_mut() {
-                        *p = (*p - max).exp();
-                        sum += *p;
+                        *p = exp_vectorisable(*p - max);
+                    }
+                    let mut sum = 0f32;
+                    for &p in ps.iter() {
+                        sum += p;
                     }
                     let inv = 1.0 / sum;
                     for p in ps.iter_mut() {
