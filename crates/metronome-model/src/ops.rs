@@ -611,14 +611,18 @@ impl pulp::WithSimd for AttentionRows<'_> {
     type Output = ();
 
     #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
         let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = self;
+        let l = S::F32_LANES;
+        if hd % l != 0 {
+            return attention_rows_scalar(AttentionRows { rows, q, k, v, heads, kvh, hd, out });
+        }
+        let nv = hd / l;
+        let load = |s: &[f32]| -> S::f32s { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&s[..l])) };
         let n = rows.base.len();
         let rep = heads / kvh;
         let width = kvh * hd;
         let scale = 1.0 / (hd as f32).sqrt();
-        // Per row and key/value head: the `rep` query heads that share it are handled
-        // together, so each cached key and value is loaded once for all of them.
         let mut probs = Vec::new();
         for i in 0..n {
             let (base, len) = (rows.base[i], rows.len[i]);
@@ -633,32 +637,127 @@ impl pulp::WithSimd for AttentionRows<'_> {
                 for (j, kr) in keys.chunks_exact(width).enumerate() {
                     let kr = &kr[off..off + hd];
                     for (r, qh) in qg.chunks_exact(hd).enumerate() {
-                        probs[r * len + j] = dot(qh, kr) * scale;
-                    }
-                }
-                for ps in probs.chunks_exact_mut(len) {
-                    let max = ps.iter().fold(f32::NEG_INFINITY, |m, &p| m.max(p));
-                    // The exponentials vectorise; their sum runs in key order.
-                    for p in ps.iter_mut() {
-                        *p = exp_vectorisable(*p - max);
-                    }
-                    let mut sum = 0f32;
-                    for &p in ps.iter() {
-                        sum += p;
-                    }
-                    let inv = 1.0 / sum;
-                    for p in ps.iter_mut() {
-                        *p *= inv;
-                    }
-                }
-                let og = &mut out[heads_at..heads_at + rep * hd];
-                for (j, vr) in values.chunks_exact(width).enumerate() {
-                    let vr = &vr[off..off + hd];
-                    for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
-                        let p = probs[r * len + j];
-                        for (o, &x) in oh.iter_mut().zip(vr) {
-                            *o += p * x;
+                        let mut acc = simd.splat_f32s(0.0);
+                        for c in 0..nv {
+                            acc = simd.mul_add_e_f32s(load(&qh[c * l..]), load(&kr[c * l..]), acc);
                         }
+                        probs[r * len + j] = simd.reduce_sum_f32s(acc) * scale;
+                    }
+                }
+                softmax_rows(&mut probs, len);
+                let og = &mut out[heads_at..heads_at + rep * hd];
+                for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
+                    let ps = &probs[r * len..(r + 1) * len];
+                    match nv {
+                        1 => weighted_values::<S, 1>(simd, ps, values, width, off, oh),
+                        2 => weighted_values::<S, 2>(simd, ps, values, width, off, oh),
+                        4 => weighted_values::<S, 4>(simd, ps, values, width, off, oh),
+                        8 => weighted_values::<S, 8>(simd, ps, values, width, off, oh),
+                        _ => {
+                            for c in 0..nv {
+                                let mut acc = simd.splat_f32s(0.0);
+                                for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
+                                    acc = simd.mul_add_e_f32s(
+                                        simd.splat_f32s(p),
+                                        load(&vr[off + c * l..]),
+                                        acc,
+                                    );
+                                }
+                                oh[c * l..(c + 1) * l]
+                                    .copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&acc)));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Softmax of each `len`-long row of `probs` in place: exponentials that vectorise,
+/// their sum in key order.
+#[inline(always)]
+fn softmax_rows(probs: &mut [f32], len: usize) {
+    for ps in probs.chunks_exact_mut(len) {
+        let max = ps.iter().fold(f32::NEG_INFINITY, |m, &p| m.max(p));
+        for p in ps.iter_mut() {
+            *p = exp_vectorisable(*p - max);
+        }
+        let mut sum = 0f32;
+        for &p in ps.iter() {
+            sum += p;
+        }
+        let inv = 1.0 / sum;
+        for p in ps.iter_mut() {
+            *p *= inv;
+        }
+    }
+}
+
+/// `oh = Σ_j ps[j] · value_j` for one head of `NV` SIMD vectors, the accumulators held
+/// in registers across the keys (one fused multiply-add chain per lane, in key order).
+#[inline(always)]
+fn weighted_values<S: pulp::Simd, const NV: usize>(
+    simd: S,
+    ps: &[f32],
+    values: &[f32],
+    width: usize,
+    off: usize,
+    oh: &mut [f32],
+) {
+    let l = S::F32_LANES;
+    let mut acc = [simd.splat_f32s(0.0); NV];
+    for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
+        let p = simd.splat_f32s(p);
+        let vr = &vr[off..off + NV * l];
+        for (c, a) in acc.iter_mut().enumerate() {
+            *a = simd.mul_add_e_f32s(
+                p,
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&vr[c * l..(c + 1) * l])),
+                *a,
+            );
+        }
+    }
+    for (c, a) in acc.iter().enumerate() {
+        oh[c * l..(c + 1) * l].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(a)));
+    }
+}
+
+/// The attention loops in plain scalar code, for head sizes that are not a whole number
+/// of SIMD vectors.
+fn attention_rows_scalar(a: AttentionRows<'_>) {
+    let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = a;
+    let n = rows.base.len();
+    let rep = heads / kvh;
+    let width = kvh * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Per row and key/value head: the `rep` query heads that share it are handled
+    // together, so each cached key and value is loaded once for all of them.
+    let mut probs = Vec::new();
+    for i in 0..n {
+        let (base, len) = (rows.base[i], rows.len[i]);
+        let keys = &k[base * width..(base + len) * width];
+        let values = &v[base * width..(base + len) * width];
+        probs.clear();
+        probs.resize(rep * len, 0f32);
+        for g in 0..kvh {
+            let off = g * hd;
+            let heads_at = (i * heads + g * rep) * hd;
+            let qg = &q[heads_at..heads_at + rep * hd];
+            for (j, kr) in keys.chunks_exact(width).enumerate() {
+                let kr = &kr[off..off + hd];
+                for (r, qh) in qg.chunks_exact(hd).enumerate() {
+                    probs[r * len + j] = dot(qh, kr) * scale;
+                }
+            }
+            softmax_rows(&mut probs, len);
+            let og = &mut out[heads_at..heads_at + rep * hd];
+            for (j, vr) in values.chunks_exact(width).enumerate() {
+                let vr = &vr[off..off + hd];
+                for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
+                    let p = probs[r * len + j];
+                    for (o, &x) in oh.iter_mut().zip(vr) {
+                        *o += p * x;
                     }
                 }
             }
@@ -1002,7 +1101,7 @@ pub(crate) fn exp_vectorisable(x: f32) -> f32 {
     p = p.mul_add(r, 1.666_666_5e-1);
     p = p.mul_add(r, 0.5); // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
     let y = (p * r).mul_add(r, r) + 1.0;
-    y * f32::from_bits(((n as i32 + 127) << 23) as u32)
+    y * f32::from_bits(((n as i32).wrapping_add(127) << 23) as u32)
 }
 
 /// `silu(gate) * up` of a stacked `[n, 2 * intermediate]` gate/up product (see
@@ -1321,10 +1420,17 @@ mod tests {
 
     #[test]
     fn fused_decode_attention_matches_reference_on_ragged_rows() {
+        // Head sizes of 4 and 8 SIMD vectors (registers held across keys), of 5 (the
+        // general loop) and of a fraction of one (the scalar loops).
+        for hd in [32, 64, 40, 6] {
+            decode_attention_matches_reference(hd);
+        }
+    }
+
+    fn decode_attention_matches_reference(hd: usize) {
         let dev = Device::Cpu;
-        // 4 query heads over 2 key/value heads; head_dim 40 also exercises the dot
-        // product's tail after its eight lanes.
-        let (heads, kvh, hd, slots, max_len) = (4, 2, 40, 6, 50);
+        // 4 query heads over 2 key/value heads.
+        let (heads, kvh, slots, max_len) = (4, 2, 6, 50);
         let shape = (slots * max_len, kvh, hd);
         let keys = Tensor::from_vec(noise(1, slots * max_len * kvh * hd), shape, &dev).unwrap();
         let values = Tensor::from_vec(noise(2, slots * max_len * kvh * hd), shape, &dev).unwrap();
@@ -1356,7 +1462,7 @@ mod tests {
             .unwrap();
             let got = fused.narrow(0, i, 1).unwrap();
             let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d < 1e-5, "row {i} (length {}): max diff {d}", len[i]);
+            assert!(d < 1e-5, "head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
         }
         // Each row alone gives bitwise the batch's result.
         let all = fused.to_vec2::<f32>().unwrap();
