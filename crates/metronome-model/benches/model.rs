@@ -96,7 +96,8 @@ fn benches(c: &mut Criterion) {
         });
     }
     g.finish();
-    let frozen = m.clone().with_trainable(false);
+    // A frozen copy, as rollout workers decode with: its linear layers in decode layout.
+    let frozen = m.frozen_copy().expect("frozen copy");
     let mut g = c.benchmark_group("decode");
     for batch in DECODE_BATCHES {
         g.throughput(Throughput::Elements(batch as u64));
@@ -175,7 +176,7 @@ fn summary() {
             100.0 * flops / 1e9 / peak
         );
     }
-    let frozen = m.with_trainable(false);
+    let frozen = m.frozen_copy().expect("frozen copy");
     for batch in DECODE_BATCHES {
         decode_run(&frozen, batch, 4);
         let t = decode_run(&frozen, batch, DECODE_STEPS);

@@ -39,10 +39,14 @@ pub(crate) struct Inner {
     pub(crate) norm: Var,
     /// `None` when the head is tied to the embedding.
     pub(crate) lm_head: Option<Var>,
-    /// The linear layers again in decode layout, for models that never train (built
-    /// non-trainable on the CPU, e.g. by [`Model::frozen_copy`]); `None` otherwise, and
-    /// dropped by `with_trainable(true)`, so a model whose weights an optimiser moves
-    /// never decodes from a stale copy. Replaced whole by [`Model::load_snapshot`].
+    /// Whether this model may keep its linear layers a second time in decode layout:
+    /// set for models built never to train (non-trainable, on the CPU, e.g. by
+    /// [`Model::frozen_copy`]), cleared for good by `with_trainable(true)`, so a model
+    /// whose weights an optimiser moves never decodes from a stale copy.
+    pub(crate) frozen: std::sync::atomic::AtomicBool,
+    /// That copy, built by the first decode step that needs it (a frozen reference model
+    /// that only scores never pays its memory) and dropped by
+    /// [`Model::load_snapshot`], to be rebuilt from the new weights.
     pub(crate) decode: std::sync::RwLock<Option<Arc<DecodeWeights>>>,
 }
 
@@ -217,21 +221,19 @@ impl Model {
         } else {
             Some(var("lm_head.weight", &[cfg.vocab_size, d], Init::Normal)?)
         };
-        let mut inner = Inner {
+        // A model built to never train (a frozen copy, a rollout worker's) may keep its
+        // linear layers a second time in decode layout: that memory buys decode steps
+        // without repacking transposed weights (crate `ops`, `DecodeLinear`).
+        let inner = Inner {
             cfg,
             device: device.clone(),
             embed,
             layers,
             norm,
             lm_head,
+            frozen: std::sync::atomic::AtomicBool::new(!trainable && device.is_cpu()),
             decode: std::sync::RwLock::new(None),
         };
-        // A model built to never train (a frozen copy, a rollout worker's) keeps its
-        // linear layers a second time in decode layout: that memory buys decode steps
-        // without repacking transposed weights (crate `ops`, `DecodeLinear`).
-        if !trainable && device.is_cpu() {
-            inner.decode = std::sync::RwLock::new(Some(Arc::new(DecodeWeights::of(&inner)?)));
-        }
         Ok(Self { inner: Arc::new(inner), trainable })
     }
 
@@ -256,23 +258,40 @@ impl Model {
     /// The same weights (shared, not copied) with forward passes that do or do not
     /// record autograd graphs.
     ///
-    /// Making a frozen model trainable drops its decode-layout copy of the weights (for
-    /// every handle sharing them), since an optimiser would leave that copy stale; its
-    /// decoding then runs on the training layout, like that of any model built
-    /// trainable. Only a model built frozen ([`Model::frozen_copy`],
-    /// [`Model::from_snapshot`] with `trainable == false`) has that copy.
+    /// Only a model built frozen ([`Model::frozen_copy`], [`Model::from_snapshot`] with
+    /// `trainable == false`) decodes from a copy of its linear layers in decode layout
+    /// (several times faster on many slots). Making it trainable drops that copy for
+    /// good, for every handle sharing the weights, since an optimiser would leave it
+    /// stale; its decoding then runs on the training layout, like that of any model
+    /// built trainable. A frozen model's weights change only through
+    /// [`Model::load_snapshot`] (which refreshes the copy).
     #[must_use]
     pub fn with_trainable(mut self, trainable: bool) -> Self {
-        if trainable && let Ok(mut d) = self.inner.decode.write() {
-            *d = None;
+        if trainable {
+            self.inner.frozen.store(false, std::sync::atomic::Ordering::SeqCst);
+            if let Ok(mut d) = self.inner.decode.write() {
+                *d = None;
+            }
         }
         self.trainable = trainable;
         self
     }
 
-    /// The decode-layout weights, when this model keeps them.
-    pub(crate) fn decode_weights(&self) -> Option<Arc<DecodeWeights>> {
-        self.inner.decode.read().ok().and_then(|d| d.clone())
+    /// The decode-layout weights of a frozen model, built on first use; `None` for a
+    /// model that may train.
+    pub(crate) fn decode_weights(&self) -> Result<Option<Arc<DecodeWeights>>> {
+        if !self.inner.frozen.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(None);
+        }
+        if let Some(d) = self.inner.decode.read().ok().and_then(|d| d.clone()) {
+            return Ok(Some(d));
+        }
+        let Ok(mut slot) = self.inner.decode.write() else { return Ok(None) };
+        // Another worker may have built it while this one waited for the lock.
+        if slot.is_none() {
+            *slot = Some(Arc::new(DecodeWeights::of(&self.inner)?));
+        }
+        Ok(slot.clone())
     }
 
     /// Every parameter with its Hugging Face name, in a stable order (embedding, then
@@ -538,11 +557,9 @@ impl Model {
                 var.set(&host_to_tensor(t, self.device())?)?;
             }
         }
-        if self.decode_weights().is_some() {
-            let fresh = Arc::new(DecodeWeights::of(&self.inner)?);
-            if let Ok(mut d) = self.inner.decode.write() {
-                *d = Some(fresh);
-            }
+        // The next decode step rebuilds the decode layout from the new weights.
+        if let Ok(mut d) = self.inner.decode.write() {
+            *d = None;
         }
         Ok(())
     }

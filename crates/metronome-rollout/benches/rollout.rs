@@ -151,7 +151,10 @@ fn summary() {
     let fastest = |runs: &[Vec<(usize, f64)>], i: usize| {
         runs.iter().map(|r| r[i]).fold((0, f64::INFINITY), |b, (tokens, s)| (tokens, b.1.min(s)))
     };
-    let slots: Vec<ModelEngine> = SLOTS.iter().map(|&n| engine(n, Batching::Continuous)).collect();
+    // The slot counts on a frozen copy, then 1 and 64 slots on the training model's own
+    // weights (candle's matmul, inputs padded to 16 rows), in the same rounds.
+    let mut slots: Vec<ModelEngine> = SLOTS.iter().map(|&n| engine(n, Batching::Continuous)).collect();
+    slots.extend([1, 64].map(|n| engine_with(n, Batching::Continuous, false)));
     let refs: Vec<&ModelEngine> = slots.iter().collect();
     let hf = std::env::var("METRONOME_HF_PYTHON").ok();
     let mut runs = Vec::new();
@@ -185,6 +188,16 @@ fn summary() {
             );
         }
         println!();
+    }
+    // (slots, index of the frozen engine, index of the training-layout engine)
+    for (n, i, j) in [(1, 0, SLOTS.len()), (64, 3, SLOTS.len() + 1)] {
+        let (tokens, secs) = fastest(&runs, j);
+        let frozen = fastest(&runs, i);
+        println!(
+            "  slots {n:>2} on training-layout weights: {:8.0} tokens/s (frozen copy {:.2}x)",
+            tokens as f64 / secs,
+            (frozen.0 as f64 / frozen.1) / (tokens as f64 / secs)
+        );
     }
     let cont = engine(16, Batching::Continuous);
     let stat = engine(16, Batching::Static);
