@@ -159,8 +159,11 @@ fn summary() {
     let hf = std::env::var("METRONOME_HF_PYTHON").ok();
     let mut runs = Vec::new();
     let mut hf_rounds = Vec::new();
+    // Each round: every engine's fastest of three interleaved runs, then (opt-in) the
+    // transformers script's fastest of three; a ratio compares the two of one round.
     for _ in 0..3 {
-        runs.extend(rounds(&refs, &fixed_length_submission(), 1));
+        let best = rounds(&refs, &fixed_length_submission(), 3);
+        runs.push((0..refs.len()).map(|i| fastest(&best, i)).collect());
         if let Some(python) = &hf {
             hf_rounds.push(hf_generate(python));
         }
@@ -220,13 +223,13 @@ fn summary() {
 /// Slot counts of the fixed-length workload.
 const SLOTS: [usize; 4] = [1, 4, 16, 64];
 
-/// One run of `benches/hf_generate.py` (one repeat, one thread): tokens/s per slot count
+/// One run of `benches/hf_generate.py` (fastest of three repeats, one thread): tokens/s per slot count
 /// of [`SLOTS`], `None` where it failed or printed no figure.
 fn hf_generate(python: &str) -> Vec<Option<f64>> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/hf_generate.py");
     let batches: Vec<String> = SLOTS.iter().map(ToString::to_string).collect();
     let out = std::process::Command::new(python)
-        .args([script, "--threads", "1", "--repeats", "1", "--batches"])
+        .args([script, "--threads", "1", "--repeats", "3", "--batches"])
         .args(&batches)
         .output();
     let text = match out {
