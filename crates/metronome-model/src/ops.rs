@@ -724,7 +724,9 @@ fn weighted_values<S: pulp::Simd, const NV: usize>(
 }
 
 /// The attention loops in plain scalar code, for head sizes that are not a whole number
-/// of SIMD vectors.
+/// of SIMD vectors (inlined into the dispatch, so `exp_vectorisable`'s fused
+/// multiply-adds are instructions, not library calls).
+#[inline(always)]
 fn attention_rows_scalar(a: AttentionRows<'_>) {
     let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = a;
     let n = rows.base.len();

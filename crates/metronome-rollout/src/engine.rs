@@ -3,8 +3,8 @@
 //!
 //! # Threads
 //! Each worker is an OS thread with its own KV cache and its own rayon pool; its
-//! whole loop runs inside `pool.install`, so candle's matmuls use that pool's
-//! threads only (candle's element-wise "barrier pool" is process-wide and is sized
+//! whole loop runs inside `pool.install`, so candle's matmuls and the model's decode
+//! kernel use that pool's threads only (candle's element-wise "barrier pool" is process-wide and is sized
 //! by `CANDLE_NUM_THREADS`; set it to 1 when a trainer shares the machine). Workers
 //! share one queue of pending sequences: a worker with a free slot takes the next one.
 //!
