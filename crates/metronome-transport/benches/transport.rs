@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
 use metronome_transport::nats::{NatsConfig, NatsTransport, Storage};
 use metronome_transport::server;
@@ -183,5 +183,212 @@ fn groups(c: &mut Criterion) {
     group.finish();
 }
 
+/// CPU time (user + system) of process `pid` so far, from `/proc/<pid>/stat`, in
+/// clock ticks of 10 ms (`USER_HZ` is 100 on Linux); `None` elsewhere.
+fn cpu_ticks(pid: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are the 12th and
+    // 13th of them.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// CPU milliseconds of this process and of `server` while `f` runs, with its result.
+fn with_cpu<T>(server: Option<u32>, f: impl FnOnce() -> T) -> (T, f64) {
+    let ticks =
+        || cpu_ticks("self").unwrap_or(0) + server.and_then(|p| cpu_ticks(&p.to_string())).unwrap_or(0);
+    let before = ticks();
+    let out = f();
+    (out, (ticks() - before) as f64 * 10.0)
+}
+
+/// A plain TCP transfer into a buffer that was filled before, so that no page faults
+/// are left in it: the path's limit for a receiver that reuses its memory.
+fn tcp_transfer_into(bytes: &[u8], buffer: &mut Vec<u8>) -> Duration {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let len = bytes.len();
+    let mut out = std::mem::take(buffer);
+    let start = Instant::now();
+    let reader = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().expect("accept");
+        stream.read_exact(&mut out[..len]).expect("read");
+        out
+    });
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream.write_all(bytes).expect("write");
+    drop(stream);
+    *buffer = reader.join().expect("reader");
+    start.elapsed()
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 { xs[n / 2] } else { (xs[n / 2 - 1] + xs[n / 2]) / 2.0 }
+}
+
+/// The side-by-side report of the 100 MB weight path: rounds that interleave a memory
+/// copy, a plain TCP transfer into fresh and into reused memory, and a NATS publish
+/// followed by a fetch in two configurations (the defaults, and memory storage
+/// without the object store's SHA-256 digest), so that every ratio compares
+/// measurements taken under the same load. Also the CPU time each takes (this
+/// process and the server together), which other work on the machine disturbs less
+/// than the wall-clock time. `TRANSPORT_ROUNDS` sets the rounds (default 7).
+fn weights_side_by_side() {
+    let rounds: usize = std::env::var("TRANSPORT_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
+    let snapshot = Arc::new(snapshot_of_bytes(0, SNAPSHOT_BYTES));
+    let encoded = encode_weights(&snapshot).expect("encode");
+    let mb = encoded.len() as f64 / 1e6;
+    let rt = runtime();
+    // `TRANSPORT_MAX_PAYLOAD` raises the server's message size limit (the deployment
+    // setting `max_payload`, 1 MiB by default), `TRANSPORT_CHUNK_BYTES` the chunk size
+    // of the fast configuration.
+    let env = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<usize>().ok());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let conf = dir.path().join("nats.conf");
+    let mut args = Vec::new();
+    if let Some(max) = env("TRANSPORT_MAX_PAYLOAD") {
+        std::fs::write(&conf, format!("max_payload: {max}\n")).expect("write nats.conf");
+        args = vec!["-c".to_owned(), conf.display().to_string()];
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let server = server::NatsServer::start(&args).expect("start nats-server");
+    let pid = server.pid();
+    let mut fast = NatsConfig::with_prefix(vec![server.url()], "side_fast");
+    fast.weights.storage = Storage::Memory;
+    fast.weights.object_store_digest = false;
+    if let Some(chunk) = env("TRANSPORT_CHUNK_BYTES") {
+        fast.weights.chunk_bytes = chunk;
+    }
+    let configs = [
+        ("nats defaults", NatsConfig::with_prefix(vec![server.url()], "side_default")),
+        ("nats memory, no sha", fast),
+    ];
+    let mut endpoints: Vec<_> = configs
+        .iter()
+        .map(|(_, c)| {
+            rt.block_on(async {
+                let t = NatsTransport::connect(c.clone()).await.expect("connect");
+                (
+                    t.weight_publisher().await.expect("publisher"),
+                    t.weight_subscriber().await.expect("subscriber"),
+                )
+            })
+        })
+        .collect();
+    let mut warm = encoded.clone();
+    // wall ms, cpu ms per row; NATS rows also keep publish and fetch apart.
+    let mut rows: Vec<(String, Vec<f64>, Vec<f64>)> = ["memcpy", "tcp (fresh buffer)", "tcp (reused buffer)"]
+        .iter()
+        .map(|n| ((*n).to_owned(), vec![], vec![]))
+        .collect();
+    for (name, _) in &configs {
+        for part in ["publish", "fetch", "publish+fetch"] {
+            rows.push((format!("{name}: {part}"), vec![], vec![]));
+        }
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    for round in 0..rounds {
+        let (d, cpu) = with_cpu(None, || {
+            let t = Instant::now();
+            std::hint::black_box(encoded.to_vec());
+            t.elapsed()
+        });
+        rows[0].1.push(ms(d));
+        rows[0].2.push(cpu);
+        let (d, cpu) = with_cpu(None, || tcp_transfer(&encoded));
+        rows[1].1.push(ms(d));
+        rows[1].2.push(cpu);
+        let (d, cpu) = with_cpu(None, || tcp_transfer_into(&encoded, &mut warm));
+        rows[2].1.push(ms(d));
+        rows[2].2.push(cpu);
+        let version = round as u64 + 1;
+        let mut s = (*snapshot).clone();
+        s.version = metronome_core::PolicyVersion(version);
+        let s = Arc::new(s);
+        for (i, (publisher, subscriber)) in endpoints.iter_mut().enumerate() {
+            let ((publish, cpu_publish), (fetch, cpu_fetch)) = rt.block_on(async {
+                let p = async_cpu(pid, async {
+                    let t = Instant::now();
+                    publisher.publish(Arc::clone(&s)).await.expect("publish");
+                    t.elapsed()
+                })
+                .await;
+                let f = async_cpu(pid, async {
+                    let t = Instant::now();
+                    let got = subscriber.latest().await.expect("fetch").expect("a snapshot");
+                    assert_eq!(got.version.0, version);
+                    t.elapsed()
+                })
+                .await;
+                (p, f)
+            });
+            let base = 3 + 3 * i;
+            for (row, wall, cpu) in [
+                (base, ms(publish), cpu_publish),
+                (base + 1, ms(fetch), cpu_fetch),
+                (base + 2, ms(publish + fetch), cpu_publish + cpu_fetch),
+            ] {
+                rows[row].1.push(wall);
+                rows[row].2.push(cpu);
+            }
+        }
+    }
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!(
+        "weights_100mb side by side: {rounds} interleaved rounds, medians; load average {}",
+        load.trim()
+    );
+    let tcp_wall = median(rows[1].1.clone());
+    let tcp_cpu = median(rows[1].2.clone());
+    let warm_wall = median(rows[2].1.clone());
+    println!(
+        "{:<36} {:>9} {:>9} {:>9} {:>9} {:>11}",
+        "", "wall ms", "MB/s", "cpu ms", "x tcp", "x tcp reuse"
+    );
+    for (name, wall, cpu) in &rows {
+        let (w, c) = (median(wall.clone()), median(cpu.clone()));
+        println!(
+            "{name:<36} {w:>9.1} {:>9.0} {c:>9.0} {:>9.2} {:>11.2}",
+            mb / (w / 1e3),
+            w / tcp_wall,
+            w / warm_wall
+        );
+    }
+    println!("cpu ratio (publish+fetch over tcp fresh, this process + server): {}", {
+        let parts: Vec<String> = rows
+            .iter()
+            .filter(|(n, _, _)| n.ends_with("publish+fetch"))
+            .map(|(n, _, c)| format!("{n} {:.2}", median(c.clone()) / tcp_cpu.max(1.0)))
+            .collect();
+        parts.join("; ")
+    });
+}
+
+/// CPU milliseconds of this process and the server while `f` runs.
+async fn async_cpu<T>(server: Option<u32>, f: impl std::future::Future<Output = T>) -> (T, f64) {
+    let ticks =
+        || cpu_ticks("self").unwrap_or(0) + server.and_then(|p| cpu_ticks(&p.to_string())).unwrap_or(0);
+    let before = ticks();
+    let out = f.await;
+    (out, (ticks() - before) as f64 * 10.0)
+}
+
 criterion_group!(benches, weights, groups);
-criterion_main!(benches);
+
+fn main() {
+    // `cargo bench -p metronome-transport -- side_by_side` prints only the report;
+    // any other filter goes to criterion.
+    let args: Vec<String> = std::env::args().collect();
+    let filter = args.iter().skip(1).find(|a| !a.starts_with('-'));
+    if filter.is_none_or(|f| "weights_100mb side_by_side".contains(f.as_str())) {
+        weights_side_by_side();
+    }
+    if filter.is_some_and(|f| f == "side_by_side") {
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -69,6 +69,13 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The server's process id (for measuring its CPU time, say); `None` while it is
+    /// not running.
+    #[must_use]
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Kills the server (SIGKILL: no graceful shutdown) and starts it again on the same
     /// port and storage directory.
     pub fn restart(&mut self) -> io::Result<()> {

@@ -338,3 +338,56 @@ async fn a_snapshot_of_many_chunks_round_trips() {
         assert_eq!(encode_weights(&got).unwrap(), encode_weights(&s).unwrap());
     }
 }
+
+fn first_data_ptr(s: &metronome_core::WeightSnapshot) -> usize {
+    match &s.tensors[0].data {
+        metronome_core::TensorData::F32(v) => v.as_ptr() as usize,
+        metronome_core::TensorData::Bf16(v) | metronome_core::TensorData::F16(v) => v.as_ptr() as usize,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_in_memory_without_the_sha_digest_round_trip_and_reuse_dropped_buffers() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let mut cfg = config(&server, "fastweights");
+    cfg.weights.storage = metronome_transport::nats::Storage::Memory;
+    cfg.weights.object_store_digest = false;
+    cfg.weights.keep_versions = 1;
+    cfg.weights.chunk_bytes = 64 * 1024;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let publisher = t.weight_publisher().await.unwrap();
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+
+    tokio::time::timeout(PATIENCE, publisher.publish(Arc::new(snapshot(1, 300)))).await.unwrap().unwrap();
+    let first = tokio::time::timeout(PATIENCE, subscriber.latest()).await.unwrap().unwrap().unwrap();
+    assert_eq!(encode_weights(&first).unwrap(), encode_weights(&snapshot(1, 300)).unwrap());
+    // Still held by the caller: the next fetch must not write into it.
+    tokio::time::timeout(PATIENCE, publisher.publish(Arc::new(snapshot(2, 300)))).await.unwrap().unwrap();
+    let second = tokio::time::timeout(PATIENCE, subscriber.latest()).await.unwrap().unwrap().unwrap();
+    assert_eq!(encode_weights(&first).unwrap(), encode_weights(&snapshot(1, 300)).unwrap());
+    assert_eq!(encode_weights(&second).unwrap(), encode_weights(&snapshot(2, 300)).unwrap());
+    assert_ne!(first_data_ptr(&first), first_data_ptr(&second));
+    // Dropped by the caller: the next version is decoded into its buffers.
+    let reusable = first_data_ptr(&second);
+    drop((first, second));
+    tokio::time::timeout(PATIENCE, publisher.publish(Arc::new(snapshot(3, 300)))).await.unwrap().unwrap();
+    let third = tokio::time::timeout(PATIENCE, subscriber.latest()).await.unwrap().unwrap().unwrap();
+    assert_eq!(encode_weights(&third).unwrap(), encode_weights(&snapshot(3, 300)).unwrap());
+    assert_eq!(first_data_ptr(&third), reusable);
+
+    // The bucket lives in memory, keeps one version, and records no digest.
+    let js = async_nats::jetstream::new(t.client().clone());
+    let mut stream = js.get_stream(format!("OBJ_{}", t.config().weights.bucket)).await.unwrap();
+    let storage = stream.info().await.unwrap().config.storage;
+    assert_eq!(storage, async_nats::jetstream::stream::StorageType::Memory);
+    let store = js.get_object_store(&t.config().weights.bucket).await.unwrap();
+    let mut names = Vec::new();
+    let mut list = store.list().await.unwrap();
+    while let Some(info) = tokio::time::timeout(PATIENCE, futures::StreamExt::next(&mut list)).await.unwrap()
+    {
+        let info = info.unwrap();
+        assert_eq!(info.digest, None);
+        names.push(info.name);
+    }
+    assert_eq!(names, [format!("v{:020}", 3)]);
+}
