@@ -7,7 +7,9 @@ measures generated tokens per second for the same workloads as `benches/rollout.
 `slots/<n>` group: 64 responses of 32 new tokens from 12-token prompts, sampled at
 temperature 1, in static batches of `n` (transformers has no continuous batching in
 `generate`), with one CPU thread. Compare with `cargo bench -p metronome-rollout --bench
-rollout -- slots` run with `RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1` on the same machine.
+rollout -- slots` run with `RAYON_NUM_THREADS=1 CANDLE_NUM_THREADS=1` on the same machine,
+or let that bench run this script between its own rounds (`METRONOME_HF_PYTHON=python3`),
+which reports the ratio per round, side by side.
 
 `--long-tail` instead emulates the `batching/*` workload: response lengths drawn like
 the Rust bench's (stop with probability 2/99 per token, capped at 160), in static

@@ -1,5 +1,6 @@
 //! Generation throughput of the tiny model on CPU:
-//! - `slots/<n>`: generated tokens/s with `n` KV-cache slots (1 worker, 1 thread),
+//! - `slots/<n>`: generated tokens/s with `n` KV-cache slots (1 worker, 1 thread, a
+//!   frozen copy of the model, as pipeline workers decode with),
 //!   64 responses of 32 tokens each (end-of-sequence ignored, so every layout does
 //!   the same work);
 //! - `batching/{continuous,static}`: 64 responses whose lengths are long-tailed
