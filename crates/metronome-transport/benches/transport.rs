@@ -1,10 +1,17 @@
 //! Throughput of the transports, measured side by side on loopback:
 //!
-//! - `weights_100mb/*`: one 100 MB snapshot published and fetched over NATS (file and
-//!   memory storage), beside a plain TCP transfer of the same encoded bytes (the
-//!   path's limit), the encode+decode pair alone, and a memory copy;
-//! - `groups/*`: small groups (G = 4, 32 tokens) sent, received and acknowledged, in
-//!   process and over NATS.
+//! - a printed report first (`-- side_by_side` prints only it): rounds that interleave
+//!   a memory copy, a plain TCP transfer of the encoded 100 MB snapshot into fresh and
+//!   into reused memory, and a NATS publish then fetch with the default settings and
+//!   with memory storage and no SHA-256 digest; medians of wall-clock and CPU time
+//!   (this process plus the server), MB/s, and ratios to both TCP transfers. Taking
+//!   every figure in the same rounds keeps the ratios honest on a machine that others
+//!   use at the same time;
+//! - `weights_100mb/*` (criterion): the same snapshot published and fetched over NATS
+//!   (file and memory storage), beside the TCP transfer into fresh memory, the
+//!   encode+decode pair alone, and a memory copy;
+//! - `groups/*` (criterion): small groups (G = 4, 32 tokens) sent, received and
+//!   acknowledged, in process and over NATS.
 //!
 //! Starts its own `nats-server` (`metronome_transport::server`).
 

@@ -35,7 +35,20 @@
 //! can read them) but not through `ObjectStore::put`/`get`: the upload sends chunks
 //! that borrow the tensor memory, pipelined, and the download decodes chunks straight
 //! into the tensors ([`wire::WeightsDecoder`]), which removes two copies and a
-//! SHA-256 pass from the path (`benches/transport.rs` measures it against plain TCP).
+//! SHA-256 pass from the path. A subscriber whose previous snapshot nobody holds
+//! any more decodes the next one into its buffers, so a steady stream of versions
+//! allocates nothing (the page faults of fresh memory cost as much as the copy).
+//! Old versions are deleted while the new one uploads.
+//!
+//! What the weight path costs, measured (`cargo bench -p metronome-transport --
+//! side_by_side`, 100 MB, loopback, 2 shared cores): with memory storage and no
+//! object store digest (`weights.storage = memory`, `weights.object_store_digest =
+//! false`), publish plus fetch took 1.8 to 2.4 times one plain TCP transfer of the
+//! same bytes into fresh memory, 2.8 to 3.4 times its CPU time; with the defaults
+//! (file storage, SHA-256 for stock readers) 2.8 to 5.0 times. The floor is the
+//! broker: the bytes cross two sockets and the server copies them into its store
+//! and out again, so publish and fetch are each about one TCP transfer, and the
+//! server alone spent about 190 ms (memory) or 320 ms (file) of CPU per 100 MB.
 //!
 //! This crate does not decide *when* to send: schedules, staleness limits and the
 //! period loop belong to `metronome-pipeline`. It does not know tensors either:
