@@ -21,7 +21,10 @@
 //! - **Order**: a Fisher–Yates shuffle per epoch seeded by
 //!   `stream_seed(run, SHUFFLE_STREAM, epoch)` (a fixed algorithm pinned by golden
 //!   values), every prompt exactly once per epoch, batches that run across epoch
-//!   boundaries, a finite or unbounded number of epochs.
+//!   boundaries, a finite or unbounded number of epochs. A batch never holds a prompt
+//!   twice (a period's groups are identified by period and prompt id): one that would
+//!   meet its own prompt in the next epoch's order ends one short of `batch_size`
+//!   (`_batches_cut_short_total`).
 //! - **Resumption**: the [`metronome_core::Cursor`] (period, epoch, offset into the
 //!   epoch's order, prompts skipped as too long included) fully determines every
 //!   future batch; restoring it reproduces the uninterrupted sequence exactly. It

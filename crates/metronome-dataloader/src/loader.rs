@@ -27,6 +27,10 @@ pub struct LoaderStats {
     pub tokens: u64,
     /// Prompts skipped because they were longer than the maximum.
     pub skipped_too_long: u64,
+    /// Batches released with fewer than `batch_size` prompts because the next prompt
+    /// was already in them (a batch crossing an epoch boundary; a period never holds
+    /// a prompt twice).
+    pub cut_short: u64,
     /// Batches that had already been prepared when they were asked for.
     pub prefetched_ready: u64,
 }
@@ -108,6 +112,17 @@ impl PromptLoader {
         prompt.validate()?;
         if dataset.is_empty() {
             return Err(Error::config("source", format!("the dataset {dataset:?} has no records")));
+        }
+        if release.batch_size > dataset.len() {
+            // Legitimate for one pass over a small evaluation set; in training, every
+            // period then holds the whole dataset once (a period never holds a prompt
+            // twice), which is probably not what was meant.
+            tracing::warn!(
+                target: "metronome_dataloader",
+                "release.batch_size is {}, but the dataset has only {} prompts: every batch holds each prompt once",
+                release.batch_size,
+                dataset.len()
+            );
         }
         let planner = Arc::new(Planner::new(dataset, Renderer::new(tokenizer, prompt), seed, release));
         let mut loader = Self {
@@ -231,6 +246,10 @@ impl PromptLoader {
         if skipped > 0 {
             metrics::counter!("metronome_dataloader_prompts_skipped_total", "reason" => "too_long")
                 .increment(skipped);
+        }
+        if planned.cut_short {
+            self.stats.cut_short += 1;
+            metrics::counter!("metronome_dataloader_batches_cut_short_total").increment(1);
         }
         if let Some(batch) = &planned.batch {
             let tokens: u64 = batch.prompts.iter().map(|p| p.tokens.len() as u64).sum();

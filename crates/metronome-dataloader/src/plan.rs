@@ -5,6 +5,7 @@
 //! the uninterrupted run planned, and prefetching is safe because a batch planned
 //! ahead is the batch that would have been planned on demand.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use metronome_core::{Cursor, PeriodId, Prompt, PromptBatch, PromptId, RunSeed};
@@ -60,6 +61,9 @@ pub(crate) struct Planned {
     pub(crate) next: Cursor,
     /// Prompts skipped as too long while forming the batch: id, place, tokens.
     pub(crate) too_long: Vec<(PromptId, String, usize)>,
+    /// The batch ended before `batch_size` prompts because the next one was already
+    /// in it (see [`Planner::plan`]).
+    pub(crate) cut_short: bool,
 }
 
 /// Plans batches; shared with the prefetch thread.
@@ -132,14 +136,24 @@ impl Planner {
     }
 
     /// The batch released at `from`, and the cursor after it.
+    ///
+    /// A batch never holds the same prompt id twice: a period's groups are identified
+    /// by (period, prompt id), so a repeat would be taken for a redelivery and dropped,
+    /// and the trainer would wait for it forever. A batch that crosses an epoch
+    /// boundary and meets, in the next epoch's order, a prompt it already holds ends
+    /// there, one period short of `batch_size` prompts; that prompt opens the next
+    /// batch. Every prompt is still served exactly once per epoch.
     pub(crate) fn plan(&self, from: Cursor) -> Result<Planned> {
         let len = self.dataset.len();
         let mut cursor = self.check(from)?;
         let batch_size = self.release.batch_size;
         let mut prompts: Vec<Prompt> = Vec::with_capacity(batch_size);
+        let mut ids: HashSet<PromptId> = HashSet::with_capacity(batch_size);
         let mut too_long = Vec::new();
+        let mut cut_short = false;
         let mut skipped_in_a_row = 0usize;
         while prompts.len() < batch_size && !self.exhausted(cursor.epoch) {
+            let before = cursor;
             let index = self.order(cursor.epoch)[cursor.offset as usize];
             cursor.offset += 1;
             if cursor.offset as usize == len {
@@ -148,6 +162,11 @@ impl Planner {
             // The place is only formatted when a message needs it.
             let place = || self.dataset.place(index);
             match self.renderer.render(self.dataset.record(index)?, place)? {
+                Rendered::Fits(prompt) if !ids.insert(prompt.id) => {
+                    cursor = before;
+                    cut_short = true;
+                    break;
+                }
                 Rendered::Fits(prompt) => {
                     prompts.push(prompt);
                     skipped_in_a_row = 0;
@@ -162,12 +181,13 @@ impl Planner {
                 }
             }
         }
-        let full = prompts.len() == batch_size;
+        let full = prompts.len() == batch_size || cut_short;
         if prompts.is_empty() || (!full && self.release.drop_last) {
-            return Ok(Planned { batch: None, next: Cursor { period: from.period, ..cursor }, too_long });
+            let next = Cursor { period: from.period, ..cursor };
+            return Ok(Planned { batch: None, next, too_long, cut_short });
         }
         let batch = PromptBatch { period: from.period, prompts };
         let next = Cursor { period: PeriodId(from.period.0 + 1), ..cursor };
-        Ok(Planned { batch: Some(batch), next, too_long })
+        Ok(Planned { batch: Some(batch), next, too_long, cut_short })
     }
 }

@@ -1,6 +1,6 @@
 //! The pipeline's error type.
 
-use metronome_core::{GroupKey, PeriodId};
+use metronome_core::{GroupKey, PeriodId, PromptId};
 
 /// What can stop a run.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +27,17 @@ pub enum Error {
         /// The stage error.
         #[source]
         source: metronome_core::Error,
+    },
+    /// The prompt source released a period holding one prompt twice: its two groups
+    /// would share one identity, and the second would be taken for a redelivery.
+    #[error(
+        "period {period} holds prompt {prompt} twice; a prompt source must release distinct prompts per period"
+    )]
+    RepeatedPrompt {
+        /// The period.
+        period: PeriodId,
+        /// The repeated prompt.
+        prompt: PromptId,
     },
     /// A group arrived for a period that is not in flight.
     #[error("group {0} arrived outside the periods in flight")]

@@ -15,7 +15,7 @@ use std::time::Instant;
 use async_trait::async_trait;
 use metronome_core::{
     Delivery, Group, GroupKey, GroupReceiver, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion,
-    PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, StepReport, TrainBatch, Trainer,
+    PromptBatch, PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, StepReport, TrainBatch, Trainer,
     WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 use metronome_rollout::CollectSink;
@@ -182,7 +182,7 @@ impl Runner {
             self.stages.engine.install_weights(weights.clone()).await?;
             report.intervals.push(self.interval(StageKind::Publication, period, t));
 
-            let Some(batch) = self.stages.source.next_batch().await? else { break };
+            let Some(batch) = next_batch(self.stages.source.as_mut()).await? else { break };
             let order: BTreeMap<GroupKey, usize> = batch
                 .prompts
                 .iter()
@@ -389,6 +389,18 @@ impl Runner {
     }
 }
 
+/// The next period's prompts, checked to be distinct: a period's groups are identified
+/// by (period, prompt id), so a repeated prompt's second group would be dropped as a
+/// redelivery and the period would never complete.
+pub(crate) async fn next_batch(source: &mut dyn PromptSource) -> Result<Option<PromptBatch>> {
+    let Some(batch) = source.next_batch().await? else { return Ok(None) };
+    let mut seen = HashSet::with_capacity(batch.prompts.len());
+    if let Some(p) = batch.prompts.iter().find(|p| !seen.insert(p.id)) {
+        return Err(Error::RepeatedPrompt { period: batch.period, prompt: p.id });
+    }
+    Ok(Some(batch))
+}
+
 /// Folds one producer event into the consumer's books; true when the producer is done.
 fn handle_event(
     event: Event,
@@ -488,7 +500,7 @@ impl Producer {
     async fn periods_loop(&mut self) -> Result<()> {
         let mut installed: Option<PolicyVersion> = None;
         for k in 0..self.periods {
-            let Some(batch) = self.source.next_batch().await? else { return Ok(()) };
+            let Some(batch) = next_batch(self.source.as_mut()).await? else { return Ok(()) };
             let period = batch.period;
             let _ = self.events.send(Event::Released { period, prompts: batch.prompts.len() });
             // The controller: never generate more than `lag` versions ahead of training.

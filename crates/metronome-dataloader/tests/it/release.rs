@@ -18,9 +18,9 @@ async fn same_seed_same_batches_other_seed_other_order() {
     let c = drain(&mut loader(Numbered::dataset(50), 8, release(8, Some(3))), usize::MAX).await;
     assert_eq!(a, b);
     assert_ne!(a.iter().map(ids).collect::<Vec<_>>(), c.iter().map(ids).collect::<Vec<_>>());
-    // 150 prompts in batches of 8: 18 full batches and a last one of 6.
-    assert_eq!(a.len(), 19);
-    assert_eq!(a.last().unwrap().prompts.len(), 6);
+    // 150 prompts in batches of 8, each served once per epoch.
+    assert_eq!(a.iter().map(|b| b.prompts.len()).sum::<usize>(), 150);
+    assert!(a.len() >= 19);
     for (k, batch) in a.iter().enumerate() {
         assert_eq!(batch.period, PeriodId(k as u64));
     }
@@ -29,9 +29,10 @@ async fn same_seed_same_batches_other_seed_other_order() {
 #[tokio::test]
 async fn every_prompt_exactly_once_per_epoch_even_across_batch_boundaries() {
     // 23 prompts in batches of 5: batches straddle every epoch boundary.
-    let batches = drain(&mut loader(Numbered::dataset(23), 1, release(5, Some(4))), usize::MAX).await;
+    let mut l = loader(Numbered::dataset(23), 1, release(5, Some(8)));
+    let batches = drain(&mut l, usize::MAX).await;
     let flat: Vec<u64> = batches.iter().flat_map(ids).collect();
-    assert_eq!(flat.len(), 23 * 4);
+    assert_eq!(flat.len(), 23 * 8);
     let epochs: Vec<&[u64]> = flat.chunks(23).collect();
     for epoch in &epochs {
         assert_eq!(epoch.iter().copied().collect::<BTreeSet<_>>(), (0..23).collect());
@@ -39,6 +40,27 @@ async fn every_prompt_exactly_once_per_epoch_even_across_batch_boundaries() {
     // Shuffled, and differently per epoch.
     assert_ne!(epochs[0], (0..23).collect::<Vec<_>>().as_slice());
     assert_ne!(epochs[0], epochs[1]);
+    // A period never holds a prompt twice (its groups would share one identity): a
+    // batch that meets one of its own prompts in the next epoch's order ends there.
+    let mut short = 0;
+    for (k, batch) in batches.iter().enumerate() {
+        let held = ids(batch);
+        assert_eq!(held.iter().collect::<BTreeSet<_>>().len(), held.len(), "period {k}: {held:?}");
+        if held.len() < 5 && k + 1 < batches.len() {
+            short += 1;
+        }
+    }
+    assert!(short > 0, "no batch met one of its own prompts: the test lost its point");
+    assert_eq!(l.stats().cut_short, short);
+}
+
+#[tokio::test]
+async fn a_batch_larger_than_the_dataset_holds_each_prompt_once() {
+    let batches = drain(&mut loader(Numbered::dataset(4), 1, release(6, Some(3))), usize::MAX).await;
+    assert_eq!(batches.len(), 3);
+    for batch in &batches {
+        assert_eq!(ids(batch).into_iter().collect::<BTreeSet<_>>(), (0..4).collect());
+    }
 }
 
 #[tokio::test]
@@ -64,7 +86,7 @@ async fn unbounded_epochs_keep_going() {
     let batches = drain(&mut loader(Numbered::dataset(3), 1, release(2, None)), 30).await;
     assert_eq!(batches.len(), 30);
     let flat: Vec<u64> = batches.iter().flat_map(ids).collect();
-    for epoch in flat.chunks(3) {
+    for epoch in flat.chunks_exact(3) {
         assert_eq!(epoch.iter().copied().collect::<BTreeSet<_>>(), (0..3).collect());
     }
 }
@@ -296,9 +318,18 @@ proptest! {
             let tail = drain(&mut second, usize::MAX).await;
             prop_assert_eq!(&head[..], &full[..k]);
             prop_assert_eq!(&tail[..], &full[k..]);
+            // Every prompt once per epoch; drop_last drops at most a last partial batch.
             let released: usize = full.iter().map(|b| b.prompts.len()).sum();
-            let expected = if drop_last { (len * epochs as usize) / batch * batch } else { len * epochs as usize };
-            prop_assert_eq!(released, expected);
+            let all = len * epochs as usize;
+            if drop_last {
+                prop_assert!(released <= all && released + batch > all, "{} of {}", released, all);
+            } else {
+                prop_assert_eq!(released, all);
+            }
+            for b in &full {
+                prop_assert!(b.prompts.len() <= batch);
+                prop_assert_eq!(ids(b).into_iter().collect::<BTreeSet<_>>().len(), b.prompts.len());
+            }
             Ok(())
         })?;
     }

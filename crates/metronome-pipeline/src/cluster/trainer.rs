@@ -175,7 +175,7 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
     for k in first_period..config.run.periods {
         let period = PeriodId(k);
         metrics::gauge!("metronome_cluster_period").set(k as f64);
-        let Some(batch) = source.next_batch().await? else { break };
+        let Some(batch) = crate::runner::next_batch(&mut source).await? else { break };
         let start = Instant::now();
         let mut report = PeriodReport { period, ..PeriodReport::default() };
 

@@ -2,7 +2,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use metronome_core::{GroupKey, TensorData};
+use metronome_core::{Cursor, GroupKey, PeriodId, Prompt, PromptBatch, PromptId, PromptSource, TensorData};
 use metronome_pipeline::{PeriodReport, Runner, RunnerOptions, Schedule, StageKind, Stages};
 
 use crate::mocks::*;
@@ -168,4 +168,51 @@ async fn a_source_that_runs_out_ends_the_run_early() {
         assert_eq!(groups, vec![2, 2, 1], "{schedule}");
     }
     drop((engine, trainer));
+}
+
+/// Releases one period holding prompt 0 twice.
+struct RepeatingSource;
+
+#[async_trait::async_trait]
+impl PromptSource for RepeatingSource {
+    async fn next_batch(&mut self) -> metronome_core::Result<Option<PromptBatch>> {
+        let prompt = Prompt { id: PromptId(0), text: "p0".into(), tokens: vec![0], ..Prompt::default() };
+        Ok(Some(PromptBatch { period: PeriodId(0), prompts: vec![prompt.clone(), prompt] }))
+    }
+
+    fn cursor(&self) -> Cursor {
+        Cursor::default()
+    }
+
+    fn restore(&mut self, _: Cursor) -> metronome_core::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_period_holding_a_prompt_twice_is_an_error_not_a_hang() {
+    // Its second group would share the first one's identity and be dropped as a
+    // redelivery: the period would wait for it forever.
+    for schedule in [Schedule::Sync, Schedule::Periodic] {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let stages = Stages {
+            source: Box::new(RepeatingSource),
+            engine: Arc::new(engine),
+            scorer: Arc::new(MockScorer),
+            packer: mock_packer(),
+            trainer: Box::new(trainer),
+        };
+        let options = RunnerOptions { schedule, periods: 2, group_size: 2 };
+        let run = Runner::new(stages, Some(channel_transport(2)), options).unwrap().run();
+        let err = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .expect("the run hung")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err, "period 0 holds prompt 0 twice; a prompt source must release distinct prompts per period",
+            "{schedule}"
+        );
+    }
 }
