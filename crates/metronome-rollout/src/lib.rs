@@ -12,9 +12,10 @@
 //!   `trainable == false`, as [`SnapshotLoader`] builds them): a frozen model decodes
 //!   from its own decode-layout copy of the linear layers with a batch-invariant SIMD
 //!   kernel that needs no padding rows. Measured with `benches/rollout.rs` on the tiny
-//!   model, one thread: about 6x the tokens/s of a shared training model at one slot,
-//!   1.1-1.2x at 64 slots, and 2.2-2.7x (median of paired rounds) Hugging Face
-//!   `transformers` `generate` at 64 slots, 4-6x at 16.
+//!   model, one thread each side: about 6x the tokens/s of a shared training model at
+//!   one slot and 1.1-1.2x at 64 slots; against Hugging Face `transformers` `generate`,
+//!   2.5-2.75x at 64 slots (medians of paired rounds in three runs, no round below
+//!   2.29x) and 5-6x at 16.
 //! - **Reproducible sampling** ([`sampling`]): temperature, top-k, top-p, min-p,
 //!   repetition penalty, greedy at temperature 0, stop tokens and stop strings. A
 //!   response's seed is `metronome_core::sample_seed(run, version, prompt,
