@@ -94,6 +94,19 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// A streamed transfer received nothing for longer than its stall timeout (the
+    /// sender died or is stuck).
+    #[error("{what} stalled: nothing arrived for {waited_ms} ms after {received} of {expected} bytes")]
+    Stalled {
+        /// What was being received (`streamed weights v<version>` ...).
+        what: String,
+        /// The stall timeout that ran out, in milliseconds.
+        waited_ms: u64,
+        /// Bytes received before the stall.
+        received: u64,
+        /// Bytes announced.
+        expected: u64,
+    },
     /// The other side went away.
     #[error("{0} is closed")]
     Closed(&'static str),
@@ -121,6 +134,7 @@ impl Error {
             Self::TooLarge { .. } => "oversized",
             Self::StaleVersion { .. } => "stale_version",
             Self::Config { .. } => "config",
+            Self::Stalled { .. } => "stalled",
             Self::Closed(_) => "closed",
             Self::Nats { .. } => "nats",
         }

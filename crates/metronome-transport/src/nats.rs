@@ -290,6 +290,16 @@ pub struct WeightStoreConfig {
     /// checked on every fetch. Off saves one SHA-256 pass over the snapshot on the
     /// publisher (about a tenth of the CPU a 100 MB publish and fetch take).
     pub object_store_digest: bool,
+    /// Announce each version on `<announce_subject>.begins` before its chunks are
+    /// uploaded, so that subscribers waiting for it (`wait_for`) decode the chunks as
+    /// they arrive and publication and fetch overlap. The object and its ordinary
+    /// announcement are written as without it; a subscriber that joins later, or an
+    /// older one, reads the complete object.
+    pub streaming: bool,
+    /// How long a streamed fetch waits for the next chunk before it gives up (the
+    /// publisher died or is stuck) and falls back to the newest complete version, in
+    /// milliseconds.
+    pub stall_timeout_ms: u64,
 }
 
 impl Default for WeightStoreConfig {
@@ -302,6 +312,8 @@ impl Default for WeightStoreConfig {
             chunk_bytes: 1 << 20,
             storage: Storage::File,
             object_store_digest: true,
+            streaming: true,
+            stall_timeout_ms: 10_000,
         }
     }
 }
@@ -509,6 +521,7 @@ impl NatsTransport {
             announce,
             cached: None,
             counters: Arc::new(Counters::new(TRANSPORT, "weights")),
+            streamed: 0,
         })
     }
 
@@ -780,6 +793,32 @@ struct Announcement {
     bytes: u64,
 }
 
+/// The format of [`Begins`]; a reader skips (and counts) any other.
+const BEGINS_FORMAT: u32 = 1;
+
+/// What a "begins" announcement says: a version's chunks are being uploaded now, on
+/// `$O.<bucket>.C.<nuid>`, and what they add up to. Published without persistence
+/// (plain NATS) on `<announce_subject>.begins`, before the first chunk; the ordinary
+/// [`Announcement`] follows once the object is complete.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Begins {
+    /// [`BEGINS_FORMAT`] of the writer.
+    format: u32,
+    version: u64,
+    object: String,
+    bucket: String,
+    nuid: String,
+    /// Total bytes of the encoded snapshot.
+    bytes: u64,
+    chunks: u64,
+    /// The weights format's xxh3-64 checksum of the body (header bytes 16..24).
+    checksum: u64,
+}
+
+fn begins_subject(announce_subject: &str) -> String {
+    format!("{announce_subject}.begins")
+}
+
 fn object_name(version: PolicyVersion) -> String {
     format!("v{:020}", version.0)
 }
@@ -917,6 +956,28 @@ impl NatsWeightPublisher {
         let nuid = object_nuid(name);
         let chunk_subject = format!("$O.{bucket}.C.{nuid}");
         let count = chunks.len();
+        if self.transport.config.weights.streaming {
+            let checksum = chunks
+                .first()
+                .and_then(|c| c.get(16..24))
+                .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()));
+            let begins = Begins {
+                format: BEGINS_FORMAT,
+                version: snapshot.version.0,
+                object: name.to_owned(),
+                bucket: bucket.clone(),
+                nuid: nuid.clone(),
+                bytes: size as u64,
+                chunks: count as u64,
+                checksum,
+            };
+            let payload = serde_json::to_vec(&begins).map_err(|e| Error::nats("encode begins", e))?;
+            let subject = begins_subject(&self.transport.config.weights.announce_subject);
+            // Best effort: a subscriber that misses it waits for the complete object.
+            if let Err(e) = self.transport.client.publish(subject, payload.into()).await {
+                tracing::debug!(error = %e, "could not announce the upload of weights");
+            }
+        }
         let mut acks = std::collections::VecDeque::with_capacity(IN_FLIGHT);
         let sent = async {
             for c in chunks {
@@ -1047,6 +1108,7 @@ pub struct NatsWeightSubscriber {
     announce: stream::Stream,
     cached: Option<Arc<WeightSnapshot>>,
     counters: Arc<Counters>,
+    streamed: u64,
 }
 
 impl std::fmt::Debug for NatsWeightSubscriber {
@@ -1065,6 +1127,13 @@ impl NatsWeightSubscriber {
         self.counters.snapshot()
     }
 
+    /// How many versions this subscriber fetched while they were being uploaded
+    /// (`weights.streaming`).
+    #[must_use]
+    pub fn streamed_fetches(&self) -> u64 {
+        self.streamed
+    }
+
     async fn newest(&mut self) -> Result<Option<Arc<WeightSnapshot>>> {
         let subject = self.transport.config.weights.announce_subject.clone();
         // A version may be pruned between reading its announcement and fetching it
@@ -1074,17 +1143,12 @@ impl NatsWeightSubscriber {
             let Some(announcement) = last_announcement(&self.announce, &subject).await? else {
                 return Ok(None);
             };
-            if let Some(cached) = self.cached.as_ref().filter(|c| c.version.0 == announcement.version) {
+            // A streamed fetch may have cached a version whose announcement is not
+            // written yet: it is complete and verified, and newer.
+            if let Some(cached) = self.cached.as_ref().filter(|c| c.version.0 >= announcement.version) {
                 return Ok(Some(Arc::clone(cached)));
             }
-            // A cached snapshot nobody else holds any more lends its buffers to the
-            // next one (see `WeightsDecoder::recycling`).
-            let recycle = self
-                .cached
-                .take()
-                .and_then(|c| Arc::try_unwrap(c).ok())
-                .map(|s| s.tensors)
-                .unwrap_or_default();
+            let recycle = self.recyclable();
             match self.fetch(&announcement, recycle).await {
                 Ok(snapshot) => {
                     let snapshot = Arc::new(snapshot);
@@ -1106,9 +1170,13 @@ impl NatsWeightSubscriber {
         }
     }
 
-    /// Reads the object's chunks with an ordered consumer and decodes them as they
-    /// arrive ([`WeightsDecoder`]): one copy into the tensors, checked by the format's
-    /// own checksum (the object store reader would add a SHA-256 pass and a copy).
+    /// The buffers of the cached snapshot if nobody else holds it any more: they
+    /// are lent to the next one (see `WeightsDecoder::recycling`).
+    fn recyclable(&mut self) -> Vec<HostTensor> {
+        self.cached.take().and_then(|c| Arc::try_unwrap(c).ok()).map(|s| s.tensors).unwrap_or_default()
+    }
+
+    /// Fetches a complete object named by `announcement`.
     async fn fetch(&self, announcement: &Announcement, recycle: Vec<HostTensor>) -> Result<WeightSnapshot> {
         let start = Instant::now();
         let info =
@@ -1119,6 +1187,70 @@ impl NatsWeightSubscriber {
                 std::io::Error::other(format!("object {} was deleted", info.name)),
             ));
         }
+        let chunks = info.chunks as u64;
+        let snapshot = self.read_chunks(&info.nuid, chunks, info.size as u64, recycle, None).await?;
+        if snapshot.version.0 != announcement.version {
+            return Err(Error::Malformed {
+                kind: "weights",
+                field: "version".into(),
+                reason: format!("object {} holds version {}", announcement.object, snapshot.version),
+            });
+        }
+        self.counters.received(info.size);
+        self.counters.fetched(start.elapsed());
+        Ok(snapshot)
+    }
+
+    /// Fetches the version that `begins` announces while its chunks are still being
+    /// uploaded, waiting at most `stall_timeout_ms` for each chunk; caches it.
+    async fn stream_fetch(&mut self, begins: &Begins) -> Result<Arc<WeightSnapshot>> {
+        let start = Instant::now();
+        if begins.bucket != self.transport.config.weights.bucket {
+            return Err(Error::Malformed {
+                kind: "weights begins announcement",
+                field: "bucket".into(),
+                reason: format!(
+                    "names bucket {:?}, this subscriber reads {:?}",
+                    begins.bucket, self.transport.config.weights.bucket
+                ),
+            });
+        }
+        let stall = Duration::from_millis(self.transport.config.weights.stall_timeout_ms.max(1));
+        let recycle = self.recyclable();
+        let snapshot = self
+            .read_chunks(&begins.nuid, begins.chunks, begins.bytes, recycle, Some((stall, begins.checksum)))
+            .await?;
+        if snapshot.version.0 != begins.version {
+            return Err(Error::Malformed {
+                kind: "weights",
+                field: "version".into(),
+                reason: format!("streamed object {} holds version {}", begins.object, snapshot.version),
+            });
+        }
+        let snapshot = Arc::new(snapshot);
+        self.cached = Some(Arc::clone(&snapshot));
+        self.counters.received(begins.bytes as usize);
+        self.counters.fetched(start.elapsed());
+        self.streamed += 1;
+        metrics::counter!("metronome_transport_weights_streamed_fetches_total", "transport" => TRANSPORT)
+            .increment(1);
+        Ok(snapshot)
+    }
+
+    /// Reads `count` chunks of `size` bytes in all from `$O.<bucket>.C.<nuid>` with an
+    /// ordered consumer and decodes them as they arrive ([`WeightsDecoder`]): one copy
+    /// into the tensors, checked by the format's own checksum (the object store reader
+    /// would add a SHA-256 pass and a copy). With `streamed` = (stall timeout, announced
+    /// checksum), waits at most the timeout for each chunk (the chunks may still be
+    /// uploading) and checks the header's checksum against the announced one.
+    async fn read_chunks(
+        &self,
+        nuid: &str,
+        count: u64,
+        size: u64,
+        recycle: Vec<HostTensor>,
+        streamed: Option<(Duration, u64)>,
+    ) -> Result<WeightSnapshot> {
         let bucket = &self.transport.config.weights.bucket;
         let stream = self
             .transport
@@ -1128,7 +1260,7 @@ impl NatsWeightSubscriber {
             .map_err(|e| Error::nats("open the weight bucket's stream", e))?;
         let mut chunks = stream
             .create_consumer(consumer::pull::OrderedConfig {
-                filter_subject: format!("$O.{bucket}.C.{}", info.nuid),
+                filter_subject: format!("$O.{bucket}.C.{nuid}"),
                 // The default batch of 500 chunks would make the server push up to
                 // 500 MiB at once and cut the connection as a slow consumer; a few
                 // chunks per pull keep the pipe full without that.
@@ -1140,26 +1272,42 @@ impl NatsWeightSubscriber {
             .messages()
             .await
             .map_err(|e| Error::nats("fetch weights", e))?;
-        let mut decoder = WeightsDecoder::recycling(info.size as u64, recycle);
-        for _ in 0..info.chunks {
-            let chunk = match chunks.next().await {
+        let mut decoder = WeightsDecoder::recycling(size, recycle);
+        let mut received = 0u64;
+        for index in 0..count {
+            let next = match streamed {
+                None => chunks.next().await,
+                Some((stall, _)) => {
+                    tokio::time::timeout(stall, chunks.next()).await.map_err(|_| Error::Stalled {
+                        what: format!("streamed weights {nuid}"),
+                        waited_ms: stall.as_millis() as u64,
+                        received,
+                        expected: size,
+                    })?
+                }
+            };
+            let chunk = match next {
                 Some(Ok(m)) => m,
                 Some(Err(e)) => return Err(Error::nats("fetch weights", e)),
                 None => return Err(Error::Closed("weight chunk stream")),
             };
+            if index == 0
+                && let Some((_, announced)) = streamed
+                && let Some(header) = chunk.payload.get(16..24)
+                && u64::from_le_bytes(header.try_into().unwrap_or_default()) != announced
+            {
+                return Err(Error::Malformed {
+                    kind: "weights",
+                    field: "checksum".into(),
+                    reason: format!(
+                        "streamed object {nuid} does not carry the announced checksum {announced:#018x}"
+                    ),
+                });
+            }
+            received += chunk.payload.len() as u64;
             decoder.push(&chunk.payload)?;
         }
-        let snapshot = decoder.finish()?;
-        if snapshot.version.0 != announcement.version {
-            return Err(Error::Malformed {
-                kind: "weights",
-                field: "version".into(),
-                reason: format!("object {} holds version {}", announcement.object, snapshot.version),
-            });
-        }
-        self.counters.received(info.size);
-        self.counters.fetched(start.elapsed());
-        Ok(snapshot)
+        decoder.finish()
     }
 }
 
@@ -1173,12 +1321,21 @@ impl WeightSubscriber for NatsWeightSubscriber {
         // Subscribe before looking, so an announcement between the look and the
         // subscription cannot be missed.
         let subject = self.transport.config.weights.announce_subject.clone();
-        let mut announcements = self
-            .transport
-            .client
-            .subscribe(subject)
+        let client = &self.transport.client;
+        let complete = client
+            .subscribe(subject.clone())
             .await
             .map_err(|e| Error::nats("subscribe to weight announcements", e))?;
+        let begins = if self.transport.config.weights.streaming {
+            let s = client
+                .subscribe(begins_subject(&subject))
+                .await
+                .map_err(|e| Error::nats("subscribe to weight announcements", e))?;
+            futures::stream::select(complete, s).boxed()
+        } else {
+            complete.boxed()
+        };
+        let mut announcements = begins;
         loop {
             if let Some(s) = self.newest().await?.filter(|s| s.version >= min) {
                 return Ok(s);
@@ -1187,6 +1344,12 @@ impl WeightSubscriber for NatsWeightSubscriber {
                 let Some(message) = announcements.next().await else {
                     return Err(Error::Closed("nats weight announcements").into());
                 };
+                if message.subject.as_str() != subject {
+                    match self.on_begins(&message.payload, min).await {
+                        Some(outcome) => return outcome,
+                        None => continue,
+                    }
+                }
                 match serde_json::from_slice::<Announcement>(&message.payload) {
                     Ok(a) if a.version >= min.0 => break,
                     Ok(_) => {}
@@ -1197,6 +1360,47 @@ impl WeightSubscriber for NatsWeightSubscriber {
                 }
             }
         }
+    }
+}
+
+impl NatsWeightSubscriber {
+    /// Handles a "begins" announcement seen while waiting for version `min`: streams
+    /// the version if it is new enough. `None`: not for us, keep waiting. On a failed
+    /// streamed fetch (stall, mismatch), falls back to the newest complete version,
+    /// and returns the failure when that is older than `min` (never a partial
+    /// snapshot, never an endless wait for a publisher that died).
+    async fn on_begins(
+        &mut self,
+        payload: &[u8],
+        min: PolicyVersion,
+    ) -> Option<metronome_core::Result<Arc<WeightSnapshot>>> {
+        let begins = match serde_json::from_slice::<Begins>(payload) {
+            Ok(b) if b.format == BEGINS_FORMAT => b,
+            Ok(b) => {
+                self.counters.rejected("incompatible_version");
+                tracing::warn!(format = b.format, "ignored a weight begins announcement of another format");
+                return None;
+            }
+            Err(e) => {
+                self.counters.rejected("malformed");
+                tracing::warn!(error = %e, "ignored a malformed weight begins announcement");
+                return None;
+            }
+        };
+        if begins.version < min.0 || self.cached.as_ref().is_some_and(|c| c.version.0 >= begins.version) {
+            return None;
+        }
+        let error = match self.stream_fetch(&begins).await {
+            Ok(s) => return Some(Ok(s)),
+            Err(e) => e,
+        };
+        self.counters.rejected(error.reason());
+        tracing::warn!(%error, version = begins.version, "streamed weight fetch failed; reading the newest complete version");
+        Some(match self.newest().await {
+            Ok(Some(s)) if s.version >= min => Ok(s),
+            Ok(_) => Err(error.into()),
+            Err(e) => Err(e.into()),
+        })
     }
 }
 

@@ -391,3 +391,164 @@ async fn weights_in_memory_without_the_sha_digest_round_trip_and_reuse_dropped_b
     }
     assert_eq!(names, [format!("v{:020}", 3)]);
 }
+
+/// A subscriber that subscribed before the publication starts has had time to
+/// register with the server after this long; only which path it takes depends on it.
+const SETTLE: Duration = Duration::from_secs(1);
+
+fn streaming_config(server: &NatsServer, prefix: &str) -> NatsConfig {
+    let mut cfg = config(server, prefix);
+    cfg.weights.chunk_bytes = 64 * 1024;
+    cfg.weights.stall_timeout_ms = 500;
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let cfg = streaming_config(&server, "streamed");
+    let publisher = NatsTransport::connect(cfg.clone()).await.unwrap().weight_publisher().await.unwrap();
+    let mut subscriber = NatsTransport::connect(cfg).await.unwrap().weight_subscriber().await.unwrap();
+    let v1 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(1, 1 << 20));
+    publisher.publish(Arc::clone(&v1)).await.unwrap();
+    assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
+
+    let waiter = tokio::spawn(async move {
+        let got = subscriber.wait_for(PolicyVersion(2)).await;
+        (subscriber, got)
+    });
+    tokio::time::sleep(SETTLE).await;
+    let v2 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 8 << 20));
+    tokio::time::timeout(PATIENCE, publisher.publish(Arc::clone(&v2))).await.unwrap().unwrap();
+    let (mut subscriber, got) = tokio::time::timeout(PATIENCE, waiter).await.unwrap().unwrap();
+    let got = got.unwrap();
+    assert_eq!(encode_weights(&got).unwrap(), encode_weights(&v2).unwrap());
+    assert_eq!(subscriber.streamed_fetches(), 1, "the version was not streamed");
+    // The complete object is also there for every other reader.
+    let again = subscriber.latest().await.unwrap().unwrap();
+    assert!(Arc::ptr_eq(&again, &got), "the streamed version is the cached one");
+    let late = NatsTransport::connect(streaming_config(&server, "streamed")).await.unwrap();
+    let mut late = late.weight_subscriber().await.unwrap();
+    let fetched = late.wait_for(PolicyVersion(2)).await.unwrap();
+    assert_eq!(encode_weights(&fetched).unwrap(), encode_weights(&v2).unwrap());
+    assert_eq!(late.streamed_fetches(), 0, "a late subscriber reads the complete object");
+}
+
+/// Publishes by hand what a publisher that died mid-upload leaves behind: a begins
+/// announcement and the first chunks of version 2, again every 100 ms (so the
+/// waiting subscriber cannot miss it), until `waiter` ends.
+async fn half_upload<T>(
+    t: &NatsTransport,
+    checksum_offset: u64,
+    chunks_sent: usize,
+    waiter: tokio::task::JoinHandle<T>,
+) -> T {
+    let bucket = t.config().weights.bucket.clone();
+    let encoded = encode_weights(&metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20)).unwrap();
+    let chunks: Vec<&[u8]> = encoded.chunks(64 * 1024).collect();
+    let nuid = format!("handmade{checksum_offset}");
+    let js = async_nats::jetstream::new(t.client().clone());
+    for c in chunks.iter().take(chunks_sent) {
+        let subject = format!("$O.{bucket}.C.{nuid}");
+        js.publish(subject, Bytes::copy_from_slice(c)).await.unwrap().await.unwrap();
+    }
+    let checksum = u64::from_le_bytes(encoded[16..24].try_into().unwrap()).wrapping_add(checksum_offset);
+    let begins = serde_json::json!({
+        "format": 1, "version": 2, "object": format!("v{:020}", 2), "bucket": bucket, "nuid": nuid,
+        "bytes": encoded.len(), "chunks": chunks.len(), "checksum": checksum,
+    });
+    let subject = format!("{}.begins", t.config().weights.announce_subject);
+    let payload = Bytes::from(serde_json::to_vec(&begins).unwrap());
+    tokio::time::timeout(PATIENCE, async {
+        let mut waiter = waiter;
+        loop {
+            t.client().publish(subject.clone(), payload.clone()).await.unwrap();
+            tokio::select! {
+                out = &mut waiter => return out.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+    })
+    .await
+    .expect("the subscriber hung on a dead upload")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_or_mismatched_upload_is_a_clear_error_and_the_previous_version_stays() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let t = NatsTransport::connect(streaming_config(&server, "stall")).await.unwrap();
+    let v1 = Arc::new(snapshot(1, 300));
+    t.weight_publisher().await.unwrap().publish(Arc::clone(&v1)).await.unwrap();
+
+    // Stalled: 3 of 16 chunks, then nothing.
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    let waiter = tokio::spawn(async move {
+        let got = subscriber.wait_for(PolicyVersion(2)).await;
+        (subscriber, got)
+    });
+    let (mut subscriber, got) = half_upload(&t, 0, 3, waiter).await;
+    let err = got.unwrap_err().to_string();
+    assert!(err.contains("stalled") && err.contains("500 ms"), "{err}");
+    let previous = subscriber.latest().await.unwrap().unwrap();
+    assert_eq!(encode_weights(&previous).unwrap(), encode_weights(&v1).unwrap());
+    assert_eq!(subscriber.stats().rejected.get("stalled"), Some(&1));
+
+    // Every chunk, but not the checksum the begins announcement promised.
+    let waiter = tokio::spawn(async move {
+        let got = subscriber.wait_for(PolicyVersion(2)).await;
+        (subscriber, got)
+    });
+    let (mut subscriber, got) = half_upload(&t, 1, 16, waiter).await;
+    let err = got.unwrap_err().to_string();
+    assert!(err.contains("checksum"), "{err}");
+    assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
+    assert_eq!(subscriber.streamed_fetches(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_never_a_hang() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let cfg = streaming_config(&server, "aborted");
+    let publisher = NatsTransport::connect(cfg.clone()).await.unwrap();
+    let publisher = Arc::new(publisher.weight_publisher().await.unwrap());
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    let v1 = Arc::new(snapshot(1, 300));
+    publisher.publish(Arc::clone(&v1)).await.unwrap();
+    assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
+
+    let waiter = tokio::spawn(async move {
+        let got = subscriber.wait_for(PolicyVersion(2)).await;
+        (subscriber, got)
+    });
+    tokio::time::sleep(SETTLE).await;
+    let js = async_nats::jetstream::new(t.client().clone());
+    let mut objects = js.get_stream(format!("OBJ_{}", t.config().weights.bucket)).await.unwrap();
+    let before = objects.info().await.unwrap().state.messages;
+    let v2 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 48 << 20));
+    let upload = tokio::spawn({
+        let (publisher, v2) = (Arc::clone(&publisher), Arc::clone(&v2));
+        async move { publisher.publish(v2).await }
+    });
+    // Abort once a few chunks are stored (or the upload already ended).
+    tokio::time::timeout(PATIENCE, async {
+        while !upload.is_finished() && objects.info().await.unwrap().state.messages < before + 4 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap();
+    upload.abort();
+    let (mut subscriber, got) = tokio::time::timeout(PATIENCE, waiter).await.expect("hung").unwrap();
+    let whole = encode_weights(&v2).unwrap();
+    match got {
+        Ok(s) => assert_eq!(encode_weights(&s).unwrap(), whole, "a partial snapshot"),
+        Err(e) => assert!(e.to_string().contains("stalled"), "{e}"),
+    }
+    let now = subscriber.latest().await.unwrap().unwrap();
+    let now = encode_weights(&now).unwrap();
+    assert!(
+        now == whole || now == encode_weights(&v1).unwrap(),
+        "neither the previous nor the whole snapshot"
+    );
+}
