@@ -22,6 +22,7 @@ fn every_documented_metric_is_served_during_a_run() {
     let mut child = Command::new(env!("CARGO_BIN_EXE_metronome"))
         .args(["run", "--quiet", "--periods", "4", "--metrics-addr", &format!("127.0.0.1:{port}")])
         .args(["--set", "sft.steps=2", "--set", "eval.prompts=16", "--set", "eval.every=1"])
+        .args(["--set", "data.release.batch_size=32"])
         .arg("--out-dir")
         .arg(out.path())
         .env("CANDLE_NUM_THREADS", "1")
