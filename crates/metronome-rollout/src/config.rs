@@ -11,9 +11,21 @@ pub enum Batching {
     /// A finished sequence's slot takes the next pending sequence at once.
     #[default]
     Continuous,
-    /// A batch of up to `max_num_seqs` sequences runs until its longest member ends;
-    /// only then is the next batch admitted. The baseline continuous batching beats.
+    /// Row-skipping static batching: a batch of up to `max_num_seqs` sequences runs
+    /// until its longest member ends and only then is the next batch admitted, but a
+    /// finished sequence leaves the decode forward at once (its slot stays empty). A
+    /// stronger baseline than the usual static batching, since the tail of a batch
+    /// costs only its live rows.
     Static,
+    /// Padded static batching, the standard baseline (Hugging Face `transformers`
+    /// `generate`, and the static batching the continuous-batching literature compares
+    /// with): as [`Batching::Static`], and moreover a finished sequence keeps its slot
+    /// *and its row in every decode forward* until the batch's longest member ends. Its
+    /// outputs are discarded, so tokens, log-probs and finish reasons are those of the
+    /// other modes (the decode is batch-invariant); only the compute differs. A
+    /// finished row whose KV-cache slot is full (`max_seq_len`) drops out of the
+    /// forward. Prompts are still prefilled without padding.
+    StaticPadded,
 }
 
 /// Engine layout and sampling. Every field has a default.
@@ -28,7 +40,7 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Longest sequence (prompt + response) a slot holds; capped by the model's context.
     pub max_seq_len: usize,
-    /// Continuous (default) or static batching.
+    /// Continuous (default), row-skipping static, or padded static batching.
     pub batching: Batching,
     /// The run seed that [`metronome_core::sample_seed`] derives every response's seed from.
     pub seed: u64,
@@ -94,6 +106,8 @@ mod tests {
         assert_eq!(cfg.sampling.max_new_tokens, 64);
         assert_eq!(cfg.sampling.top_k, 0, "unset fields take defaults");
         cfg.validate().unwrap();
+        let padded: EngineConfig = toml::from_str(r#"batching = "static_padded""#).unwrap();
+        assert_eq!(padded.batching, Batching::StaticPadded);
         let err = toml::from_str::<EngineConfig>("max_num_seq = 3").unwrap_err().to_string();
         assert!(err.contains("max_num_seq"), "{err}");
         let zero = EngineConfig { max_num_seqs: 0, ..EngineConfig::default() };

@@ -16,6 +16,15 @@
 //! part of a run of 32-token responses. The model's prefill is batch-invariant, so a
 //! sequence's tokens do not depend on which others were admitted with it.
 //!
+//! # Batching
+//! [`Batching::Continuous`] admits a pending sequence into any free slot before each
+//! step. [`Batching::Static`] admits only when every slot is free; a finished
+//! sequence still frees its slot and leaves the forward. [`Batching::StaticPadded`]
+//! is the standard static baseline: a finished sequence becomes a *padding row* that
+//! keeps its KV-cache slot and is decoded (its last token fed again, the logits
+//! discarded) in every step until the batch's last live sequence ends, as Hugging
+//! Face `generate` computes finished rows of a batch.
+//!
 //! # Versions
 //! The installed weights are an `Arc` swapped by [`Engine::install_weights`]. A
 //! sequence takes the `Arc` current when it is prefilled and keeps it until it ends,
@@ -70,6 +79,9 @@ pub struct WorkerStats {
     pub decode_steps: u64,
     /// Sum of the decode steps' batch sizes (`decode_rows / decode_steps` is the mean occupancy).
     pub decode_rows: u64,
+    /// Of `decode_rows`, the padding rows of finished sequences computed and discarded
+    /// ([`Batching::StaticPadded`] only).
+    pub padding_rows: u64,
     /// Sequences finished.
     pub sequences: u64,
 }
@@ -80,6 +92,7 @@ struct WorkerCounters {
     generated_tokens: AtomicU64,
     decode_steps: AtomicU64,
     decode_rows: AtomicU64,
+    padding_rows: AtomicU64,
     sequences: AtomicU64,
 }
 
@@ -90,6 +103,7 @@ impl WorkerCounters {
             generated_tokens: self.generated_tokens.load(Ordering::Relaxed),
             decode_steps: self.decode_steps.load(Ordering::Relaxed),
             decode_rows: self.decode_rows.load(Ordering::Relaxed),
+            padding_rows: self.padding_rows.load(Ordering::Relaxed),
             sequences: self.sequences.load(Ordering::Relaxed),
         }
     }
@@ -499,6 +513,17 @@ struct Seq<M> {
     text_checked: usize,
 }
 
+/// A finished sequence kept in the decode forward under [`Batching::StaticPadded`]
+/// until its batch ends: its slot's KV cache grows by one row per step, like a padded
+/// row of a static batch.
+struct Padding<M> {
+    model: Arc<Versioned<M>>,
+    /// The token fed at each step (the sequence's last one); its logits are discarded.
+    token: TokenId,
+    /// Tokens the slot's KV cache holds.
+    held: usize,
+}
+
 impl<M> Seq<M> {
     fn generated(&self) -> &[TokenId] {
         &self.context[self.prompt_len..]
@@ -515,6 +540,9 @@ struct Worker<M: InferenceModel> {
     shared: Arc<Shared<M>>,
     cache: M::Cache,
     slots: Vec<Option<Seq<M>>>,
+    /// Finished sequences still decoded ([`Batching::StaticPadded`]); a slot holds
+    /// either a live sequence or padding, never both.
+    padding: Vec<Option<Padding<M>>>,
     sampler: Sampler,
     max_seq_len: usize,
     /// Tokens sampled since the metrics counter was last advanced: it is advanced
@@ -534,6 +562,7 @@ impl<M: InferenceModel> Worker<M> {
             shared,
             cache,
             slots: (0..max_num_seqs).map(|_| None).collect(),
+            padding: (0..max_num_seqs).map(|_| None).collect(),
             sampler: Sampler::new(),
             max_seq_len,
             unflushed_tokens: 0,
@@ -572,6 +601,12 @@ impl<M: InferenceModel> Worker<M> {
                 self.release(slot);
             }
         }
+        // A padded batch ends with its last live sequence: its padding rows go too.
+        if self.active() == 0 {
+            for slot in 0..self.padding.len() {
+                self.release(slot);
+            }
+        }
         let mut q = self.shared.lock_queue();
         loop {
             if q.shutdown {
@@ -585,7 +620,7 @@ impl<M: InferenceModel> Worker<M> {
         }
         let may_admit = match self.shared.batching {
             Batching::Continuous => true,
-            Batching::Static => self.active() == 0,
+            Batching::Static | Batching::StaticPadded => self.active() == 0,
         };
         let mut jobs = Vec::new();
         if may_admit {
@@ -675,16 +710,30 @@ impl<M: InferenceModel> Worker<M> {
         }
     }
 
-    /// One decode step for every active slot, batched per weight version.
+    /// One decode step for every active slot (and padding row), batched per weight
+    /// version, in slot order.
     fn step(&mut self) {
         let mut batches: Vec<VersionBatch<M>> = Vec::new();
-        for (slot, seq) in self.slots.iter().enumerate() {
-            let Some(seq) = seq else { continue };
-            match batches.iter_mut().find(|(m, _)| Arc::ptr_eq(m, &seq.model)) {
-                Some((_, batch)) => batch.push((slot, seq.last())),
-                None => batches.push((Arc::clone(&seq.model), vec![(slot, seq.last())])),
+        let mut padding_rows = 0;
+        for slot in 0..self.slots.len() {
+            let (model, token) = match (&self.slots[slot], &self.padding[slot]) {
+                (Some(seq), _) => (&seq.model, seq.last()),
+                // A full slot cannot take another row; its padding leaves the forward.
+                (None, Some(pad)) if pad.held < self.max_seq_len => {
+                    padding_rows += 1;
+                    (&pad.model, pad.token)
+                }
+                _ => continue,
+            };
+            match batches.iter_mut().find(|(m, _)| Arc::ptr_eq(m, model)) {
+                Some((_, batch)) => batch.push((slot, token)),
+                None => batches.push((Arc::clone(model), vec![(slot, token)])),
             }
         }
+        if batches.is_empty() {
+            return;
+        }
+        self.counters().padding_rows.fetch_add(padding_rows, Ordering::Relaxed);
         for (model, batch) in batches {
             let result = model.model.decode_step(&mut self.cache, &batch);
             self.counters().decode_steps.fetch_add(1, Ordering::Relaxed);
@@ -692,7 +741,12 @@ impl<M: InferenceModel> Worker<M> {
             match result {
                 Ok(rows) if rows.len() == batch.len() => {
                     for (&(slot, _), row) in batch.iter().zip(&rows) {
-                        self.advance(slot, row);
+                        // A slot without a live sequence was padding: its row is discarded.
+                        if self.slots[slot].is_some() {
+                            self.advance(slot, row);
+                        } else if let Some(pad) = self.padding[slot].as_mut() {
+                            pad.held += 1;
+                        }
                     }
                 }
                 Ok(rows) => self.fail_batch(
@@ -761,7 +815,13 @@ impl<M: InferenceModel> Worker<M> {
 
     fn finish(&mut self, slot: usize, finish: Finish) {
         let Some(seq) = self.slots[slot].take() else { return };
-        self.seq_done(slot);
+        if self.shared.batching == Batching::StaticPadded {
+            // The slot's cache holds every token but the last sampled one.
+            let held = seq.context.len() - 1;
+            self.padding[slot] = Some(Padding { model: Arc::clone(&seq.model), token: seq.last(), held });
+        } else {
+            self.seq_done(slot);
+        }
         let text = match self.shared.tokenizer.decode(seq.generated()) {
             Ok(mut text) => {
                 if let Some(n) = finish.text_len {
@@ -798,9 +858,11 @@ impl<M: InferenceModel> Worker<M> {
         model.model.free(&mut self.cache, slot);
     }
 
-    /// Drops the sequence in `slot` without a completion.
+    /// Drops the sequence (or padding) in `slot` without a completion.
     fn release(&mut self, slot: usize) {
-        if self.slots[slot].take().is_some() {
+        let seq = self.slots[slot].take().is_some();
+        let pad = self.padding[slot].take().is_some();
+        if seq || pad {
             self.seq_done(slot);
         }
     }

@@ -1,7 +1,8 @@
 //! The same seed gives token-identical outputs whatever the worker and slot layout.
 
+use metronome_core::Tokenizer;
 use metronome_core::{PeriodId, RolloutRequest};
-use metronome_rollout::{Batching, EngineConfig, SamplingConfig, model_engine};
+use metronome_rollout::{Batching, EngineConfig, ModelEngine, SamplingConfig, model_engine};
 
 use crate::common::{by_prompt, engine, prompts, sampling, signature, tiny_model, tokenizer};
 
@@ -60,22 +61,87 @@ async fn greedy_and_truncated_sampling_are_layout_independent_too() {
     assert_eq!(signature(&run(1, 1, g.clone()).await), signature(&run(1, 8, g).await));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn static_batching_gives_the_same_tokens() {
-    let s = sampling(16);
+/// An engine of one worker with `slots` slots in `batching` mode.
+fn batching_engine(batching: Batching, slots: usize, max_seq_len: usize, s: &SamplingConfig) -> ModelEngine {
     let cfg = EngineConfig {
         workers: 1,
-        max_num_seqs: 4,
-        max_seq_len: 128,
+        max_num_seqs: slots,
+        max_seq_len,
         seed: 42,
-        batching: Batching::Static,
+        batching,
         sampling: s.clone(),
         ..EngineConfig::default()
     };
-    let e = model_engine(tiny_model(7), metronome_core::PolicyVersion(0), tokenizer(), cfg).unwrap();
-    let sink = metronome_rollout::CollectSink::default();
-    metronome_core::RolloutEngine::generate(&e, request(), &sink).await.unwrap();
-    assert_eq!(signature(&sink.into_groups()), signature(&run(1, 1, s).await));
+    model_engine(tiny_model(7), metronome_core::PolicyVersion(0), tokenizer(), cfg).unwrap()
+}
+
+/// Row-skipping and padded static batching give the tokens of continuous batching;
+/// padded static computes every slot in every step, row-skipping static only the live ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_batching_gives_the_same_tokens() {
+    // Stop tokens make lengths differ, so batches have finished rows to pad.
+    let mut s = sampling(16);
+    s.stop_token_ids = Some(vec![2, 4, 40, 70]);
+    let base = signature(&run(1, 1, s.clone()).await);
+    let mut stats = Vec::new();
+    for batching in [Batching::Continuous, Batching::Static, Batching::StaticPadded] {
+        let e = batching_engine(batching, 4, 128, &s);
+        let sink = metronome_rollout::CollectSink::default();
+        metronome_core::RolloutEngine::generate(&e, request(), &sink).await.unwrap();
+        assert_eq!(signature(&sink.into_groups()), base, "{batching:?}");
+        stats.push(e.worker_stats()[0]);
+    }
+    let [cont, stat, padded] = stats[..] else { unreachable!() };
+    assert_eq!(cont.padding_rows, 0);
+    assert_eq!(stat.padding_rows, 0);
+    // The same schedule: padded static decodes the live rows of static plus its padding,
+    // and 24 sequences in batches of 4 keep all 4 slots in every step.
+    assert!(padded.padding_rows > 0, "{padded:?}");
+    assert_eq!(padded.decode_steps, stat.decode_steps);
+    assert_eq!(padded.decode_rows - padded.padding_rows, stat.decode_rows);
+    assert_eq!(padded.decode_rows, 4 * padded.decode_steps);
+    assert!(stat.decode_rows < 4 * stat.decode_steps, "{stat:?}");
+}
+
+/// A padding row whose KV-cache slot is full leaves the forward instead of failing the
+/// step: a long prompt ends at `max_seq_len` while a short one goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_padding_row_leaves_the_forward() {
+    let long_text = "1234567890 + 1234567890 = ";
+    let long = metronome_core::Prompt {
+        id: metronome_core::PromptId(7),
+        tokens: metronome_model::CharTokenizer.encode(long_text).unwrap(),
+        text: long_text.into(),
+        ..metronome_core::Prompt::default()
+    };
+    let short = prompts(1)[0].clone();
+    let max_seq_len = long.tokens.len() + 6;
+    // The long prompt's budget is 6 tokens (its slot fills), the short one's 24.
+    let s = SamplingConfig { max_new_tokens: 24, ignore_eos: true, ..SamplingConfig::default() };
+    assert!(short.tokens.len() + 24 <= max_seq_len, "the short prompt must outlive the long one");
+    let sub = metronome_rollout::Submission {
+        period: PeriodId(3),
+        prompts: vec![long, short],
+        group_size: 1,
+        sampling: s.clone(),
+        seed: metronome_core::RunSeed(42),
+    };
+    let mut outs = Vec::new();
+    for batching in [Batching::Continuous, Batching::StaticPadded] {
+        let e = batching_engine(batching, 2, max_seq_len, &s);
+        outs.push(signature(&e.generate_groups(sub.clone()).await.expect("generate")));
+        if batching == Batching::StaticPadded {
+            let stats = e.worker_stats()[0];
+            // The long response ends after 5 decode steps with its slot one row short
+            // of full: one padding row fills it, then it leaves the forward while the
+            // short response runs its 23 decode steps.
+            assert_eq!(stats.padding_rows, 1, "{stats:?}");
+            assert_eq!(stats.decode_steps, 23);
+        }
+    }
+    assert_eq!(outs[0], outs[1]);
+    assert_eq!(outs[0][0].2.len(), 6);
+    assert_eq!(outs[0][1].2.len(), 24);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -87,20 +153,21 @@ async fn responses_of_a_group_differ() {
 }
 
 /// A frozen copy (what pipeline workers decode with) keeps its weights in decode
-/// layout; its tokens are layout-independent too, with two threads per worker as well.
+/// layout; its tokens are layout-independent too, with two threads per worker as well,
+/// and under both static modes (padding rows go through the SIMD decode kernel).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_copies_are_layout_independent_too() {
     let mut s = sampling(24);
     s.stop_token_ids = Some(vec![2, 4, 40, 70]);
-    let run = |workers: usize, slots: usize, threads: usize| {
+    let run = |workers: usize, slots: usize, threads: usize, batching: Batching| {
         let cfg = EngineConfig {
             workers,
             threads_per_worker: threads,
+            batching,
             max_num_seqs: slots,
             max_seq_len: 128,
             seed: 42,
             sampling: s.clone(),
-            ..EngineConfig::default()
         };
         let model = tiny_model(7).frozen_copy().expect("frozen copy");
         let e = model_engine(model, metronome_core::PolicyVersion(0), tokenizer(), cfg).expect("engine");
@@ -113,8 +180,10 @@ async fn frozen_copies_are_layout_independent_too() {
         };
         async move { e.generate_groups(sub).await.expect("generate") }
     };
-    let base = signature(&run(1, 1, 1).await);
+    let base = signature(&run(1, 1, 1, Batching::Continuous).await);
     assert_eq!(base.len(), 64);
-    assert_eq!(base, signature(&run(1, 64, 2).await), "1x1 vs 1x64 on two threads");
-    assert_eq!(base, signature(&run(2, 4, 1).await), "1x1 vs 2x4");
+    assert_eq!(base, signature(&run(1, 64, 2, Batching::Continuous).await), "1x1 vs 1x64 on two threads");
+    assert_eq!(base, signature(&run(2, 4, 1, Batching::Continuous).await), "1x1 vs 2x4");
+    assert_eq!(base, signature(&run(1, 16, 1, Batching::Static).await), "1x1 vs 1x16 static");
+    assert_eq!(base, signature(&run(1, 16, 2, Batching::StaticPadded).await), "1x1 vs 1x16 padded static");
 }
