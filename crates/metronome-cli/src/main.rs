@@ -109,12 +109,13 @@ struct ConfigArgs {
     out_dir: Option<PathBuf>,
 }
 
+/// The truncated importance-sampling cap `--schedule stale:<s>` brings when the config
+/// sets none: the value the pipeline bench runs `stale:1` with.
+const STALE_TIS_CAP: f64 = 2.0;
+
 impl ConfigArgs {
     fn load(&self) -> Result<PipelineConfig> {
         let mut overrides = self.overrides.clone();
-        if let Some(s) = self.schedule {
-            overrides.push(format!("run.schedule=\"{s}\""));
-        }
         if let Some(n) = self.periods {
             overrides.push(format!("run.periods={n}"));
         }
@@ -127,9 +128,23 @@ impl ConfigArgs {
         if let Some(dir) = &self.out_dir {
             overrides.push(format!("run.out_dir={:?}", dir.display().to_string()));
         }
+        if let Some(s) = self.schedule {
+            // `--schedule stale:2` alone must run (`cargo xtask e2e --schedule stale:2`):
+            // stale samples need importance-sampling correction, so bring a cap unless
+            // the configuration chose one.
+            if !s.is_on_policy() && self.parse(&overrides)?.trainer.loss.tis_cap.is_none() {
+                tracing::info!("{s} corrects stale samples with trainer.loss.tis_cap = {STALE_TIS_CAP}");
+                overrides.push(format!("trainer.loss.tis_cap={STALE_TIS_CAP:?}"));
+            }
+            overrides.push(format!("run.schedule=\"{s}\""));
+        }
+        self.parse(&overrides)
+    }
+
+    fn parse(&self, overrides: &[String]) -> Result<PipelineConfig> {
         Ok(match &self.config {
-            Some(path) => PipelineConfig::load(path, &overrides)?,
-            None => PipelineConfig::embedded(&overrides)?,
+            Some(path) => PipelineConfig::load(path, overrides)?,
+            None => PipelineConfig::embedded(overrides)?,
         })
     }
 }

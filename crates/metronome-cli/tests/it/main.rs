@@ -1,4 +1,5 @@
 //! The `metronome` binary, run for real.
 
 mod cluster;
+mod config;
 mod prometheus;
