@@ -3,7 +3,9 @@
 //! - a printed report first (`-- side_by_side` prints only it): rounds that interleave
 //!   a memory copy, a plain TCP transfer of the encoded 100 MB snapshot into fresh and
 //!   into reused memory, and a NATS publish then fetch with the default settings and
-//!   with memory storage and no SHA-256 digest; medians of wall-clock and CPU time
+//!   with memory storage and no SHA-256 digest, each also streamed (a subscriber
+//!   waiting for the version decodes it while it uploads: wall time of publish and
+//!   fetch overlapped); medians of wall-clock and CPU time
 //!   (this process plus the server), MB/s, and ratios to both TCP transfers. Taking
 //!   every figure in the same rounds keeps the ratios honest on a machine that others
 //!   use at the same time;
@@ -273,18 +275,24 @@ fn weights_side_by_side() {
         ("nats defaults", NatsConfig::with_prefix(vec![server.url()], "side_default")),
         ("nats memory, no sha", fast),
     ];
+    // Each configuration: a publisher, a subscriber that fetches after the publication
+    // (`latest`), and one on its own connection that waits for the version and
+    // streams it while it uploads (`wait_for`, `weights.streaming`).
     let mut endpoints: Vec<_> = configs
         .iter()
         .map(|(_, c)| {
             rt.block_on(async {
                 let t = NatsTransport::connect(c.clone()).await.expect("connect");
+                let other = NatsTransport::connect(c.clone()).await.expect("connect");
                 (
                     t.weight_publisher().await.expect("publisher"),
                     t.weight_subscriber().await.expect("subscriber"),
+                    Some(other.weight_subscriber().await.expect("subscriber")),
                 )
             })
         })
         .collect();
+    let mut streamed_rounds = vec![0usize; configs.len()];
     let mut warm = encoded.clone();
     // wall ms, cpu ms per row; NATS rows also keep publish and fetch apart.
     let mut rows: Vec<(String, Vec<f64>, Vec<f64>)> = ["memcpy", "tcp (fresh buffer)", "tcp (reused buffer)"]
@@ -292,7 +300,7 @@ fn weights_side_by_side() {
         .map(|n| ((*n).to_owned(), vec![], vec![]))
         .collect();
     for (name, _) in &configs {
-        for part in ["publish", "fetch", "publish+fetch"] {
+        for part in ["publish", "fetch", "publish+fetch", "publish || fetch, streamed"] {
             rows.push((format!("{name}: {part}"), vec![], vec![]));
         }
     }
@@ -311,11 +319,14 @@ fn weights_side_by_side() {
         let (d, cpu) = with_cpu(None, || tcp_transfer_into(&encoded, &mut warm));
         rows[2].1.push(ms(d));
         rows[2].2.push(cpu);
-        let version = round as u64 + 1;
-        let mut s = (*snapshot).clone();
-        s.version = metronome_core::PolicyVersion(version);
-        let s = Arc::new(s);
-        for (i, (publisher, subscriber)) in endpoints.iter_mut().enumerate() {
+        let version = 2 * round as u64 + 1;
+        let with_version = |v: u64| {
+            let mut s = (*snapshot).clone();
+            s.version = metronome_core::PolicyVersion(v);
+            Arc::new(s)
+        };
+        let (s, streamed_snapshot) = (with_version(version), with_version(version + 1));
+        for (i, (publisher, subscriber, streamer)) in endpoints.iter_mut().enumerate() {
             let ((publish, cpu_publish), (fetch, cpu_fetch)) = rt.block_on(async {
                 let p = async_cpu(pid, async {
                     let t = Instant::now();
@@ -332,11 +343,42 @@ fn weights_side_by_side() {
                 .await;
                 (p, f)
             });
-            let base = 3 + 3 * i;
+            // Streamed: the subscriber waits for the next version on its own task
+            // before the publication starts; wall time from the start of the
+            // publication until both ended.
+            let mut streamer_now = streamer.take().expect("streaming subscriber");
+            let (overlapped, cpu_overlapped, back, before) = rt.block_on(async {
+                // Up to date first, so that `wait_for` only waits.
+                streamer_now.latest().await.expect("catch up");
+                let before = streamer_now.streamed_fetches();
+                let want = metronome_core::PolicyVersion(version + 1);
+                let waiter = tokio::spawn(async move {
+                    let got = streamer_now.wait_for(want).await.expect("streamed fetch");
+                    assert_eq!(got.version, want);
+                    (streamer_now, Instant::now())
+                });
+                // Time for the subscription to reach the server.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let ((wall, back), cpu) = async_cpu(pid, async {
+                    let t = Instant::now();
+                    publisher.publish(Arc::clone(&streamed_snapshot)).await.expect("publish");
+                    let published = Instant::now();
+                    let (back, fetched) = waiter.await.expect("waiter");
+                    (published.max(fetched) - t, back)
+                })
+                .await;
+                (wall, cpu, back, before)
+            });
+            if back.streamed_fetches() > before {
+                streamed_rounds[i] += 1;
+            }
+            *streamer = Some(back);
+            let base = 3 + 4 * i;
             for (row, wall, cpu) in [
                 (base, ms(publish), cpu_publish),
                 (base + 1, ms(fetch), cpu_fetch),
                 (base + 2, ms(publish + fetch), cpu_publish + cpu_fetch),
+                (base + 3, ms(overlapped), cpu_overlapped),
             ] {
                 rows[row].1.push(wall);
                 rows[row].2.push(cpu);
@@ -352,13 +394,13 @@ fn weights_side_by_side() {
     let tcp_cpu = median(rows[1].2.clone());
     let warm_wall = median(rows[2].1.clone());
     println!(
-        "{:<36} {:>9} {:>9} {:>9} {:>9} {:>11}",
+        "{:<48} {:>9} {:>9} {:>9} {:>9} {:>11}",
         "", "wall ms", "MB/s", "cpu ms", "x tcp", "x tcp reuse"
     );
     for (name, wall, cpu) in &rows {
         let (w, c) = (median(wall.clone()), median(cpu.clone()));
         println!(
-            "{name:<36} {w:>9.1} {:>9.0} {c:>9.0} {:>9.2} {:>11.2}",
+            "{name:<48} {w:>9.1} {:>9.0} {c:>9.0} {:>9.2} {:>11.2}",
             mb / (w / 1e3),
             w / tcp_wall,
             w / warm_wall
@@ -367,11 +409,14 @@ fn weights_side_by_side() {
     println!("cpu ratio (publish+fetch over tcp fresh, this process + server): {}", {
         let parts: Vec<String> = rows
             .iter()
-            .filter(|(n, _, _)| n.ends_with("publish+fetch"))
+            .filter(|(n, _, _)| n.ends_with("publish+fetch") || n.ends_with("streamed"))
             .map(|(n, _, c)| format!("{n} {:.2}", median(c.clone()) / tcp_cpu.max(1.0)))
             .collect();
         parts.join("; ")
     });
+    for ((name, _), streamed) in configs.iter().zip(&streamed_rounds) {
+        println!("{name}: {streamed} of {rounds} rounds took the streamed path");
+    }
 }
 
 /// CPU milliseconds of this process and the server while `f` runs.
