@@ -17,6 +17,21 @@
 //!   keeps only the last announcement. Subscribers read the last announcement, fetch
 //!   that object, verify its checksum and cache it. Versions older than the newest
 //!   `keep_versions` are deleted during each publication.
+//! - **Streamed weights** (`weights.streaming`, on by default): before the first chunk
+//!   the publisher sends a "begins" announcement (plain NATS, not stored) on
+//!   `<announce_subject>.begins` naming the chunk subject, size, chunk count and the
+//!   format's checksum. A subscriber inside `wait_for` that sees it reads the chunks
+//!   with an ordered consumer from the first one while the upload runs, decodes them
+//!   as they arrive, and checks size and checksum at the end, so publication and
+//!   fetch overlap. No chunk for `stall_timeout_ms`, or a mismatch, is an error
+//!   (counted by reason): the subscriber then returns the newest complete version if
+//!   it is new enough, else the error; it never returns a partial snapshot and never
+//!   waits for a publisher that died. The object info and the ordinary announcement
+//!   are still written, so a subscriber that joins later, `latest`, stock object
+//!   store readers and older Metronome readers (which do not subscribe to the begins
+//!   subject) read the complete object as before. The begins message carries a
+//!   `format` number; a reader skips, and counts as `incompatible_version`, a format
+//!   it does not know.
 //! - **Control messages** go on their own stream, read by an ordered consumer per
 //!   receiver.
 //!
