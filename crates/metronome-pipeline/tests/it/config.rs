@@ -54,7 +54,7 @@ fn wrong_types_are_named() {
 
 #[test]
 fn impossible_combinations_are_named() {
-    let e = err(&["trainer.mini_steps=64"]);
+    let e = err(&["trainer.mini_steps=256"]);
     assert!(e.starts_with("invalid configuration `trainer.mini_steps`"), "{e}");
     let e = err(&["run.schedule=\"stale:1\""]);
     assert!(e.starts_with("invalid configuration `trainer.loss.tis_cap`"), "{e}");
