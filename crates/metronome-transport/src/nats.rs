@@ -524,6 +524,7 @@ impl NatsTransport {
             store,
             announce,
             counters: Arc::new(Counters::new(TRANSPORT, "weights")),
+            abandoned: Arc::default(),
         })
     }
 
@@ -886,6 +887,32 @@ pub struct NatsWeightPublisher {
     store: object_store::ObjectStore,
     announce: stream::Stream,
     counters: Arc<Counters>,
+    /// Chunk subjects of uploads whose future was dropped (task aborted, timeout):
+    /// purged by the next publication.
+    abandoned: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// Records an upload's chunk subject in `abandoned` unless it was finished (or
+/// cleaned up), so that a dropped publication does not leave its chunks forever.
+struct UploadGuard {
+    subject: Option<String>,
+    abandoned: Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl UploadGuard {
+    fn done(mut self) {
+        self.subject = None;
+    }
+}
+
+impl Drop for UploadGuard {
+    fn drop(&mut self) {
+        if let Some(subject) = self.subject.take()
+            && let Ok(mut abandoned) = self.abandoned.lock()
+        {
+            abandoned.push(subject);
+        }
+    }
 }
 
 impl std::fmt::Debug for NatsWeightPublisher {
@@ -950,6 +977,10 @@ impl NatsWeightPublisher {
     ) -> Result<usize> {
         const IN_FLIGHT: usize = 32;
         let bucket = &self.transport.config.weights.bucket;
+        let abandoned = std::mem::take(&mut *self.abandoned.lock().unwrap_or_else(|e| e.into_inner()));
+        for subject in abandoned {
+            self.purge_chunks(&subject).await;
+        }
         let previous = self.store.info(name).await.ok();
         let chunks = {
             let snapshot = Arc::clone(&snapshot);
@@ -970,6 +1001,8 @@ impl NatsWeightPublisher {
         });
         let nuid = object_nuid(name);
         let chunk_subject = format!("$O.{bucket}.C.{nuid}");
+        let guard =
+            UploadGuard { subject: Some(chunk_subject.clone()), abandoned: Arc::clone(&self.abandoned) };
         let count = chunks.len();
         if self.transport.config.weights.streaming {
             let checksum = chunks
@@ -1053,6 +1086,7 @@ impl NatsWeightPublisher {
             self.purge_chunks(&chunk_subject).await;
             return Err(e);
         }
+        guard.done();
         if let Some(previous) = previous {
             self.purge_chunks(&format!("$O.{bucket}.C.{}", previous.nuid)).await;
         }
@@ -1294,7 +1328,7 @@ impl NatsWeightSubscriber {
                 None => chunks.next().await,
                 Some((stall, _)) => {
                     tokio::time::timeout(stall, chunks.next()).await.map_err(|_| Error::Stalled {
-                        what: format!("streamed weights {nuid}"),
+                        what: format!("streamed weights object {nuid}"),
                         waited_ms: stall.as_millis() as u64,
                         received,
                         expected: size,

@@ -551,4 +551,21 @@ async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_neve
         now == whole || now == encode_weights(&v1).unwrap(),
         "neither the previous nor the whole snapshot"
     );
+
+    // The next publication purges the chunks the aborted one left behind: only the
+    // objects in the store keep chunks (version 3, and 2 if it was completed; version
+    // 1 falls out of `keep_versions` = 2).
+    let v3 = Arc::new(snapshot(3, 300));
+    publisher.publish(Arc::clone(&v3)).await.unwrap();
+    let bucket = t.config().weights.bucket.clone();
+    let mut subjects = objects.info_with_subjects(format!("$O.{bucket}.C.>")).await.unwrap();
+    let mut chunk_subjects = 0;
+    while let Some(entry) = futures::StreamExt::next(&mut subjects).await {
+        entry.unwrap();
+        chunk_subjects += 1;
+    }
+    let expected = if now == whole { 2 } else { 1 };
+    assert_eq!(chunk_subjects, expected, "chunks of the aborted upload were left behind");
+    let newest = subscriber.latest().await.unwrap().unwrap();
+    assert_eq!(encode_weights(&newest).unwrap(), encode_weights(&v3).unwrap());
 }
