@@ -58,10 +58,11 @@
 //! memory storage, no digest): 2.35 to 2.48 times at a load average near 3 on the 2
 //! shared cores, where the path is CPU-bound (CPU time about equals wall time, so
 //! there is no idle core to overlap on), against 2.7 to 3.3 times for publish then
-//! fetch in the same rounds; 1.7 to 2.0 times at a load average of 1.5 to 2 (1.72 and
-//! 1.99 with 8 MiB chunks under `max_payload: 8MB`, 1.85 with the default 1 MiB).
-//! With the defaults (file storage, SHA-256) streaming gains little (2.5 to 4.8
-//! times): the server's file store is the bottleneck.
+//! fetch in the same rounds; 1.67 to 1.85 times with the default 1 MiB chunks at a
+//! load average of 1.5 to 2 (2.1 to 2.5 for publish then fetch), 1.72 and 1.99 with
+//! 8 MiB chunks under `max_payload: 8MB`. With the defaults (file storage, SHA-256)
+//! streaming gains little or nothing (2.5 to 4.8 times, sometimes above publish then
+//! fetch): the server's file store and the digest take the CPU the overlap needs.
 //!
 //! This crate does not decide *when* to send: schedules, staleness limits and the
 //! period loop belong to `metronome-pipeline`. It does not know tensors either:
