@@ -52,7 +52,8 @@ async fn main() -> anyhow::Result<()> {
             on_bad_record: Default::default(),
         }),
         // Three prompts per period, two passes over the file, shuffled per epoch from
-        // the run seed; a batch may run across an epoch boundary.
+        // the run seed; a batch may run across an epoch boundary, and ends early rather
+        // than hold a prompt twice.
         release: ReleaseConfig { batch_size: 3, epochs: Some(2), ..ReleaseConfig::default() },
         // Plain text, no chat template (a model tokenizer would provide one).
         prompt: Default::default(),
