@@ -95,18 +95,21 @@ fn prefilling_together_is_bitwise_prefilling_alone() {
 
 #[test]
 fn prefilling_together_is_bitwise_prefilling_alone_at_smollm2_widths() {
-    // SmolLM2-135M's layer widths (hidden 576, MLP 1536, 9 query / 3 key-value heads of
-    // 64), two layers: inner dimensions above 512, where candle's matmul blocking
-    // differs from the tiny model's.
-    let cfg = ModelConfig {
+    prefill_invariance(smollm2_widths(), false);
+}
+
+/// SmolLM2-135M's layer widths (hidden 576, MLP 1536, 9 query / 3 key-value heads of
+/// 64), two layers: inner dimensions above 512, where candle's matmul blocking differs
+/// from the tiny model's.
+fn smollm2_widths() -> ModelConfig {
+    ModelConfig {
         hidden_size: 576,
         intermediate_size: 1536,
         num_attention_heads: 9,
         num_key_value_heads: 3,
         head_dim: 64,
         ..ModelConfig::tiny()
-    };
-    prefill_invariance(cfg, false);
+    }
 }
 
 /// Prefills ragged prompts alone and all together, then decodes a few steps: the
@@ -214,15 +217,7 @@ fn frozen_decode_is_batch_invariant_bitwise() {
 #[test]
 fn frozen_prefill_is_batch_invariant_bitwise() {
     prefill_invariance(ModelConfig::tiny(), true);
-    let cfg = ModelConfig {
-        hidden_size: 576,
-        intermediate_size: 1536,
-        num_attention_heads: 9,
-        num_key_value_heads: 3,
-        head_dim: 64,
-        ..ModelConfig::tiny()
-    };
-    prefill_invariance(cfg, true);
+    prefill_invariance(smollm2_widths(), true);
 }
 
 /// Logits of one prompt prefilled alone and then one decode step.
