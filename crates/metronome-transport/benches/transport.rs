@@ -2,8 +2,9 @@
 //!
 //! - a printed report first (`-- side_by_side` prints only it): rounds that interleave
 //!   a memory copy, a plain TCP transfer of the encoded 100 MB snapshot into fresh and
-//!   into reused memory, and a NATS publish then fetch with the default settings and
-//!   with memory storage and no SHA-256 digest, each also streamed (a subscriber
+//!   into reused memory, and a NATS publish then fetch with the default settings
+//!   (memory storage, no SHA-256 digest) and with the durable ones (file storage and
+//!   the digest stock object store readers check), each also streamed (a subscriber
 //!   waiting for the version decodes it while it uploads: wall time of publish and
 //!   fetch overlapped); medians of wall-clock and CPU time
 //!   (this process plus the server), MB/s, and ratios to both TCP transfers. Taking
@@ -240,8 +241,8 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 /// The side-by-side report of the 100 MB weight path: rounds that interleave a memory
 /// copy, a plain TCP transfer into fresh and into reused memory, and a NATS publish
-/// followed by a fetch in two configurations (the defaults, and memory storage
-/// without the object store's SHA-256 digest), so that every ratio compares
+/// followed by a fetch in two configurations (the defaults: memory storage without
+/// the object store's SHA-256 digest; and file storage with it), so that every ratio compares
 /// measurements taken under the same load. Also the CPU time each takes (this
 /// process and the server together), which other work on the machine disturbs less
 /// than the wall-clock time. `TRANSPORT_ROUNDS` sets the rounds (default 7).
@@ -253,7 +254,7 @@ fn weights_side_by_side() {
     let rt = runtime();
     // `TRANSPORT_MAX_PAYLOAD` raises the server's message size limit (the deployment
     // setting `max_payload`, 1 MiB by default), `TRANSPORT_CHUNK_BYTES` the chunk size
-    // of the fast configuration.
+    // of the default configuration.
     let env = |name: &str| std::env::var(name).ok().and_then(|s| s.parse::<usize>().ok());
     let dir = tempfile::tempdir().expect("tempdir");
     let conf = dir.path().join("nats.conf");
@@ -265,16 +266,14 @@ fn weights_side_by_side() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let server = server::NatsServer::start(&args).expect("start nats-server");
     let pid = server.pid();
-    let mut fast = NatsConfig::with_prefix(vec![server.url()], "side_fast");
-    fast.weights.storage = Storage::Memory;
-    fast.weights.object_store_digest = false;
+    let mut defaults = NatsConfig::with_prefix(vec![server.url()], "side_default");
     if let Some(chunk) = env("TRANSPORT_CHUNK_BYTES") {
-        fast.weights.chunk_bytes = chunk;
+        defaults.weights.chunk_bytes = chunk;
     }
-    let configs = [
-        ("nats defaults", NatsConfig::with_prefix(vec![server.url()], "side_default")),
-        ("nats memory, no sha", fast),
-    ];
+    let mut durable = NatsConfig::with_prefix(vec![server.url()], "side_durable");
+    durable.weights.storage = Storage::File;
+    durable.weights.object_store_digest = true;
+    let configs = [("nats defaults", defaults), ("nats file, sha-256", durable)];
     // Each configuration: a publisher, a subscriber that fetches after the publication
     // (`latest`), and one on its own connection that waits for the version and
     // streams it while it uploads (`wait_for`, `weights.streaming`).

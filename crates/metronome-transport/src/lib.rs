@@ -41,28 +41,22 @@
 //! Old versions are deleted while the new one uploads.
 //!
 //! What the weight path costs, measured (`cargo bench -p metronome-transport --
-//! side_by_side`, 100 MB, loopback, 2 shared cores): with memory storage and no
-//! object store digest (`weights.storage = memory`, `weights.object_store_digest =
-//! false`), publish plus fetch took 1.8 to 2.4 times one plain TCP transfer of the
-//! same bytes into fresh memory, 2.8 to 3.4 times its CPU time; with the defaults
-//! (file storage, SHA-256 for stock readers) 2.8 to 5.0 times. The floor is the
-//! broker: the bytes cross two sockets and the server copies them into its store
-//! and out again, so publish and fetch are each about one TCP transfer, and the
-//! server alone spent about 190 ms (memory) or 320 ms (file) of CPU per 100 MB.
-//!
-//! Streaming (`weights.streaming`, on by default) overlaps the two: the publisher
-//! announces a version before its chunks upload, and a subscriber waiting for it
-//! (`wait_for`) decodes the chunks as they arrive, with a stall timeout and a size
-//! and checksum check, falling back to the newest complete version. Measured in the
-//! same report (publish ‖ fetch wall time over the TCP transfer into fresh memory,
-//! memory storage, no digest): 2.35 to 2.48 times at a load average near 3 on the 2
-//! shared cores, where the path is CPU-bound (CPU time about equals wall time, so
-//! there is no idle core to overlap on), against 2.7 to 3.3 times for publish then
-//! fetch in the same rounds; 1.67 to 1.85 times with the default 1 MiB chunks at a
-//! load average of 1.5 to 2 (2.1 to 2.5 for publish then fetch), 1.72 and 1.99 with
-//! 8 MiB chunks under `max_payload: 8MB`. With the defaults (file storage, SHA-256)
-//! streaming gains little or nothing (2.5 to 4.8 times, sometimes above publish then
-//! fetch): the server's file store and the digest take the CPU the overlap needs.
+//! side_by_side`, 100 MB, loopback, 2 shared cores, wall time over one plain TCP
+//! transfer of the same bytes into fresh memory, medians of 7 interleaved rounds):
+//! with the defaults (memory storage, no object store digest, streaming) a
+//! subscriber waiting for the version has it 1.56 to 1.99 times the TCP transfer
+//! after the publication starts (six runs at load average 1.3 to 2.0), publish then
+//! fetch took 2.0 to 2.4 times; with file storage and the SHA-256 digest 3.0 to 3.7
+//! times either way. The floor is the broker: the bytes cross two sockets and the
+//! server copies them into its store and out again, about 2.5 times the CPU of the
+//! TCP transfer, so on 2 cores the path is CPU-bound and the overlap of publish and
+//! fetch (`weights.streaming`: the publisher announces a version before its chunks
+//! upload, a subscriber inside `wait_for` decodes the chunks as they arrive, with a
+//! stall timeout and a size and checksum check, falling back to the newest complete
+//! version) is what brings it under 2. Under heavier load (load average near 3) the
+//! same configuration measured 2.35 to 2.48 times. The server's file store costs
+//! about 100 ms of CPU more per 100 MB than its memory store, the digest 60 ms;
+//! chunks of 32 KiB, 256 KiB or 4 MiB were all slower than the default 1 MiB.
 //!
 //! This crate does not decide *when* to send: schedules, staleness limits and the
 //! period loop belong to `metronome-pipeline`. It does not know tensors either:

@@ -10,6 +10,11 @@
 //! - `metronome_transport_rejected_total`: malformed or oversized messages, by reason
 //! - `metronome_transport_publish_latency_seconds`: send until the transport confirmed it
 //! - `metronome_transport_weight_fetch_seconds`: fetching and decoding one snapshot
+//!
+//! The NATS weight path adds `metronome_transport_weights_streamed_fetches_total`
+//! (versions decoded while they uploaded) and
+//! `metronome_transport_weights_restored_total` (versions uploaded again after a
+//! restarted server had lost them).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;

@@ -286,6 +286,9 @@ async fn old_weight_versions_are_pruned_and_readable_by_any_object_store_client(
     let server = NatsServer::start(&[]).expect("start nats-server");
     let mut cfg = config(&server, "prune");
     cfg.weights.keep_versions = 2;
+    // On disk and with the SHA-256 digest stock readers want (not the defaults).
+    cfg.weights.storage = metronome_transport::nats::Storage::File;
+    cfg.weights.object_store_digest = true;
     let t = NatsTransport::connect(cfg).await.unwrap();
     let publisher = t.weight_publisher().await.unwrap();
     for v in 1..=4 {
@@ -349,9 +352,8 @@ fn first_data_ptr(s: &metronome_core::WeightSnapshot) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_in_memory_without_the_sha_digest_round_trip_and_reuse_dropped_buffers() {
     let server = NatsServer::start(&[]).expect("start nats-server");
+    // The default store: memory, no SHA-256 digest.
     let mut cfg = config(&server, "fastweights");
-    cfg.weights.storage = metronome_transport::nats::Storage::Memory;
-    cfg.weights.object_store_digest = false;
     cfg.weights.keep_versions = 1;
     cfg.weights.chunk_bytes = 64 * 1024;
     let t = NatsTransport::connect(cfg).await.unwrap();
@@ -390,6 +392,42 @@ async fn weights_in_memory_without_the_sha_digest_round_trip_and_reuse_dropped_b
         names.push(info.name);
     }
     assert_eq!(names, [format!("v{:020}", 3)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn weights_kept_in_memory_outlive_server_restarts_before_and_during_an_upload() {
+    let mut server = NatsServer::start(&[]).expect("start nats-server");
+    let t = NatsTransport::connect(config(&server, "wrestart")).await.unwrap();
+    let publisher = t.weight_publisher().await.unwrap();
+    let first = Arc::new(snapshot(1, 300));
+    publisher.publish(Arc::clone(&first)).await.unwrap();
+
+    // The server comes back without the weights it held in memory; the publisher
+    // uploads them again, so a worker that joins now still gets version 1.
+    tokio::task::block_in_place(|| server.restart()).expect("restart nats-server");
+    let joining = NatsTransport::connect(config(&server, "wrestart")).await.unwrap();
+    let mut subscriber = joining.weight_subscriber().await.unwrap();
+    let got = tokio::time::timeout(PATIENCE, subscriber.wait_for(PolicyVersion(1))).await.unwrap().unwrap();
+    assert_eq!(encode_weights(&got).unwrap(), encode_weights(&first).unwrap());
+
+    // A restart while a version uploads: the publication starts again and completes.
+    let begins = format!("{}.begins", t.config().weights.announce_subject);
+    let mut begins = t.client().subscribe(begins).await.unwrap();
+    let second = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 32 << 20));
+    let publishing = {
+        let second = Arc::clone(&second);
+        tokio::spawn(async move {
+            publisher.publish(second).await.unwrap();
+            publisher
+        })
+    };
+    tokio::time::timeout(PATIENCE, futures::StreamExt::next(&mut begins)).await.unwrap().unwrap();
+    tokio::task::block_in_place(|| server.restart()).expect("restart nats-server");
+    let publisher = tokio::time::timeout(PATIENCE, publishing).await.unwrap().unwrap();
+    let got = tokio::time::timeout(PATIENCE, subscriber.wait_for(PolicyVersion(2))).await.unwrap().unwrap();
+    assert_eq!(encode_weights(&got).unwrap(), encode_weights(&second).unwrap());
+    // Version 1 twice (the second time restored), then version 2.
+    assert_eq!(publisher.stats().messages_sent, 3, "{:?}", publisher.stats());
 }
 
 /// A subscriber that subscribed before the publication starts has had time to
