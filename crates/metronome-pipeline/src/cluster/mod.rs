@@ -3,10 +3,11 @@
 //! The period protocol, each step idempotent so that a restarted trainer can repeat it:
 //!
 //! 1. the trainer publishes the weights of version `k` to the object store (publishing
-//!    the same version again overwrites it with the same bytes);
-//! 2. it offers one *claim* per prompt of period `k` on the claim queue (offered again
-//!    after a restart, the server drops them as duplicates of `claim-<period>-<prompt>`)
-//!    and announces `PeriodStart` on the control channel;
+//!    the same version again overwrites it with the same bytes), and meanwhile
+//! 2. offers one *claim* per prompt of period `k` on the claim queue, so that workers
+//!    fetch the weights while they upload (offered again after a restart, the server
+//!    drops them as duplicates of `claim-<period>-<prompt>`), then announces
+//!    `PeriodStart` on the control channel;
 //! 3. workers take claims under a lease, fetch the version the claim names, generate,
 //!    score, publish the group, and only then complete the claim; a worker that dies
 //!    leaves its claims to expire and go to another worker;

@@ -180,10 +180,15 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
         let mut report = PeriodReport { period, ..PeriodReport::default() };
 
         let version = trainer.version();
-        publisher.publish(weights.clone()).await?;
+        // The claims go out while the weights upload: a worker that takes one waits
+        // for the version and decodes its chunks as they arrive (`weights.streaming`),
+        // so that fetching overlaps publishing.
+        let (published, offered) =
+            tokio::join!(publisher.publish(weights.clone()), offerer.offer(period, version, &batch.prompts));
+        published?;
+        offered.map_err(err("transport"))?;
         report.intervals.push(interval(StageKind::Publication, period, start));
         report.publication_s = start.elapsed().as_secs_f64();
-        offerer.offer(period, version, &batch.prompts).await.map_err(err("transport"))?;
         metrics::counter!("metronome_cluster_claims_offered_total").increment(batch.prompts.len() as u64);
         control
             .send(ControlMessage::PeriodStart {

@@ -113,9 +113,10 @@ pub async fn run_worker(
                 let weights = match subscriber.latest().await? {
                     Some(w) if w.version >= version => w,
                     _ => {
-                        // Weights are published before their claims are offered, so
-                        // this wait is short unless the trainer died; a worker asked
-                        // to leave meanwhile gives its claims back.
+                        // Claims are offered while their weights upload, so this wait
+                        // lasts one upload (streamed, `weights.streaming`) unless the
+                        // trainer died; a worker asked to leave meanwhile gives its
+                        // claims back.
                         let stopped = async {
                             while !stop.is_stopped() {
                                 tokio::time::sleep(CLAIM_WAIT).await;
