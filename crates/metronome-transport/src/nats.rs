@@ -23,15 +23,18 @@
 //!   again when its connection comes back (see [`NatsWeightPublisher`]); a
 //!   publication interrupted by a restart starts again.
 //! - **Streamed weights** (`weights.streaming`, on by default): before the first chunk
-//!   the publisher sends a "begins" announcement (plain NATS, not stored) on
-//!   `<announce_subject>.begins` naming the chunk subject, size, chunk count and the
-//!   format's checksum. A subscriber inside `wait_for` that sees it reads the chunks
+//!   the publisher sends a "begins" announcement on `<announce_subject>.begins`
+//!   naming the chunk subject, size, chunk count and the format's checksum; the
+//!   announcement stream keeps the last one, so that a subscriber that starts
+//!   waiting after the upload began (a worker that took a claim offered meanwhile)
+//!   finds it too. A subscriber inside `wait_for` that sees it reads the chunks
 //!   with an ordered consumer from the first one while the upload runs, decodes them
 //!   as they arrive, and checks size and checksum at the end, so publication and
 //!   fetch overlap. No chunk for `stall_timeout_ms`, or a mismatch, is an error
 //!   (counted by reason): the subscriber then returns the newest complete version if
 //!   it is new enough, else the error; it never returns a partial snapshot and never
-//!   waits for a publisher that died. The object info and the ordinary announcement
+//!   waits for a publisher that died (nor follows that upload's kept begins again).
+//!   The object info and the ordinary announcement
 //!   are still written, so a subscriber that joins later, `latest`, stock object
 //!   store readers and older Metronome readers (which do not subscribe to the begins
 //!   subject) read the complete object as before. The begins message carries a
@@ -531,7 +534,9 @@ impl NatsTransport {
             .js
             .get_or_create_stream(stream::Config {
                 name: c.announce_stream.clone(),
-                subjects: vec![c.announce_subject.clone()],
+                // The begins announcements are kept too, for subscribers that start
+                // waiting after an upload began.
+                subjects: vec![c.announce_subject.clone(), begins_subject(&c.announce_subject)],
                 max_messages_per_subject: 1,
                 storage: c.storage.into(),
                 ..stream::Config::default()
@@ -557,6 +562,7 @@ impl NatsTransport {
             cached: None,
             counters: Arc::new(Counters::new(TRANSPORT, "weights")),
             streamed: 0,
+            failed_upload: None,
         })
     }
 
@@ -832,8 +838,9 @@ struct Announcement {
 const BEGINS_FORMAT: u32 = 1;
 
 /// What a "begins" announcement says: a version's chunks are being uploaded now, on
-/// `$O.<bucket>.C.<nuid>`, and what they add up to. Published without persistence
-/// (plain NATS) on `<announce_subject>.begins`, before the first chunk; the ordinary
+/// `$O.<bucket>.C.<nuid>`, and what they add up to. Published on
+/// `<announce_subject>.begins` before the first chunk, without waiting for the
+/// server (the announcement stream keeps the last one); the ordinary
 /// [`Announcement`] follows once the object is complete.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Begins {
@@ -906,6 +913,18 @@ async fn last_announcement(announce: &stream::Stream, subject: &str) -> Result<O
             }
             _ => Err(Error::nats("read weight announcement", e)),
         },
+    }
+}
+
+/// The last begins announcement kept by the announcement stream, if any (a stream
+/// made by an older version does not keep them; then only live ones are seen).
+async fn last_begins(announce: &stream::Stream, subject: &str) -> Option<Bytes> {
+    match announce.get_last_raw_message_by_subject(subject).await {
+        Ok(m) => Some(m.payload),
+        Err(e) => {
+            tracing::debug!(error = %e, "no kept weight begins announcement");
+            None
+        }
     }
 }
 
@@ -1284,6 +1303,9 @@ pub struct NatsWeightSubscriber {
     cached: Option<Arc<WeightSnapshot>>,
     counters: Arc<Counters>,
     streamed: u64,
+    /// The chunk subject (nuid) of the last upload whose streamed fetch failed, so
+    /// that its kept begins announcement is not followed again.
+    failed_upload: Option<String>,
 }
 
 impl std::fmt::Debug for NatsWeightSubscriber {
@@ -1515,6 +1537,14 @@ impl WeightSubscriber for NatsWeightSubscriber {
             if let Some(s) = self.newest().await?.filter(|s| s.version >= min) {
                 return Ok(s);
             }
+            // An upload that began before this call (a worker that took a claim
+            // offered while its weights upload): the stream keeps its begins.
+            if self.transport.config.weights.streaming
+                && let Some(payload) = last_begins(&self.announce, &begins_subject(&subject)).await
+                && let Some(outcome) = self.on_begins(&payload, min).await
+            {
+                return outcome;
+            }
             loop {
                 let Some(message) = announcements.next().await else {
                     return Err(Error::Closed("nats weight announcements").into());
@@ -1562,13 +1592,17 @@ impl NatsWeightSubscriber {
                 return None;
             }
         };
-        if begins.version < min.0 || self.cached.as_ref().is_some_and(|c| c.version.0 >= begins.version) {
+        if begins.version < min.0
+            || self.cached.as_ref().is_some_and(|c| c.version.0 >= begins.version)
+            || self.failed_upload.as_ref() == Some(&begins.nuid)
+        {
             return None;
         }
         let error = match self.stream_fetch(&begins).await {
             Ok(s) => return Some(Ok(s)),
             Err(e) => e,
         };
+        self.failed_upload = Some(begins.nuid);
         self.counters.rejected(error.reason());
         tracing::warn!(%error, version = begins.version, "streamed weight fetch failed; reading the newest complete version");
         Some(match self.newest().await {

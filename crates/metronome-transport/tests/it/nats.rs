@@ -472,15 +472,10 @@ async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically
     assert_eq!(late.streamed_fetches(), 0, "a late subscriber reads the complete object");
 }
 
-/// Publishes by hand what a publisher that died mid-upload leaves behind: a begins
-/// announcement and the first chunks of version 2, again every 100 ms (so the
-/// waiting subscriber cannot miss it), until `waiter` ends.
-async fn half_upload<T>(
-    t: &NatsTransport,
-    checksum_offset: u64,
-    chunks_sent: usize,
-    waiter: tokio::task::JoinHandle<T>,
-) -> T {
+/// Uploads by hand the first `chunks_sent` chunks of version 2 (1 MiB, 64 KiB
+/// chunks); returns its begins announcement's subject and payload, which carries
+/// the format's checksum plus `checksum_offset`.
+async fn handmade_upload(t: &NatsTransport, checksum_offset: u64, chunks_sent: usize) -> (String, Bytes) {
     let bucket = t.config().weights.bucket.clone();
     let encoded = encode_weights(&metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20)).unwrap();
     let chunks: Vec<&[u8]> = encoded.chunks(64 * 1024).collect();
@@ -496,7 +491,19 @@ async fn half_upload<T>(
         "bytes": encoded.len(), "chunks": chunks.len(), "checksum": checksum,
     });
     let subject = format!("{}.begins", t.config().weights.announce_subject);
-    let payload = Bytes::from(serde_json::to_vec(&begins).unwrap());
+    (subject, Bytes::from(serde_json::to_vec(&begins).unwrap()))
+}
+
+/// Publishes by hand what a publisher that died mid-upload leaves behind: a begins
+/// announcement and the first chunks of version 2, again every 100 ms (so the
+/// waiting subscriber cannot miss it), until `waiter` ends.
+async fn half_upload<T>(
+    t: &NatsTransport,
+    checksum_offset: u64,
+    chunks_sent: usize,
+    waiter: tokio::task::JoinHandle<T>,
+) -> T {
+    let (subject, payload) = handmade_upload(t, checksum_offset, chunks_sent).await;
     tokio::time::timeout(PATIENCE, async {
         let mut waiter = waiter;
         loop {
@@ -509,6 +516,28 @@ async fn half_upload<T>(
     })
     .await
     .expect("the subscriber hung on a dead upload")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_starts_waiting_after_an_upload_began_streams_it() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let t = NatsTransport::connect(streaming_config(&server, "lateb")).await.unwrap();
+    t.weight_publisher().await.unwrap().publish(Arc::new(snapshot(1, 300))).await.unwrap();
+    // What a publisher sends before the version is complete: the begins
+    // announcement (once, before anyone waits) and the chunks; no announcement of
+    // the complete object follows, so only streaming can return version 2.
+    let (subject, payload) = handmade_upload(&t, 0, usize::MAX).await;
+    let js = async_nats::jetstream::new(t.client().clone());
+    js.publish(subject, payload).await.unwrap().await.unwrap();
+
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    let got = tokio::time::timeout(PATIENCE, subscriber.wait_for(PolicyVersion(2)))
+        .await
+        .expect("the upload that began before the wait was not seen")
+        .unwrap();
+    let expected = metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20);
+    assert_eq!(encode_weights(&got).unwrap(), encode_weights(&expected).unwrap());
+    assert_eq!(subscriber.streamed_fetches(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
