@@ -599,15 +599,15 @@ impl NatsTransport {
         } else {
             consumer::DeliverPolicy::New
         };
-        let messages = stream
-            .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
-            .await
-            .map_err(|e| Error::nats("create control consumer", e))?
-            .messages()
-            .await
-            .map_err(|e| Error::nats("subscribe to control", e))?;
+        // Where a consumer made again after a server restart starts: after the last
+        // message delivered, or where this one started.
+        let last = stream.cached_info().state.last_sequence;
+        let last_sequence = if self.config.control.replay_last { last.saturating_sub(1) } else { last };
+        let messages = ordered_messages(&stream, deliver_policy).await?;
         Ok(NatsControlReceiver {
+            stream,
             messages,
+            last_sequence,
             max_message: self.max_message,
             counters: Arc::new(Counters::new(TRANSPORT, "control")),
         })
@@ -1635,9 +1635,32 @@ impl ControlSender for NatsControlSender {
     }
 }
 
+/// An ordered consumer of `stream` from `deliver_policy`, and its messages.
+async fn ordered_messages(
+    stream: &stream::Stream,
+    deliver_policy: consumer::DeliverPolicy,
+) -> Result<consumer::pull::Ordered> {
+    stream
+        .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
+        .await
+        .map_err(|e| Error::nats("create control consumer", e))?
+        .messages()
+        .await
+        .map_err(|e| Error::nats("subscribe to control", e))
+}
+
 /// Receives control messages.
+///
+/// The ordered consumer it reads through is ephemeral: a restarted server has
+/// forgotten it, and the client's ordered consumer then fails its pulls ("consumer
+/// not found") without recreating itself. The receiver makes a new one that starts
+/// after the last message it delivered, so nothing is lost or repeated.
 pub struct NatsControlReceiver {
+    stream: stream::Stream,
     messages: consumer::pull::Ordered,
+    /// Stream sequence of the last message delivered (or before the first one this
+    /// receiver may deliver).
+    last_sequence: u64,
     max_message: usize,
     counters: Arc<Counters>,
 }
@@ -1664,11 +1687,20 @@ impl ControlReceiver for NatsControlReceiver {
                 None => return Ok(None),
                 Some(Ok(m)) => m,
                 Some(Err(e)) => {
-                    tracing::debug!(error = %e, "control stream interrupted; waiting");
+                    tracing::debug!(error = %e, "control stream interrupted; reading on from a new consumer");
                     tokio::time::sleep(Duration::from_millis(50)).await;
+                    let from =
+                        consumer::DeliverPolicy::ByStartSequence { start_sequence: self.last_sequence + 1 };
+                    match ordered_messages(&self.stream, from).await {
+                        Ok(messages) => self.messages = messages,
+                        Err(e) => tracing::debug!(error = %e, "control stream still interrupted"),
+                    }
                     continue;
                 }
             };
+            if let Ok(info) = message.info() {
+                self.last_sequence = info.stream_sequence;
+            }
             let len = message.payload.len();
             let decoded =
                 check_size("control", len, self.max_message).and_then(|()| decode_control(&message.payload));

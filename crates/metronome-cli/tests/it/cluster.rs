@@ -380,6 +380,29 @@ fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights
 }
 
 #[test]
+fn a_server_restart_mid_run_loses_nothing_and_the_weights_match_one_process() {
+    let _serial = serial();
+    let periods = 4;
+    let mut server = NatsServer::start(&[]).expect("start nats-server");
+    let out = tempfile::tempdir().unwrap();
+    let sets = settings(&server.url(), periods);
+    let mut a = Proc::worker("a", &sets, out.path());
+    a.wait_for("ready");
+    let mut trainer = Proc::trainer(&sets, out.path());
+    // Killed (SIGKILL) as the trainer publishes the weights of period 2: groups and
+    // claims are on disk, the weights in memory, which the trainer uploads again.
+    trainer.wait_for("period   1");
+    server.restart().expect("restart nats-server");
+    trainer.finish_ok();
+    a.finish_ok();
+
+    let run = out.path().join("cluster");
+    eprintln!("{}\n{}", trainer.log(), a.log());
+    assert_trained_once(&run, periods);
+    assert_same_weights(&run, periods);
+}
+
+#[test]
 fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
     let _serial = serial();
     let out = tempfile::tempdir().unwrap();

@@ -227,6 +227,29 @@ async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_messages_keep_coming_across_a_server_restart() {
+    use metronome_core::{ControlMessage, PeriodId};
+    use metronome_transport::{ControlReceiver, ControlSender};
+    let mut server = NatsServer::start(&[]).expect("start nats-server");
+    let t = NatsTransport::connect(config(&server, "ctlrestart")).await.unwrap();
+    let mut receiver = t.control_receiver().await.unwrap();
+    let sender = t.control_sender().await.unwrap();
+    let end = |p| ControlMessage::PeriodEnd { period: PeriodId(p) };
+    sender.send(end(0)).await.unwrap();
+    let got = tokio::time::timeout(PATIENCE, receiver.recv()).await.unwrap().unwrap();
+    assert_eq!(got, Some(end(0)));
+
+    tokio::task::block_in_place(|| server.restart()).expect("restart nats-server");
+    tokio::time::timeout(PATIENCE, sender.send(end(1))).await.unwrap().unwrap();
+    tokio::time::timeout(PATIENCE, sender.send(ControlMessage::Shutdown)).await.unwrap().unwrap();
+    let got =
+        tokio::time::timeout(PATIENCE, receiver.recv()).await.expect("no control message after the restart");
+    assert_eq!(got.unwrap(), Some(end(1)));
+    let got = tokio::time::timeout(PATIENCE, receiver.recv()).await.unwrap().unwrap();
+    assert_eq!(got, Some(ControlMessage::Shutdown));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
     let server = NatsServer::start(&[]).expect("start nats-server");
     let t = NatsTransport::connect(config(&server, "hostile")).await.unwrap();
