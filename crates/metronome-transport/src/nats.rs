@@ -34,6 +34,8 @@
 //!   (counted by reason): the subscriber then returns the newest complete version if
 //!   it is new enough, else the error; it never returns a partial snapshot and never
 //!   waits for a publisher that died (nor follows that upload's kept begins again).
+//!   If the connection dropped during the fetch, the publisher uploads again (see
+//!   [`NatsWeightPublisher`]), so the subscriber keeps waiting instead.
 //!   The object info and the ordinary announcement
 //!   are still written, so a subscriber that joins later, `latest`, stock object
 //!   store readers and older Metronome readers (which do not subscribe to the begins
@@ -1573,7 +1575,8 @@ impl NatsWeightSubscriber {
     /// the version if it is new enough. `None`: not for us, keep waiting. On a failed
     /// streamed fetch (stall, mismatch), falls back to the newest complete version,
     /// and returns the failure when that is older than `min` (never a partial
-    /// snapshot, never an endless wait for a publisher that died).
+    /// snapshot, never an endless wait for a publisher that died) unless the
+    /// connection dropped meanwhile: then the upload starts again, and `None`.
     async fn on_begins(
         &mut self,
         payload: &[u8],
@@ -1598,6 +1601,7 @@ impl NatsWeightSubscriber {
         {
             return None;
         }
+        let connections = *self.transport.connections.borrow();
         let error = match self.stream_fetch(&begins).await {
             Ok(s) => return Some(Ok(s)),
             Err(e) => e,
@@ -1605,11 +1609,16 @@ impl NatsWeightSubscriber {
         self.failed_upload = Some(begins.nuid);
         self.counters.rejected(error.reason());
         tracing::warn!(%error, version = begins.version, "streamed weight fetch failed; reading the newest complete version");
-        Some(match self.newest().await {
-            Ok(Some(s)) if s.version >= min => Ok(s),
-            Ok(_) => Err(error.into()),
-            Err(e) => Err(e.into()),
-        })
+        // The connection dropped meanwhile (a server restart, say): the publisher
+        // uploads the version again, so this is no dead upload; keep waiting.
+        let interrupted = *self.transport.connections.borrow() != connections
+            || self.transport.client.connection_state() != async_nats::connection::State::Connected;
+        match self.newest().await {
+            Ok(Some(s)) if s.version >= min => Some(Ok(s)),
+            _ if interrupted => None,
+            Ok(_) => Some(Err(error.into())),
+            Err(e) => Some(Err(e.into())),
+        }
     }
 }
 

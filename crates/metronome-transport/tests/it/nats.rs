@@ -453,6 +453,38 @@ async fn weights_kept_in_memory_outlive_server_restarts_before_and_during_an_upl
     assert_eq!(publisher.stats().messages_sent, 3, "{:?}", publisher.stats());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_fetch_cut_by_a_server_restart_gets_the_version_uploaded_again() {
+    let mut server = NatsServer::start(&[]).expect("start nats-server");
+    let mut cfg = streaming_config(&server, "streamrestart");
+    cfg.weights.stall_timeout_ms = 5_000;
+    let t = NatsTransport::connect(cfg.clone()).await.unwrap();
+    let publisher = t.weight_publisher().await.unwrap();
+    let mut subscriber = NatsTransport::connect(cfg).await.unwrap().weight_subscriber().await.unwrap();
+    publisher.publish(Arc::new(snapshot(1, 300))).await.unwrap();
+    assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
+
+    let waiter = tokio::spawn(async move {
+        let got = subscriber.wait_for(PolicyVersion(2)).await;
+        (subscriber, got)
+    });
+    tokio::time::sleep(SETTLE).await;
+    let begins = format!("{}.begins", t.config().weights.announce_subject);
+    let mut begins = t.client().subscribe(begins).await.unwrap();
+    let second = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 32 << 20));
+    let publishing = {
+        let second = Arc::clone(&second);
+        tokio::spawn(async move { publisher.publish(second).await.unwrap() })
+    };
+    // The subscriber streams from here on; the server dies under it.
+    tokio::time::timeout(PATIENCE, futures::StreamExt::next(&mut begins)).await.unwrap().unwrap();
+    tokio::task::block_in_place(|| server.restart()).expect("restart nats-server");
+    tokio::time::timeout(PATIENCE, publishing).await.unwrap().unwrap();
+    let (_, got) = tokio::time::timeout(PATIENCE, waiter).await.unwrap().unwrap();
+    let got = got.expect("the restart ended the wait with an error");
+    assert_eq!(encode_weights(&got).unwrap(), encode_weights(&second).unwrap());
+}
+
 /// A subscriber that subscribed before the publication starts has had time to
 /// register with the server after this long; only which path it takes depends on it.
 const SETTLE: Duration = Duration::from_secs(1);
