@@ -291,7 +291,11 @@ fn weights_side_by_side() {
             })
         })
         .collect();
-    let mut streamed_rounds = vec![0usize; configs.len()];
+    // Rounds that took the streamed path, per configuration and way of waiting.
+    let mut streamed_rounds = vec![[0usize; 2]; configs.len()];
+    let begins_subjects: Vec<String> =
+        configs.iter().map(|(_, c)| format!("{}.begins", c.weights.announce_subject)).collect();
+    let watcher = rt.block_on(async_nats::connect(server.url())).expect("connect");
     let mut warm = encoded.clone();
     // wall ms, cpu ms per row; NATS rows also keep publish and fetch apart.
     let mut rows: Vec<(String, Vec<f64>, Vec<f64>)> = ["memcpy", "tcp (fresh buffer)", "tcp (reused buffer)"]
@@ -299,7 +303,13 @@ fn weights_side_by_side() {
         .map(|n| ((*n).to_owned(), vec![], vec![]))
         .collect();
     for (name, _) in &configs {
-        for part in ["publish", "fetch", "publish+fetch", "publish || fetch, streamed"] {
+        for part in [
+            "publish",
+            "fetch",
+            "publish+fetch",
+            "publish || fetch, streamed",
+            "streamed, joining after the begins",
+        ] {
             rows.push((format!("{name}: {part}"), vec![], vec![]));
         }
     }
@@ -318,13 +328,13 @@ fn weights_side_by_side() {
         let (d, cpu) = with_cpu(None, || tcp_transfer_into(&encoded, &mut warm));
         rows[2].1.push(ms(d));
         rows[2].2.push(cpu);
-        let version = 2 * round as u64 + 1;
+        let version = 3 * round as u64 + 1;
         let with_version = |v: u64| {
             let mut s = (*snapshot).clone();
             s.version = metronome_core::PolicyVersion(v);
             Arc::new(s)
         };
-        let (s, streamed_snapshot) = (with_version(version), with_version(version + 1));
+        let s = with_version(version);
         for (i, (publisher, subscriber, streamer)) in endpoints.iter_mut().enumerate() {
             let ((publish, cpu_publish), (fetch, cpu_fetch)) = rt.block_on(async {
                 let p = async_cpu(pid, async {
@@ -342,42 +352,54 @@ fn weights_side_by_side() {
                 .await;
                 (p, f)
             });
-            // Streamed: the subscriber waits for the next version on its own task
-            // before the publication starts; wall time from the start of the
-            // publication until both ended.
-            let mut streamer_now = streamer.take().expect("streaming subscriber");
-            let (overlapped, cpu_overlapped, back, before) = rt.block_on(async {
-                // Up to date first, so that `wait_for` only waits.
-                streamer_now.latest().await.expect("catch up");
-                let before = streamer_now.streamed_fetches();
-                let want = metronome_core::PolicyVersion(version + 1);
-                let waiter = tokio::spawn(async move {
-                    let got = streamer_now.wait_for(want).await.expect("streamed fetch");
-                    assert_eq!(got.version, want);
-                    (streamer_now, Instant::now())
+            // Streamed: the subscriber waits for the next version on its own task,
+            // from before the publication starts, or from when its begins
+            // announcement went out (as a worker that takes a claim offered during
+            // the upload); wall time from the start of the publication until both
+            // ended.
+            let mut overlapped = [(Duration::ZERO, 0.0); 2];
+            for (way, joins_late) in [false, true].into_iter().enumerate() {
+                let want = metronome_core::PolicyVersion(version + 1 + way as u64);
+                let next = with_version(want.0);
+                let mut streamer_now = streamer.take().expect("streaming subscriber");
+                let (wall, cpu, back, before) = rt.block_on(async {
+                    // Up to date first, so that `wait_for` only waits.
+                    streamer_now.latest().await.expect("catch up");
+                    let before = streamer_now.streamed_fetches();
+                    let mut begins = watcher.subscribe(begins_subjects[i].clone()).await.expect("subscribe");
+                    let waiter = tokio::spawn(async move {
+                        if joins_late {
+                            futures::StreamExt::next(&mut begins).await.expect("a begins announcement");
+                        }
+                        let got = streamer_now.wait_for(want).await.expect("streamed fetch");
+                        assert_eq!(got.version, want);
+                        (streamer_now, Instant::now())
+                    });
+                    // Time for the subscriptions to reach the server.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let ((wall, back), cpu) = async_cpu(pid, async {
+                        let t = Instant::now();
+                        publisher.publish(Arc::clone(&next)).await.expect("publish");
+                        let published = Instant::now();
+                        let (back, fetched) = waiter.await.expect("waiter");
+                        (published.max(fetched) - t, back)
+                    })
+                    .await;
+                    (wall, cpu, back, before)
                 });
-                // Time for the subscription to reach the server.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                let ((wall, back), cpu) = async_cpu(pid, async {
-                    let t = Instant::now();
-                    publisher.publish(Arc::clone(&streamed_snapshot)).await.expect("publish");
-                    let published = Instant::now();
-                    let (back, fetched) = waiter.await.expect("waiter");
-                    (published.max(fetched) - t, back)
-                })
-                .await;
-                (wall, cpu, back, before)
-            });
-            if back.streamed_fetches() > before {
-                streamed_rounds[i] += 1;
+                if back.streamed_fetches() > before {
+                    streamed_rounds[i][way] += 1;
+                }
+                *streamer = Some(back);
+                overlapped[way] = (wall, cpu);
             }
-            *streamer = Some(back);
-            let base = 3 + 4 * i;
+            let base = 3 + 5 * i;
             for (row, wall, cpu) in [
                 (base, ms(publish), cpu_publish),
                 (base + 1, ms(fetch), cpu_fetch),
                 (base + 2, ms(publish + fetch), cpu_publish + cpu_fetch),
-                (base + 3, ms(overlapped), cpu_overlapped),
+                (base + 3, ms(overlapped[0].0), overlapped[0].1),
+                (base + 4, ms(overlapped[1].0), overlapped[1].1),
             ] {
                 rows[row].1.push(wall);
                 rows[row].2.push(cpu);
@@ -393,13 +415,13 @@ fn weights_side_by_side() {
     let tcp_cpu = median(rows[1].2.clone());
     let warm_wall = median(rows[2].1.clone());
     println!(
-        "{:<48} {:>9} {:>9} {:>9} {:>9} {:>11}",
+        "{:<54} {:>9} {:>9} {:>9} {:>9} {:>11}",
         "", "wall ms", "MB/s", "cpu ms", "x tcp", "x tcp reuse"
     );
     for (name, wall, cpu) in &rows {
         let (w, c) = (median(wall.clone()), median(cpu.clone()));
         println!(
-            "{name:<48} {w:>9.1} {:>9.0} {c:>9.0} {:>9.2} {:>11.2}",
+            "{name:<54} {w:>9.1} {:>9.0} {c:>9.0} {:>9.2} {:>11.2}",
             mb / (w / 1e3),
             w / tcp_wall,
             w / warm_wall
@@ -408,13 +430,17 @@ fn weights_side_by_side() {
     println!("cpu ratio (publish+fetch over tcp fresh, this process + server): {}", {
         let parts: Vec<String> = rows
             .iter()
-            .filter(|(n, _, _)| n.ends_with("publish+fetch") || n.ends_with("streamed"))
+            .filter(|(n, _, _)| {
+                n.ends_with("publish+fetch") || n.contains("streamed") || n.contains("begins")
+            })
             .map(|(n, _, c)| format!("{n} {:.2}", median(c.clone()) / tcp_cpu.max(1.0)))
             .collect();
         parts.join("; ")
     });
-    for ((name, _), streamed) in configs.iter().zip(&streamed_rounds) {
-        println!("{name}: {streamed} of {rounds} rounds took the streamed path");
+    for ((name, _), [early, late]) in configs.iter().zip(&streamed_rounds) {
+        println!(
+            "{name}: {early} of {rounds} rounds took the streamed path ({late} waiting from after the begins)"
+        );
     }
 }
 

@@ -44,10 +44,12 @@
 //! side_by_side`, 100 MB, loopback, 2 shared cores, wall time over one plain TCP
 //! transfer of the same bytes into fresh memory, medians of 7 interleaved rounds):
 //! with the defaults (memory storage, no object store digest, streaming) a
-//! subscriber waiting for the version has it 1.56 to 1.99 times the TCP transfer
-//! after the publication starts (six runs at load average 1.3 to 2.0), publish then
-//! fetch took 2.0 to 2.4 times; with file storage and the SHA-256 digest 3.0 to 3.7
-//! times either way. The floor is the broker: the bytes cross two sockets and the
+//! subscriber waiting for the version has it 1.47 to 1.99 times the TCP transfer
+//! after the publication starts (ten runs at load average 1.0 to 2.1), one that
+//! starts waiting only once the upload began (a cluster worker taking a claim
+//! offered during the upload) 1.63 to 2.10 times (four runs), publish then fetch
+//! took 1.9 to 2.4 times; with file storage and the SHA-256 digest 3.0 to 3.7 times
+//! either way. The floor is the broker: the bytes cross two sockets and the
 //! server copies them into its store and out again, about 2.5 times the CPU of the
 //! TCP transfer, so on 2 cores the path is CPU-bound and the overlap of publish and
 //! fetch (`weights.streaming`: the publisher announces a version before its chunks
