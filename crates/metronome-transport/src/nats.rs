@@ -18,7 +18,7 @@
 //!   that object, verify its checksum and cache it. Versions older than the newest
 //!   `keep_versions` are deleted during each publication. The bucket lives in memory
 //!   by default (`weights.storage`): the weights' source of truth is the trainer, the
-//!   store only distributes them, and memory halves the server's cost. A restarted
+//!   store only distributes them, and memory costs the server less CPU. A restarted
 //!   server has lost them, so the publisher keeps its newest snapshot and uploads it
 //!   again when its connection comes back (see [`NatsWeightPublisher`]); a
 //!   publication interrupted by a restart starts again.
@@ -35,15 +35,14 @@
 //!   it is new enough, else the error; it never returns a partial snapshot and never
 //!   waits for a publisher that died (nor follows that upload's kept begins again).
 //!   If the connection dropped during the fetch, the publisher uploads again (see
-//!   [`NatsWeightPublisher`]), so the subscriber keeps waiting instead.
-//!   The object info and the ordinary announcement
-//!   are still written, so a subscriber that joins later, `latest`, stock object
-//!   store readers and older Metronome readers (which do not subscribe to the begins
-//!   subject) read the complete object as before. The begins message carries a
-//!   `format` number; a reader skips, and counts as `incompatible_version`, a format
-//!   it does not know.
+//!   [`NatsWeightPublisher`]), so the subscriber keeps waiting instead. The object
+//!   info and the ordinary announcement are still written, so a subscriber that
+//!   joins later, `latest`, stock object store readers and older Metronome readers
+//!   (which do not subscribe to the begins subject) read the complete object as
+//!   before. The begins message carries a `format` number; a reader skips, and
+//!   counts as `incompatible_version`, a format it does not know.
 //! - **Control messages** go on their own stream, read by an ordered consumer per
-//!   receiver.
+//!   receiver, made again after a server restart from the last message it read.
 //!
 //! Every message larger than the limit (the smaller of `max_message_bytes` and the
 //! server's `max_payload`) is refused by the sender and by the receiver; a malformed
@@ -307,8 +306,9 @@ pub struct WeightStoreConfig {
     /// Object store chunk size in bytes (lowered to the server's `max_payload`).
     pub chunk_bytes: usize,
     /// Storage of the bucket and its announcements. `memory` (the default) costs the
-    /// server about 100 ms less CPU per 100 MB than `file` and brings publish plus fetch within
-    /// 2× of one TCP transfer (`cargo bench -p metronome-transport -- side_by_side`);
+    /// server about 100 ms less CPU per 100 MB than `file` and brings publish plus
+    /// fetch within 2× of one TCP transfer (`cargo bench -p metronome-transport --
+    /// side_by_side`);
     /// it needs `keep_versions` snapshots of the server's memory (JetStream
     /// `max_memory_store`), and a restarted server holds no weights until the
     /// publisher uploads its newest again, which it does on reconnecting. `file`
