@@ -612,64 +612,82 @@ impl pulp::WithSimd for AttentionRows<'_> {
 
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, simd: S) {
-        let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = self;
         let l = S::F32_LANES;
-        if hd % l != 0 {
-            return attention_rows_scalar(AttentionRows { rows, q, k, v, heads, kvh, hd, out });
+        if !self.hd.is_multiple_of(l) {
+            return attention_rows_scalar(self);
         }
-        let nv = hd / l;
+        let nv = self.hd / l;
         let load = |s: &[f32]| -> S::f32s { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&s[..l])) };
-        let n = rows.base.len();
-        let rep = heads / kvh;
-        let width = kvh * hd;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let mut probs = Vec::new();
-        for i in 0..n {
-            let (base, len) = (rows.base[i], rows.len[i]);
-            let keys = &k[base * width..(base + len) * width];
-            let values = &v[base * width..(base + len) * width];
-            probs.clear();
-            probs.resize(rep * len, 0f32);
-            for g in 0..kvh {
-                let off = g * hd;
-                let heads_at = (i * heads + g * rep) * hd;
-                let qg = &q[heads_at..heads_at + rep * hd];
-                for (j, kr) in keys.chunks_exact(width).enumerate() {
-                    let kr = &kr[off..off + hd];
-                    for (r, qh) in qg.chunks_exact(hd).enumerate() {
-                        let mut acc = simd.splat_f32s(0.0);
+        let dot = |qh: &[f32], kr: &[f32]| {
+            let mut acc = simd.splat_f32s(0.0);
+            for c in 0..nv {
+                acc = simd.mul_add_e_f32s(load(&qh[c * l..]), load(&kr[c * l..]), acc);
+            }
+            simd.reduce_sum_f32s(acc)
+        };
+        // Head by head, the accumulators of one head held in registers across the keys.
+        let weigh = |probs: &[f32], values: &[f32], width: usize, off: usize, og: &mut [f32]| {
+            let len = probs.len() / (og.len() / (nv * l));
+            for (ps, oh) in probs.chunks_exact(len).zip(og.chunks_exact_mut(nv * l)) {
+                match nv {
+                    1 => weighted_values::<S, 1>(simd, ps, values, width, off, oh),
+                    2 => weighted_values::<S, 2>(simd, ps, values, width, off, oh),
+                    4 => weighted_values::<S, 4>(simd, ps, values, width, off, oh),
+                    8 => weighted_values::<S, 8>(simd, ps, values, width, off, oh),
+                    _ => {
                         for c in 0..nv {
-                            acc = simd.mul_add_e_f32s(load(&qh[c * l..]), load(&kr[c * l..]), acc);
-                        }
-                        probs[r * len + j] = simd.reduce_sum_f32s(acc) * scale;
-                    }
-                }
-                softmax_rows(&mut probs, len);
-                let og = &mut out[heads_at..heads_at + rep * hd];
-                for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
-                    let ps = &probs[r * len..(r + 1) * len];
-                    match nv {
-                        1 => weighted_values::<S, 1>(simd, ps, values, width, off, oh),
-                        2 => weighted_values::<S, 2>(simd, ps, values, width, off, oh),
-                        4 => weighted_values::<S, 4>(simd, ps, values, width, off, oh),
-                        8 => weighted_values::<S, 8>(simd, ps, values, width, off, oh),
-                        _ => {
-                            for c in 0..nv {
-                                let mut acc = simd.splat_f32s(0.0);
-                                for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
-                                    acc = simd.mul_add_e_f32s(
-                                        simd.splat_f32s(p),
-                                        load(&vr[off + c * l..]),
-                                        acc,
-                                    );
-                                }
-                                oh[c * l..(c + 1) * l]
-                                    .copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&acc)));
+                            let mut acc = simd.splat_f32s(0.0);
+                            for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
+                                acc = simd.mul_add_e_f32s(simd.splat_f32s(p), load(&vr[off + c * l..]), acc);
                             }
+                            oh[c * l..(c + 1) * l]
+                                .copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&acc)));
                         }
                     }
                 }
             }
+        };
+        attention_rows_with(self, dot, weigh);
+    }
+}
+
+/// The loops of [`DecodeAttention`] around its two inner products: `dot(q_head,
+/// key)`, and `weigh(probs, values, width, offset, out_heads)`, which writes the
+/// probability-weighted sums of the values (accumulated in key order) for the query
+/// heads that share one key/value head (`probs` holds a row of keys per head). Per
+/// row and key/value head those query heads are handled together, so each cached key
+/// is loaded once for all of them. Inlined into [`AttentionRows`]'s dispatch, so the
+/// closures compile with the instruction set `pulp` detected.
+#[inline(always)]
+fn attention_rows_with(
+    a: AttentionRows<'_>,
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+    weigh: impl Fn(&[f32], &[f32], usize, usize, &mut [f32]),
+) {
+    let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = a;
+    let n = rows.base.len();
+    let rep = heads / kvh;
+    let width = kvh * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut probs = Vec::new();
+    for i in 0..n {
+        let (base, len) = (rows.base[i], rows.len[i]);
+        let keys = &k[base * width..(base + len) * width];
+        let values = &v[base * width..(base + len) * width];
+        probs.clear();
+        probs.resize(rep * len, 0f32);
+        for g in 0..kvh {
+            let off = g * hd;
+            let heads_at = (i * heads + g * rep) * hd;
+            let qg = &q[heads_at..heads_at + rep * hd];
+            for (j, kr) in keys.chunks_exact(width).enumerate() {
+                let kr = &kr[off..off + hd];
+                for (r, qh) in qg.chunks_exact(hd).enumerate() {
+                    probs[r * len + j] = dot(qh, kr) * scale;
+                }
+            }
+            softmax_rows(&mut probs, len);
+            weigh(&probs, values, width, off, &mut out[heads_at..heads_at + rep * hd]);
         }
     }
 }
@@ -728,43 +746,21 @@ fn weighted_values<S: pulp::Simd, const NV: usize>(
 /// multiply-adds are instructions, not library calls).
 #[inline(always)]
 fn attention_rows_scalar(a: AttentionRows<'_>) {
-    let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = a;
-    let n = rows.base.len();
-    let rep = heads / kvh;
-    let width = kvh * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
-    // Per row and key/value head: the `rep` query heads that share it are handled
-    // together, so each cached key and value is loaded once for all of them.
-    let mut probs = Vec::new();
-    for i in 0..n {
-        let (base, len) = (rows.base[i], rows.len[i]);
-        let keys = &k[base * width..(base + len) * width];
-        let values = &v[base * width..(base + len) * width];
-        probs.clear();
-        probs.resize(rep * len, 0f32);
-        for g in 0..kvh {
-            let off = g * hd;
-            let heads_at = (i * heads + g * rep) * hd;
-            let qg = &q[heads_at..heads_at + rep * hd];
-            for (j, kr) in keys.chunks_exact(width).enumerate() {
-                let kr = &kr[off..off + hd];
-                for (r, qh) in qg.chunks_exact(hd).enumerate() {
-                    probs[r * len + j] = dot(qh, kr) * scale;
-                }
-            }
-            softmax_rows(&mut probs, len);
-            let og = &mut out[heads_at..heads_at + rep * hd];
-            for (j, vr) in values.chunks_exact(width).enumerate() {
-                let vr = &vr[off..off + hd];
-                for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
-                    let p = probs[r * len + j];
-                    for (o, &x) in oh.iter_mut().zip(vr) {
-                        *o += p * x;
-                    }
+    let hd = a.hd;
+    // Key by key, each cached value loaded once for all the heads that share it.
+    attention_rows_with(a, dot, |probs, values, width, off, og| {
+        let len = probs.len() / (og.len() / hd);
+        og.fill(0.0);
+        for (j, vr) in values.chunks_exact(width).enumerate() {
+            let vr = &vr[off..off + hd];
+            for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
+                let p = probs[r * len + j];
+                for (o, &x) in oh.iter_mut().zip(vr) {
+                    *o += p * x;
                 }
             }
         }
-    }
+    });
 }
 
 /// Attention of a decode step's queries `q: [n, heads, head_dim]` over each row's
