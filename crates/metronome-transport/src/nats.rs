@@ -1046,6 +1046,10 @@ impl PublisherState {
                 Err(e @ Error::Nats { .. }) if Instant::now() < deadline => {
                     tracing::debug!(error = %e, version = %snapshot.version, "weight publication failed; retrying");
                     tokio::time::sleep(Duration::from_millis(100)).await;
+                    // A restarted server has lost a bucket that lived in memory.
+                    if let Err(e) = self.transport.weight_store().await {
+                        tracing::debug!(error = %e, "weight bucket not available yet");
+                    }
                 }
                 done => return done,
             }
@@ -1077,8 +1081,6 @@ impl PublisherState {
 
     async fn publish_snapshot(&self, snapshot: Arc<WeightSnapshot>) -> Result<()> {
         let start = Instant::now();
-        // A restarted server has lost a bucket that lived in memory.
-        self.transport.weight_store().await?;
         let c = &self.transport.config.weights;
         let announced = last_announcement(&self.announce, &c.announce_subject).await?.map(|a| a.version);
         if let Some(newest) = announced
