@@ -1537,6 +1537,10 @@ impl WeightSubscriber for NatsWeightSubscriber {
             complete.boxed()
         };
         let mut announcements = begins;
+        // Announcements sent while the connection was down are lost to the
+        // subscriptions: after a reconnection the stored ones are read again.
+        let mut connections = self.transport.connections.clone();
+        connections.borrow_and_update();
         loop {
             if let Some(s) = self.newest().await?.filter(|s| s.version >= min) {
                 return Ok(s);
@@ -1550,7 +1554,11 @@ impl WeightSubscriber for NatsWeightSubscriber {
                 return outcome;
             }
             loop {
-                let Some(message) = announcements.next().await else {
+                let message = tokio::select! {
+                    m = announcements.next() => m,
+                    Ok(()) = connections.changed() => break,
+                };
+                let Some(message) = message else {
                     return Err(Error::Closed("nats weight announcements").into());
                 };
                 if message.subject.as_str() != subject {

@@ -174,7 +174,18 @@ pub async fn run_worker(
             }
             .await;
             keeper.abort();
-            if let Some((groups, tokens)) = result? {
+            let result = match result {
+                // The server may be restarting (a fetch, a group or an acknowledgement
+                // failed): the claims not completed come back when their lease
+                // expires, to this worker or another, so keep working.
+                Err(e) if is_transport(&e) => {
+                    tracing::warn!(error = %e, "transport failed during period {period}; taking claims again");
+                    tokio::time::sleep(CLAIM_WAIT).await;
+                    continue;
+                }
+                other => other?,
+            };
+            if let Some((groups, tokens)) = result {
                 outcome.groups += groups;
                 outcome.tokens += tokens;
                 if outcome.periods.last() != Some(&period.0) {
@@ -189,6 +200,16 @@ pub async fn run_worker(
         outcome.groups, outcome.tokens, outcome.redelivered_claims, outcome.versions, outcome.periods
     );
     Ok(outcome)
+}
+
+/// Whether `e` is the transport's failure (directly, or under the generation that
+/// was publishing a group), which a reconnection can heal.
+fn is_transport(e: &Error) -> bool {
+    let stage = match e {
+        Error::Stage(s) | Error::Generation { source: s, .. } => s,
+        _ => return false,
+    };
+    matches!(stage, metronome_core::Error::Stage { stage: "transport", .. })
 }
 
 /// Renews the leases of the claims in hand every third of the lease.
