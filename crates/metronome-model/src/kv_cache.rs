@@ -27,7 +27,7 @@ use candle_core::{DType, Tensor};
 
 use crate::model::{DecodeWeights, Model};
 use crate::ops::{
-    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu, swiglu_stacked,
+    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu_stacked,
     write_decode_rows,
 };
 use crate::{Error, Result};
@@ -250,9 +250,10 @@ impl Model {
         let logits = match self.decode_weights()? {
             Some(dw) => self.extend_dense(cache, &dw, x, rows, &rope, &last)?,
             None => {
+                let ks = self.kernels;
                 for (li, l) in m.layers.iter().enumerate() {
                     let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
-                    let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
+                    let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
                     let a = pad_rows(&a, mr)?;
                     let proj = |wt: &candle_core::Var,
                                 bias: &Option<candle_core::Var>,
@@ -265,21 +266,22 @@ impl Model {
                     let q = proj(&l.q, &l.q_bias, h)?;
                     let k = proj(&l.k, &l.k_bias, kvh)?;
                     let v = proj(&l.v, &l.v_bias, kvh)?;
-                    let q = apply_rope(&q, &rope)?;
-                    let k = apply_rope(&k, &rope)?;
-                    write_decode_rows(&cache.keys[li], &k, rows)?;
-                    write_decode_rows(&cache.values[li], &v, rows)?;
-                    let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
+                    let q = ks.rope(&q, &rope)?;
+                    let k = ks.rope(&k, &rope)?;
+                    ks.write_decode_rows(&cache.keys[li], &k, rows)?;
+                    ks.write_decode_rows(&cache.values[li], &v, rows)?;
+                    let att = ks.decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
                     x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
-                    let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
+                    let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
                     let b = pad_rows(&b, mr)?;
-                    let gu = swiglu(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?, total)?;
+                    let gu =
+                        ks.swiglu(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?, total)?;
                     x = (x + linear(&gu, &w(&l.down), None)?.narrow(0, 0, total)?)?;
                 }
                 if total > seqs.len() {
                     x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;
                 }
-                let x = rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?;
+                let x = ks.rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?;
                 padded_linear(&x, &self.lm_head(false), None, mr)?
             }
         };

@@ -7,11 +7,8 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::ops::{
-    DenseWeight, apply_rope, attention, linear, rms_norm, rope_tables, segment_plans, swiglu_train,
-    target_logprobs_entropy,
-};
-use crate::{Error, Result};
+use crate::ops::{DenseWeight, attention, linear, rope_tables, segment_plans};
+use crate::{Error, Kernels, Result};
 
 /// One decoder layer's parameters.
 #[derive(Debug)]
@@ -106,6 +103,8 @@ impl DecodeWeights {
 pub struct Model {
     pub(crate) inner: Arc<Inner>,
     pub(crate) trainable: bool,
+    /// Which implementation of the element-wise ops the forward passes run.
+    pub(crate) kernels: Kernels,
 }
 
 /// What [`Model::target_logprobs`] returns, one entry per target.
@@ -234,7 +233,7 @@ impl Model {
             frozen: std::sync::atomic::AtomicBool::new(!trainable && device.is_cpu()),
             decode: std::sync::RwLock::new(None),
         };
-        Ok(Self { inner: Arc::new(inner), trainable })
+        Ok(Self { inner: Arc::new(inner), trainable, kernels: Kernels::for_device(device) })
     }
 
     /// The hyper-parameters.
@@ -277,10 +276,26 @@ impl Model {
         self
     }
 
+    /// Which implementation of the element-wise ops this handle runs.
+    #[must_use]
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// The same weights (shared) running `kernels`: [`Kernels::for_device`] is the
+    /// default; [`Kernels::Portable`] on the CPU runs what a GPU runs (how the tests
+    /// check the GPU's arithmetic without one). An error for [`Kernels::Fused`] off
+    /// the CPU.
+    pub fn with_kernels(mut self, kernels: Kernels) -> Result<Self> {
+        kernels.check(self.device())?;
+        self.kernels = kernels;
+        Ok(self)
+    }
+
     /// The decode-layout weights of a frozen model, built on first use; `None` for a
-    /// model that may train.
+    /// model that may train, and for the portable kernels (the layout is a CPU kernel's).
     pub(crate) fn decode_weights(&self) -> Result<Option<Arc<DecodeWeights>>> {
-        if !self.inner.frozen.load(std::sync::atomic::Ordering::SeqCst) {
+        if self.kernels != Kernels::Fused || !self.inner.frozen.load(std::sync::atomic::Ordering::SeqCst) {
             return Ok(None);
         }
         if let Some(d) = self.inner.decode.read().ok().and_then(|d| d.clone()) {
@@ -380,15 +395,16 @@ impl Model {
         let mut x = Self::w(&m.embed, grad).index_select(&ids, 0)?;
         let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let ks = self.kernels;
         for l in &m.layers {
             let w = |v: &Var| Self::w(v, grad);
             let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
-            let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
+            let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
             let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
             let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
             let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let q = apply_rope(&q, &rope)?;
-            let k = apply_rope(&k, &rope)?;
+            let q = ks.rope(&q, &rope)?;
+            let k = ks.rope(&k, &rope)?;
             // Attention runs per segment, without padding: its queries against its
             // ancestors' keys and its own causal prefix, the only pairs it may see.
             let mut outs = Vec::new();
@@ -404,7 +420,7 @@ impl Model {
                         Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
                     };
                     let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                    outs.push(attention(&q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
+                    outs.push(attention(ks, &q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
                 }
                 row_start += row.len();
             }
@@ -414,11 +430,11 @@ impl Model {
                 Tensor::cat(&outs, 0)?
             };
             x = (x + linear(&att, &w(&l.o), None)?)?;
-            let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let gu = swiglu_train(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?)?;
+            let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
+            let gu = ks.swiglu_train(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?)?;
             x = (x + linear(&gu, &w(&l.down), None)?)?;
         }
-        rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
+        ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
     }
 
     /// Training forward on packed rows: for each target, the log-prob of its token at
@@ -473,7 +489,7 @@ impl Model {
         }
         let picked = hidden.index_select(&Tensor::from_vec(index, n, dev)?, 0)?;
         let logits = linear(&picked, &self.lm_head(grad), None)?;
-        let both = target_logprobs_entropy(&logits, targets.token.clone())?;
+        let both = self.kernels.target_logprobs_entropy(&logits, targets.token.clone())?;
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
         let entropy = both.narrow(1, 1, 1)?.squeeze(1)?;
         Ok(TargetOutput { logprobs, entropy })
@@ -566,8 +582,15 @@ impl Model {
 
     /// A deep, non-trainable copy: the frozen reference model.
     pub fn frozen_copy(&self) -> Result<Self> {
+        let copy = self.frozen_copy_on(self.device())?;
+        Ok(Self { kernels: self.kernels, ..copy })
+    }
+
+    /// A deep, non-trainable copy on `device` (e.g. a rollout engine's GPU), with that
+    /// device's default kernels.
+    pub fn frozen_copy_on(&self, device: &Device) -> Result<Self> {
         let s = self.snapshot(PolicyVersion(0))?;
-        Self::from_snapshot(self.inner.cfg.clone(), &s, self.device(), false)
+        Self::from_snapshot(self.inner.cfg.clone(), &s, device, false)
     }
 }
 

@@ -14,13 +14,6 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })?)
 }
 
-/// The composed (unfused) RMSNorm, the reference the fused one is tested against.
-#[cfg(test)]
-fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let inv = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    Ok(x.broadcast_mul(&inv)?.broadcast_mul(weight)?)
-}
-
 /// Fused RMSNorm: candle-nn's fused kernel has no backward (DESIGN.md §6), and the
 /// composed form costs seven allocating ops forward and more backward.
 #[derive(Debug, Clone, Copy)]
@@ -255,8 +248,7 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
     Ok(scores.contiguous()?.apply_op2(&mask.contiguous()?, MaskedSoftmax)?)
 }
 
-/// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]): the
-/// composed reference [`TargetLogProbs`] is tested against.
+/// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
 #[cfg(test)]
 fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
@@ -410,14 +402,30 @@ pub(crate) fn rope_tables(positions: &[u32], head_dim: usize, theta: f64) -> Rop
             sin.push(a.sin());
         }
     }
-    RopeTables { cos: std::sync::Arc::new(cos), sin: std::sync::Arc::new(sin) }
+    RopeTables { cos: std::sync::Arc::new(cos), sin: std::sync::Arc::new(sin), device: Default::default() }
 }
 
-/// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each.
+/// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each, and their copy on
+/// a device once the portable kernels ask for it (`portable.rs`).
 #[derive(Debug, Clone)]
 pub(crate) struct RopeTables {
     cos: std::sync::Arc<Vec<f32>>,
     sin: std::sync::Arc<Vec<f32>>,
+    device: crate::portable::DeviceTables,
+}
+
+impl RopeTables {
+    pub(crate) fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    pub(crate) fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
+    pub(crate) fn device_tables(&self) -> &crate::portable::DeviceTables {
+        &self.device
+    }
 }
 
 /// Applies rotary embeddings to `x: [n, heads, head_dim]` (Hugging Face's
@@ -431,7 +439,13 @@ pub(crate) fn apply_rope(x: &Tensor, t: &RopeTables) -> Result<Tensor> {
 /// `q: [lq, heads, hd]`, `k`, `v: [lk, kv_heads, hd]`, `mask`: additive `[lq, lk]`
 /// (`None` when every query sees every key). Returns `[lq, heads * hd]`. Query heads
 /// are grouped by their key/value head instead of repeating keys and values.
-pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+pub(crate) fn attention(
+    kernels: crate::Kernels,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
     let (lq, heads, hd) = q.dims3()?;
     let (lk, kv_heads, _) = k.dims3()?;
     let rep = heads / kv_heads;
@@ -443,7 +457,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
             // Scaling the queries is cheaper than scaling the `[.., lq, lk]` scores.
             let q = (q * scale)?.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
             let scores = q.matmul(&k.t()?)?.reshape((kv_heads, rep, lq, lk))?;
-            masked_softmax(&scores, m)?.reshape((kv_heads, rep * lq, lk))?
+            kernels.masked_softmax(&scores, m)?.reshape((kv_heads, rep * lq, lk))?
         }
         None => {
             let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
@@ -466,7 +480,7 @@ pub(crate) struct DecodeRows<'a> {
 
 impl DecodeRows<'_> {
     /// Checks that `n` rows are described and that each fits a cache of `cache_rows` rows.
-    fn check(&self, op: &str, n: usize, cache_rows: usize) -> candle_core::Result<()> {
+    pub(crate) fn check(&self, op: &str, n: usize, cache_rows: usize) -> candle_core::Result<()> {
         if self.base.len() != n || self.len.len() != n {
             candle_core::bail!("{op}: {} row placements for {n} rows", self.base.len().min(self.len.len()))
         }
@@ -1238,6 +1252,7 @@ mod tests {
     use metronome_core::{PackedRow, Segment};
 
     use super::*;
+    use crate::Kernels;
 
     /// Deterministic values in `[-1, 1)`.
     fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -1355,7 +1370,7 @@ mod tests {
         let mask = Tensor::new(&[[0f32, f32::NEG_INFINITY, 0.0], [0.0, 0.0, 0.0]], &dev).unwrap();
         let w = Tensor::new(&[1f32, -2.0, 0.5], &dev).unwrap();
         let fused = masked_softmax(x.as_tensor(), &mask).unwrap();
-        let composed = softmax_last_dim(&x.as_tensor().broadcast_add(&mask).unwrap()).unwrap();
+        let composed = Kernels::Portable.masked_softmax(x.as_tensor(), &mask).unwrap();
         let diff = |a: &Tensor, b: &Tensor| {
             (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
         };
@@ -1385,9 +1400,9 @@ mod tests {
             let y = if fused {
                 rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
             } else {
-                rms_norm_composed(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+                Kernels::Portable.rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
             };
-            let y = if fused { apply_rope(&y, &t).unwrap() } else { rope_composed(&y, &t).unwrap() };
+            let y = if fused { apply_rope(&y, &t).unwrap() } else { Kernels::Portable.rope(&y, &t).unwrap() };
             let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
             (y, g.get(x.as_tensor()).unwrap().clone(), g.get(w.as_tensor()).unwrap().clone())
         };
@@ -1398,34 +1413,23 @@ mod tests {
         assert!(diff(&gwf, &gwc) < 1e-5, "dw {}", diff(&gwf, &gwc));
     }
 
-    /// Rotary embedding from composed candle ops, for the fused op's test.
-    fn rope_composed(x: &Tensor, t: &RopeTables) -> Result<Tensor> {
-        let (n, _heads, hd) = x.dims3()?;
-        let half = hd / 2;
-        let cos = Tensor::from_vec(t.cos.to_vec(), (n, 1, half), x.device())?;
-        let sin = Tensor::from_vec(t.sin.to_vec(), (n, 1, half), x.device())?;
-        let x1 = x.narrow(2, 0, half)?;
-        let x2 = x.narrow(2, half, half)?;
-        let a = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-        let b = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-        Ok(Tensor::cat(&[a, b], 2)?)
-    }
-
     /// `n` pseudo-random values in `[-2, 2)`.
     fn noise(seed: u64, n: usize) -> Vec<f32> {
         (0..n as u64).map(|i| (metronome_core::mix64(seed << 32 | i) % 4096) as f32 / 1024.0 - 2.0).collect()
     }
 
     #[test]
-    fn fused_decode_attention_matches_reference_on_ragged_rows() {
+    fn decode_attention_matches_reference_on_ragged_rows() {
         // Head sizes of 4 and 8 SIMD vectors (registers held across keys), of 5 (the
         // general loop) and of a fraction of one (the scalar loops).
-        for hd in [32, 64, 40, 6] {
-            decode_attention_matches_reference(hd);
+        for kernels in [Kernels::Fused, Kernels::Portable] {
+            for hd in [32, 64, 40, 6] {
+                decode_attention_matches_reference(kernels, hd);
+            }
         }
     }
 
-    fn decode_attention_matches_reference(hd: usize) {
+    fn decode_attention_matches_reference(kernels: Kernels, hd: usize) {
         let dev = Device::Cpu;
         // 4 query heads over 2 key/value heads.
         let (heads, kvh, slots, max_len) = (4, 2, 6, 50);
@@ -1441,9 +1445,9 @@ mod tests {
         let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
         let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
         let new_v = Tensor::from_vec(noise(5, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
-        write_decode_rows(&keys, &new_k, rows).unwrap();
-        write_decode_rows(&values, &new_v, rows).unwrap();
-        let fused = decode_attention(&q, &keys, &values, rows).unwrap();
+        kernels.write_decode_rows(&keys, &new_k, rows).unwrap();
+        kernels.write_decode_rows(&values, &new_v, rows).unwrap();
+        let fused = kernels.decode_attention(&q, &keys, &values, rows).unwrap();
         assert_eq!(fused.dims(), [n, heads * hd]);
         for i in 0..n {
             let last = base[i] + len[i] - 1;
@@ -1452,6 +1456,7 @@ mod tests {
             let written = values.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(written, new_v.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
             let reference = attention(
+                Kernels::Fused,
                 &q.narrow(0, i, 1).unwrap(),
                 &keys.narrow(0, base[i], len[i]).unwrap(),
                 &values.narrow(0, base[i], len[i]).unwrap(),
@@ -1460,7 +1465,10 @@ mod tests {
             .unwrap();
             let got = fused.narrow(0, i, 1).unwrap();
             let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d < 1e-5, "head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
+            assert!(d < 1e-5, "{kernels:?}, head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
+        }
+        if kernels == Kernels::Portable {
+            return; // batch-invariant only within 1e-5 (padding changes its reduction length)
         }
         // Each row alone gives bitwise the batch's result.
         let all = fused.to_vec2::<f32>().unwrap();
@@ -1477,7 +1485,7 @@ mod tests {
         let dev = Device::Cpu;
         let g = Tensor::from_vec(noise(7, 3 * 37), (3, 37), &dev).unwrap();
         let u = Tensor::from_vec(noise(8, 3 * 37), (3, 37), &dev).unwrap();
-        let composed = (g.silu().unwrap() * &u).unwrap();
+        let composed = Kernels::Portable.swiglu(&g, &u, 3).unwrap();
         let d = (swiglu(&g, &u, 3).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
         assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
         let two = swiglu(&g, &u, 2).unwrap().to_vec2::<f32>().unwrap();
@@ -1502,7 +1510,7 @@ mod tests {
             let y = if fused {
                 swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
             } else {
-                (g.as_tensor().silu().unwrap() * u.as_tensor()).unwrap()
+                Kernels::Portable.swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
             };
             let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
             (y, grads.get(g.as_tensor()).unwrap().clone(), grads.get(u.as_tensor()).unwrap().clone())
@@ -1534,10 +1542,11 @@ mod tests {
             fused.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
             fused.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
         );
-        let logp = log_softmax_last_dim(z.as_tensor()).unwrap();
-        let tok = Tensor::from_vec(targets.clone(), (n, 1), &dev).unwrap();
-        let lc = logp.gather(&tok, 1).unwrap().squeeze(1).unwrap();
-        let ec = (logp.exp().unwrap() * &logp).unwrap().sum(1).unwrap().neg().unwrap();
+        let portable = Kernels::Portable.target_logprobs_entropy(z.as_tensor(), targets.clone()).unwrap();
+        let (lc, ec) = (
+            portable.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
+            portable.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
+        );
         assert!(diff(&lf, &lc) < 1e-5, "log-probs {}", diff(&lf, &lc));
         assert!(diff(&ef, &ec) < 1e-5, "entropy {}", diff(&ef, &ec));
         let loss =
@@ -1546,8 +1555,10 @@ mod tests {
         let gc = loss(&lc, &ec).backward().unwrap();
         let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
         assert!(diff(gf, gc) < 1e-5, "d logits {}", diff(gf, gc));
-        assert!(target_logprobs_entropy(z.as_tensor(), vec![0; n - 1]).is_err());
-        assert!(target_logprobs_entropy(z.as_tensor(), vec![41; n]).is_err());
+        for k in [Kernels::Fused, Kernels::Portable] {
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![0; n - 1]).is_err());
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![41; n]).is_err());
+        }
     }
 
     #[test]
@@ -1564,7 +1575,13 @@ mod tests {
     }
 
     #[test]
-    fn fused_decode_ops_reject_rows_outside_the_cache() {
+    fn decode_ops_reject_rows_outside_the_cache() {
+        for k in [Kernels::Fused, Kernels::Portable] {
+            decode_ops_reject_rows_outside_the_cache_with(k);
+        }
+    }
+
+    fn decode_ops_reject_rows_outside_the_cache_with(kernels: Kernels) {
         let dev = Device::Cpu;
         let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
         let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
@@ -1573,8 +1590,11 @@ mod tests {
         let empty = DecodeRows { base: &[0], len: &[0] };
         let two = DecodeRows { base: &[0, 1], len: &[1, 1] };
         for rows in [past_end, empty, two] {
-            assert!(write_decode_rows(&cache, &new, rows).is_err());
-            assert!(decode_attention(&q, &cache, &cache, rows).is_err());
+            assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
+            assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
+        }
+        if kernels == Kernels::Portable {
+            return;
         }
         let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
         let ok = DecodeRows { base: &[0], len: &[1] };

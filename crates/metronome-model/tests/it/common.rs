@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use metronome_core::{PackedRow, Segment, Targets};
-use metronome_model::{Device, Model, Tensor};
+use metronome_model::{Model, Tensor};
 
 pub(crate) fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
@@ -25,7 +25,7 @@ pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Logits `[seq, vocab]` of one ordinary causal row.
 pub(crate) fn full_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
-    let t = Tensor::from_slice(tokens, (1, tokens.len()), &Device::Cpu).unwrap();
+    let t = Tensor::from_slice(tokens, (1, tokens.len()), model.device()).unwrap();
     model.forward_logits(&t).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap()
 }
 

@@ -6,7 +6,7 @@ use crate::common::{fixture, full_logits, max_abs_diff, tokens};
 
 /// Slots with prompts of different lengths decode together; every step's logits
 /// equal the full forward's at the same position.
-fn decode_matches_full_forward(model: &Model, tol: f32) {
+pub(crate) fn decode_matches_full_forward(model: &Model, tol: f32) {
     let vocab = model.config().vocab_size;
     let prompts: Vec<Vec<u32>> =
         [5usize, 1, 9, 3].iter().enumerate().map(|(i, &n)| tokens(i as u64, n, vocab)).collect();

@@ -5,6 +5,7 @@
 mod checkpoint;
 mod common;
 mod decode;
+mod devices;
 mod gguf;
 mod reference;
 mod training;

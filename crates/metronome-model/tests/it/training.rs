@@ -6,7 +6,7 @@ use metronome_model::{Device, Model, ModelConfig};
 
 use crate::common::{fixture, max_abs_diff, separate_rows, shared_prompt_row, tokens};
 
-fn every_parameter_gets_a_gradient(model: &Model) {
+pub(crate) fn every_parameter_gets_a_gradient(model: &Model) {
     let vocab = model.config().vocab_size;
     let prompt = tokens(1, 6, vocab);
     let responses = vec![tokens(2, 4, vocab), tokens(3, 3, vocab)];
@@ -48,7 +48,12 @@ fn frozen_model_builds_no_graph() {
 
 #[test]
 fn packed_shared_prompt_equals_separate_rows() {
-    let model = Model::load_hf(&fixture("tiny_llama"), &Device::Cpu).unwrap();
+    shared_prompt_equals_separate_rows(&Model::load_hf(&fixture("tiny_llama"), &Device::Cpu).unwrap());
+}
+
+/// Log-probs and entropies of one group packed with a shared prompt equal those of
+/// separate rows within 1e-5, alone or beside another group in the row.
+pub(crate) fn shared_prompt_equals_separate_rows(model: &Model) {
     let vocab = model.config().vocab_size;
     let prompt = tokens(7, 5, vocab);
     let responses = vec![tokens(8, 4, vocab), tokens(9, 1, vocab), tokens(10, 6, vocab)];
