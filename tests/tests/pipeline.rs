@@ -40,6 +40,15 @@ fn digit_share(_: &Prompt, c: &Completion) -> f32 {
 }
 
 async fn run(schedule: Schedule, workers: usize) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
+    run_with(schedule, workers, &[]).await
+}
+
+/// [`run`] with more config overrides (e.g. a device).
+async fn run_with(
+    schedule: Schedule,
+    workers: usize,
+    extra: &[&str],
+) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
     let mut overrides: Vec<String> = [
         "run.periods=3".to_owned(),
         "run.group_size=4".to_owned(),
@@ -57,9 +66,10 @@ async fn run(schedule: Schedule, workers: usize) -> (Rollouts, Vec<PeriodReport>
     if !schedule.is_on_policy() {
         overrides.push("trainer.loss.tis_cap=2.0".to_owned());
     }
+    overrides.extend(extra.iter().map(|s| (*s).to_owned()));
     let mut config = PipelineConfig::embedded(&overrides).unwrap();
     config.place();
-    let (model, tokenizer) = load_model(&config).unwrap();
+    let (model, tokenizer) = load_model(&config, config.trainer_device()).unwrap();
     assert!(tokenizer.vocab_size() > 0);
     let (mut stages, _trainer) = build_stages(&config, model, tokenizer).unwrap();
     let seen = Arc::new(Mutex::new(Rollouts::new()));
@@ -94,7 +104,7 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
     assert!(base_reports.iter().any(|r| r.step.tokens > 0), "every group had equal rewards");
     let initial = {
         let config = PipelineConfig::embedded(&[]).unwrap();
-        let (model, _) = load_model(&config).unwrap();
+        let (model, _) = load_model(&config, config.trainer_device()).unwrap();
         model.snapshot(metronome_core::PolicyVersion(0)).unwrap()
     };
     assert!(max_weight_difference(&initial, &base_weights) > 1e-4, "training did not move the weights");
@@ -121,4 +131,35 @@ async fn stale_schedule_trains_nothing_older_than_its_bound() {
     assert_eq!(staleness.len(), 18, "every group trained");
     assert!(staleness.iter().all(|&s| s <= 1), "{staleness:?}");
     assert!(reports.iter().all(|r| r.dropped_stale == 0));
+}
+
+/// `sync` and `periodic` on a CUDA GPU (trainer and engine sharing it): the same
+/// rollouts and rewards, and weights within 1e-6, with one engine worker. Skipped, with
+/// the reason printed, without the `cuda` feature or a GPU (`cargo xtask gpu` runs it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cuda_sync_and_periodic_agree() {
+    if !cfg!(feature = "cuda") {
+        eprintln!("skipped: built without the `cuda` feature (`cargo xtask gpu` runs this on a GPU)");
+        return;
+    }
+    if let Err(e) = metronome_model::DeviceSpec::Cuda(0).open() {
+        eprintln!("skipped: no CUDA device: {e}");
+        return;
+    }
+    let gpu = ["model.device=\"cuda:0\""];
+    let (base_rollouts, base_reports, base_weights) = run_with(Schedule::Sync, 1, &gpu).await;
+    assert_eq!(base_rollouts.len(), 18, "3 periods of 6 groups");
+    assert!(base_reports.iter().any(|r| r.step.tokens > 0), "every group had equal rewards");
+    let (rollouts, _, weights) = run_with(Schedule::Periodic, 1, &gpu).await;
+    assert_eq!(rollouts, base_rollouts, "periodic on the GPU: rollouts or rewards differ");
+    let diff = max_weight_difference(&base_weights, &weights);
+    assert!(diff <= 1e-6, "periodic on the GPU: weights differ by {diff}");
+    // The same run on the CPU: how far the GPU's arithmetic moves the rollouts.
+    let (cpu_rollouts, _, cpu_weights) = run(Schedule::Sync, 1).await;
+    let same = cpu_rollouts.iter().filter(|(k, v)| base_rollouts.get(k) == Some(v)).count();
+    eprintln!(
+        "GPU vs CPU sync: {same} of {} groups with identical rollouts; max weight difference {:e}",
+        cpu_rollouts.len(),
+        max_weight_difference(&base_weights, &cpu_weights)
+    );
 }

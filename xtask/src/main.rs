@@ -1,8 +1,10 @@
 //! `cargo xtask`: Metronome's project automation, one small binary.
 //!
 //! - `cargo xtask ci`: everything CI checks, cheapest first: formatting, dependency
-//!   invariants, clippy with warnings denied, `cargo deny`, then the test suite.
+//!   invariants, clippy with warnings denied (also of the `cuda` build, with a CUDA
+//!   toolkit assembled from PyPI), `cargo deny`, then the test suite.
 //! - `cargo xtask deps`: the dependency invariants of ARCHITECTURE.md.
+//! - `cargo xtask gpu check | bundle`: the CUDA build without a GPU (see `gpu.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,17 +12,20 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 
 mod deps;
+mod gpu;
 
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  ci     formatting, dependency invariants, clippy (-D warnings), cargo deny, tests
+  ci     formatting, dependency invariants, clippy (-D warnings; also of the cuda build,
+         unless METRONOME_SKIP_CUDA_CHECK is set), cargo deny, tests
   e2e    build in release and run the embedded default end to end; extra arguments go to
          `metronome run` (e.g. --schedule sync|periodic|stale:2 --workers N --periods N)
   bench  criterion benchmarks: `cargo xtask bench [CRATE ...]` (all when none given),
          e.g. `cargo xtask bench pipeline model`
   deps   check the dependency invariants of ARCHITECTURE.md
-         (--manifest-path PATH checks another workspace)";
+         (--manifest-path PATH checks another workspace)
+";
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -34,11 +39,12 @@ fn main() -> Result<()> {
         },
         Some("e2e") => e2e(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
+        Some("gpu") => gpu::gpu(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
-            println!("{USAGE}");
+            println!("{USAGE}{}", gpu::USAGE);
             Ok(())
         }
-        Some(other) => bail!("unknown task `{other}`\n\n{USAGE}"),
+        Some(other) => bail!("unknown task `{other}`\n\n{USAGE}{}", gpu::USAGE),
     }
 }
 
@@ -65,6 +71,13 @@ fn ci(root: &Path) -> Result<()> {
     step(root, "fmt", &["fmt", "--all", "--", "--check"])?;
     check_deps(&root.join("Cargo.toml"))?;
     step(root, "clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    // The `cuda` feature compiles on a machine without a GPU; its tests run on one
+    // (`cargo xtask gpu bundle`).
+    if std::env::var_os("METRONOME_SKIP_CUDA_CHECK").is_some() {
+        eprintln!("==> gpu check: skipped (METRONOME_SKIP_CUDA_CHECK is set)");
+    } else {
+        gpu::check(root)?;
+    }
     if Command::new(cargo()).args(["deny", "--version"]).output().is_ok_and(|o| o.status.success()) {
         step(root, "deny", &["deny", "check", "bans", "licenses", "sources"])?;
     } else {
@@ -116,11 +129,11 @@ fn bench(root: &Path, crates: &[String]) -> Result<()> {
     step(root, "bench", &args)
 }
 
-fn cargo() -> String {
+pub(crate) fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 
-fn step(root: &Path, name: &str, args: &[&str]) -> Result<()> {
+pub(crate) fn step(root: &Path, name: &str, args: &[&str]) -> Result<()> {
     eprintln!("==> {name}: cargo {}", args.join(" "));
     let status = Command::new(cargo())
         .args(args)

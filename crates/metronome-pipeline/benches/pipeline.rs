@@ -37,7 +37,7 @@ async fn run(workload: &[String], schedule: Schedule, periods: u64) -> Vec<Perio
     }
     let mut config = PipelineConfig::embedded(&overrides).expect("bench config is valid");
     config.place();
-    let (model, tokenizer) = metronome_pipeline::load_model(&config).expect("model");
+    let (model, tokenizer) = metronome_pipeline::load_model(&config, config.trainer_device()).expect("model");
     let (stages, _) = metronome_pipeline::build_stages(&config, model, tokenizer).expect("stages");
     let transport = (schedule != Schedule::Sync).then(|| metronome_pipeline::local_transport(&config));
     let options = RunnerOptions { schedule, periods, group_size: config.run.group_size };

@@ -155,7 +155,7 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
     // The pipeline's own helpers: the model and tokenizer from the GGUF, then every
     // stage (prompt loader, rollout engine, reward scorer, packer, GRPO trainer).
     let start = Instant::now();
-    let (model, tokenizer) = metronome_pipeline::load_model(&config)?;
+    let (model, tokenizer) = metronome_pipeline::load_model(&config, config.trainer_device())?;
     println!(
         "loaded SmolLM2-135M-Instruct ({} parameters) in {:.1}s; {} periods of {} prompts x G={}, up to {} new tokens",
         model.num_parameters(),

@@ -11,7 +11,7 @@ use metronome_core::{
     RolloutEngine, RolloutRequest, RunSeed, ScoredGroup, StepReport, Tokenizer, TrainBatch, Trainer,
     WeightSnapshot,
 };
-use metronome_model::{CharTokenizer, Device, HfTokenizer, Model, ModelConfig};
+use metronome_model::{CharTokenizer, DeviceSpec, HfTokenizer, Model, ModelConfig};
 use metronome_reward::{RewardConfig, ScorerConfig};
 use metronome_rollout::CollectSink;
 use metronome_trainer::{GrpoTrainer, SftExample};
@@ -54,19 +54,21 @@ pub(crate) fn err<E: std::error::Error + Send + Sync + 'static>(stage: &'static 
     move |e| Error::Stage(metronome_core::Error::stage(stage, e))
 }
 
-/// Builds the policy network and its tokenizer.
-pub fn load_model(config: &PipelineConfig) -> Result<(Model, Arc<dyn Tokenizer>)> {
-    let device = Device::Cpu;
+/// Builds the network and its tokenizer on `device` (the policy on
+/// [`PipelineConfig::trainer_device`], a rollout worker's copy on
+/// [`PipelineConfig::rollout_device`]).
+pub fn load_model(config: &PipelineConfig, device: DeviceSpec) -> Result<(Model, Arc<dyn Tokenizer>)> {
+    let device = device.open().map_err(err("model"))?;
     Ok(match &config.model {
-        ModelSource::Tiny => {
+        ModelSource::Tiny { .. } => {
             let model = Model::new(ModelConfig::tiny(), &device, config.run.seed).map_err(err("model"))?;
             (model, Arc::new(CharTokenizer))
         }
-        ModelSource::Hf { path } => {
+        ModelSource::Hf { path, .. } => {
             let model = Model::load_hf(path, &device).map_err(err("model"))?;
             (model, Arc::new(HfTokenizer::from_dir(path).map_err(err("model"))?))
         }
-        ModelSource::Gguf { path } => {
+        ModelSource::Gguf { path, .. } => {
             let (model, tokenizer) = Model::load_gguf(path, &device).map_err(err("model"))?;
             (model, Arc::new(tokenizer))
         }
@@ -114,7 +116,8 @@ impl Evaluator {
         let mut engine_cfg = config.rollout.clone();
         engine_cfg.sampling.temperature = config.eval.temperature;
         engine_cfg.workers = 1;
-        let inference = model.frozen_copy().map_err(err("model"))?;
+        let device = config.rollout_device().open().map_err(err("model"))?;
+        let inference = model.frozen_copy_on(&device).map_err(err("model"))?;
         let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
         Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
@@ -237,7 +240,7 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
     let dir = RunDir::create(&config.run.out_dir, &name)?;
     dir.write_config(&config.to_toml()?)?;
 
-    let (model, tokenizer) = load_model(&config)?;
+    let (model, tokenizer) = load_model(&config, config.trainer_device())?;
     let bar = progress_bar(progress, config.sft.steps, "sft");
     let (model, sft_loss) = warm_start(&config, model, &tokenizer).await?;
     bar.finish_and_clear();
@@ -366,7 +369,8 @@ pub fn build_stages(
     tokenizer: Arc<dyn Tokenizer>,
 ) -> Result<(Stages, TrainerHandle)> {
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
-    let inference = policy.frozen_copy().map_err(err("model"))?;
+    let device = config.rollout_device().open().map_err(err("model"))?;
+    let inference = policy.frozen_copy_on(&device).map_err(err("model"))?;
     let mut engine_cfg = config.rollout.clone();
     engine_cfg.seed = config.run.seed;
     let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use metronome_dataloader::{Holdout, LoaderConfig, SourceConfig, Split};
 use metronome_masking::PackingConfig;
+use metronome_model::DeviceSpec;
 use metronome_reward::RewardConfig;
 use metronome_rollout::EngineConfig;
 use metronome_trainer::TrainerConfig;
@@ -105,24 +106,51 @@ impl Default for RunConfig {
     }
 }
 
-/// Where the network and its tokenizer come from.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// Where the network and its tokenizer come from, and the device it runs on
+/// (`device = "cpu" | "cuda" | "cuda:N"`, the CPU by default; `rollout.device` and
+/// `trainer.device` move one stage elsewhere).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ModelSource {
     /// The built-in tiny configuration with the character-level tokenizer, randomly
     /// initialised from the run seed.
-    #[default]
-    Tiny,
+    Tiny {
+        /// The device of every stage without its own.
+        #[serde(default)]
+        device: DeviceSpec,
+    },
     /// A Hugging Face directory (config.json, model.safetensors, tokenizer.json).
     Hf {
         /// The directory.
         path: PathBuf,
+        /// The device of every stage without its own.
+        #[serde(default)]
+        device: DeviceSpec,
     },
     /// A GGUF file with its embedded tokenizer.
     Gguf {
         /// The file.
         path: PathBuf,
+        /// The device of every stage without its own.
+        #[serde(default)]
+        device: DeviceSpec,
     },
+}
+
+impl Default for ModelSource {
+    fn default() -> Self {
+        Self::Tiny { device: DeviceSpec::Cpu }
+    }
+}
+
+impl ModelSource {
+    /// `model.device`: where the stages without a device of their own run.
+    #[must_use]
+    pub fn device(&self) -> DeviceSpec {
+        match self {
+            Self::Tiny { device } | Self::Hf { device, .. } | Self::Gguf { device, .. } => *device,
+        }
+    }
 }
 
 /// Held-out evaluation: answers to prompts never trained on, greedy by default.
@@ -218,6 +246,18 @@ impl PipelineConfig {
             .map_err(|e| Error::Config { key: "config".into(), reason: format!("cannot be written: {e}") })
     }
 
+    /// Where the trainer runs: `trainer.device`, else `model.device`.
+    #[must_use]
+    pub fn trainer_device(&self) -> DeviceSpec {
+        self.trainer.device.unwrap_or(self.model.device())
+    }
+
+    /// Where the rollout engine runs: `rollout.device`, else `model.device`.
+    #[must_use]
+    pub fn rollout_device(&self) -> DeviceSpec {
+        self.rollout.device.unwrap_or(self.model.device())
+    }
+
     /// Checks each section and the combinations between them; the error names the key.
     pub fn validate(&self) -> Result<()> {
         let stage =
@@ -227,6 +267,15 @@ impl PipelineConfig {
         self.trainer.validate().map_err(|e| stage("trainer", &e))?;
         self.packing.validate().map_err(|e| stage("packing", &e))?;
         let bad = |key: &str, reason: String| Err(Error::Config { key: key.into(), reason });
+        for (key, device) in [
+            ("model.device", Some(self.model.device())),
+            ("rollout.device", self.rollout.device),
+            ("trainer.device", self.trainer.device),
+        ] {
+            if let Some(Err(e)) = device.map(DeviceSpec::check_built) {
+                return bad(key, e.to_string());
+            }
+        }
         let run = &self.run;
         if run.group_size == 0 {
             return bad("run.group_size", "must be at least 1".into());

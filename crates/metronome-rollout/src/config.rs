@@ -46,6 +46,9 @@ pub struct EngineConfig {
     pub seed: u64,
     /// Sampling used by [`metronome_core::RolloutEngine::generate`].
     pub sampling: SamplingConfig,
+    /// The device the engine decodes on; absent, the model's (`model.device` in a run
+    /// config). Read by whoever builds the engine's model (the pipeline).
+    pub device: Option<metronome_model::DeviceSpec>,
 }
 
 impl Default for EngineConfig {
@@ -58,6 +61,7 @@ impl Default for EngineConfig {
             batching: Batching::Continuous,
             seed: 0,
             sampling: SamplingConfig::default(),
+            device: None,
         }
     }
 }

@@ -40,6 +40,9 @@ pub struct TrainerConfig {
     /// policy-gradient signal): no forward for them, and they are left out of the
     /// normalisers. They are always counted in [`metronome_core::StepReport`].
     pub skip_zero_advantage_groups: bool,
+    /// The device the policy (and reference) train on; absent, the model's
+    /// (`model.device` in a run config). Read by whoever loads the policy (the pipeline).
+    pub device: Option<metronome_model::DeviceSpec>,
 }
 
 impl Default for TrainerConfig {
@@ -54,6 +57,7 @@ impl Default for TrainerConfig {
             advantage: AdvantageEstimator::GroupNorm,
             mini_steps: 1,
             skip_zero_advantage_groups: true,
+            device: None,
         }
     }
 }

@@ -8,7 +8,6 @@ use metronome_core::{
     ControlMessage, Cursor, Delivery, GroupKey, GroupReceiver, PeriodId, PromptSource, RunSeed, ScoredGroup,
     WeightPublisher, WeightSnapshot,
 };
-use metronome_model::Device;
 use metronome_trainer::GrpoTrainer;
 use metronome_transport::ControlSender;
 use serde::{Deserialize, Serialize};
@@ -132,17 +131,18 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
         });
     }
     // The model is the warm start's input; a resumed trainer only needs its tokenizer.
-    let (model, tokenizer) = load_model(&config)?;
+    let (model, tokenizer) = load_model(&config, config.trainer_device())?;
     let mut source =
         config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
     let (mut trainer, first_period, resumed_at) = match checkpoints.latest()? {
         Some((path, state)) => {
+            let device = model.device().clone();
             drop(model);
             tracing::info!(period = state.next_period, "resuming from {}", path.display());
             eprintln!("resuming at period {} from {}", state.next_period, path.display());
             metrics::counter!("metronome_cluster_trainer_resumes_total").increment(1);
             let trainer =
-                GrpoTrainer::resume(config.trainer.clone(), &path, &Device::Cpu).map_err(err("trainer"))?;
+                GrpoTrainer::resume(config.trainer.clone(), &path, &device).map_err(err("trainer"))?;
             source.restore(state.cursor).map_err(err("dataloader"))?;
             (trainer, state.next_period, Some(state.next_period))
         }

@@ -51,7 +51,7 @@ pub async fn run_worker(
         super::connect(&config, "rollout-worker", format!("metronome-worker-{worker_id}")).await?;
     let lease = Duration::from_millis(transport.config().claims.lease_ms.max(1));
 
-    let (model, tokenizer) = load_model(&config)?;
+    let (model, tokenizer) = load_model(&config, config.rollout_device())?;
     let inference = model.frozen_copy().map_err(err("model"))?;
     drop(model);
     let mut engine_cfg = config.rollout.clone();

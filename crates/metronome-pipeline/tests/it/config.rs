@@ -1,5 +1,6 @@
 //! Bad configuration fails before any work, naming the key.
 
+use metronome_model::DeviceSpec;
 use metronome_pipeline::{PipelineConfig, Schedule};
 
 fn err(overrides: &[&str]) -> String {
@@ -82,4 +83,29 @@ fn malformed_overrides_and_files_are_named() {
     assert!(e.contains("/nonexistent/metronome.toml"), "{e}");
     let e = PipelineConfig::parse("run = [", "broken.toml", &[]).unwrap_err().to_string();
     assert!(e.contains("broken.toml"), "{e}");
+}
+
+#[test]
+fn devices_are_read_per_stage_and_named_when_wrong() {
+    let config = PipelineConfig::embedded(&[]).unwrap();
+    assert_eq!((config.trainer_device(), config.rollout_device()), (DeviceSpec::Cpu, DeviceSpec::Cpu));
+    let e = err(&["model.device=\"gpu\""]);
+    assert!(e.contains("`gpu` is not a device"), "{e}");
+    let e = err(&["rollout.device=\"cuda:x\""]);
+    assert!(e.contains("`cuda:x` is not a device"), "{e}");
+    if cfg!(feature = "cuda") {
+        let c =
+            PipelineConfig::embedded(&["model.device=\"cuda:1\"".into(), "rollout.device=\"cpu\"".into()])
+                .unwrap();
+        assert_eq!((c.trainer_device(), c.rollout_device()), (DeviceSpec::Cuda(1), DeviceSpec::Cpu));
+    } else {
+        // A GPU in a build without the `cuda` feature fails at validation, naming the key.
+        let e = err(&["trainer.device=\"cuda:0\""]);
+        assert!(
+            e.starts_with("invalid configuration `trainer.device`") && e.contains("`cuda` feature"),
+            "{e}"
+        );
+        let e = err(&["model.device=\"cuda\""]);
+        assert!(e.starts_with("invalid configuration `model.device`"), "{e}");
+    }
 }

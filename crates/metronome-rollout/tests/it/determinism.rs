@@ -168,6 +168,7 @@ async fn frozen_copies_are_layout_independent_too() {
             max_seq_len: 128,
             seed: 42,
             sampling: s.clone(),
+            device: None,
         };
         let model = tiny_model(7).frozen_copy().expect("frozen copy");
         let e = model_engine(model, metronome_core::PolicyVersion(0), tokenizer(), cfg).expect("engine");

@@ -2,6 +2,7 @@
 //! deferred normaliser, resume, guards and learning checks on the tiny model.
 
 mod common;
+mod devices;
 mod guards;
 mod layouts;
 mod learning;
