@@ -431,7 +431,10 @@ mod tests {
         let mut m = Meter::new();
         assert_eq!(expression_of("blah\n<answer> (3+5)*4 </answer>", &mut m), Some("(3+5)*4"));
         assert_eq!(expression_of("so:\nThe answer is (3+5)*4 = 32.\n", &mut m), Some("(3+5)*4"));
-        assert_eq!(expression_of("so \\boxed{(3+5) \\times 4 = 32}.\nDone.", &mut m), Some("(3+5) \\times 4"));
+        assert_eq!(
+            expression_of("so \\boxed{(3+5) \\times 4 = 32}.\nDone.", &mut m),
+            Some("(3+5) \\times 4")
+        );
         assert_eq!(expression_of("<answer>\\boxed{3*4}</answer>", &mut m), Some("3*4"));
         assert_eq!(expression_of("<answer> -5 + 8 </answer>", &mut m), Some("-5 + 8"));
         assert_eq!(expression_of("is \u{2212}5 + 8", &mut m), Some("\u{2212}5 + 8"));

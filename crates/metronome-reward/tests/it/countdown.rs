@@ -103,14 +103,25 @@ fn integer_intermediates_subsets_and_unary_minus_are_options() {
         Bad(Invalid::NonInteger(Rational::new(3, 4).unwrap()))
     );
     assert_eq!(strict.check("<answer>(25 - 5) * 3</answer>", &[25, 5, 3], int(60), &mut m), Correct);
-    let no_unary = CountdownConfig { allow_unary_minus: false, ..CountdownConfig::default() }.build().unwrap();
-    assert_eq!(no_unary.check("<answer>-3 + 5</answer>", &[3, 5], int(2), &mut m), Bad(Invalid::UnaryMinus(0)));
-    let subset = CountdownConfig { require_all_numbers: false, ..CountdownConfig::default() }.build().unwrap();
+    let no_unary =
+        CountdownConfig { allow_unary_minus: false, ..CountdownConfig::default() }.build().unwrap();
+    assert_eq!(
+        no_unary.check("<answer>-3 + 5</answer>", &[3, 5], int(2), &mut m),
+        Bad(Invalid::UnaryMinus(0))
+    );
+    let subset =
+        CountdownConfig { require_all_numbers: false, ..CountdownConfig::default() }.build().unwrap();
     assert_eq!(subset.check("<answer>7</answer>", &[7, 2], int(7), &mut m), Correct);
     assert_eq!(subset.check("<answer>25 + 35</answer>", &[25, 35, 3], int(60), &mut m), Correct);
     // Subsets never allow reuse or numbers that are not given.
-    assert_eq!(subset.check("<answer>7 + 7</answer>", &[7, 2], int(14), &mut m), Bad(Invalid::ReusedNumber(7)));
-    assert_eq!(subset.check("<answer>7 * 3</answer>", &[7, 2], int(21), &mut m), Bad(Invalid::UnknownNumber(3)));
+    assert_eq!(
+        subset.check("<answer>7 + 7</answer>", &[7, 2], int(14), &mut m),
+        Bad(Invalid::ReusedNumber(7))
+    );
+    assert_eq!(
+        subset.check("<answer>7 * 3</answer>", &[7, 2], int(21), &mut m),
+        Bad(Invalid::UnknownNumber(3))
+    );
     let defaults = CountdownConfig::default();
     assert!(defaults.require_all_numbers && defaults.allow_unary_minus && !defaults.integer_intermediates);
 }
