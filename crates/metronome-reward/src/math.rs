@@ -37,6 +37,8 @@ pub struct MathConfig {
     /// default a reference written with decimals whose value is not an integer is taken
     /// as rounded, and an answer within half a unit of its last digit is accepted
     /// (`3.141592` for `3.14159`); integer and fraction references are always exact.
+    /// Set it for data whose decimal references are exact (sums of decimals, prices):
+    /// there the default would accept `2510.2414` for `2510.241`.
     pub exact: bool,
     /// Opt-in relative tolerance on every numeric comparison, integer references
     /// included (default 0: off). A tolerance of `1e-6` accepts `-4174817` for
