@@ -37,21 +37,22 @@ fn math_corpus() -> Vec<(Prompt, Completion)> {
 }
 
 fn countdown_corpus() -> Vec<(Prompt, Completion)> {
+    // Each answer with its own numbers, so the corpus mixes right, wrong-valued and
+    // invalid expressions under the default every-number-once rule; the target is 60.
     let answers = [
-        "<answer>(25 - 5) * 3</answer>",
-        "<answer>6 / (1 - 3 / 4)</answer>",
-        "<answer>25 * 3 - 5 - 10</answer>",
-        "<answer>5 * 5</answer>",
-        "<answer>(100 + 4) / 8</answer>",
-        "The answer is (3 + 25) * 5 - 100 = 40.",
-        "<answer>((25 + 5) * (3 - 1))</answer>",
-        "<answer>3 + * 4</answer>",
+        ("25,5,3", "<answer>(25 - 5) * 3</answer>"),
+        ("6,1,3,4", "<answer>6 / (1 - 3 / 4)</answer>"),
+        ("25,3,5,10", "<answer>25 * 3 - 5 - 10</answer>"),
+        ("5,1", "<answer>5 * 5</answer>"),
+        ("100,4,8", "<answer>(100 + 4) / 8</answer>"),
+        ("3,25,5,100", "The answer is (3 + 25) * 5 - 100 = 40."),
+        ("25,5,3,1", r"\boxed{(25 + 5) \times (3 - 1)}"),
+        ("3,4", "<answer>3 + * 4</answer>"),
     ];
     answers
         .iter()
-        .map(|answer| {
-            let metadata = [("numbers", "[25, 5, 3, 100, 4, 8, 1, 6, 10]"), ("target", "60")]
-                .map(|(k, v)| (k.into(), v.into()));
+        .map(|(numbers, answer)| {
+            let metadata = [("numbers", *numbers), ("target", "60")].map(|(k, v)| (k.into(), v.into()));
             let prompt = Prompt { metadata: metadata.into_iter().collect(), ..Prompt::default() };
             let text = format!("<think>{}</think>\n{answer}", REASONING.repeat(4));
             (prompt, Completion { text, ..Completion::default() })

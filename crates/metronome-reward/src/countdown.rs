@@ -1,5 +1,7 @@
-//! Countdown: the completion's arithmetic expression must use only the given numbers,
-//! each at most once, and evaluate exactly to the target.
+//! Countdown: the completion's arithmetic expression must use every given number
+//! exactly once (as the standard task states; a subset is an option) and evaluate
+//! exactly to the target. A number not given, or used more often than given, makes
+//! the expression invalid.
 //!
 //! The expression is parsed and evaluated in one recursive-descent pass with exact
 //! [`Rational`] arithmetic. The parser bounds its own work: the expression length, the
@@ -12,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use metronome_core::{Completion, Prompt, Reward, RewardFn};
 
-use crate::extract::tail;
+use crate::extract::{Extractor, tail};
 use crate::meter::Meter;
 use crate::rational::Rational;
 use crate::{Error, Result};
@@ -31,11 +33,14 @@ pub struct CountdownConfig {
     pub format_score: f32,
     /// Score when no valid expression is found.
     pub invalid_score: f32,
-    /// Every given number must be used (the classic game allows leaving some out).
+    /// Every given number must be used exactly once (default), as the standard task
+    /// says; `false` also accepts expressions that leave some out, as the television
+    /// game does. Either way a number may not be used more often than it is given.
     pub require_all_numbers: bool,
     /// Reject expressions whose intermediate results are not integers (`6/(1-3/4)`).
     pub integer_intermediates: bool,
-    /// Allow unary minus (`-3+5`).
+    /// Allow unary minus (`-3+5`, `8*(-5+6)`; default). It reaches no positive target
+    /// that subtraction cannot, so it is notation, not a loophole.
     pub allow_unary_minus: bool,
     /// Longer expressions are rejected unparsed.
     pub max_expression_bytes: usize,
@@ -55,9 +60,9 @@ impl Default for CountdownConfig {
             correct_score: 1.0,
             format_score: 0.1,
             invalid_score: 0.0,
-            require_all_numbers: false,
+            require_all_numbers: true,
             integer_intermediates: false,
-            allow_unary_minus: false,
+            allow_unary_minus: true,
             max_expression_bytes: 256,
             max_depth: 32,
             max_digits: 12,
@@ -196,20 +201,29 @@ impl CountdownChecker {
 }
 
 /// The expression in a completion: the last `<answer>…</answer>`, else the last
-/// non-empty line; text before the first digit or bracket and after an `=` is dropped
-/// (`The answer is (3+5)*4 = 32.` gives `(3+5)*4`).
+/// `\boxed{…}`, else the last non-empty line (a `\boxed{…}` inside the answer tags is
+/// unwrapped too). Text before the first digit, bracket or leading minus sign and
+/// after an `=` is dropped (`The answer is (3+5)*4 = 32.` gives `(3+5)*4`).
 fn expression_of<'a>(text: &'a str, meter: &mut Meter) -> Option<&'a str> {
     meter.charge(2 * text.len());
     let region = match text.rfind("</answer>") {
         Some(close) => {
             let open = text[..close].rfind("<answer>")? + "<answer>".len();
-            &text[open..close]
+            let inner = &text[open..close];
+            Extractor::Boxed.find(inner, meter).unwrap_or(inner)
         }
-        None => text.lines().rev().find(|l| !l.trim().is_empty())?,
+        None => match Extractor::Boxed.find(text, meter) {
+            Some(boxed) => boxed,
+            None => text.lines().rev().find(|l| !l.trim().is_empty())?,
+        },
     };
     let start = region.find(|c: char| c.is_ascii_digit() || c == '(' || c == '[')?;
-    // Keep a sign written right before the first number.
-    let start = if region[..start].trim_end().ends_with('-') { region[..start].rfind('-')? } else { start };
+    // Keep a sign written right before the first number or bracket (`-5 + 8`).
+    let before = region[..start].trim_end();
+    let start = match before.chars().next_back() {
+        Some(sign @ ('-' | '\u{2212}')) => before.len() - sign.len_utf8(),
+        _ => start,
+    };
     let expr = &region[start..];
     let expr = expr.split('=').next().unwrap_or(expr);
     let expr = expr.trim().trim_end_matches(['.', '!', '$']).trim();
@@ -417,6 +431,13 @@ mod tests {
         let mut m = Meter::new();
         assert_eq!(expression_of("blah\n<answer> (3+5)*4 </answer>", &mut m), Some("(3+5)*4"));
         assert_eq!(expression_of("so:\nThe answer is (3+5)*4 = 32.\n", &mut m), Some("(3+5)*4"));
+        assert_eq!(
+            expression_of("so \\boxed{(3+5) \\times 4 = 32}.\nDone.", &mut m),
+            Some("(3+5) \\times 4")
+        );
+        assert_eq!(expression_of("<answer>\\boxed{3*4}</answer>", &mut m), Some("3*4"));
+        assert_eq!(expression_of("<answer> -5 + 8 </answer>", &mut m), Some("-5 + 8"));
+        assert_eq!(expression_of("is \u{2212}5 + 8", &mut m), Some("\u{2212}5 + 8"));
         assert_eq!(expression_of("no numbers", &mut m), None);
     }
 }

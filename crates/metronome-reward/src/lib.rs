@@ -2,11 +2,12 @@
 //! never stall or crash a run.
 //!
 //! - Scorers are synchronous [`metronome_core::RewardFn`]s (closures are scorers too):
-//!   [`MathVerifier`] (final-answer extraction, normalisation and numeric or exact
-//!   comparison), [`ExactMatch`], [`FormatReward`] (regular expressions, e.g. the
-//!   `<think>…</think><answer>…</answer>` structure), [`CountdownChecker`] (exact
-//!   rational arithmetic over the given numbers), [`LengthShaping`] (DAPO's overlong
-//!   shaping) and a weighted [`Composite`].
+//!   [`MathVerifier`] (final-answer extraction, normalisation and exact comparison; only
+//!   a non-integer decimal reference such as `3.14159` accepts answers within half a
+//!   unit of its last digit), [`ExactMatch`], [`FormatReward`] (regular expressions,
+//!   e.g. the `<think>…</think><answer>…</answer>` structure), [`CountdownChecker`]
+//!   (every given number exactly once, exact rational arithmetic), [`LengthShaping`]
+//!   (DAPO's overlong shaping) and a weighted [`Composite`].
 //! - [`PoolScorer`] is the [`metronome_core::GroupScorer`] the pipeline holds: it scores a
 //!   group's completions in parallel on a [`WorkerPool`] with a time limit per call and
 //!   panic isolation. A timeout, panic or non-finite score becomes the configured

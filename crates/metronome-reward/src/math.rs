@@ -1,11 +1,21 @@
 //! Math answer verification: extract the final answer, normalise it, and compare it
-//! with the reference numerically (with a tolerance) or exactly.
+//! with the reference.
 //!
 //! Normalisation handles signs (including the Unicode minus), thousands separators
 //! (`1,234`, `1{,}234`, `1\,234`), decimals, exponents, fractions (`3/4`, `\frac{3}{4}`,
 //! `\dfrac34`), percentages, simple LaTeX wrappers (`$…$`, `\(…\)`, `\text{…}`,
 //! `\mathrm{…}`, `\left`/`\right`, degrees) and trailing units (`12 cm`, `5 dollars`).
 //! Answers that are not numbers (`\pi/2`, `x+1`, `(1,2)`) are compared as normalised text.
+//!
+//! Numbers are compared as exact rationals, so an answer is right only when it has the
+//! reference's value: `1,234`, `1234.0` and `\frac{2468}{2}` are all `1234`, while
+//! `1235` and `1234.5` are not, however large the numbers. The one tolerance is for a
+//! reference written with decimals whose value is not an integer (`3.14159`, `0.333`):
+//! it is taken as rounded to the digits given, so an answer within half a unit of its
+//! last digit is right (`3.141592` and `3.14159265` for `3.14159`, `1/3` for `0.333`),
+//! and one further from it is wrong (`3.1416`, `3.1415`, `0.334`): a less precise
+//! answer does not match a more precise reference. See [`MathConfig`] for
+//! percentages and the opt-in tolerances.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,14 +32,24 @@ use crate::{Error, Result};
 pub struct MathConfig {
     /// Where to look for the final answer, in order.
     pub extractors: Vec<Extractor>,
-    /// Compare exactly (rational equality; decimals such as `0.5` are exact) instead of
-    /// within the tolerances.
+    /// Compare every number exactly, decimal references included: `2.5` then accepts
+    /// only 2.5 (`2.50`, `5/2`), not `2.54`, and `rel_tol` / `abs_tol` are ignored. By
+    /// default a reference written with decimals whose value is not an integer is taken
+    /// as rounded, and an answer within half a unit of its last digit is accepted
+    /// (`3.141592` for `3.14159`); integer and fraction references are always exact.
+    /// Set it for data whose decimal references are exact (sums of decimals, prices):
+    /// there the default would accept `2510.2414` for `2510.241`.
     pub exact: bool,
-    /// Relative tolerance of the numeric comparison.
+    /// Opt-in relative tolerance on every numeric comparison, integer references
+    /// included (default 0: off). A tolerance of `1e-6` accepts `-4174817` for
+    /// `-4174816`, so set it only for references that are measurements.
     pub rel_tol: f64,
-    /// Absolute tolerance of the numeric comparison.
+    /// Opt-in absolute tolerance on every numeric comparison (default 0: off).
     pub abs_tol: f64,
-    /// Accept `50%` for `0.5` and `0.5` for `50%` (and `50` for `50%`).
+    /// Accept a percentage for its fraction: `50%` for `0.5` and `0.5` for `50%`. The
+    /// percent sign alone never makes a difference: `50%` and `50` match each other
+    /// whether or not this is set. Two percentages are compared as written (`0.5%`
+    /// is not `50%`).
     pub percent_equivalence: bool,
     /// Score of a correct answer.
     pub correct_score: f32,
@@ -50,8 +70,8 @@ impl Default for MathConfig {
         Self {
             extractors: Extractor::ALL.to_vec(),
             exact: false,
-            rel_tol: 1e-6,
-            abs_tol: 1e-9,
+            rel_tol: 0.0,
+            abs_tol: 0.0,
             percent_equivalence: true,
             correct_score: 1.0,
             wrong_score: 0.0,
@@ -99,6 +119,11 @@ pub struct Number {
     pub value: f64,
     /// Written with a percent sign.
     pub percent: bool,
+    /// For a number written with decimals whose value is not an integer (`3.14159`,
+    /// `12.5%`), half a unit in its last written digit (`1/200000`, `1/20`): as a
+    /// reference, it is taken as rounded to that digit. `None` for integers
+    /// (`1234`, `1234.0`, `1.5e3`) and fractions (`1/3`), which are exact.
+    pub half_unit: Option<Rational>,
 }
 
 /// A normalised final answer.
@@ -211,43 +236,68 @@ impl RewardFn for MathVerifier {
     }
 }
 
-/// Whether two answers are equal under `config`'s comparison.
+/// Whether `got` equals the reference `expected` under `config`'s comparison (the
+/// order matters: only the reference's written digits give a tolerance).
 #[must_use]
 pub fn answers_match(got: &Answer, expected: &Answer, config: &MathConfig) -> bool {
     match (got, expected) {
         (Answer::Number(a), Answer::Number(b)) => {
-            if numbers_equal(a.exact, a.value, b.exact, b.value, config) {
+            if numbers_equal(a, b, config) {
                 return true;
             }
-            if config.percent_equivalence && (a.percent || b.percent) {
-                let hundredth = |n: &Number| {
-                    (n.exact.and_then(|x| x.checked_div(Rational::integer(100))), n.value / 100.0)
-                };
-                let (ae, av) = hundredth(a);
-                let (be, bv) = hundredth(b);
-                return numbers_equal(ae, av, b.exact, b.value, config)
-                    || numbers_equal(a.exact, a.value, be, bv, config);
+            // Only one side may carry the percent sign: between two percentages a factor
+            // of 100 is a wrong answer (`0.5%` for `50%`), not another notation.
+            if !config.percent_equivalence || a.percent == b.percent {
+                return false;
             }
-            false
+            if a.percent {
+                hundredth(a).is_some_and(|a| numbers_equal(&a, b, config))
+            } else {
+                hundredth(b).is_some_and(|b| numbers_equal(a, &b, config))
+            }
         }
         (Answer::Text(a), Answer::Text(b)) => a == b,
         _ => false,
     }
 }
 
-fn numbers_equal(ae: Option<Rational>, av: f64, be: Option<Rational>, bv: f64, config: &MathConfig) -> bool {
-    if let (Some(a), Some(b)) = (ae, be) {
+/// `n / 100`, its half unit scaled with it.
+fn hundredth(n: &Number) -> Option<Number> {
+    let hundred = Rational::integer(100);
+    Some(Number {
+        exact: Some(n.exact?.checked_div(hundred)?),
+        value: n.value / 100.0,
+        percent: false,
+        half_unit: match n.half_unit {
+            Some(h) => Some(h.checked_div(hundred)?),
+            None => None,
+        },
+    })
+}
+
+/// Exact equality; within the reference's half unit for a rounded decimal reference;
+/// within the opt-in float tolerances when they are set.
+fn numbers_equal(got: &Number, expected: &Number, config: &MathConfig) -> bool {
+    if let (Some(a), Some(b)) = (got.exact, expected.exact) {
         if a == b {
             return true;
         }
-        if config.exact {
-            return false;
+        // The difference is exact too, so the half-unit bound holds at any magnitude;
+        // an overflow (values far beyond any written answer) is a mismatch.
+        if !config.exact
+            && let Some(half) = expected.half_unit
+            && a.checked_sub(b).and_then(Rational::checked_abs).is_some_and(|d| d <= half)
+        {
+            return true;
         }
     }
     if config.exact {
-        return av == bv;
+        return false;
     }
-    (av - bv).abs() <= config.abs_tol + config.rel_tol * av.abs().max(bv.abs())
+    // Floats tell apart only what they can represent, so they decide nothing unless a
+    // tolerance was asked for.
+    let tolerance = config.abs_tol + config.rel_tol * got.value.abs().max(expected.value.abs());
+    tolerance > 0.0 && (got.value - expected.value).abs() <= tolerance
 }
 
 /// LaTeX commands whose braces are dropped and whose content is kept.
@@ -436,6 +486,7 @@ fn divide(a: Number, b: Number) -> Option<Number> {
         exact: a.exact.zip(b.exact).and_then(|(a, b)| a.checked_div(b)),
         value: a.value / b.value,
         percent: false,
+        half_unit: None,
     })
 }
 
@@ -528,7 +579,15 @@ fn parse_decimal<'a>(s: &'a str, max_digits: usize, meter: &mut Meter) -> Option
     if !value.is_finite() {
         return None;
     }
-    Some((Number { exact, value, percent: false }, &s[i..]))
+    // `3.14159` stands for a value rounded to its last digit; `2.0` and `1.5e3` are
+    // integers, exact whatever their notation.
+    let half_unit = match exact {
+        Some(x) if scale < 0 && !x.is_integer() => {
+            10i128.checked_pow(scale.unsigned_abs()).and_then(|p| Rational::new(1, p.checked_mul(2)?))
+        }
+        _ => None,
+    };
+    Some((Number { exact, value, percent: false, half_unit }, &s[i..]))
 }
 
 /// A thousands group: exactly three digits, then no fourth.
@@ -567,12 +626,34 @@ mod tests {
         assert_eq!(num("1/0"), None);
     }
 
+    fn number(s: &str) -> Number {
+        match parse_answer(s, &MathConfig::default(), &mut Meter::new()) {
+            Some(Answer::Number(n)) => n,
+            other => panic!("{s}: not a number: {other:?}"),
+        }
+    }
+
     #[test]
     fn decimals_are_exact() {
-        let Some(Answer::Number(n)) = parse_answer("0.1", &MathConfig::default(), &mut Meter::new()) else {
-            panic!("not a number");
-        };
-        assert_eq!(n.exact, Rational::new(1, 10));
+        assert_eq!(number("0.1").exact, Rational::new(1, 10));
+    }
+
+    #[test]
+    fn only_non_integer_decimals_carry_a_half_unit() {
+        for (text, half_unit) in [
+            ("3.14159", Rational::new(1, 200_000)),
+            ("-0.5", Rational::new(1, 20)),
+            (r"12.5\%", Rational::new(1, 20)),
+            ("1.25e1", Rational::new(1, 20)),
+            ("1,234.50", Rational::new(1, 200)),
+            ("1234", None),
+            ("1234.0", None),
+            ("1.5e3", None),
+            ("1/3", None),
+            (r"\frac{5}{2}", None),
+        ] {
+            assert_eq!(number(text).half_unit, half_unit, "{text}");
+        }
     }
 
     #[test]

@@ -96,6 +96,12 @@ impl Rational {
         Some(Self { num: self.num.checked_neg()?, den: self.den })
     }
 
+    /// `|self|`, or `None` on overflow.
+    #[must_use]
+    pub fn checked_abs(self) -> Option<Self> {
+        Some(Self { num: self.num.checked_abs()?, den: self.den })
+    }
+
     /// `self * rhs`, or `None` on overflow.
     #[must_use]
     pub fn checked_mul(self, rhs: Self) -> Option<Self> {
@@ -171,6 +177,7 @@ mod tests {
         assert_eq!(third.checked_mul(Rational::integer(3)), Some(Rational::integer(1)));
         assert_eq!(third.checked_add(r(1, 6)), Some(r(1, 2)));
         assert_eq!(r(3, 4).checked_sub(r(1, 4)), Some(r(1, 2)));
+        assert_eq!(r(-3, 4).checked_abs(), Some(r(3, 4)));
         assert_eq!(Rational::integer(6).checked_div(r(1, 4)), Some(Rational::integer(24)));
         assert_eq!(Rational::integer(1).checked_div(Rational::ZERO), None);
     }
@@ -181,6 +188,7 @@ mod tests {
         assert_eq!(big.checked_mul(Rational::integer(2)), None);
         assert_eq!(big.checked_add(big), None);
         assert_eq!(Rational::integer(i128::MIN).checked_neg(), None);
+        assert_eq!(Rational::integer(i128::MIN).checked_abs(), None);
         assert_eq!(Rational::new(i128::MIN, 1).and_then(|x| x.checked_mul(Rational::integer(-1))), None);
     }
 

@@ -36,7 +36,9 @@ pub struct CountdownConfig {
     pub operators: Vec<Operator>,
     /// Draws per item before giving up on reaching a target in range.
     pub max_attempts: u32,
-    /// The prompt text; `{numbers}` becomes `3, 7, 25`, `{target}` the target.
+    /// The prompt text; `{numbers}` becomes `3, 7, 25`, `{target}` the target. The
+    /// default states the rules the reward crate's countdown checker enforces by
+    /// default: every number exactly once, the expression in `<answer>` tags.
     pub format: String,
     /// Generate items from this seed instead of the run seed.
     pub seed: Option<u64>,
@@ -55,7 +57,10 @@ impl Default for CountdownConfig {
             target: Span::new(1, 100),
             operators: vec![Operator::Add, Operator::Sub, Operator::Mul, Operator::Div],
             max_attempts: 1000,
-            format: "Using the numbers [{numbers}], create an equation that equals {target}.".into(),
+            format: "Using the numbers [{numbers}], create an equation that equals {target}. Use every \
+                     number exactly once, with + - * / and parentheses, and give only the expression \
+                     in <answer></answer> tags, for example <answer>(1 + 2) * 3</answer>."
+                .into(),
             seed: None,
             holdout: Holdout::default(),
         }
@@ -247,5 +252,7 @@ mod tests {
         assert_eq!(record.metadata["task"], "countdown");
         let PromptContent::Text(text) = &record.content else { panic!("text expected") };
         assert!(text.contains(&record.metadata["target"]));
+        assert!(text.contains("every number exactly once"), "{text}");
+        assert!(text.contains("<answer>"), "{text}");
     }
 }

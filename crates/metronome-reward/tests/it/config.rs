@@ -69,7 +69,7 @@ fn every_scorer_kind_builds_from_toml() {
             r#"kind = "countdown"
             format_score = 0.25"#,
             "",
-            "<answer>2*3</answer>",
+            "<answer>2*3+4</answer>",
             0.25,
         ),
         (

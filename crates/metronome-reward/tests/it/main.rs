@@ -2,6 +2,7 @@
 
 mod common;
 mod config;
+mod corpus;
 mod countdown;
 mod math;
 mod pool;

@@ -7,7 +7,7 @@ use crate::common::{completion, prompt};
 
 use MathVerdict::{BadReference, Correct, NoAnswer, Wrong};
 
-/// (completion, reference, expected verdict) under the default numeric comparison.
+/// (completion, reference, expected verdict) under the default comparison.
 const CASES: &[(&str, &str, MathVerdict)] = &[
     // Integers and extraction styles.
     (r"So the total is \boxed{42}.", "42", Correct),
@@ -45,13 +45,42 @@ const CASES: &[(&str, &str, MathVerdict)] = &[
     ("#### 1,235", "1234", Wrong),
     // Decimals.
     (r"\boxed{3.50}", "3.5", Correct),
-    (r"\boxed{0.333333333}", "1/3", Correct),
+    (r"\boxed{0.333333333}", "1/3", Wrong),
     (r"\boxed{0.33}", "1/3", Wrong),
     (r"\boxed{.5}", "0.5", Correct),
     ("The answer is 2.0", "2", Correct),
     (r"\boxed{1.5e3}", "1500", Correct),
     (r"\boxed{2.718}", "2.7183", Wrong),
-    // Fractions.
+    // Integer references are compared exactly, however large: an off-by-one or a wrong
+    // last step is wrong, and only notation differs among the right answers.
+    (r"\boxed{-4174816}", "-4174816", Correct),
+    (r"\boxed{-4174817}", "-4174816", Wrong),
+    (r"\boxed{47341138414}", "47341138414", Correct),
+    (r"\boxed{47341138414.5}", "47341138414", Wrong),
+    (r"\boxed{47341138415}", "47341138414", Wrong),
+    (r"\boxed{123456789012345678901}", "123456789012345678902", Wrong),
+    (r"\boxed{100.00001}", "100", Wrong),
+    (r"\boxed{1234.0}", "1234", Correct),
+    (r"\boxed{1,234}", "1234", Correct),
+    (r"\boxed{\frac{2468}{2}}", "1234", Correct),
+    ("The answer is 1234.", "1,234", Correct),
+    (r"\boxed{1234.04}", "1234.0", Wrong),
+    // A non-integer decimal reference is rounded to its digits: within half a unit of
+    // its last digit is right, further is wrong.
+    (r"\boxed{3.141592}", "3.14159", Correct),
+    (r"\boxed{3.1416}", "3.14159", Wrong),
+    (r"\boxed{3.14159265}", "3.14159", Correct),
+    (r"\boxed{3.1415}", "3.14159", Wrong),
+    (r"\boxed{3.14}", "3.14159", Wrong),
+    (r"\boxed{\frac{1}{3}}", "0.333", Correct),
+    (r"\boxed{0.3334}", "0.333", Correct),
+    (r"\boxed{0.334}", "0.333", Wrong),
+    (r"\boxed{0.33}", "0.333", Wrong),
+    (r"\boxed{-2.54}", "-2.5", Correct),
+    (r"\boxed{-2.56}", "-2.5", Wrong),
+    // Fractions are exact.
+    (r"\boxed{\frac{1}{3}}", "1/3", Correct),
+    (r"\boxed{0.333}", "1/3", Wrong),
     (r"\boxed{\frac{3}{4}}", "0.75", Correct),
     (r"\boxed{\dfrac{3}{4}}", r"\frac{3}{4}", Correct),
     (r"\boxed{\tfrac12}", "0.5", Correct),
@@ -64,6 +93,14 @@ const CASES: &[(&str, &str, MathVerdict)] = &[
     ("The answer is 25%", "0.25", Correct),
     ("#### 12.5%", "12.5", Correct),
     (r"\boxed{40\%}", "50", Wrong),
+    (r"\boxed{50\%}", "0.5", Correct),
+    (r"\boxed{0.5}", r"50\%", Correct),
+    (r"\boxed{50}", r"50\%", Correct),
+    (r"\boxed{0.5}", "50", Wrong),
+    (r"\boxed{0.125}", r"12.5\%", Correct),
+    // Between two percentages a factor of 100 is a wrong answer.
+    (r"\boxed{0.5\%}", r"50\%", Wrong),
+    (r"\boxed{5000\%}", r"50\%", Wrong),
     // LaTeX wrappers.
     (r"$\boxed{14}$", "14", Correct),
     (r"\( \boxed{ 9 } \)", "9", Correct),
@@ -114,8 +151,10 @@ fn exact_mode_rejects_rounded_answers_and_keeps_exact_ones() {
     assert_eq!(exact.verify(r"\boxed{0.333333333}", "1/3", &mut m), Wrong);
     assert_eq!(exact.verify(r"\boxed{0.5}", r"\frac{1}{2}", &mut m), Correct);
     assert_eq!(exact.verify(r"\boxed{2.50}", "5/2", &mut m), Correct);
-    // The numeric default accepts within the relative tolerance.
-    assert_eq!(MathVerifier::new().verify(r"\boxed{100.00001}", "100", &mut m), Correct);
+    // Exact mode takes decimal references as exact too.
+    assert_eq!(MathVerifier::new().verify(r"\boxed{3.141592}", "3.14159", &mut m), Correct);
+    assert_eq!(exact.verify(r"\boxed{3.141592}", "3.14159", &mut m), Wrong);
+    assert_eq!(exact.verify(r"\boxed{2.54}", "2.5", &mut m), Wrong);
     assert_eq!(exact.verify(r"\boxed{100.00001}", "100", &mut m), Wrong);
 }
 
@@ -126,6 +165,13 @@ fn tolerance_and_percent_are_configurable() {
     let mut m = Meter::new();
     assert_eq!(loose.verify(r"\boxed{3.14}", "3.14159", &mut m), Correct);
     assert_eq!(MathVerifier::new().verify(r"\boxed{3.14}", "3.14159", &mut m), Wrong);
+    // The opt-in tolerances apply to integers too, as the config documents.
+    let rel = MathConfig { rel_tol: 1e-6, ..MathConfig::default() }.build().unwrap();
+    assert_eq!(rel.verify(r"\boxed{-4174817}", "-4174816", &mut m), Correct);
+    assert_eq!(MathVerifier::new().verify(r"\boxed{-4174817}", "-4174816", &mut m), Wrong);
+    let abs = MathConfig { abs_tol: 0.5, ..MathConfig::default() }.build().unwrap();
+    assert_eq!(abs.verify(r"\boxed{12.5}", "12", &mut m), Correct);
+    assert_eq!(abs.verify(r"\boxed{12.6}", "12", &mut m), Wrong);
     assert_eq!(strict_pct.verify("The answer is 25%", "0.25", &mut m), Wrong);
     assert_eq!(strict_pct.verify("The answer is 25%", "25", &mut m), Correct);
 }

@@ -79,6 +79,9 @@ fn countdown_text() -> impl Strategy<Value = String> {
         "\n",
         ".",
         "9999999999999",
+        "\\boxed{",
+        "}",
+        "{",
     ]);
     prop::collection::vec(pieces, 0..400).prop_map(|v| v.concat())
 }
@@ -87,6 +90,13 @@ fn countdown_text() -> impl Strategy<Value = String> {
 /// constant per byte of the (capped) extracted answer.
 fn math_bound(len: usize, config: &MathConfig) -> u64 {
     (32 * (len.min(config.max_input_bytes) + 1) + 64 * config.max_answer_bytes) as u64
+}
+
+/// The linear bound on countdown checking: a constant per byte of searched text (the
+/// answer tag, `\boxed{…}` and line scans) plus a constant per byte of the capped
+/// expression.
+fn countdown_bound(len: usize) -> u64 {
+    (5 * len.min(64 * 1024) + 8 * 256 + 8) as u64
 }
 
 proptest! {
@@ -110,7 +120,7 @@ proptest! {
         let c = CountdownChecker::new();
         let mut meter = Meter::new();
         let verdict = c.check(&text, &[1, 2, 3, 25, 100], Rational::integer(24), &mut meter);
-        prop_assert!(meter.steps() <= (2 * text.len() + 8 * 256 + 8) as u64, "{} steps for {} bytes", meter.steps(), text.len());
+        prop_assert!(meter.steps() <= countdown_bound(text.len()), "{} steps for {} bytes", meter.steps(), text.len());
         if let CountdownVerdict::WrongValue(v) = verdict {
             prop_assert!(v != Rational::integer(24));
         }
@@ -165,6 +175,6 @@ fn huge_adversarial_inputs_cost_no_more_than_the_cap() {
         let mut meter = Meter::new();
         let verdict = c.check(&text, &[1], Rational::integer(1), &mut meter);
         assert!(matches!(verdict, CountdownVerdict::Invalid(_)), "{verdict:?}");
-        assert!(meter.steps() <= (2 * 64 * 1024 + 8 * 256 + 8) as u64, "{} steps", meter.steps());
+        assert!(meter.steps() <= countdown_bound(text.len()), "{} steps", meter.steps());
     }
 }
