@@ -4,6 +4,7 @@
 
 mod common;
 mod determinism;
+mod devices;
 #[cfg(feature = "http")]
 mod http;
 mod metrics;
