@@ -452,6 +452,9 @@ pub(crate) fn attention(
     let scale = 1.0 / (hd as f64).sqrt();
     let k = k.transpose(0, 1)?;
     let v = v.transpose(0, 1)?;
+    // candle's CPU matmul takes any strides; cuBLAS wants each operand contiguous in
+    // its last two dimensions (or their transpose), so the GPU copies these two.
+    let (k, v) = if kernels == crate::Kernels::Fused { (k, v) } else { (k.contiguous()?, v.contiguous()?) };
     let probs = match mask {
         Some(m) => {
             // Scaling the queries is cheaper than scaling the `[.., lq, lk]` scores.
