@@ -74,9 +74,12 @@ fn portable_decode_equals_full_forward() {
     decode_matches_full_forward(&frozen, 1e-5);
 }
 
-/// The log-probs, entropies and every parameter's gradient of one shared-prompt group
-/// under `model`, on the host.
-fn logprobs_and_gradients(model: &Model) -> (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>) {
+/// The log-probs, entropies and every parameter's (name, gradient) of one
+/// shared-prompt group, on the host.
+type Forward = (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>);
+
+/// [`Forward`] under `model`.
+fn logprobs_and_gradients(model: &Model) -> Forward {
     let vocab = model.config().vocab_size;
     let (row, targets) = shared_prompt_row(
         &tokens(1, 7, vocab),
