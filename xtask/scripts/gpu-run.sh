@@ -41,9 +41,6 @@ if [ "${1:-}" = "--bench" ]; then
     exit
 fi
 
-# A tests.tsv beside this script (name<TAB>package dir) narrows the executables run.
-tests="$bin/tests.tsv"
-[ -f "$here/tests.tsv" ] && tests="$here/tests.tsv"
 log=${OUT:-$bin}/gpu-tests.log
 : >"$log"
 failed=()
@@ -55,7 +52,7 @@ while IFS=$'\t' read -r name dir; do
     { echo "==> $name ($dir)"; cat "$one"; } >>"$log"
     echo "$name: $(grep -E '^test result' "$one" | tail -n 1) $(grep -c 'skipped:' "$one") skip notes"
     grep -E '^test .* FAILED|panicked' "$one" | head -n 5
-done <"$tests"
+done <"$bin/tests.tsv"
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAILED: ${failed[*]} (log: $log)"
