@@ -32,9 +32,10 @@
 //! element-wise ops are fused custom ops with their own backward
 //! ([`Kernels::Fused`]); elsewhere they are composed from candle-core primitives that
 //! every backend implements forward and backward ([`Kernels::Portable`]), tested
-//! against the fused ones on the CPU (values within 1e-5, gradients within 1e-4 of
-//! their largest magnitude), so CI checks the GPU's arithmetic without a GPU. Attention
-//! runs per segment of a packed row on every device: no `[T, T]` mask of a row is built.
+//! against the fused ones on the CPU (log-probs and entropies within 1e-5, gradients
+//! within 1e-4, relative to the larger of 1 and their largest magnitude), so CI
+//! checks the GPU's arithmetic without a GPU. Attention runs per segment of a packed
+//! row on every device: no `[T, T]` mask of a row is built.
 //!
 //! Batch invariance: [`Model::decode_step`] runs attention per slot over its own cache
 //! (no padding) and pads linear-layer inputs to [`DECODE_MIN_ROWS`] rows, so candle's

@@ -38,7 +38,7 @@ fn cuda() -> Option<Device> {
 }
 
 #[test]
-fn fused_kernels_are_refused_off_the_cpu() {
+fn cuda_fused_kernels_are_refused_off_the_cpu() {
     let Some(gpu) = cuda() else { return };
     let model = Model::new(ModelConfig::tiny(), &gpu, 1).unwrap();
     assert_eq!(model.kernels(), Kernels::Portable);

@@ -5,6 +5,7 @@ use metronome_core::{
 };
 use metronome_model::{Device, Model, ModelConfig};
 use metronome_trainer::TrainerConfig;
+use metronome_trainer::loss::{Aggregation, KlEstimator};
 
 /// One group in the shared-prompt layout: the prompt once (positions `0..P`), then one
 /// child segment per response with positions restarting at `P`. The last prompt
@@ -133,4 +134,28 @@ pub(crate) fn stamped(batch: &TrainBatch, version: PolicyVersion) -> TrainBatch 
     let mut b = batch.clone();
     b.sequences.iter_mut().for_each(|s| s.version = version);
     b
+}
+
+/// Two periods of four groups in `order` (KL term on, so the reference model trains
+/// beside the policy), then every weight on the host and the two steps' losses.
+pub(crate) fn two_periods(device: &Device, order: [usize; 4]) -> (Vec<f32>, Vec<f64>) {
+    let groups = period_groups();
+    let mut cfg = config();
+    cfg.loss.kl_coef = 0.02;
+    cfg.loss.kl_estimator = KlEstimator::K3;
+    cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;
+    let mut trainer = cfg.build(Model::new(ModelConfig::tiny(), device, 7).unwrap()).unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..2 {
+        for &g in &order {
+            let v = trainer.version();
+            trainer.accumulate_sync(&stamped(&groups[g], v)).unwrap();
+        }
+        let report = trainer.step_sync().unwrap();
+        assert!(report.applied);
+        assert_eq!((report.groups, report.sequences), (4, 16));
+        losses.push(report.loss);
+    }
+    assert!(trainer.policy().device().same_device(device));
+    (flat_weights(trainer.policy()), losses)
 }

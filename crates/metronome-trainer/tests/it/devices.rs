@@ -1,10 +1,9 @@
 //! The trainer on a CUDA GPU: the same steps as on the CPU. Skipped, with the reason
 //! printed, without the `cuda` feature or a GPU (`cargo xtask gpu` runs them on one).
 
-use metronome_model::{Device, DeviceSpec, Model, ModelConfig};
-use metronome_trainer::loss::{Aggregation, KlEstimator};
+use metronome_model::{Device, DeviceSpec};
 
-use crate::common::{config, flat_weights, max_abs_diff, period_groups, stamped};
+use crate::common::{max_abs_diff, two_periods};
 
 /// GPU 0, or `None` with the reason printed.
 fn cuda() -> Option<Device> {
@@ -13,29 +12,6 @@ fn cuda() -> Option<Device> {
         return None;
     }
     DeviceSpec::Cuda(0).open().map_err(|e| eprintln!("skipped: no CUDA device: {e}")).ok()
-}
-
-/// Two periods of four groups in `order` (KL term on, so the reference model trains
-/// beside the policy), then every weight on the host and the two steps' losses.
-fn two_periods(device: &Device, order: [usize; 4]) -> (Vec<f32>, Vec<f64>) {
-    let groups = period_groups();
-    let mut cfg = config();
-    cfg.loss.kl_coef = 0.02;
-    cfg.loss.kl_estimator = KlEstimator::K3;
-    cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;
-    let mut trainer = cfg.build(Model::new(ModelConfig::tiny(), device, 7).unwrap()).unwrap();
-    let mut losses = Vec::new();
-    for _ in 0..2 {
-        for &g in &order {
-            let v = trainer.version();
-            trainer.accumulate_sync(&stamped(&groups[g], v)).unwrap();
-        }
-        let report = trainer.step_sync().unwrap();
-        assert!(report.applied);
-        losses.push(report.loss);
-    }
-    assert!(trainer.policy().device().same_device(device));
-    (flat_weights(trainer.policy()), losses)
 }
 
 #[test]

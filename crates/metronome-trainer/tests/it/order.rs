@@ -1,32 +1,16 @@
 //! Completion-order training equals synchronous training.
 
-use metronome_trainer::loss::{Aggregation, KlEstimator};
+use metronome_trainer::loss::Aggregation;
 
-use crate::common::{config, flat_weights, max_abs_diff, merge, period_groups, stamped, tiny_model};
+use metronome_model::Device;
+
+use crate::common::{config, flat_weights, max_abs_diff, merge, period_groups, tiny_model, two_periods};
 
 #[test]
 fn two_orders_give_the_same_weights() {
-    let groups = period_groups();
-    let mut cfg = config();
-    cfg.loss.kl_coef = 0.02;
-    cfg.loss.kl_estimator = KlEstimator::K3;
-    cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;
-    let mut weights = Vec::new();
-    for order in [[0usize, 1, 2, 3], [3, 1, 0, 2]] {
-        let mut trainer = cfg.build(tiny_model()).unwrap();
-        // Two periods, so the second step also sees moments built from the first.
-        for _ in 0..2 {
-            for &g in &order {
-                let v = trainer.version();
-                trainer.accumulate_sync(&stamped(&groups[g], v)).unwrap();
-            }
-            let report = trainer.step_sync().unwrap();
-            assert!(report.applied);
-            assert_eq!(report.groups, 4);
-            assert_eq!(report.sequences, 16);
-        }
-        weights.push(flat_weights(trainer.policy()));
-    }
+    // Two periods, so the second step also sees moments built from the first.
+    let weights: Vec<Vec<f32>> =
+        [[0usize, 1, 2, 3], [3, 1, 0, 2]].iter().map(|&order| two_periods(&Device::Cpu, order).0).collect();
     let before = flat_weights(&tiny_model());
     assert!(max_abs_diff(&before, &weights[0]) > 1e-4, "the steps must move the weights");
     let diff = max_abs_diff(&weights[0], &weights[1]);
