@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use metronome_core::{
-    Completion, Group, GroupKey, GroupScorer, Prompt, ScoredGroup, TensorData, WeightSnapshot,
+    Completion, Group, GroupKey, GroupScorer, PeriodId, Prompt, ScoredGroup, TensorData, WeightSnapshot,
 };
 use metronome_pipeline::{
     PeriodReport, PipelineConfig, Runner, RunnerOptions, Schedule, build_stages, load_model, local_transport,
@@ -49,6 +49,17 @@ async fn run_with(
     workers: usize,
     extra: &[&str],
 ) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
+    run_scored(schedule, workers, extra, |scorer| scorer).await
+}
+
+/// [`run_with`] with the recording scorer wrapped by `wrap`; a run that does not
+/// finish within five minutes fails the test (a hang).
+async fn run_scored(
+    schedule: Schedule,
+    workers: usize,
+    extra: &[&str],
+    wrap: impl FnOnce(Arc<dyn GroupScorer>) -> Arc<dyn GroupScorer>,
+) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
     let mut overrides: Vec<String> = [
         "run.periods=3".to_owned(),
         "run.group_size=4".to_owned(),
@@ -74,10 +85,14 @@ async fn run_with(
     let (mut stages, _trainer) = build_stages(&config, model, tokenizer).unwrap();
     let seen = Arc::new(Mutex::new(Rollouts::new()));
     let pool = PoolScorer::new(digit_share, PoolConfig::default()).unwrap();
-    stages.scorer = Arc::new(Recording { inner: Arc::new(pool), seen: seen.clone() });
+    stages.scorer = wrap(Arc::new(Recording { inner: Arc::new(pool), seen: seen.clone() }));
     let transport = (schedule != Schedule::Sync).then(|| local_transport(&config));
     let options = RunnerOptions { schedule, periods: 3, group_size: 4 };
-    let (reports, stages) = Runner::new(stages, transport, options).unwrap().run().await.unwrap();
+    let run = Runner::new(stages, transport, options).unwrap().run();
+    let (reports, stages) = tokio::time::timeout(std::time::Duration::from_secs(300), run)
+        .await
+        .unwrap_or_else(|_| panic!("{schedule} hung"))
+        .unwrap();
     let weights = stages.trainer.snapshot().await.unwrap();
     let rollouts = std::mem::take(&mut *seen.lock().unwrap());
     (rollouts, reports, weights)
@@ -121,6 +136,41 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
         let diff = max_weight_difference(&base_weights, &weights);
         assert!(diff <= 1e-6, "{schedule} with {workers} workers: weights differ by {diff}");
     }
+}
+
+/// Gives every group of one period NaN advantages, so that the trainer's non-finite
+/// guard refuses the step that closes it.
+struct NanAdvantages {
+    inner: Arc<dyn GroupScorer>,
+    period: PeriodId,
+}
+
+#[async_trait]
+impl GroupScorer for NanAdvantages {
+    async fn score(&self, group: Group) -> metronome_core::Result<ScoredGroup> {
+        let mut scored = self.inner.score(group).await?;
+        if scored.key().period == self.period {
+            scored.advantages.fill(f32::NAN);
+        }
+        Ok(scored)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_the_real_trainer_refuses_stalls_no_schedule() {
+    let poison = |inner| -> Arc<dyn GroupScorer> { Arc::new(NanAdvantages { inner, period: PeriodId(1) }) };
+    let mut weights = Vec::new();
+    for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
+        let (rollouts, reports, w) = run_scored(schedule, 1, &[], poison).await;
+        assert_eq!(rollouts.len(), 18, "{schedule}: every period generated");
+        let applied: Vec<bool> = reports.iter().map(|r| r.step.applied).collect();
+        assert_eq!(applied, [true, false, true], "{schedule}: only period 1's step is refused");
+        let versions: Vec<u64> = reports.iter().map(|r| r.step.version.0).collect();
+        assert_eq!(versions, [1, 2, 3], "{schedule}: versions count periods");
+        weights.push(w);
+    }
+    let diff = max_weight_difference(&weights[0], &weights[1]);
+    assert!(diff <= 1e-6, "sync and periodic differ by {diff} after a refused step");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -127,10 +127,11 @@ pub struct AccumulateReport {
 /// What the trainer reports after an optimiser step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepReport {
-    /// The version the step produced.
+    /// The version the step produced: the previous one plus one, whether or not the
+    /// update was applied (see [`Trainer::step`]).
     pub version: PolicyVersion,
-    /// False when a guard skipped the step (non-finite loss or gradient); the weights
-    /// are then unchanged and `version` is the previous one.
+    /// False when a guard refused the update (non-finite loss or gradient): the
+    /// weights of the new version are then those of the previous one.
     pub applied: bool,
     /// Total loss.
     pub loss: f64,
@@ -159,16 +160,22 @@ pub struct StepReport {
 }
 
 /// The training stage: accumulates micro-batches in any order, then steps.
+///
+/// Versions count periods: every call of [`Trainer::step`] closes one and advances
+/// the version by exactly one, also when a guard refuses the update. The schedules
+/// rely on it: period `k` samples with version `k` (the overlapped ones wait for it),
+/// so a trainer whose version stood still after a refused step would stall them.
 #[async_trait]
 pub trait Trainer: Send {
-    /// The version of the current weights.
+    /// The version of the current weights: the number of periods stepped.
     fn version(&self) -> PolicyVersion;
 
     /// Runs forward and backward on one micro-batch and adds its gradient.
     async fn accumulate(&mut self, batch: TrainBatch) -> Result<AccumulateReport>;
 
     /// Applies step-time normalisers to the accumulated gradient, takes one optimiser
-    /// step and clears the accumulator.
+    /// step (or refuses it, reporting `applied: false`), clears the accumulator and
+    /// advances the version by one.
     async fn step(&mut self) -> Result<StepReport>;
 
     /// A copy of the current weights that does not alias the trainer's storage.

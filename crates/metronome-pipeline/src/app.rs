@@ -294,6 +294,9 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
             "period {:>3}  {:6.2}s  reward {:.3}  loss {:+.4}  kl {:.4}",
             report.period, report.period_s, report.reward_mean, report.step.loss, report.step.kl
         );
+        if !report.step.applied {
+            line.push_str("  step refused (non-finite)");
+        }
         if let Some(e) = &hook_evaluator
             && (done.is_multiple_of(every) || done == total)
         {

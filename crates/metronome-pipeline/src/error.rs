@@ -1,6 +1,6 @@
 //! The pipeline's error type.
 
-use metronome_core::{GroupKey, PeriodId, PromptId};
+use metronome_core::{GroupKey, PeriodId, PolicyVersion, PromptId};
 
 /// What can stop a run.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +49,23 @@ pub enum Error {
         key: String,
         /// What is wrong.
         reason: String,
+    },
+    /// The trainer broke the version contract of `metronome_core::Trainer`: a step
+    /// must advance the version by exactly one, applied or refused.
+    #[error(
+        "the trainer's step closing period {period} moved its version from {before} to {after} \
+         (reported {reported}); a step must advance it by exactly one, also when it refuses the \
+         update, or the schedules wait for a version that never comes"
+    )]
+    TrainerVersion {
+        /// The period the step closed.
+        period: PeriodId,
+        /// The version before the step.
+        before: PolicyVersion,
+        /// The version after it.
+        after: PolicyVersion,
+        /// The version the step report named.
+        reported: PolicyVersion,
     },
     /// A background task panicked or was cancelled.
     #[error("the {0} task stopped unexpectedly")]

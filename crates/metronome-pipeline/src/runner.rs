@@ -223,7 +223,7 @@ impl Runner {
                 report.intervals.push(self.interval(StageKind::Training, period, t));
             }
             let t = Instant::now();
-            report.step = step(self.stages.trainer.as_mut())?;
+            report.step = close_period(self.stages.trainer.as_mut(), period)?;
             report.intervals.push(self.interval(StageKind::Training, period, t));
 
             finalise_report(&mut report, start);
@@ -353,7 +353,7 @@ impl Runner {
             }
 
             let t = Instant::now();
-            report.step = step(self.stages.trainer.as_mut())?;
+            report.step = close_period(self.stages.trainer.as_mut(), period)?;
             report.intervals.push(self.interval(StageKind::Training, period, t));
 
             let t = Instant::now();
@@ -458,10 +458,34 @@ fn accumulate(trainer: &mut dyn Trainer, batch: TrainBatch) -> Result<()> {
     Ok(())
 }
 
-fn step(trainer: &mut dyn Trainer) -> Result<StepReport> {
+/// Steps the trainer, closing `period`, and holds it to the [`Trainer`] contract: the
+/// version advances by exactly one, also when a guard refuses the update. Period
+/// `k + 1` samples with version `k + 1` and the overlapped schedules wait for it, so a
+/// version that stood still would stall them; it is refused here, by name, instead.
+/// A refused update is logged: the period's weights go out again, unchanged, under
+/// the new version.
+pub(crate) fn close_period(trainer: &mut dyn Trainer, period: PeriodId) -> Result<StepReport> {
+    let before = trainer.version();
     let handle = tokio::runtime::Handle::current();
-    Ok(tokio::task::block_in_place(|| handle.block_on(trainer.step()))?)
+    let report = tokio::task::block_in_place(|| handle.block_on(trainer.step()))?;
+    let after = trainer.version();
+    if after != before.next() || report.version != after {
+        return Err(Error::TrainerVersion { period, before, after, reported: report.version });
+    }
+    if !report.applied {
+        tracing::warn!(
+            period = period.0,
+            version = after.0,
+            loss = report.loss,
+            grad_norm = report.grad_norm,
+            "the trainer refused the step (non-finite loss or gradient); the weights stay and go out as version {after}"
+        );
+    }
+    Ok(report)
 }
+
+/// How long the producer waits for weights before it logs that it is waiting.
+const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// What the producer tells the consumer.
 enum Event {
@@ -504,7 +528,21 @@ impl Producer {
             let period = batch.period;
             let _ = self.events.send(Event::Released { period, prompts: batch.prompts.len() });
             // The controller: never generate more than `lag` versions ahead of training.
-            let weights = self.subscriber.wait_for(PolicyVersion(k.saturating_sub(self.lag))).await?;
+            let min = PolicyVersion(k.saturating_sub(self.lag));
+            let wait = self.subscriber.wait_for(min);
+            tokio::pin!(wait);
+            // A long wait is the trainer's (a slow step, or one that hangs): say so
+            // instead of waiting in silence.
+            let weights = loop {
+                tokio::select! {
+                    weights = &mut wait => break weights?,
+                    () = tokio::time::sleep(WAIT_NOTICE) => tracing::warn!(
+                        period = period.0,
+                        "generation waits for weights of version {min} after {}s; is the trainer stepping?",
+                        WAIT_NOTICE.as_secs()
+                    ),
+                }
+            };
             if installed != Some(weights.version) {
                 self.engine.install_weights(weights.clone()).await?;
                 installed = Some(weights.version);

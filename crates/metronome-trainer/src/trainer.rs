@@ -253,7 +253,10 @@ impl GrpoTrainer {
     }
 
     /// The version of the current weights: the number of completed periods (calls of
-    /// [`GrpoTrainer::step_sync`] that were not skipped by a guard).
+    /// [`GrpoTrainer::step_sync`], including those whose update a guard refused: the
+    /// period is closed either way, and the [`metronome_core::Trainer`] contract
+    /// keeps versions and periods in step so that no schedule waits for a version
+    /// that never comes).
     #[must_use]
     pub fn version(&self) -> PolicyVersion {
         self.version
@@ -478,9 +481,7 @@ impl GrpoTrainer {
         };
         self.mode = None;
         self.seen_groups.clear();
-        if report.applied {
-            self.version = self.version.next();
-        }
+        self.version = self.version.next();
         let report = StepReport { version: self.version, ..report };
         metrics::counter!("metronome_trainer_steps_total").increment(1);
         metrics::histogram!("metronome_trainer_step_seconds").record(start.elapsed().as_secs_f64());

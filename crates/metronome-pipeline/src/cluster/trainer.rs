@@ -263,7 +263,7 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             held.push(delivery);
         }
         let t = Instant::now();
-        report.step = tokio::task::block_in_place(|| trainer.step_sync()).map_err(err("trainer"))?;
+        report.step = crate::runner::close_period(&mut trainer, period)?;
         weights = Arc::new(trainer.snapshot_sync().map_err(err("trainer"))?);
         checkpoints.save(&trainer, ClusterState { next_period: k + 1, cursor: source.cursor() })?;
         report.intervals.push(interval(StageKind::Training, period, t));

@@ -2,7 +2,7 @@
 //! engine's tokens depend on the installed weights (so training on the wrong version
 //! shows), the trainer's gradient on the trained tokens and advantages.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -215,6 +215,11 @@ pub(crate) struct MockTrainer {
     pub(crate) generating: Arc<AtomicBool>,
     pub(crate) step_delay: Duration,
     pub(crate) accumulations: Arc<AtomicU64>,
+    /// Steps (by the version they start from) whose update is refused, as the real
+    /// trainer's non-finite guard does: the weights stay, the version advances.
+    pub(crate) refuse: BTreeSet<u64>,
+    /// Breaks the contract on a refused step: the version stands still.
+    pub(crate) keep_version_when_refusing: bool,
 }
 
 impl MockTrainer {
@@ -229,6 +234,8 @@ impl MockTrainer {
             generating,
             step_delay: Duration::ZERO,
             accumulations: Arc::default(),
+            refuse: BTreeSet::new(),
+            keep_version_when_refusing: false,
         }
     }
 }
@@ -269,15 +276,19 @@ impl Trainer for MockTrainer {
 
     async fn step(&mut self) -> Result<StepReport> {
         std::thread::sleep(self.step_delay);
-        let scale = 0.01 / self.tokens.max(1) as f64;
+        let applied = !self.refuse.contains(&self.version.0);
+        let scale = if applied { 0.01 / self.tokens.max(1) as f64 } else { 0.0 };
         for (w, g) in self.weights.iter_mut().zip(&mut self.grad) {
             *w -= scale * *g;
             *g = 0.0;
         }
         let tokens = std::mem::take(&mut self.tokens);
-        self.version = self.version.next();
+        if applied || !self.keep_version_when_refusing {
+            self.version = self.version.next();
+        }
         self.log.lock().unwrap().steps.push(std::mem::take(&mut self.current));
-        Ok(StepReport { version: self.version, applied: true, tokens, ..StepReport::default() })
+        let loss = if applied { 0.0 } else { f64::NAN };
+        Ok(StepReport { version: self.version, applied, tokens, loss, ..StepReport::default() })
     }
 
     async fn snapshot(&self) -> Result<WeightSnapshot> {

@@ -3,7 +3,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use metronome_core::{Cursor, GroupKey, PeriodId, Prompt, PromptBatch, PromptId, PromptSource, TensorData};
-use metronome_pipeline::{PeriodReport, Runner, RunnerOptions, Schedule, StageKind, Stages};
+use metronome_pipeline::{Error, PeriodReport, Runner, RunnerOptions, Schedule, StageKind, Stages};
 
 use crate::mocks::*;
 
@@ -15,9 +15,22 @@ struct Outcome {
 }
 
 async fn run(schedule: Schedule, periods: u64, tick_ms: u64, step_delay_ms: u64) -> Outcome {
+    run_with(schedule, periods, tick_ms, |t| t.step_delay = Duration::from_millis(step_delay_ms))
+        .await
+        .unwrap()
+}
+
+/// A run of six prompts a period whose mock trainer `setup` adjusts; `None` when the
+/// runner did not finish within a minute (a hang).
+async fn run_with(
+    schedule: Schedule,
+    periods: u64,
+    tick_ms: u64,
+    setup: impl FnOnce(&mut MockTrainer),
+) -> Option<Outcome> {
     let engine = MockEngine::new(Duration::from_millis(tick_ms));
     let mut trainer = MockTrainer::new(engine.generating.clone());
-    trainer.step_delay = Duration::from_millis(step_delay_ms);
+    setup(&mut trainer);
     let log = trainer.log.clone();
     let emitted = engine.emitted.clone();
     let stages = Stages {
@@ -29,11 +42,11 @@ async fn run(schedule: Schedule, periods: u64, tick_ms: u64, step_delay_ms: u64)
     };
     let options = RunnerOptions { schedule, periods, group_size: 4 };
     let runner = Runner::new(stages, Some(channel_transport(2)), options).unwrap();
-    let (reports, stages) = runner.run().await.unwrap();
+    let (reports, stages) = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.ok()?.unwrap();
     let snapshot = stages.trainer.snapshot().await.unwrap();
     let TensorData::F32(weights) = snapshot.tensors[0].data.clone() else { unreachable!() };
     let emitted = std::mem::take(&mut *emitted.lock().unwrap());
-    Outcome { reports, weights, log, emitted }
+    Some(Outcome { reports, weights, log, emitted })
 }
 
 /// The trained rollouts of each step, sorted by group so orders compare equal.
@@ -89,6 +102,61 @@ async fn periodic_trains_groups_while_generation_continues() {
         let gen_end = report.intervals.iter().find(|i| i.stage == StageKind::Generation).unwrap().end_s;
         let train_start = report.intervals.iter().find(|i| i.stage == StageKind::Training).unwrap().start_s;
         assert!(gen_end <= train_start);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_step_stalls_no_schedule_and_is_reported() {
+    // The trainer's guard refuses the steps closing periods 1 and 2: the weights stay,
+    // the versions still advance, and every schedule runs all its periods.
+    let refusing = |t: &mut MockTrainer| t.refuse = [1, 2].into();
+    let mut outcomes = Vec::new();
+    for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
+        let outcome = run_with(schedule, 5, 2, refusing).await.unwrap_or_else(|| panic!("{schedule} hung"));
+        let applied: Vec<bool> = outcome.reports.iter().map(|r| r.step.applied).collect();
+        assert_eq!(applied, [true, false, false, true, true], "{schedule}");
+        let versions: Vec<u64> = outcome.reports.iter().map(|r| r.step.version.0).collect();
+        assert_eq!(versions, [1, 2, 3, 4, 5], "{schedule}");
+        assert!(outcome.reports.iter().all(|r| r.groups == 6), "{schedule}");
+        outcomes.push(outcome);
+    }
+    // The refusals are part of the run, so `sync` and `periodic` still agree, and
+    // the weights differ from a run without refusals.
+    let (sync, periodic) = (&outcomes[0], &outcomes[1]);
+    assert_eq!(sorted_steps(&sync.log), sorted_steps(&periodic.log));
+    assert_eq!(sync.weights, periodic.weights);
+    let unrefused = run(Schedule::Sync, 5, 2, 0).await;
+    assert_ne!(sync.weights, unrefused.weights, "the refusals changed nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_whose_version_stands_still_is_an_error_not_a_hang() {
+    for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let mut trainer = MockTrainer::new(engine.generating.clone());
+        trainer.refuse = [1].into();
+        trainer.keep_version_when_refusing = true;
+        let stages = Stages {
+            source: Box::new(MockSource { next: 0, n: 1000, batch: 3, period: 0 }),
+            engine: Arc::new(engine),
+            scorer: Arc::new(MockScorer),
+            packer: mock_packer(),
+            trainer: Box::new(trainer),
+        };
+        let options = RunnerOptions { schedule, periods: 4, group_size: 2 };
+        let run = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run();
+        let err = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .unwrap_or_else(|_| panic!("{schedule} hung"))
+            .unwrap_err();
+        assert!(matches!(err, Error::TrainerVersion { .. }), "{schedule}: {err}");
+        assert_eq!(
+            err.to_string(),
+            "the trainer's step closing period 1 moved its version from 1 to 1 (reported 1); a step \
+             must advance it by exactly one, also when it refuses the update, or the schedules wait for \
+             a version that never comes",
+            "{schedule}"
+        );
     }
 }
 

@@ -12,16 +12,20 @@ fn non_finite_loss_skips_the_step_and_the_run_goes_on() {
     t.accumulate_sync(&bad).unwrap();
     let r = t.step_sync().unwrap();
     assert!(!r.applied);
-    assert_eq!(r.version, PolicyVersion(0));
+    // The refused step still closes the period: version 1 names the same weights, so
+    // a schedule waiting for the next period's version does not stall.
+    assert_eq!(r.version, PolicyVersion(1));
+    assert_eq!(t.version(), PolicyVersion(1));
     assert_eq!(t.skipped_steps(), 1);
+    assert_eq!(t.optimizer_steps(), 0, "a refused step is no optimiser update");
     assert_eq!(flat_weights(t.policy()), before, "a skipped step must keep the weights");
-    // The next period trains normally.
+    // The next period, sampled with version 1, trains normally.
     for g in period_groups() {
-        t.accumulate_sync(&g).unwrap();
+        t.accumulate_sync(&stamped(&g, PolicyVersion(1))).unwrap();
     }
     let r = t.step_sync().unwrap();
     assert!(r.applied && r.grad_norm.is_finite());
-    assert_eq!(r.version, PolicyVersion(1));
+    assert_eq!(r.version, PolicyVersion(2));
     assert_ne!(flat_weights(t.policy()), before);
 }
 
