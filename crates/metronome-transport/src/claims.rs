@@ -27,6 +27,12 @@ use crate::nats::{NatsTransport, Storage, durable_consumer};
 use crate::stats::Counters;
 use crate::{Error, Result, Stats};
 
+/// How long a pull may go unanswered past its expiry before the taker gives up on it.
+pub const PULL_GRACE: Duration = Duration::from_secs(2);
+
+/// The expiry of the pull that takes what else is available after the first claim.
+const REST_WAIT: Duration = Duration::from_millis(50);
+
 /// The format version of a claim message; a reader refuses others.
 pub const CLAIM_FORMAT_VERSION: u16 = 1;
 
@@ -222,6 +228,7 @@ impl NatsClaimOfferer {
 }
 
 /// Takes claims for one worker.
+#[derive(Clone)]
 pub struct NatsClaimTaker {
     consumer: consumer::PullConsumer,
     counters: std::sync::Arc<Counters>,
@@ -237,37 +244,47 @@ impl NatsClaimTaker {
     /// Up to `max` claims: waits up to `wait` for the first, then takes whatever else
     /// is available at once. Empty when no claim came within `wait`. A malformed claim
     /// is terminated (never redelivered), counted and skipped.
+    ///
+    /// Each pull gives up on its own after its expiry and [`PULL_GRACE`]: a pull
+    /// request in flight when the server restarts is never answered, and a worker
+    /// that waited for the answer hung for good. A claim delivered to a pull given up
+    /// on goes to another take when its lease expires.
     pub async fn take(&self, max: usize, wait: Duration) -> Result<Vec<Claim>> {
         let mut out = Vec::new();
-        let first = self
-            .consumer
-            .batch()
-            .max_messages(1)
-            .expires(wait)
-            .messages()
-            .await
-            .map_err(|e| Error::nats("take claims", e))?;
-        self.collect(first, &mut out).await;
+        self.pull(1, wait, &mut out).await?;
         if !out.is_empty() && max > 1 {
-            let rest = self
-                .consumer
-                .fetch()
-                .max_messages(max - 1)
-                .messages()
-                .await
-                .map_err(|e| Error::nats("take claims", e))?;
-            self.collect(rest, &mut out).await;
+            // What is there now: a short expiry rather than a no-wait fetch, whose
+            // request the client never times out.
+            self.pull(max - 1, REST_WAIT, &mut out).await?;
         }
         Ok(out)
     }
 
-    async fn collect(&self, mut batch: consumer::pull::Batch, out: &mut Vec<Claim>) {
-        while let Some(next) = batch.next().await {
+    /// One pull of up to `max` claims expiring after `wait`, appended to `out`.
+    async fn pull(&self, max: usize, wait: Duration, out: &mut Vec<Claim>) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + wait + PULL_GRACE;
+        let batch = self.consumer.batch().max_messages(max).expires(wait).messages();
+        let mut batch = match tokio::time::timeout_at(deadline, batch).await {
+            Ok(batch) => batch.map_err(|e| Error::nats("take claims", e))?,
+            Err(_) => {
+                tracing::debug!("claim pull unanswered; giving up on it");
+                return Ok(());
+            }
+        };
+        loop {
+            let next = match tokio::time::timeout_at(deadline, batch.next()).await {
+                Ok(Some(next)) => next,
+                Ok(None) => return Ok(()),
+                Err(_) => {
+                    tracing::debug!("claim pull unanswered; giving up on it");
+                    return Ok(());
+                }
+            };
             let message = match next {
                 Ok(m) => m,
                 Err(e) => {
                     tracing::debug!(error = %e, "claim pull interrupted");
-                    break;
+                    return Ok(());
                 }
             };
             let deliveries = message.info().map_or(1, |i| i.delivered.max(1) as u64);

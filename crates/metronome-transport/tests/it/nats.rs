@@ -691,3 +691,57 @@ async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_neve
     let newest = subscriber.latest().await.unwrap().unwrap();
     assert_eq!(encode_weights(&newest).unwrap(), encode_weights(&v3).unwrap());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_pulls_cut_by_server_restarts_come_back_and_every_claim_is_taken() {
+    use std::collections::BTreeSet;
+
+    use metronome_core::{PeriodId, Prompt, PromptId};
+    // Workers take claims in a loop, as here, while the server restarts in the
+    // middle of a period's claims: every claim is still taken. (A pull the dead
+    // server never answered used to hang a worker for good; the cluster test's
+    // server restart shows it, this interleaving rarely does.)
+    let mut server = NatsServer::start(&[]).expect("start nats-server");
+    let mut cfg = config(&server, "claimrestart");
+    cfg.claims.lease_ms = 1_000;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let offerer = t.claim_offerer().await.unwrap();
+    let taker = t.claim_taker().await.unwrap();
+    let (taken_tx, mut taken) = tokio::sync::mpsc::unbounded_channel();
+    let worker = tokio::spawn(async move {
+        loop {
+            // Errors while the server is away are retried, as the worker does.
+            if let Ok(claims) = taker.take(4, Duration::from_millis(200)).await {
+                for c in claims {
+                    let _ = taken_tx.send((c.period.0, c.prompt.id.0));
+                    if c.complete().await.is_err() {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }
+    });
+    for round in 0..3u64 {
+        let prompts: Vec<Prompt> = (0..60)
+            .map(|i| Prompt { id: PromptId(i), text: format!("{i}+1="), ..Prompt::default() })
+            .collect();
+        tokio::time::timeout(PATIENCE, offerer.offer(PeriodId(round), PolicyVersion(round), &prompts))
+            .await
+            .unwrap()
+            .unwrap();
+        // Restart at a different point of the period's claims each time.
+        tokio::time::sleep(Duration::from_millis(5 + 11 * round)).await;
+        tokio::task::block_in_place(|| server.restart()).expect("restart nats-server");
+        let mut ids = BTreeSet::new();
+        while ids.len() < prompts.len() {
+            let (period, id) = tokio::time::timeout(PATIENCE, taken.recv())
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: {} of 60 claims taken, then none", ids.len()))
+                .unwrap();
+            if period == round {
+                ids.insert(id);
+            }
+        }
+    }
+    worker.abort();
+}
