@@ -314,6 +314,35 @@ impl PipelineConfig {
                 ),
             );
         }
+        if let Some(max) = self.data.prompt.max_tokens
+            && longest > self.rollout.max_seq_len
+        {
+            return bad(
+                "rollout.max_seq_len",
+                format!(
+                    "is {} but a prompt (data.prompt.max_tokens = {max}) and a response \
+                     (rollout.sampling.max_new_tokens = {}) take up to {longest}",
+                    self.rollout.max_seq_len, self.rollout.sampling.max_new_tokens
+                ),
+            );
+        }
+        if let TransportConfig::Nats(nats) = &self.transport {
+            // The trainer holds a period's groups unacknowledged until its checkpoint.
+            for (key, limit) in [
+                ("transport.groups.max_pending", nats.groups.max_pending),
+                ("transport.groups.max_ack_pending", nats.groups.max_ack_pending),
+            ] {
+                if usize::try_from(limit).is_ok_and(|limit| limit < batch) {
+                    return bad(
+                        key,
+                        format!(
+                            "is {limit} but a period's data.release.batch_size = {batch} groups stay \
+                             unacknowledged until the trainer's checkpoint"
+                        ),
+                    );
+                }
+            }
+        }
         if self.sft.steps > 0 && self.sft.batch_size == 0 {
             return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());
         }

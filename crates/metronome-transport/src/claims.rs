@@ -23,7 +23,7 @@ use futures::StreamExt;
 use metronome_core::{PeriodId, PolicyVersion, Prompt};
 use serde::{Deserialize, Serialize};
 
-use crate::nats::{NatsTransport, Storage, durable_consumer};
+use crate::nats::{NatsTransport, Storage, durable_consumer, ensure_stream};
 use crate::stats::Counters;
 use crate::{Error, Result, Stats};
 
@@ -157,20 +157,18 @@ fn decode_claim(bytes: &[u8]) -> Result<ClaimBody> {
 }
 
 impl NatsTransport {
-    async fn claim_stream(&self) -> Result<stream::Stream> {
+    pub(crate) async fn claim_stream(&self) -> Result<stream::Stream> {
         let c = &self.config().claims;
-        self.jetstream()
-            .get_or_create_stream(stream::Config {
-                name: c.stream.clone(),
-                subjects: vec![c.subject.clone()],
-                retention: stream::RetentionPolicy::WorkQueue,
-                duplicate_window: Duration::from_millis(c.duplicate_window_ms),
-                max_message_size: i32::try_from(self.max_message_bytes()).unwrap_or(i32::MAX),
-                storage: c.storage.into(),
-                ..stream::Config::default()
-            })
-            .await
-            .map_err(|e| Error::nats("create claim stream", e))
+        let config = stream::Config {
+            name: c.stream.clone(),
+            subjects: vec![c.subject.clone()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            duplicate_window: Duration::from_millis(c.duplicate_window_ms),
+            max_message_size: i32::try_from(self.max_message_bytes()).unwrap_or(i32::MAX),
+            storage: c.storage.into(),
+            ..stream::Config::default()
+        };
+        ensure_stream(self.jetstream(), config, "create claim stream").await
     }
 
     /// The trainer's side of the claim queue (creates the stream when missing).
@@ -184,7 +182,10 @@ impl NatsTransport {
     pub async fn claim_taker(&self) -> Result<NatsClaimTaker> {
         let c = &self.config().claims;
         let stream = self.claim_stream().await?;
-        let consumer = durable_consumer(&stream, &c.consumer, c.lease_ms, "create claim consumer").await?;
+        // Claims in hand are bounded by the workers' slots, not by this limit: -1
+        // lets any number of workers hold any number of claims.
+        let consumer =
+            durable_consumer(&stream, &c.consumer, c.lease_ms, -1, "create claim consumer").await?;
         Ok(NatsClaimTaker { consumer, counters: Counters::new("nats", "claim").into() })
     }
 }

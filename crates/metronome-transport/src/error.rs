@@ -107,6 +107,22 @@ pub enum Error {
         /// Bytes announced.
         expected: u64,
     },
+    /// A stream or consumer of the same name, left by an earlier run or release, has
+    /// settings this one needs changed and the server refused to change them.
+    #[error(
+        "nats {what} `{name}` exists with other settings ({differences}) and the server refused to update it \
+         ({reason}); remove it (`nats {what} rm {name}`) or give this run another name"
+    )]
+    Leftover {
+        /// `stream` or `consumer`.
+        what: &'static str,
+        /// Its name.
+        name: String,
+        /// The settings that differ: `field: found -> wanted`.
+        differences: String,
+        /// The server's answer to the update.
+        reason: String,
+    },
     /// The other side went away.
     #[error("{0} is closed")]
     Closed(&'static str),
@@ -135,6 +151,7 @@ impl Error {
             Self::StaleVersion { .. } => "stale_version",
             Self::Config { .. } => "config",
             Self::Stalled { .. } => "stalled",
+            Self::Leftover { .. } => "leftover",
             Self::Closed(_) => "closed",
             Self::Nats { .. } => "nats",
         }

@@ -44,6 +44,12 @@
 //! - **Control messages** go on their own stream, read by an ordered consumer per
 //!   receiver, made again after a server restart from the last message it read.
 //!
+//! Streams and durable consumers are created when missing and brought to this
+//! config's settings when an earlier run of the same name (or an older release)
+//! left them with others (`max_pending`, `max_ack_pending`, ...); where the server
+//! cannot change a setting in place (storage, retention), connecting fails with an
+//! error naming the stream and the difference.
+//!
 //! Every message larger than the limit (the smaller of `max_message_bytes` and the
 //! server's `max_payload`) is refused by the sender and by the receiver; a malformed
 //! message is terminated (never redelivered), counted by reason, and skipped.
@@ -266,8 +272,15 @@ pub struct GroupStreamConfig {
     /// Unacknowledged groups are redelivered after this many milliseconds; longer
     /// than the trainer may take to accumulate one group.
     pub ack_wait_ms: u64,
-    /// Groups the stream holds before senders must wait (backpressure).
+    /// Groups the stream holds before senders must wait (backpressure). A trainer
+    /// holds a whole period's groups until its checkpoint, so this must be at least
+    /// the groups of one period (the pipeline checks it against the prompts per period).
     pub max_pending: i64,
+    /// Groups the trainer's consumer may hold delivered and unacknowledged; the
+    /// server delivers no more until some are acknowledged. At least one period's
+    /// groups, like `max_pending` (the server's own default, 1000, stalled a trainer
+    /// of larger periods).
+    pub max_ack_pending: i64,
     /// Window in which the server drops a group re-sent with the same key, in milliseconds.
     pub duplicate_window_ms: u64,
     /// How many periods behind the newest the receiver remembers delivered keys.
@@ -284,6 +297,7 @@ impl Default for GroupStreamConfig {
             consumer: "metronome-trainer".to_owned(),
             ack_wait_ms: 300_000,
             max_pending: 4_096,
+            max_ack_pending: 4_096,
             duplicate_window_ms: 600_000,
             dedup_window_periods: crate::dedup::DEFAULT_WINDOW_PERIODS,
             storage: Storage::File,
@@ -481,20 +495,31 @@ impl NatsTransport {
 
     async fn group_stream(&self) -> Result<stream::Stream> {
         let c = &self.config.groups;
-        self.js
-            .get_or_create_stream(stream::Config {
-                name: c.stream.clone(),
-                subjects: vec![c.subject.clone()],
-                retention: stream::RetentionPolicy::WorkQueue,
-                discard: stream::DiscardPolicy::New,
-                max_messages: c.max_pending,
-                max_message_size: i32::try_from(self.max_message).unwrap_or(i32::MAX),
-                duplicate_window: Duration::from_millis(c.duplicate_window_ms),
-                storage: c.storage.into(),
-                ..stream::Config::default()
-            })
-            .await
-            .map_err(|e| Error::nats("create group stream", e))
+        let config = stream::Config {
+            name: c.stream.clone(),
+            subjects: vec![c.subject.clone()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            discard: stream::DiscardPolicy::New,
+            max_messages: c.max_pending,
+            max_message_size: i32::try_from(self.max_message).unwrap_or(i32::MAX),
+            duplicate_window: Duration::from_millis(c.duplicate_window_ms),
+            storage: c.storage.into(),
+            ..stream::Config::default()
+        };
+        ensure_stream(&self.js, config, "create group stream").await
+    }
+
+    /// The messages the group stream and the claim queue hold now, by stream name
+    /// (creating them when missing). A trainer starting a run from scratch expects
+    /// none: any are left by an earlier run of the same name, and would be taken
+    /// for this run's.
+    pub async fn queued(&self) -> Result<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        for mut stream in [self.group_stream().await?, self.claim_stream().await?] {
+            let info = stream.info().await.map_err(|e| Error::nats("read stream state", e))?;
+            out.push((info.config.name.clone(), info.state.messages));
+        }
+        Ok(out)
     }
 
     /// A group sender (creates the stream when missing).
@@ -508,7 +533,9 @@ impl NatsTransport {
     pub async fn group_receiver(&self) -> Result<NatsGroupReceiver> {
         let c = &self.config.groups;
         let stream = self.group_stream().await?;
-        let consumer = durable_consumer(&stream, &c.consumer, c.ack_wait_ms, "create group consumer").await?;
+        let consumer =
+            durable_consumer(&stream, &c.consumer, c.ack_wait_ms, c.max_ack_pending, "create group consumer")
+                .await?;
         let messages = consumer.messages().await.map_err(|e| Error::nats("subscribe to groups", e))?;
         Ok(NatsGroupReceiver {
             messages,
@@ -532,19 +559,16 @@ impl NatsTransport {
                 .await
                 .map_err(|e| Error::nats("create weight bucket", e))?,
         };
-        let announce = self
-            .js
-            .get_or_create_stream(stream::Config {
-                name: c.announce_stream.clone(),
-                // The begins announcements are kept too, for subscribers that start
-                // waiting after an upload began.
-                subjects: vec![c.announce_subject.clone(), begins_subject(&c.announce_subject)],
-                max_messages_per_subject: 1,
-                storage: c.storage.into(),
-                ..stream::Config::default()
-            })
-            .await
-            .map_err(|e| Error::nats("create weight announcement stream", e))?;
+        let config = stream::Config {
+            name: c.announce_stream.clone(),
+            // The begins announcements are kept too, for subscribers that start
+            // waiting after an upload began.
+            subjects: vec![c.announce_subject.clone(), begins_subject(&c.announce_subject)],
+            max_messages_per_subject: 1,
+            storage: c.storage.into(),
+            ..stream::Config::default()
+        };
+        let announce = ensure_stream(&self.js, config, "create weight announcement stream").await?;
         Ok((store, announce))
     }
 
@@ -570,17 +594,15 @@ impl NatsTransport {
 
     async fn control_stream(&self) -> Result<stream::Stream> {
         let c = &self.config.control;
-        self.js
-            .get_or_create_stream(stream::Config {
-                name: c.stream.clone(),
-                subjects: vec![c.subject.clone()],
-                max_messages: 10_000,
-                max_message_size: i32::try_from(self.max_message).unwrap_or(i32::MAX),
-                storage: c.storage.into(),
-                ..stream::Config::default()
-            })
-            .await
-            .map_err(|e| Error::nats("create control stream", e))
+        let config = stream::Config {
+            name: c.stream.clone(),
+            subjects: vec![c.subject.clone()],
+            max_messages: 10_000,
+            max_message_size: i32::try_from(self.max_message).unwrap_or(i32::MAX),
+            storage: c.storage.into(),
+            ..stream::Config::default()
+        };
+        ensure_stream(&self.js, config, "create control stream").await
     }
 
     /// A control sender.
@@ -653,27 +675,111 @@ impl NatsTransport {
     }
 }
 
-/// The durable pull consumer `name` of `stream` with explicit acknowledgement and an
-/// acknowledgement timeout of `ack_wait_ms` (the redelivery delay of an unacknowledged
-/// message); created when missing, shared by every client that names it.
+/// The stream `config.name`: created when missing; when a stream of that name exists
+/// with other settings (left by an earlier run of the same name, or an older
+/// release), updated to these, and when the server refuses the update (retention
+/// and storage cannot change), an error naming the stream and what differs, instead
+/// of a run that fails later in a confusing way.
+pub(crate) async fn ensure_stream(
+    js: &jetstream::Context,
+    config: stream::Config,
+    what: &'static str,
+) -> Result<stream::Stream> {
+    let mut existing = match js.get_stream(&config.name).await {
+        Ok(stream) => stream,
+        Err(e)
+            if matches!(
+                e.kind(),
+                jetstream::context::GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+            ) =>
+        {
+            return js.get_or_create_stream(config).await.map_err(|e| Error::nats(what, e));
+        }
+        Err(e) => return Err(Error::nats(what, e)),
+    };
+    let found = &existing.cached_info().config;
+    let differences = stream_differences(found, &config);
+    if differences.is_empty() {
+        return Ok(existing);
+    }
+    tracing::warn!(stream = %config.name, %differences, "updating a stream left with other settings");
+    match js.update_stream(&config).await {
+        Ok(_) => {
+            existing.info().await.map_err(|e| Error::nats(what, e))?;
+            Ok(existing)
+        }
+        Err(e) => {
+            Err(Error::Leftover { what: "stream", name: config.name, differences, reason: e.to_string() })
+        }
+    }
+}
+
+/// The settings Metronome chooses that differ between `found` and `wanted`, as
+/// `field: found -> wanted`; empty when none do. The message size limit is left
+/// out: every process enforces its own (`max_message_bytes`) on what it sends and
+/// receives, and two processes with different limits must not take turns
+/// rewriting the stream's.
+fn stream_differences(found: &stream::Config, wanted: &stream::Config) -> String {
+    let mut out = Vec::new();
+    let mut check = |field: &str, a: String, b: String| {
+        if a != b {
+            out.push(format!("{field}: {a} -> {b}"));
+        }
+    };
+    check("subjects", format!("{:?}", found.subjects), format!("{:?}", wanted.subjects));
+    check("retention", format!("{:?}", found.retention), format!("{:?}", wanted.retention));
+    check("storage", format!("{:?}", found.storage), format!("{:?}", wanted.storage));
+    check("discard", format!("{:?}", found.discard), format!("{:?}", wanted.discard));
+    // The server reports "no limit" as -1 where a config leaves 0.
+    let limit = |v: i64| if v <= 0 { "none".to_owned() } else { v.to_string() };
+    check("max_messages", limit(found.max_messages), limit(wanted.max_messages));
+    check(
+        "max_messages_per_subject",
+        limit(found.max_messages_per_subject),
+        limit(wanted.max_messages_per_subject),
+    );
+    // A zero window is the server's default (two minutes).
+    if !wanted.duplicate_window.is_zero() {
+        check(
+            "duplicate_window",
+            format!("{:?}", found.duplicate_window),
+            format!("{:?}", wanted.duplicate_window),
+        );
+    }
+    out.join(", ")
+}
+
+/// The durable pull consumer `name` of `stream` with explicit acknowledgement, an
+/// acknowledgement timeout of `ack_wait_ms` (the redelivery delay of an
+/// unacknowledged message) and at most `max_ack_pending` messages delivered and not
+/// yet acknowledged (the server delivers no more until some are). Created when
+/// missing, updated to these settings when an earlier run left it with others (the
+/// server's default of 1000 pending would stall a trainer that holds a larger
+/// period unacknowledged), shared by every client that names it.
 pub(crate) async fn durable_consumer(
     stream: &stream::Stream,
     name: &str,
     ack_wait_ms: u64,
+    max_ack_pending: i64,
     what: &'static str,
 ) -> Result<consumer::PullConsumer> {
-    stream
-        .get_or_create_consumer(
-            name,
-            consumer::pull::Config {
-                durable_name: Some(name.to_owned()),
-                ack_policy: consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_millis(ack_wait_ms),
-                ..consumer::pull::Config::default()
-            },
-        )
-        .await
-        .map_err(|e| Error::nats(what, e))
+    let config = consumer::pull::Config {
+        durable_name: Some(name.to_owned()),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: Duration::from_millis(ack_wait_ms),
+        max_ack_pending,
+        ..consumer::pull::Config::default()
+    };
+    stream.create_consumer(config).await.map_err(|e| match e.kind() {
+        stream::ConsumerErrorKind::JetStream(_) => Error::Leftover {
+            what: "consumer",
+            name: name.to_owned(),
+            differences: format!("wanted ack_wait {ack_wait_ms} ms, max_ack_pending {max_ack_pending}"),
+            reason: e.to_string(),
+        },
+        _ => Error::nats(what, e),
+    })
 }
 
 /// Sends groups to the group stream.

@@ -405,6 +405,34 @@ fn a_server_restart_mid_run_loses_nothing_and_the_weights_match_one_process() {
 }
 
 #[test]
+fn a_fresh_trainer_refuses_messages_left_by_an_earlier_run_of_the_same_name() {
+    use metronome_core::{PeriodId, PolicyVersion, Prompt, PromptId};
+    use metronome_transport::nats::{NatsConfig, NatsTransport};
+    let _serial = serial();
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    // An earlier run named `cluster` offered claims; its run directory is gone.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let t = NatsTransport::connect(NatsConfig::with_prefix(vec![server.url()], "metronome-cluster"))
+            .await
+            .unwrap();
+        let prompt = Prompt { id: PromptId(3), text: "1+2=".into(), tokens: vec![1], ..Prompt::default() };
+        t.claim_offerer().await.unwrap().offer(PeriodId(0), PolicyVersion(0), &[prompt]).await.unwrap();
+    });
+    let out = tempfile::tempdir().unwrap();
+    let mut trainer = Proc::trainer(&settings(&server.url(), 1), out.path());
+    let status = trainer.finish();
+    let log = trainer.log();
+    assert!(!status.success(), "the trainer started on leftovers:\n{log}");
+    assert!(
+        log.contains("`run.name`")
+            && log.contains("1 in METRONOME_CLUSTER_CLAIMS")
+            && log.contains("earlier run"),
+        "{log}"
+    );
+}
+
+#[test]
 fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
     let _serial = serial();
     let out = tempfile::tempdir().unwrap();

@@ -96,12 +96,8 @@ fn nats_config(config: &PipelineConfig, role: &str) -> Result<NatsConfig> {
             ),
         });
     };
-    let safe: String = name
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
-        .collect();
     let defaults = NatsConfig::default();
-    let scoped = NatsConfig::with_prefix(Vec::new(), &format!("metronome-{safe}"));
+    let scoped = NatsConfig::with_prefix(Vec::new(), &format!("metronome-{}", scope_name(name)));
     let pairs = [
         (&mut nats.groups.stream, &defaults.groups.stream, &scoped.groups.stream),
         (&mut nats.groups.subject, &defaults.groups.subject, &scoped.groups.subject),
@@ -129,6 +125,25 @@ fn nats_config(config: &PipelineConfig, role: &str) -> Result<NatsConfig> {
         }
     }
     Ok(nats)
+}
+
+/// The part of stream and subject names that stands for `run.name`: the name itself
+/// when it is made of `[a-z0-9_]` only, else those characters of it (others as `_`)
+/// and a checksum of the whole name, so that names which differ (`exp 7`, `exp-7`,
+/// `Exp_7`) never share streams although NATS names allow fewer characters and
+/// stream names are upper-cased. (Only a name spelled exactly like another's
+/// escaped form could collide with it.)
+fn scope_name(name: &str) -> String {
+    if !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_') {
+        return name.to_owned();
+    }
+    let plain: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '_' }).collect();
+    // FNV-1a: stable across releases and platforms, unlike the std hasher, so that a
+    // restarted trainer finds its streams again.
+    let hash =
+        name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    format!("{plain}_{:08x}", hash >> 32)
 }
 
 /// Connects, naming the servers in the error (wrong credentials and unreachable
@@ -172,12 +187,28 @@ mod tests {
 
     #[test]
     fn default_names_are_scoped_to_the_run_and_custom_ones_kept() {
-        let c = config(&["transport.kind=nats", "run.name=exp 7", "transport.claims.stream=MINE"]);
+        let c = config(&["transport.kind=nats", "run.name=exp_7", "transport.claims.stream=MINE"]);
         let nats = nats_config(&c, "trainer").unwrap();
         assert_eq!(nats.groups.stream, "METRONOME_EXP_7_GROUPS");
         assert_eq!(nats.weights.bucket, "metronome-exp_7-weights");
         assert_eq!(nats.claims.subject, "metronome-exp_7.claims");
         assert_eq!(nats.claims.stream, "MINE");
+    }
+
+    #[test]
+    fn run_names_that_differ_never_share_streams() {
+        let names = ["exp_7", "exp 7", "exp-7", "exp.7", "Exp_7", "EXP_7", "exp_7 ", "é", "è", "_", " "];
+        let mut streams = std::collections::BTreeSet::new();
+        for name in names {
+            let c = config(&["transport.kind=nats", &format!("run.name={name:?}")]);
+            let nats = nats_config(&c, "trainer").unwrap();
+            for n in [&nats.groups.stream, &nats.groups.subject, &nats.claims.stream, &nats.weights.bucket] {
+                assert!(n.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b)), "{name:?}: {n}");
+            }
+            assert!(streams.insert(nats.groups.stream.clone()), "{name:?} shares {}", nats.groups.stream);
+        }
+        // Stable across releases: a restarted trainer must find its streams.
+        assert_eq!(scope_name("exp 7"), "exp_7_db8c8c12");
     }
 
     #[test]

@@ -117,6 +117,9 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
         format!("trainer-{secs}")
     });
+    // A run directory with a config is this run's: a restart, maybe before its first
+    // checkpoint, whose messages on the server are its own.
+    let restarted = config.run.out_dir.join(&name).join("config.toml").is_file();
     let dir = RunDir::create(&config.run.out_dir, &name)?;
     dir.write_config(&config.to_toml()?)?;
     let checkpoints = Checkpoints::new(&dir);
@@ -147,6 +150,9 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             (trainer, state.next_period, Some(state.next_period))
         }
         None => {
+            if !restarted {
+                refuse_leftovers(&transport, &name).await?;
+            }
             let bar = progress_bar(progress, config.sft.steps, "sft");
             let (model, sft_loss) = warm_start(&config, model, &tokenizer).await?;
             bar.finish_and_clear();
@@ -295,6 +301,27 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
     }
     eprintln!("run directory: {}", dir.path().display());
     Ok(TrainerOutcome { dir, periods: reports, resumed_at, weights })
+}
+
+/// A run starting from scratch finds the group stream and claim queue of its name
+/// empty; messages there were left by an earlier run with the same `run.name` (whose
+/// run directory is gone or elsewhere), and would be trained or generated as this
+/// run's.
+async fn refuse_leftovers(transport: &metronome_transport::nats::NatsTransport, name: &str) -> Result<()> {
+    let queued = transport.queued().await.map_err(err("transport"))?;
+    let left: Vec<String> =
+        queued.iter().filter(|(_, n)| *n > 0).map(|(stream, n)| format!("{n} in {stream}")).collect();
+    if left.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Config {
+        key: "run.name".into(),
+        reason: format!(
+            "`{name}` starts from scratch (no run directory), but the server holds messages of an earlier \
+             run with this name ({}); purge those streams (`nats stream purge <stream>`) or pick another run.name",
+            left.join(", ")
+        ),
+    })
 }
 
 fn note_group(report: &mut PeriodReport, group: &ScoredGroup) {

@@ -61,6 +61,21 @@ fn impossible_combinations_are_named() {
     assert!(e.starts_with("invalid configuration `trainer.loss.tis_cap`"), "{e}");
     let e = err(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"]);
     assert!(e.starts_with("invalid configuration `packing.row_tokens`"), "{e}");
+    let e = err(&["rollout.max_seq_len=20"]);
+    assert!(
+        e.starts_with(
+            "invalid configuration `rollout.max_seq_len`: is 20 but a prompt (data.prompt.max_tokens = 16)"
+        ),
+        "{e}"
+    );
+    let e = err(&["transport.kind=\"nats\"", "data.release.batch_size=5000"]);
+    assert!(e.starts_with("invalid configuration `transport.groups.max_pending`: is 4096"), "{e}");
+    let e = err(&[
+        "transport.kind=\"nats\"",
+        "transport.groups.max_ack_pending=1000",
+        "data.release.batch_size=1500",
+    ]);
+    assert!(e.starts_with("invalid configuration `transport.groups.max_ack_pending`: is 1000"), "{e}");
     let e = err(&["run.group_size=0"]);
     assert!(e.starts_with("invalid configuration `run.group_size`"), "{e}");
     let e = err(&["data.source={ kind = \"jsonl\", path = \"x.jsonl\" }"]);

@@ -745,3 +745,59 @@ async fn claim_pulls_cut_by_server_restarts_come_back_and_every_claim_is_taken()
     }
     worker.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_period_larger_than_the_servers_default_ack_cap_arrives_whole() {
+    // A trainer holds a whole period unacknowledged until its checkpoint. An earlier
+    // run left the consumer at the server's default cap (1000 pending): this run's
+    // setting replaces it, and 1100 held deliveries all arrive.
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let mut earlier = config(&server, "bigperiod");
+    earlier.groups.max_ack_pending = 1000;
+    drop(NatsTransport::connect(earlier.clone()).await.unwrap().group_receiver().await.unwrap());
+    let mut now = earlier;
+    now.groups.max_ack_pending = 2000;
+    let t = NatsTransport::connect(now).await.unwrap();
+    let mut receiver = t.group_receiver().await.unwrap();
+    let sender = t.group_sender().await.unwrap();
+    for p in 0..1100 {
+        sender.send(scored_group(0, p, 1, 2)).await.unwrap();
+    }
+    let mut held = Vec::with_capacity(1100);
+    while held.len() < 1100 {
+        let d = tokio::time::timeout(Duration::from_secs(20), receiver.recv())
+            .await
+            .unwrap_or_else(|_| panic!("delivery stopped after {} unacknowledged groups", held.len()))
+            .unwrap()
+            .unwrap();
+        held.push(d);
+    }
+    for d in held {
+        d.acker.ack().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_left_with_other_settings_are_updated_or_named_in_a_clear_error() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    // An earlier run with a smaller stream: updated to this run's limit.
+    let mut earlier = config(&server, "leftover");
+    earlier.groups.max_pending = 10;
+    NatsTransport::connect(earlier.clone()).await.unwrap().group_sender().await.unwrap();
+    let t = NatsTransport::connect(config(&server, "leftover")).await.unwrap();
+    t.group_sender().await.expect("a larger limit is an update");
+    let stream = t.client().clone();
+    let info =
+        async_nats::jetstream::new(stream).get_stream("LEFTOVER_GROUPS").await.unwrap().cached_info().clone();
+    assert_eq!(info.config.max_messages, 4096);
+    // One the server cannot change in place (storage): a clear error, not a hang.
+    let mut memory = config(&server, "leftover");
+    memory.groups.storage = metronome_transport::nats::Storage::Memory;
+    let err = NatsTransport::connect(memory).await.unwrap().group_sender().await.unwrap_err().to_string();
+    assert!(
+        err.contains("`LEFTOVER_GROUPS`")
+            && err.contains("storage: File -> Memory")
+            && err.contains("another name"),
+        "{err}"
+    );
+}
