@@ -39,6 +39,11 @@ pub enum FinishReason {
     Length,
     /// Generation was cancelled (shutdown, or the period was abandoned).
     Aborted,
+    /// The prompt could not be generated from at all (empty, longer than the
+    /// engine's context, or failing every worker that took it): the response is
+    /// empty. A group of such responses ([`Group::rejected`]) keeps its period
+    /// complete; the pipeline counts it and trains nothing from it.
+    PromptRejected,
 }
 
 /// One sampled response to a prompt.
@@ -95,6 +100,30 @@ impl Group {
     #[must_use]
     pub fn oldest_version(&self) -> Option<PolicyVersion> {
         self.completions.iter().map(|c| c.version).min()
+    }
+
+    /// The group standing for a prompt that cannot be generated from: `group_size`
+    /// empty responses marked [`FinishReason::PromptRejected`], at `version`. It
+    /// flows like any group, so that the period it belongs to still completes.
+    #[must_use]
+    pub fn rejected(period: PeriodId, prompt: Prompt, group_size: u32, version: PolicyVersion) -> Self {
+        let completions = (0..group_size)
+            .map(|sample_index| Completion {
+                sample_index,
+                version,
+                finish_reason: FinishReason::PromptRejected,
+                ..Completion::default()
+            })
+            .collect();
+        Self { period, prompt, completions, timing: GroupTiming::default() }
+    }
+
+    /// True for a group made by [`Group::rejected`] (every response's prompt was
+    /// rejected): it holds nothing to train.
+    #[must_use]
+    pub fn is_rejected(&self) -> bool {
+        !self.completions.is_empty()
+            && self.completions.iter().all(|c| c.finish_reason == FinishReason::PromptRejected)
     }
 
     /// Checks the structural invariants every stage may rely on: at least one

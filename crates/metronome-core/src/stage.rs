@@ -187,6 +187,16 @@ pub trait Trainer: Send {
 pub trait Acker: Send + Sync + std::fmt::Debug {
     /// Confirms the delivery; until then the transport may deliver it again.
     async fn ack(self: Box<Self>) -> Result<()>;
+
+    /// Gives up on a delivery that can never be processed (a poison message: it
+    /// does not pack, or names a period or version this trainer is not training):
+    /// the transport must not deliver it again, and may keep it where an operator
+    /// can read it, with `reason`. The caller logs and counts it. By default the
+    /// delivery is acknowledged, which is all a transport without redelivery needs.
+    async fn reject(self: Box<Self>, reason: &str) -> Result<()> {
+        let _ = reason;
+        self.ack().await
+    }
 }
 
 /// An acknowledgement that does nothing, for transports without redelivery.

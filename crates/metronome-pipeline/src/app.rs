@@ -365,6 +365,15 @@ pub(crate) fn group_scorer(config: &PipelineConfig) -> Result<Box<dyn GroupScore
     reward.build().map_err(err("reward"))
 }
 
+/// The masking crate's packing with the run's settings.
+pub(crate) fn packer(packing: metronome_masking::PackingConfig) -> impl crate::runner::Packer {
+    move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
+        metronome_masking::pack_period(groups, &packing)
+            .map(|layouts| layouts.into_iter().map(|l| l.batch).collect())
+            .map_err(|e| metronome_core::Error::stage("masking", e))
+    }
+}
+
 /// The stages of a configured run on `policy`, and a handle on its trainer.
 pub fn build_stages(
     config: &PipelineConfig,
@@ -378,12 +387,7 @@ pub fn build_stages(
     engine_cfg.seed = config.run.seed;
     let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
     let scorer = group_scorer(config)?;
-    let packing = config.packing;
-    let packer = move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
-        metronome_masking::pack_period(groups, &packing)
-            .map(|layouts| layouts.into_iter().map(|l| l.batch).collect())
-            .map_err(|e| metronome_core::Error::stage("masking", e))
-    };
+    let packer = packer(config.packing);
     let trainer = TrainerHandle(Arc::new(Mutex::new(
         GrpoTrainer::new(config.trainer.clone(), policy).map_err(err("trainer"))?,
     )));

@@ -1,6 +1,6 @@
 //! The pipeline's error type.
 
-use metronome_core::{GroupKey, PeriodId, PolicyVersion, PromptId};
+use metronome_core::{PeriodId, PolicyVersion, PromptId};
 
 /// What can stop a run.
 #[derive(Debug, thiserror::Error)]
@@ -39,9 +39,6 @@ pub enum Error {
         /// The repeated prompt.
         prompt: PromptId,
     },
-    /// A group arrived for a period that is not in flight.
-    #[error("group {0} arrived outside the periods in flight")]
-    UnexpectedGroup(GroupKey),
     /// Invalid configuration; `key` names the setting.
     #[error("invalid configuration `{key}`: {reason}")]
     Config {

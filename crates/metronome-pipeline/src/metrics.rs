@@ -21,6 +21,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
     ("metronome_pipeline_stale_groups_dropped_total", "counter", "groups dropped beyond the staleness bound"),
     ("metronome_pipeline_duplicate_groups_total", "counter", "redelivered groups ignored"),
     (
+        "metronome_pipeline_rejected_groups_total",
+        "counter",
+        "groups not trained: prompt rejected by the engine, or a poison message (see the log)",
+    ),
+    (
         "metronome_pipeline_refused_steps_total",
         "counter",
         "steps whose update the trainer refused (non-finite loss or gradient); the weights stayed",
@@ -74,6 +79,7 @@ pub(crate) fn record_period(report: &PeriodReport) {
     counter!("metronome_pipeline_groups_total").increment(report.groups as u64);
     counter!("metronome_pipeline_stale_groups_dropped_total").increment(report.dropped_stale as u64);
     counter!("metronome_pipeline_duplicate_groups_total").increment(report.duplicates as u64);
+    counter!("metronome_pipeline_rejected_groups_total").increment(report.rejected as u64);
     counter!("metronome_pipeline_refused_steps_total").increment(u64::from(!report.step.applied));
     counter!("metronome_pipeline_generated_tokens_total").increment(report.generated_tokens);
     if report.generation_s > 0.0 {

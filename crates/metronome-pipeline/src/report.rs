@@ -59,6 +59,11 @@ pub struct PeriodReport {
     pub dropped_stale: usize,
     /// Duplicate deliveries ignored (same period and prompt).
     pub duplicates: usize,
+    /// Groups received but not trained: their prompt was rejected by the rollout
+    /// engine, or they were poison (did not pack; belonged to a period or version
+    /// not in training). Logged one by one.
+    #[serde(default)]
+    pub rejected: usize,
     /// Tokens generated.
     pub generated_tokens: u64,
     /// Mean reward over the period's completions.

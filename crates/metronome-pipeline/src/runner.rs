@@ -215,9 +215,16 @@ impl Runner {
             scored.sort_by_key(|g| order.get(&g.key()).copied().unwrap_or(usize::MAX));
 
             for group in &scored {
+                let micro_batches = match trainable(self.stages.packer.as_ref(), group) {
+                    Ok(micro_batches) => micro_batches,
+                    Err(reason) => {
+                        note_rejected(&mut report, group.key(), &reason);
+                        continue;
+                    }
+                };
                 note_group(&mut report, group, 0);
                 let t = Instant::now();
-                for micro in self.stages.packer.pack(std::slice::from_ref(group))? {
+                for micro in micro_batches {
                     accumulate(self.stages.trainer.as_mut(), micro)?;
                 }
                 report.intervals.push(self.interval(StageKind::Training, period, t));
@@ -323,7 +330,11 @@ impl Runner {
                 }
                 if key.period != period {
                     if key.period < period {
-                        return Err(Error::UnexpectedGroup(key));
+                        // Not a redelivery (those are in `trained`): nothing of ours.
+                        let reason = format!("it belongs to period {}, which is closed", key.period);
+                        note_rejected(&mut report, key, &reason);
+                        delivery.acker.reject(&reason).await?;
+                        continue;
                     }
                     pending.entry(key.period).or_default().push(delivery);
                     continue;
@@ -341,9 +352,22 @@ impl Runner {
                 }
                 metrics::gauge!("metronome_pipeline_queue_depth_groups")
                     .set(pending.values().map(Vec::len).sum::<usize>() as f64);
+                let micro_batches = match trainable(self.stages.packer.as_ref(), &delivery.group) {
+                    Ok(micro_batches) => micro_batches,
+                    Err(reason) => {
+                        note_rejected(&mut report, key, &reason);
+                        trained.insert(key);
+                        if delivery.group.group.is_rejected() {
+                            delivery.acker.ack().await?;
+                        } else {
+                            delivery.acker.reject(&reason).await?;
+                        }
+                        continue;
+                    }
+                };
                 note_group(&mut report, &delivery.group, staleness);
                 let t = Instant::now();
-                for micro in self.stages.packer.pack(std::slice::from_ref(&delivery.group))? {
+                for micro in micro_batches {
                     accumulate(self.stages.trainer.as_mut(), micro)?;
                 }
                 report.intervals.push(self.interval(StageKind::Training, period, t));
@@ -419,6 +443,30 @@ fn handle_event(
         Event::Finished => Ok(true),
         Event::Failed(e) => Err(e),
     }
+}
+
+/// The micro-batches of `group`, or why it can never be trained: its prompt was
+/// rejected by the engine ([`metronome_core::Group::rejected`]: nothing to train),
+/// or it does not pack into valid micro-batches (a poison message; checked before
+/// any is accumulated, so a group is trained whole or not at all).
+pub(crate) fn trainable(
+    packer: &dyn Packer,
+    group: &ScoredGroup,
+) -> std::result::Result<Vec<TrainBatch>, String> {
+    if group.group.is_rejected() {
+        return Err("the rollout engine rejected its prompt".into());
+    }
+    let batches = packer.pack(std::slice::from_ref(group)).map_err(|e| format!("it does not pack: {e}"))?;
+    for batch in &batches {
+        batch.validate().map_err(|e| format!("it packs into an invalid micro-batch: {e}"))?;
+    }
+    Ok(batches)
+}
+
+/// Counts and logs a group of the period that is not trained; the period goes on.
+pub(crate) fn note_rejected(report: &mut PeriodReport, key: GroupKey, reason: &str) {
+    report.rejected += 1;
+    tracing::warn!(%key, "not training group {key}: {reason}");
 }
 
 fn note_group(report: &mut PeriodReport, group: &ScoredGroup, staleness: u64) {

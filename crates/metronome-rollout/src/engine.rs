@@ -294,6 +294,25 @@ impl<M: InferenceModel> Engine<M> {
         self.shared.lock_queue().pending.len()
     }
 
+    /// Why `prompt` cannot be generated from, if it cannot: no tokens, or no room
+    /// left within the context.
+    fn check_prompt(&self, prompt: &Prompt) -> Result<()> {
+        if prompt.tokens.is_empty() {
+            return Err(Error::Prompt { prompt: prompt.id, reason: "has no tokens".into() });
+        }
+        if prompt.tokens.len() >= self.max_seq_len {
+            return Err(Error::Prompt {
+                prompt: prompt.id,
+                reason: format!(
+                    "has {} tokens, leaving no room to generate within max_seq_len {}",
+                    prompt.tokens.len(),
+                    self.max_seq_len
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Checks a submission and resolves its stop conditions.
     fn prepare(&self, sub: &Submission) -> Result<StopConditions> {
         sub.sampling.validate()?;
@@ -301,19 +320,7 @@ impl<M: InferenceModel> Engine<M> {
             return Err(Error::config("group_size", "is 0 (expected >= 1)"));
         }
         for p in &sub.prompts {
-            if p.tokens.is_empty() {
-                return Err(Error::Prompt { prompt: p.id, reason: "has no tokens".into() });
-            }
-            if p.tokens.len() >= self.max_seq_len {
-                return Err(Error::Prompt {
-                    prompt: p.id,
-                    reason: format!(
-                        "has {} tokens, leaving no room to generate within max_seq_len {}",
-                        p.tokens.len(),
-                        self.max_seq_len
-                    ),
-                });
-            }
+            self.check_prompt(p)?;
         }
         let token_ids = if sub.sampling.ignore_eos {
             Vec::new()
@@ -425,10 +432,27 @@ impl<M: InferenceModel> Drop for Engine<M> {
 
 #[async_trait]
 impl<M: InferenceModel> RolloutEngine for Engine<M> {
+    /// Unlike [`Engine::submit`], a prompt that cannot be generated from (empty, or
+    /// too long for `max_seq_len`) does not fail the request: its group is emitted
+    /// first as [`Group::rejected`], logged and counted
+    /// (`metronome_rollout_prompts_rejected_total`), so the period completes and a
+    /// rollout worker does not die on a bad prompt, nor the next one that takes it.
     async fn generate(&self, request: RolloutRequest, sink: &dyn GroupSink) -> metronome_core::Result<()> {
+        let version = self.current_version();
+        let mut prompts = Vec::with_capacity(request.prompts.len());
+        for prompt in request.prompts {
+            match self.check_prompt(&prompt) {
+                Ok(()) => prompts.push(prompt),
+                Err(e) => {
+                    tracing::warn!(period = request.period.0, error = %e, "rejected a prompt");
+                    metrics::counter!("metronome_rollout_prompts_rejected_total").increment(1);
+                    sink.emit(Group::rejected(request.period, prompt, request.group_size, version)).await?;
+                }
+            }
+        }
         let sub = Submission {
             period: request.period,
-            prompts: request.prompts,
+            prompts,
             group_size: request.group_size,
             sampling: self.config.sampling.clone(),
             seed: RunSeed(self.config.seed),

@@ -52,8 +52,11 @@
 //! - **Metrics** through the `metrics` facade, labelled by worker:
 //!   `metronome_rollout_active_slots`, `metronome_rollout_queue_depth`,
 //!   `metronome_rollout_generated_tokens_total`,
-//!   `metronome_rollout_group_duration_seconds`; [`Engine::worker_stats`] gives the
-//!   same counters in process.
+//!   `metronome_rollout_group_duration_seconds`, and (engine-wide)
+//!   `metronome_rollout_prompts_rejected_total`: prompts that
+//!   [`RolloutEngine::generate`](metronome_core::RolloutEngine::generate) turned into
+//!   rejected groups (empty, or too long for `max_seq_len`); [`Engine::worker_stats`]
+//!   gives the same counters in process.
 //!
 //! # What it is not
 //! It does not score, pack or train: groups go to a [`GroupSink`](metronome_core::GroupSink)

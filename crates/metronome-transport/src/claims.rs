@@ -51,6 +51,10 @@ pub struct ClaimQueueConfig {
     pub lease_ms: u64,
     /// Window in which offering the same (period, prompt) again adds nothing, in milliseconds.
     pub duplicate_window_ms: u64,
+    /// A claim delivered more often than this (every worker that took it failed on
+    /// it, or died) is poison: the worker that takes it next publishes its group as
+    /// rejected instead of generating.
+    pub max_deliveries: u64,
     /// Storage.
     pub storage: Storage,
 }
@@ -63,6 +67,7 @@ impl Default for ClaimQueueConfig {
             consumer: "metronome-workers".to_owned(),
             lease_ms: 30_000,
             duplicate_window_ms: 600_000,
+            max_deliveries: 5,
             storage: Storage::File,
         }
     }
@@ -186,7 +191,11 @@ impl NatsTransport {
         // lets any number of workers hold any number of claims.
         let consumer =
             durable_consumer(&stream, &c.consumer, c.lease_ms, -1, "create claim consumer").await?;
-        Ok(NatsClaimTaker { consumer, counters: Counters::new("nats", "claim").into() })
+        Ok(NatsClaimTaker {
+            transport: self.clone(),
+            consumer,
+            counters: Counters::new("nats", "claim").into(),
+        })
     }
 }
 
@@ -231,6 +240,7 @@ impl NatsClaimOfferer {
 /// Takes claims for one worker.
 #[derive(Clone)]
 pub struct NatsClaimTaker {
+    transport: NatsTransport,
     consumer: consumer::PullConsumer,
     counters: std::sync::Arc<Counters>,
 }
@@ -306,6 +316,10 @@ impl NatsClaimTaker {
                 Err(e) => {
                     self.counters.rejected(e.reason());
                     tracing::warn!(error = %e, "rejected a claim message");
+                    let subject = message.subject.as_str();
+                    self.transport
+                        .dead_letter("claim", subject, &e.to_string(), message.payload.clone())
+                        .await;
                     if let Err(e) = message.ack_with(jetstream::AckKind::Term).await {
                         tracing::warn!(error = %e, "could not terminate a rejected claim");
                     }

@@ -110,6 +110,8 @@ pub struct NatsConfig {
     pub control: ControlConfig,
     /// The prompt claim queue of multi-process runs ([`crate::claims`]).
     pub claims: crate::claims::ClaimQueueConfig,
+    /// Where poison messages go for an operator to read.
+    pub dead_letters: DeadLetterConfig,
 }
 
 impl Default for NatsConfig {
@@ -127,6 +129,7 @@ impl Default for NatsConfig {
             weights: WeightStoreConfig::default(),
             control: ControlConfig::default(),
             claims: crate::claims::ClaimQueueConfig::default(),
+            dead_letters: DeadLetterConfig::default(),
         }
     }
 }
@@ -162,6 +165,11 @@ impl NatsConfig {
                 subject: format!("{lower}.claims"),
                 consumer: format!("{lower}-workers"),
                 ..crate::claims::ClaimQueueConfig::default()
+            },
+            dead_letters: DeadLetterConfig {
+                stream: format!("{upper}_DEAD"),
+                subject: format!("{lower}.dead"),
+                ..DeadLetterConfig::default()
             },
             ..Self::default()
         }
@@ -390,6 +398,33 @@ impl Default for ControlConfig {
     }
 }
 
+/// The dead-letter stream: messages that can never be processed (undecodable, or
+/// refused by the trainer: a group for a period or weights version it is not
+/// training, or one that does not pack) are terminated on their own stream and a
+/// copy is kept here, on `<subject>.<kind>` (`group`, `claim`), with the headers
+/// `Metronome-Reason` (what was wrong) and `Metronome-Subject` (where it came from).
+/// `nats stream view <stream>` shows them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeadLetterConfig {
+    /// Stream name.
+    pub stream: String,
+    /// Subject prefix.
+    pub subject: String,
+    /// The newest this many dead letters are kept.
+    pub max_messages: i64,
+}
+
+impl Default for DeadLetterConfig {
+    fn default() -> Self {
+        Self {
+            stream: "METRONOME_DEAD".to_owned(),
+            subject: "metronome.dead".to_owned(),
+            max_messages: 10_000,
+        }
+    }
+}
+
 /// A connection to NATS from which every endpoint is made.
 #[derive(Clone, Debug)]
 pub struct NatsTransport {
@@ -509,6 +544,35 @@ impl NatsTransport {
         ensure_stream(&self.js, config, "create group stream").await
     }
 
+    /// Keeps a copy of a poison message of `kind` that came on `subject` on the
+    /// dead-letter stream, with `reason`, and counts it
+    /// (`metronome_transport_dead_letters_total`). Best effort: a failure is logged,
+    /// since the message is terminated either way.
+    pub(crate) async fn dead_letter(&self, kind: &'static str, subject: &str, reason: &str, payload: Bytes) {
+        metrics::counter!("metronome_transport_dead_letters_total", "transport" => TRANSPORT, "kind" => kind)
+            .increment(1);
+        let c = &self.config.dead_letters;
+        let config = stream::Config {
+            name: c.stream.clone(),
+            subjects: vec![format!("{}.>", c.subject)],
+            max_messages: c.max_messages,
+            storage: stream::StorageType::File,
+            ..stream::Config::default()
+        };
+        let mut headers = HeaderMap::new();
+        // Header values are one line.
+        headers.insert("Metronome-Reason", reason.replace(['\r', '\n'], " ").as_str());
+        headers.insert("Metronome-Subject", subject);
+        let kept = async {
+            ensure_stream(&self.js, config, "create dead-letter stream").await?;
+            let subject = format!("{}.{kind}", c.subject);
+            self.publish_durably("keep a dead letter", &subject, Some(headers), payload).await
+        };
+        if let Err(e) = kept.await {
+            tracing::warn!(error = %e, kind, reason, "could not keep a dead letter");
+        }
+    }
+
     /// The messages the group stream and the claim queue hold now, by stream name
     /// (creating them when missing). A trainer starting a run from scratch expects
     /// none: any are left by an earlier run of the same name, and would be taken
@@ -538,6 +602,7 @@ impl NatsTransport {
                 .await?;
         let messages = consumer.messages().await.map_err(|e| Error::nats("subscribe to groups", e))?;
         Ok(NatsGroupReceiver {
+            transport: self.clone(),
             messages,
             max_message: self.max_message,
             dedup: Dedup::new(c.dedup_window_periods),
@@ -828,6 +893,7 @@ impl GroupSender for NatsGroupSender {
 /// only when the connection is closed for good; a pipeline ends the stream with
 /// [`ControlMessage::Shutdown`].
 pub struct NatsGroupReceiver {
+    transport: NatsTransport,
     messages: consumer::pull::Stream,
     max_message: usize,
     dedup: Arc<Dedup>,
@@ -847,10 +913,13 @@ impl NatsGroupReceiver {
         self.counters.snapshot()
     }
 
-    /// Terminates a message that can never be processed, so it is not redelivered.
+    /// Terminates a message that can never be processed, so it is not redelivered,
+    /// and keeps it as a dead letter.
     async fn reject(&self, message: &jetstream::Message, error: &Error) {
         self.counters.rejected(error.reason());
         tracing::warn!(%error, "rejected a group message");
+        let subject = message.subject.as_str();
+        self.transport.dead_letter("group", subject, &error.to_string(), message.payload.clone()).await;
         if let Err(e) = message.ack_with(jetstream::AckKind::Term).await {
             tracing::warn!(error = %e, "could not terminate a rejected group message");
         }
@@ -860,6 +929,9 @@ impl NatsGroupReceiver {
 struct NatsAck {
     acker: jetstream::message::Acker,
     guard: KeyGuard,
+    /// For a rejection: the message as received, to keep as a dead letter.
+    transport: NatsTransport,
+    payload: Bytes,
 }
 
 impl std::fmt::Debug for NatsAck {
@@ -873,6 +945,18 @@ impl Acker for NatsAck {
     async fn ack(self: Box<Self>) -> metronome_core::Result<()> {
         // Wait for the server to confirm: only then is the group safe from redelivery.
         self.acker.double_ack().await.map_err(|e| Error::Nats { op: "acknowledge group", source: e })?;
+        self.guard.acked();
+        Ok(())
+    }
+
+    async fn reject(self: Box<Self>, reason: &str) -> metronome_core::Result<()> {
+        let subject = self.transport.config.groups.subject.clone();
+        self.transport.dead_letter("group", &subject, reason, self.payload.clone()).await;
+        self.acker
+            .ack_with(jetstream::AckKind::Term)
+            .await
+            .map_err(|e| Error::Nats { op: "terminate a rejected group", source: e })?;
+        // Counted once: a copy re-sent with the same key is not delivered again.
         self.guard.acked();
         Ok(())
     }
@@ -919,8 +1003,11 @@ impl GroupReceiver for NatsGroupReceiver {
             match self.dedup.admit(group.key()) {
                 (Admit::New, Some(guard)) => {
                     self.counters.received(len);
+                    let payload = message.payload.clone();
                     let (_, acker) = message.split();
-                    return Ok(Some(Delivery { group, acker: Box::new(NatsAck { acker, guard }) }));
+                    let transport = self.transport.clone();
+                    let acker = Box::new(NatsAck { acker, guard, transport, payload });
+                    return Ok(Some(Delivery { group, acker }));
                 }
                 (Admit::Acked, _) => {
                     self.counters.duplicate();

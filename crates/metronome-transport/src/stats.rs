@@ -8,6 +8,8 @@
 //! - `metronome_transport_redeliveries_total`: deliveries the server marked as repeated
 //! - `metronome_transport_duplicates_total`: groups dropped because their key was already seen
 //! - `metronome_transport_rejected_total`: malformed or oversized messages, by reason
+//! - `metronome_transport_dead_letters_total`: poison messages kept on the NATS
+//!   dead-letter stream, by kind (`group`, `claim`)
 //! - `metronome_transport_publish_latency_seconds`: send until the transport confirmed it
 //! - `metronome_transport_weight_fetch_seconds`: fetching and decoding one snapshot
 //!

@@ -155,6 +155,7 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
             1 => FinishReason::StopString,
             2 => FinishReason::Length,
             3 => FinishReason::Aborted,
+            4 => FinishReason::PromptRejected,
             t => return Err(r.malformed("completion.finish_reason", format!("unknown code {t}"))),
         };
         let version = PolicyVersion(r.u64("completion.version")?);
@@ -235,6 +236,7 @@ fn finish_reason_code(reason: FinishReason) -> u8 {
         FinishReason::StopString => 1,
         FinishReason::Length => 2,
         FinishReason::Aborted => 3,
+        FinishReason::PromptRejected => 4,
     }
 }
 

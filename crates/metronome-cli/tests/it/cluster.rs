@@ -432,6 +432,89 @@ fn a_fresh_trainer_refuses_messages_left_by_an_earlier_run_of_the_same_name() {
     );
 }
 
+/// The run's NATS names, as the roles scope them to `run.name = "cluster"`.
+fn run_transport(server: &NatsServer) -> metronome_transport::nats::NatsConfig {
+    metronome_transport::nats::NatsConfig::with_prefix(vec![server.url()], "metronome-cluster")
+}
+
+#[test]
+fn a_poison_group_is_dead_lettered_and_the_run_ends_with_the_same_weights() {
+    use metronome_core::GroupSender;
+    let _serial = serial();
+    let periods = 4;
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let out = tempfile::tempdir().unwrap();
+    let sets = settings(&server.url(), periods);
+    let mut a = Proc::worker("a", &sets, out.path());
+    a.wait_for("ready");
+    let mut trainer = Proc::trainer(&sets, out.path());
+    trainer.wait_for("period   0");
+    // A group no worker of this run sent: a prompt the last period does not hold.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let t = metronome_transport::nats::NatsTransport::connect(run_transport(&server)).await.unwrap();
+        let poison = metronome_transport::testdata::scored_group(periods - 1, 999_999, 4, 3);
+        t.group_sender().await.unwrap().send(poison).await.unwrap();
+    });
+    trainer.finish_ok();
+    a.finish_ok();
+
+    let run = out.path().join("cluster");
+    assert_trained_once(&run, periods);
+    assert_same_weights(&run, periods);
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let rejected: u64 = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["rejected"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rejected, 1, "{}", trainer.log());
+    assert!(trainer.log().contains("999999"), "the log names the poison group:\n{}", trainer.log());
+    let dead = runtime.block_on(async {
+        let t = metronome_transport::nats::NatsTransport::connect(run_transport(&server)).await.unwrap();
+        let js = async_nats::jetstream::new(t.client().clone());
+        js.get_stream("METRONOME_CLUSTER_DEAD").await.unwrap().info().await.unwrap().state.messages
+    });
+    assert_eq!(dead, 1, "one dead letter, on the run's own stream");
+}
+
+#[test]
+fn a_claim_every_worker_failed_on_is_published_as_rejected_and_the_worker_goes_on() {
+    use metronome_core::{ControlMessage, GroupReceiver, PeriodId, PolicyVersion, Prompt, PromptId};
+    use metronome_transport::ControlSender;
+    let _serial = serial();
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let out = tempfile::tempdir().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let t =
+        runtime.block_on(metronome_transport::nats::NatsTransport::connect(run_transport(&server))).unwrap();
+    // A claim that failed on five workers before (taken and given back five times).
+    runtime.block_on(async {
+        let prompt = Prompt { id: PromptId(5), text: "2+2=".into(), tokens: vec![1, 2], ..Prompt::default() };
+        t.claim_offerer().await.unwrap().offer(PeriodId(0), PolicyVersion(0), &[prompt]).await.unwrap();
+        let taker = t.claim_taker().await.unwrap();
+        let mut given_back = 0;
+        while given_back < 5 {
+            for claim in taker.take(1, Duration::from_secs(5)).await.unwrap() {
+                claim.release().await.unwrap();
+                given_back += 1;
+            }
+        }
+    });
+    let mut worker = Proc::worker("a", &settings(&server.url(), 1), out.path());
+    let group = runtime.block_on(async {
+        let mut receiver = t.group_receiver().await.unwrap();
+        let d = tokio::time::timeout(PATIENCE, receiver.recv()).await.expect("no group").unwrap().unwrap();
+        d.acker.ack().await.unwrap();
+        t.control_sender().await.unwrap().send(ControlMessage::Shutdown).await.unwrap();
+        d.group
+    });
+    worker.finish_ok();
+    assert_eq!(group.key().prompt, PromptId(5));
+    assert!(group.group.is_rejected(), "{:?}", group.group.completions);
+    assert_eq!(group.group.completions.len(), 4);
+    assert!(worker.log().contains("publishing its group as rejected"), "{}", worker.log());
+}
+
 #[test]
 fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
     let _serial = serial();

@@ -18,6 +18,7 @@ use crate::error::{Error, Result};
 use crate::metrics::record_period;
 use crate::report::{Interval, PeriodReport, StageKind};
 use crate::rundir::RunDir;
+use crate::runner::{note_rejected, trainable};
 use crate::schedule::Schedule;
 use crate::summary::summary_table;
 
@@ -167,6 +168,7 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
     let offerer = transport.claim_offerer().await.map_err(err("transport"))?;
     let control = transport.control_sender().await.map_err(err("transport"))?;
     let mut receiver = transport.group_receiver().await.map_err(err("transport"))?;
+    let packer = crate::app::packer(config.packing);
 
     let t0 = Instant::now();
     let interval = |stage, period, start: Instant| Interval {
@@ -239,26 +241,40 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
                 delivery.acker.ack().await?;
                 continue;
             }
-            if !expected.contains(&key) {
-                return Err(Error::UnexpectedGroup(key));
+            // A group no trainer of this run would send: terminated, kept as a dead
+            // letter, counted; the period goes on.
+            let poison = if !expected.contains(&key) {
+                Some(format!(
+                    "it is not one of period {period}'s prompts: another trainer may share these streams"
+                ))
+            } else {
+                let sampled = delivery.group.group.oldest_version();
+                (sampled != Some(version)).then(|| {
+                    format!("it was sampled with weights {sampled:?}, the period's are {version}: another trainer may share these streams")
+                })
+            };
+            if let Some(reason) = poison {
+                note_rejected(&mut report, key, &reason);
+                delivery.acker.reject(&reason).await?;
+                continue;
             }
-            let sampled = delivery.group.group.oldest_version();
-            if sampled != Some(version) {
-                return Err(Error::Config {
-                    key: "transport".into(),
-                    reason: format!(
-                        "group {key} was sampled with weights {sampled:?}, the period's are {version}: \
-                         two trainers may share these streams"
-                    ),
-                });
-            }
+            let micro_batches = match trainable(&packer, &delivery.group) {
+                Ok(micro_batches) => micro_batches,
+                Err(reason) => {
+                    note_rejected(&mut report, key, &reason);
+                    trained.insert(key);
+                    if delivery.group.group.is_rejected() {
+                        held.push(delivery);
+                    } else {
+                        delivery.acker.reject(&reason).await?;
+                    }
+                    continue;
+                }
+            };
             note_group(&mut report, &delivery.group);
             let t = Instant::now();
-            let layouts =
-                metronome_masking::pack_period(std::slice::from_ref(&delivery.group), &config.packing)
-                    .map_err(err("masking"))?;
             tokio::task::block_in_place(|| {
-                layouts.iter().try_for_each(|l| trainer.accumulate_sync(&l.batch).map(drop))
+                micro_batches.iter().try_for_each(|b| trainer.accumulate_sync(b).map(drop))
             })
             .map_err(err("trainer"))?;
             report.intervals.push(interval(StageKind::Training, period, t));

@@ -78,6 +78,9 @@ pub async fn run_worker(
     let per_take = (config.rollout.max_num_seqs * config.rollout.workers.max(1) / group_size).max(1);
     let mut outcome = WorkerOutcome::default();
     let mut installed: Option<PolicyVersion> = None;
+    let max_deliveries = transport.config().claims.max_deliveries.max(1);
+    // Batches failed in a row (not counting the transport's failures).
+    let mut failures = 0u64;
     eprintln!("worker {worker_id}: ready");
     while !stop.is_stopped() {
         let claims = match taker.take(per_take, CLAIM_WAIT).await {
@@ -97,15 +100,30 @@ pub async fn run_worker(
         let redelivered = claims.iter().filter(|c| c.deliveries > 1).count() as u64;
         metrics::counter!("metronome_cluster_claim_redeliveries_total").increment(redelivered);
         outcome.redelivered_claims += redelivered;
-        // A take normally holds one period's claims; generate each period's together.
-        let mut by_period: Vec<(PeriodId, PolicyVersion, Vec<Claim>)> = Vec::new();
-        for claim in claims {
-            match by_period.iter_mut().find(|(p, v, _)| *p == claim.period && *v == claim.version) {
-                Some((_, _, list)) => list.push(claim),
-                None => by_period.push((claim.period, claim.version, vec![claim])),
+        // A claim every worker failed on is poison: its group goes out as rejected
+        // (empty responses), so the period completes and no worker dies on it again.
+        let (poison, claims): (Vec<Claim>, Vec<Claim>) =
+            claims.into_iter().partition(|c| c.deliveries > max_deliveries);
+        for claim in poison {
+            if let Err(e) = reject_claim(&claim, &scorer, &sender, config.run.group_size).await {
+                // The server may be restarting: the claim comes back after its lease.
+                tracing::warn!(error = %e, "cannot publish a rejected claim's group; it comes back");
             }
         }
-        for (period, version, claims) in by_period {
+        // A take normally holds one period's claims; generate each period's fresh
+        // claims together, and each claim delivered before (its worker died, or its
+        // batch failed) alone, so that one bad prompt fails only itself.
+        let mut batches: Vec<(PeriodId, PolicyVersion, Vec<Claim>)> = Vec::new();
+        for claim in claims {
+            let fresh = claim.deliveries <= 1;
+            match batches.iter_mut().find(|(p, v, list)| {
+                fresh && *p == claim.period && *v == claim.version && list[0].deliveries <= 1
+            }) {
+                Some((_, _, list)) => list.push(claim),
+                None => batches.push((claim.period, claim.version, vec![claim])),
+            }
+        }
+        for (period, version, claims) in batches {
             let claims = Arc::new(claims);
             let keeper = tokio::spawn(keep_leases(claims.clone(), lease));
             let result = async {
@@ -183,7 +201,26 @@ pub async fn run_worker(
                     tokio::time::sleep(CLAIM_WAIT).await;
                     continue;
                 }
-                other => other?,
+                // Anything else failed this batch (the model, a prompt it chokes on):
+                // give the claims back for another try, alone (a claim that fails
+                // every time ends as rejected, above). A worker that fails again
+                // and again is broken: it leaves, and its supervisor may restart it.
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = %e, period = period.0, failures, "generation failed; giving the claims back");
+                    for claim in claims.iter() {
+                        // A claim whose group went out is complete; nothing to give back.
+                        let _ = claim.release().await;
+                    }
+                    if failures >= 2 * max_deliveries {
+                        return Err(e);
+                    }
+                    continue;
+                }
+                Ok(result) => {
+                    failures = 0;
+                    result
+                }
             };
             if let Some((groups, tokens)) = result {
                 outcome.groups += groups;
@@ -210,6 +247,28 @@ fn is_transport(e: &Error) -> bool {
         _ => return false,
     };
     matches!(stage, metronome_core::Error::Stage { stage: "transport", .. })
+}
+
+/// Publishes the group of a poison claim as [`metronome_core::Group::rejected`],
+/// then completes the claim: the trainer counts the group and trains nothing from it.
+async fn reject_claim(
+    claim: &Claim,
+    scorer: &Arc<dyn GroupScorer>,
+    sender: &NatsGroupSender,
+    group_size: u32,
+) -> Result<()> {
+    tracing::warn!(
+        period = claim.period.0,
+        prompt = claim.prompt.id.0,
+        deliveries = claim.deliveries,
+        "every worker that took this claim failed on it; publishing its group as rejected"
+    );
+    metrics::counter!("metronome_cluster_claims_rejected_total").increment(1);
+    let group = Group::rejected(claim.period, claim.prompt.clone(), group_size, claim.version);
+    let scored = scorer.score(group).await?;
+    sender.send(scored).await?;
+    claim.complete().await.map_err(err("transport"))?;
+    Ok(())
 }
 
 /// Renews the leases of the claims in hand every third of the lease.

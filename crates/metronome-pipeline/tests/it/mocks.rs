@@ -64,6 +64,8 @@ pub(crate) struct MockEngine {
     pub(crate) force_version: Option<PolicyVersion>,
     /// Groups in the order the engine emitted them: the completion order.
     pub(crate) emitted: Arc<Mutex<Vec<GroupKey>>>,
+    /// Prompts it cannot generate from: their groups come out rejected.
+    pub(crate) reject: BTreeSet<u64>,
 }
 
 impl MockEngine {
@@ -74,6 +76,7 @@ impl MockEngine {
             generating: Arc::new(AtomicBool::new(false)),
             force_version: None,
             emitted: Arc::default(),
+            reject: BTreeSet::new(),
         }
     }
 }
@@ -96,6 +99,11 @@ impl RolloutEngine for MockEngine {
                 let len = 2 + ((prompt.id.0 * 7) % 5) as usize;
                 tokio::time::sleep(self.tick * len as u32).await;
                 let version = self.force_version.unwrap_or(weights.version);
+                if self.reject.contains(&prompt.id.0) {
+                    let group = Group::rejected(request.period, prompt, request.group_size, version);
+                    self.emitted.lock().unwrap().push(group.key());
+                    return sink.emit(group).await;
+                }
                 let completions = (0..request.group_size)
                     .map(|i| {
                         let seed = sample_seed(RunSeed(1), version, prompt.id, i) ^ h;
@@ -142,8 +150,10 @@ impl GroupScorer for MockScorer {
             .completions
             .iter()
             .map(|c| {
-                let even = c.tokens.iter().filter(|&&t| t % 2 == 0).count() as f32 / c.tokens.len() as f32;
-                let correct = if c.tokens[0] % 2 == 0 { 1.0 } else { 0.0 };
+                // An empty (rejected) response scores 0, as a real scorer's would.
+                let even =
+                    c.tokens.iter().filter(|&&t| t % 2 == 0).count() as f32 / c.tokens.len().max(1) as f32;
+                let correct = if c.tokens.first().is_some_and(|t| t % 2 == 0) { 1.0 } else { 0.0 };
                 Reward { total: even, parts: BTreeMap::from([("correct".into(), correct)]), failure: None }
             })
             .collect();
@@ -153,7 +163,16 @@ impl GroupScorer for MockScorer {
 
 /// One micro-batch per group: every completion token is a target.
 pub(crate) fn mock_packer() -> Arc<dyn Packer> {
-    Arc::new(|groups: &[ScoredGroup]| -> Result<Vec<TrainBatch>> {
+    failing_packer(BTreeSet::new())
+}
+
+/// [`mock_packer`] that fails on the groups of the prompts in `fail` (as the masking
+/// crate does on a group too long for a row, say).
+pub(crate) fn failing_packer(fail: BTreeSet<u64>) -> Arc<dyn Packer> {
+    Arc::new(move |groups: &[ScoredGroup]| -> Result<Vec<TrainBatch>> {
+        if let Some(g) = groups.iter().find(|g| fail.contains(&g.key().prompt.0)) {
+            return Err(Error::invalid(format!("group {}", g.key()), "does not fit a row"));
+        }
         // One placeholder position: the mock trainer reads only the targets.
         let mut batch = TrainBatch {
             rows: vec![PackedRow {

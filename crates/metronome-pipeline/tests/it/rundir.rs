@@ -21,6 +21,7 @@ fn period(k: u64, t: f64) -> PeriodReport {
         groups: 6,
         dropped_stale: 0,
         duplicates: usize::from(k == 1),
+        rejected: usize::from(k == 2),
         generated_tokens: 1200 + 10 * k,
         reward_mean: 0.2 + 0.1 * k as f64,
         accuracy: Some(0.15 + 0.1 * k as f64),

@@ -1,3 +1,4 @@
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -127,6 +128,43 @@ async fn a_refused_step_stalls_no_schedule_and_is_reported() {
     assert_eq!(sync.weights, periodic.weights);
     let unrefused = run(Schedule::Sync, 5, 2, 0).await;
     assert_ne!(sync.weights, unrefused.weights, "the refusals changed nothing");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rejected_prompts_and_groups_that_do_not_pack_are_counted_and_the_periods_complete() {
+    // Prompt 1 (period 0) is rejected by the engine; prompt 8 (period 1) does not pack.
+    let mut trained = Vec::new();
+    for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
+        let mut engine = MockEngine::new(Duration::from_millis(2));
+        engine.reject = [1].into();
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let log = trainer.log.clone();
+        let stages = Stages {
+            source: Box::new(MockSource { next: 0, n: 1000, batch: 6, period: 0 }),
+            engine: Arc::new(engine),
+            scorer: Arc::new(MockScorer),
+            packer: failing_packer([8].into()),
+            trainer: Box::new(trainer),
+        };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 4 };
+        let run = Runner::new(stages, Some(channel_transport(2)), options).unwrap().run();
+        let (reports, _) = tokio::time::timeout(Duration::from_secs(60), run)
+            .await
+            .unwrap_or_else(|_| panic!("{schedule} hung"))
+            .unwrap();
+        let counts: Vec<(usize, usize)> = reports.iter().map(|r| (r.groups, r.rejected)).collect();
+        assert_eq!(counts, [(5, 1), (5, 1), (6, 0)], "{schedule}: (trained, rejected) per period");
+        let keys: Vec<Vec<u64>> = log
+            .lock()
+            .unwrap()
+            .steps
+            .iter()
+            .map(|s| s.iter().map(|(k, _)| k.prompt.0).collect::<BTreeSet<_>>().into_iter().collect())
+            .collect();
+        assert_eq!(keys, [vec![0, 2, 3, 4, 5], vec![6, 7, 9, 10, 11], (12..18).collect()], "{schedule}");
+        trained.push(sorted_steps(&log));
+    }
+    assert_eq!(trained[0], trained[1], "sync and periodic trained different rollouts");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

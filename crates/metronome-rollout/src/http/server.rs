@@ -256,7 +256,9 @@ async fn complete<M: InferenceModel>(
                         .min();
                     ("stop", hit.map(|(_, s)| serde_json::json!(s)))
                 }
-                FinishReason::Length => ("length", None),
+                // The server checks the context before it submits, so a prompt is
+                // never rejected here; no room left is "length" in the API's terms.
+                FinishReason::Length | FinishReason::PromptRejected => ("length", None),
                 FinishReason::Aborted => ("abort", None),
             };
             choices.push(Choice {

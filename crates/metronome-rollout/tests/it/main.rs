@@ -8,6 +8,7 @@ mod devices;
 #[cfg(feature = "http")]
 mod http;
 mod metrics;
+mod rejected;
 mod stops;
 mod streaming;
 mod versions;

@@ -801,3 +801,45 @@ async fn streams_left_with_other_settings_are_updated_or_named_in_a_clear_error(
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_group_is_kept_as_a_dead_letter_and_never_delivered_again() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let mut cfg = config(&server, "poison");
+    cfg.groups.ack_wait_ms = 300;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let mut receiver = t.group_receiver().await.unwrap();
+    let sender = t.group_sender().await.unwrap();
+    sender.send(scored_group(3, 1, 2, 4)).await.unwrap();
+    // Undecodable bytes are rejected by the receiver itself.
+    let js = async_nats::jetstream::new(t.client().clone());
+    js.publish(t.config().groups.subject.clone(), Bytes::from_static(b"junk")).await.unwrap().await.unwrap();
+    sender.send(scored_group(3, 2, 2, 4)).await.unwrap();
+
+    let d = next(&mut receiver).await;
+    assert_eq!(d.group.key(), scored_group(3, 1, 2, 4).key());
+    d.acker.reject("it names weights version 9, the period's are 3").await.unwrap();
+    // Well past the acknowledgement wait: the rejected group is not delivered again.
+    let d = next(&mut receiver).await;
+    assert_eq!(d.group.key(), scored_group(3, 2, 2, 4).key());
+    d.acker.ack().await.unwrap();
+    let again = tokio::time::timeout(Duration::from_millis(1500), receiver.recv()).await;
+    assert!(
+        again.is_err(),
+        "a rejected group came back: {:?}",
+        again.map(|d| d.map(|d| d.map(|d| d.group.key())))
+    );
+
+    // Both are on the dead-letter stream, with what was wrong.
+    let dead = js.get_stream("POISON_DEAD").await.unwrap();
+    let mut reasons = Vec::new();
+    for seq in 1..=2 {
+        let m = dead.get_raw_message(seq).await.unwrap();
+        assert_eq!(m.subject.as_str(), "poison.dead.group");
+        let reason = m.headers.get("Metronome-Reason").map(|v| v.to_string()).unwrap_or_default();
+        reasons.push(reason);
+    }
+    reasons.sort();
+    assert!(reasons[0].contains("bad_magic") || reasons[0].contains("magic"), "{reasons:?}");
+    assert_eq!(reasons[1], "it names weights version 9, the period's are 3");
+}
