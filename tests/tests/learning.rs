@@ -13,7 +13,7 @@
 //! CPU's kernels (which changes every sample after the first difference), land within
 //! the spread the three seeds show.
 
-use metronome_pipeline::{PipelineConfig, run};
+use metronome_pipeline::{PipelineConfig, RunOptions, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpo_raises_heldout_accuracy_above_the_warm_start() {
@@ -26,7 +26,7 @@ async fn grpo_raises_heldout_accuracy_above_the_warm_start() {
     ];
     let config = PipelineConfig::embedded(&overrides).unwrap();
     assert_eq!(config.run.periods, 100, "the test runs the embedded default");
-    let outcome = run(config, false).await.unwrap();
+    let outcome = run(config, RunOptions::default()).await.unwrap();
 
     let first = outcome.evals.first().expect("an evaluation after the warm start");
     let last = outcome.evals.last().expect("an evaluation after the last period");

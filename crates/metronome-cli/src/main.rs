@@ -40,10 +40,18 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the pipeline in this process (SFT warm start, then RL).
+    /// Run the pipeline in this process (SFT warm start, then RL). A run directory
+    /// (`run.out_dir/run.name`) holding a checkpoint is resumed from it.
     Run {
         #[command(flatten)]
         config: ConfigArgs,
+        /// Resume the run in this directory (`runs/<name>`) with its stored config
+        /// (`--set` still applies); the same as running its config again.
+        #[arg(long, value_name = "RUN_DIR")]
+        resume: Option<PathBuf>,
+        /// Resume even when the config changes what the run trains.
+        #[arg(long)]
+        allow_config_change: bool,
         /// Serve Prometheus metrics here; `off` disables.
         #[arg(long, default_value = "127.0.0.1:9464")]
         metrics_addr: String,
@@ -114,6 +122,25 @@ struct ConfigArgs {
 const STALE_TIS_CAP: f64 = 2.0;
 
 impl ConfigArgs {
+    /// Points these arguments at the run in `dir`: its stored config (unless
+    /// `--config` names another), its folder and name.
+    fn resume_from(&mut self, dir: &std::path::Path) -> Result<()> {
+        let stored = dir.join("config.toml");
+        if !stored.is_file() {
+            anyhow::bail!("--resume {}: no config.toml there; is it a run directory?", dir.display());
+        }
+        let name = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .with_context(|| format!("--resume {}: not a run directory", dir.display()))?;
+        let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        self.config.get_or_insert(stored);
+        self.out_dir = Some(parent.to_path_buf());
+        // The name first, so that a `--set run.name=...` given too still wins.
+        self.overrides.insert(0, format!("run.name={name:?}"));
+        Ok(())
+    }
+
     fn load(&self) -> Result<PipelineConfig> {
         let mut overrides = self.overrides.clone();
         if let Some(n) = self.periods {
@@ -272,7 +299,10 @@ fn real_main() -> Result<()> {
                 anyhow::Ok(())
             })
         }
-        Command::Run { config, metrics_addr, quiet } => {
+        Command::Run { mut config, resume, allow_config_change, metrics_addr, quiet } => {
+            if let Some(dir) = &resume {
+                config.resume_from(dir)?;
+            }
             let config = config.load()?;
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
@@ -290,7 +320,8 @@ fn real_main() -> Result<()> {
                     metronome_pipeline::describe_metrics();
                     eprintln!("metrics: http://{addr}/metrics");
                 }
-                let outcome = metronome_pipeline::run(config, !quiet).await?;
+                let options = metronome_pipeline::RunOptions { progress: !quiet, allow_config_change };
+                let outcome = metronome_pipeline::run(config, options).await?;
                 if let (Some(first), Some(last)) = (outcome.evals.first(), outcome.evals.last()) {
                     eprintln!(
                         "held-out accuracy: {:.1}% after warm start, {:.1}% after {} periods",

@@ -22,13 +22,12 @@
 //! install it and exits successfully, so the tests run it everywhere.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
-use metronome_core::{ChatMessage, PolicyVersion, WeightSnapshot};
+use metronome_core::{ChatMessage, PolicyVersion};
 use metronome_model::{Device, Tensor};
-use metronome_pipeline::{PeriodReport, PipelineConfig, Runner, RunnerOptions};
+use metronome_pipeline::{PeriodEnd, PipelineConfig, Runner, RunnerOptions};
 
 // `find_spec` locates the package without importing it (its `__init__` needs `llm`).
 const FIND_GGUF: &str = "import importlib.util as u, pathlib; \
@@ -174,7 +173,8 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
     };
 
     // Print each period as it ends.
-    let hook = move |r: &PeriodReport, _: &Arc<WeightSnapshot>| {
+    let hook = move |end: &PeriodEnd<'_>| {
+        let r = end.report;
         println!(
             "period {}: {:.1}s (generation {:.1}s, training {:.1}s), {} tokens generated, mean reward {:.3}, \
              loss {:+.4}, grad norm {:.3}, memory {:.2} GiB",
@@ -188,6 +188,7 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
             r.step.grad_norm,
             memory_gib("VmRSS:").unwrap_or(f64::NAN)
         );
+        Ok(())
     };
 
     let (periods, _stages) = Runner::new(stages, Some(transport), options)?.on_period(hook).run().await?;

@@ -18,11 +18,12 @@ use metronome_trainer::{GrpoTrainer, SftExample};
 use metronome_transport::local;
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint::{Checkpoints, RunState};
 use crate::config::{ModelSource, PipelineConfig};
 use crate::error::{Error, Result};
 use crate::report::PeriodReport;
 use crate::rundir::RunDir;
-use crate::runner::{Runner, RunnerOptions, Stages, Transport};
+use crate::runner::{PeriodEnd, Runner, RunnerOptions, Stages, Transport};
 use crate::schedule::Schedule;
 use crate::summary::summary_table;
 
@@ -228,8 +229,23 @@ impl Trainer for TrainerHandle {
     }
 }
 
-/// Runs a whole configured run. `progress` draws progress bars on stderr.
-pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcome> {
+/// How [`run`] treats its terminal and a run directory it finds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunOptions {
+    /// Draw progress bars on stderr.
+    pub progress: bool,
+    /// Resume even when the config differs from the stored one in keys that change
+    /// what is trained (see [`PipelineConfig::resume_changes`]).
+    pub allow_config_change: bool,
+}
+
+/// Runs a whole configured run. When `run.out_dir/run.name` holds a checkpoint of
+/// an earlier run (killed, or ended and given more `run.periods`), the run resumes
+/// from it: trainer, optimiser, generator, data cursor and period, with the record of
+/// the periods before it; the weights it ends with equal an uninterrupted run's
+/// (`sync` and `periodic`; a `stale:s` run resumes with the newest weights where the
+/// uninterrupted one sampled older ones).
+pub async fn run(mut config: PipelineConfig, options: RunOptions) -> Result<RunOutcome> {
     config.place();
     config.validate()?;
     let name = config.run.name.clone().unwrap_or_else(|| {
@@ -238,57 +254,151 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
         format!("{}-{secs}", config.run.schedule).replace(':', "")
     });
     let dir = RunDir::create(&config.run.out_dir, &name)?;
+    let checkpoints = Checkpoints::new(dir.checkpoints().join("periods"));
+    let resumed = checkpoints.latest()?;
+    if resumed.is_some() {
+        check_resumable(&config, &dir, options.allow_config_change)?;
+    }
     dir.write_config(&config.to_toml()?)?;
 
     let (model, tokenizer) = load_model(&config, config.trainer_device())?;
-    let bar = progress_bar(progress, config.sft.steps, "sft");
-    let (model, sft_loss) = warm_start(&config, model, &tokenizer).await?;
-    bar.finish_and_clear();
-    if let Some((first, last)) = sft_loss {
-        tracing::info!(first, last, "warm start done");
-    }
-
-    let evaluator = Evaluator::new(&config, &model, tokenizer.clone()).await?.map(Arc::new);
     let mut evals = Vec::new();
-    let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
-    if let Some(e) = &evaluator {
-        let accuracy = e.accuracy(initial.clone()).await?;
-        eprintln!(
-            "held-out accuracy ({}) after warm start: {:.1}%",
-            config.eval.describe(),
-            accuracy * 100.0
-        );
-        evals.push(EvalPoint { after_periods: 0, accuracy });
-    }
+    let mut sft_loss = None;
+    let (trainer, evaluator, resume) = match resumed {
+        Some((path, state)) => {
+            let device = model.device().clone();
+            drop(model);
+            eprintln!("resuming at period {} from {}", state.next_period, path.display());
+            let trainer =
+                GrpoTrainer::resume(config.trainer.clone(), &path, &device).map_err(err("trainer"))?;
+            dir.resume_record(state.next_period)?;
+            let evaluator = Evaluator::new(&config, trainer.policy(), tokenizer.clone()).await?;
+            (trainer, evaluator, Some(state))
+        }
+        None => {
+            // A directory without a checkpoint holds nothing to continue: start over.
+            dir.resume_record(0)?;
+            let bar = progress_bar(options.progress, config.sft.steps, "sft");
+            let (model, loss) = warm_start(&config, model, &tokenizer).await?;
+            bar.finish_and_clear();
+            if let Some((first, last)) = loss {
+                tracing::info!(first, last, "warm start done");
+            }
+            sft_loss = loss;
+            let evaluator = Evaluator::new(&config, &model, tokenizer.clone()).await?;
+            if let Some(e) = &evaluator {
+                let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
+                let accuracy = e.accuracy(initial).await?;
+                eprintln!(
+                    "held-out accuracy ({}) after warm start: {:.1}%",
+                    config.eval.describe(),
+                    accuracy * 100.0
+                );
+                evals.push(EvalPoint { after_periods: 0, accuracy });
+            }
+            (GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?, evaluator, None)
+        }
+    };
 
-    let stages_and_handle = build_stages(&config, model, tokenizer.clone())?;
-    let (stages, trainer) = stages_and_handle;
+    let (mut stages, trainer) = stages_around(&config, trainer, tokenizer.clone())?;
+    if let Some(state) = resume {
+        stages.source.restore(state.cursor).map_err(err("dataloader"))?;
+    }
     let transport = (config.run.schedule != Schedule::Sync).then(|| local_transport(&config));
-    let options = RunnerOptions {
+    let options_runner = RunnerOptions {
         schedule: config.run.schedule,
         periods: config.run.periods,
         group_size: config.run.group_size,
     };
 
-    let bar = Arc::new(progress_bar(progress, config.run.periods, "periods"));
+    let first = resume.map_or(0, |s| s.next_period);
+    let bar = Arc::new(progress_bar(options.progress, config.run.periods.saturating_sub(first), "periods"));
     let shared_evals = Arc::new(Mutex::new(Vec::new()));
-    let hook_evals = shared_evals.clone();
-    let hook_dir = dir.clone();
-    let hook_bar = bar.clone();
-    let hook_trainer = trainer.clone();
-    let (every, total, checkpoint_every) =
-        (config.eval.every.max(1), config.run.periods, config.run.checkpoint_every);
-    let hook_evaluator = evaluator.clone();
-    let hook = move |report: &PeriodReport, weights: &Arc<WeightSnapshot>| {
+    let hook = PeriodEndHook {
+        dir: dir.clone(),
+        checkpoints,
+        trainer: trainer.clone(),
+        evaluator: evaluator.map(Arc::new),
+        evals: shared_evals.clone(),
+        bar: bar.clone(),
+        eval_every: config.eval.every.max(1),
+        periods: config.run.periods,
+        checkpoint_every: config.run.checkpoint_every,
+        checkpoint_interval: std::time::Duration::from_secs(config.run.checkpoint_interval_s),
+        last_checkpoint: Instant::now(),
+    };
+    let started = Instant::now();
+    let mut hook = hook;
+    let runner = Runner::new(stages, transport, options_runner)?.on_period(move |end| hook.period_ended(end));
+    let (_, stages) = runner.run().await?;
+    bar.finish_and_clear();
+    tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
+
+    let weights = Arc::new(stages.trainer.snapshot().await?);
+    trainer.lock().save_checkpoint(&dir.checkpoints().join("final")).map_err(err("trainer"))?;
+    evals.extend(shared_evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..));
+    // The whole run, also when it was resumed: the record on disk.
+    let periods = dir.read_periods()?;
+    dir.write_plots(&periods)?;
+    eprintln!("\n{}", summary_table(&periods));
+    eprintln!("run directory: {}", dir.path().display());
+    Ok(RunOutcome { dir, periods, evals, weights, sft_loss })
+}
+
+/// Refuses to resume a run whose stored config differs from `config` in a key that
+/// changes what is trained, unless told to.
+fn check_resumable(config: &PipelineConfig, dir: &RunDir, allow: bool) -> Result<()> {
+    let path = dir.path().join(crate::rundir::CONFIG_FILE);
+    let stored = std::fs::read_to_string(&path).map_err(|source| Error::Io { path: path.clone(), source })?;
+    let changed = config.resume_changes(&stored)?;
+    if changed.is_empty() {
+        return Ok(());
+    }
+    if allow {
+        tracing::warn!(?changed, "resuming with a changed config, as asked");
+        return Ok(());
+    }
+    Err(Error::Config {
+        key: changed.join(", "),
+        reason: format!(
+            "differs from the config of the run being resumed ({}): it would make a different run; \
+             keep the stored values, start a new run.name, or resume anyway (--allow-config-change)",
+            path.display()
+        ),
+    })
+}
+
+/// What `run` does when a period ends: record it, checkpoint when due, evaluate
+/// when due, print its line.
+struct PeriodEndHook {
+    dir: RunDir,
+    checkpoints: Checkpoints,
+    trainer: TrainerHandle,
+    evaluator: Option<Arc<Evaluator>>,
+    evals: Arc<Mutex<Vec<EvalPoint>>>,
+    bar: Arc<indicatif::ProgressBar>,
+    eval_every: u64,
+    periods: u64,
+    checkpoint_every: u64,
+    checkpoint_interval: std::time::Duration,
+    last_checkpoint: Instant,
+}
+
+impl PeriodEndHook {
+    fn period_ended(&mut self, end: &PeriodEnd<'_>) -> Result<()> {
+        let report = end.report;
         let done = report.period.0 + 1;
-        if let Err(e) = hook_dir.append_period(report) {
-            tracing::error!("cannot record period {}: {e}", report.period);
-        }
-        if checkpoint_every > 0 && done.is_multiple_of(checkpoint_every) {
-            let path = hook_dir.path().join("checkpoints").join(format!("period-{done}"));
-            if let Err(e) = hook_trainer.lock().save_checkpoint(&path) {
-                tracing::error!("cannot save checkpoint {}: {e}", path.display());
-            }
+        // The period's line goes first, then the checkpoint that contains it: a
+        // resume from an older checkpoint drops the lines after it.
+        self.dir.append_period(report)?;
+        let by_count = self.checkpoint_every > 0 && done.is_multiple_of(self.checkpoint_every);
+        let by_time =
+            !self.checkpoint_interval.is_zero() && self.last_checkpoint.elapsed() >= self.checkpoint_interval;
+        // Always after the last period too: a run given more periods continues there.
+        if by_count || by_time || done == self.periods {
+            let state = RunState { next_period: done, cursor: end.resume };
+            self.checkpoints.save(&self.trainer.lock(), state)?;
+            self.last_checkpoint = Instant::now();
         }
         let mut line = format!(
             "period {:>3}  {:6.2}s  reward {:.3}  loss {:+.4}  kl {:.4}",
@@ -297,14 +407,17 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
         if !report.step.applied {
             line.push_str("  step refused (non-finite)");
         }
-        if let Some(e) = &hook_evaluator
-            && (done.is_multiple_of(every) || done == total)
+        if report.rejected > 0 {
+            line.push_str(&format!("  {} groups rejected", report.rejected));
+        }
+        if let Some(e) = &self.evaluator
+            && (done.is_multiple_of(self.eval_every) || done == self.periods)
         {
             let handle = tokio::runtime::Handle::current();
-            match tokio::task::block_in_place(|| handle.block_on(e.accuracy(weights.clone()))) {
+            match tokio::task::block_in_place(|| handle.block_on(e.accuracy(end.weights.clone()))) {
                 Ok(accuracy) => {
                     line.push_str(&format!("  held-out accuracy {:.1}%", accuracy * 100.0));
-                    hook_evals
+                    self.evals
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .push(EvalPoint { after_periods: done, accuracy });
@@ -312,22 +425,10 @@ pub async fn run(mut config: PipelineConfig, progress: bool) -> Result<RunOutcom
                 Err(err) => tracing::error!("evaluation failed: {err}"),
             }
         }
-        hook_bar.inc(1);
-        hook_bar.suspend(|| eprintln!("{line}"));
-    };
-    let started = Instant::now();
-    let runner = Runner::new(stages, transport, options)?.on_period(hook);
-    let (periods, stages) = runner.run().await?;
-    bar.finish_and_clear();
-    tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
-
-    let weights = Arc::new(stages.trainer.snapshot().await?);
-    trainer.lock().save_checkpoint(&dir.path().join("checkpoints").join("final")).map_err(err("trainer"))?;
-    evals.extend(shared_evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..));
-    dir.write_plots(&periods)?;
-    eprintln!("\n{}", summary_table(&periods));
-    eprintln!("run directory: {}", dir.path().display());
-    Ok(RunOutcome { dir, periods, evals, weights, sft_loss })
+        self.bar.inc(1);
+        self.bar.suspend(|| eprintln!("{line}"));
+        Ok(())
+    }
 }
 
 pub(crate) fn progress_bar(show: bool, len: u64, what: &'static str) -> indicatif::ProgressBar {
@@ -380,17 +481,26 @@ pub fn build_stages(
     policy: Model,
     tokenizer: Arc<dyn Tokenizer>,
 ) -> Result<(Stages, TrainerHandle)> {
+    let trainer = GrpoTrainer::new(config.trainer.clone(), policy).map_err(err("trainer"))?;
+    stages_around(config, trainer, tokenizer)
+}
+
+/// The stages of a configured run around `trainer` (a new one, or one resumed from
+/// a checkpoint: the engine starts from its weights and version).
+fn stages_around(
+    config: &PipelineConfig,
+    trainer: GrpoTrainer,
+    tokenizer: Arc<dyn Tokenizer>,
+) -> Result<(Stages, TrainerHandle)> {
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
     let device = config.rollout_device().open().map_err(err("model"))?;
-    let inference = policy.frozen_copy_on(&device).map_err(err("model"))?;
+    let inference = trainer.policy().frozen_copy_on(&device).map_err(err("model"))?;
     let mut engine_cfg = config.rollout.clone();
     engine_cfg.seed = config.run.seed;
-    let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+    let engine = engine_cfg.build(inference, trainer.version(), tokenizer).map_err(err("rollout"))?;
     let scorer = group_scorer(config)?;
     let packer = packer(config.packing);
-    let trainer = TrainerHandle(Arc::new(Mutex::new(
-        GrpoTrainer::new(config.trainer.clone(), policy).map_err(err("trainer"))?,
-    )));
+    let trainer = TrainerHandle(Arc::new(Mutex::new(trainer)));
     let stages = Stages {
         source: Box::new(source) as Box<dyn PromptSource>,
         engine: Arc::new(engine),

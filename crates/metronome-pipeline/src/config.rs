@@ -80,8 +80,11 @@ pub struct RunConfig {
     pub out_dir: PathBuf,
     /// The run directory's name; a timestamped one when absent.
     pub name: Option<String>,
-    /// Save a checkpoint every this many periods (0: only at the end).
+    /// Save a resumable checkpoint every this many periods (0: by time only).
     pub checkpoint_every: u64,
+    /// Also save one at the end of a period when this many seconds passed since the
+    /// last (0: by period count only), so a long run keeps a recent resumable point.
+    pub checkpoint_interval_s: u64,
     /// Size the stages' thread pools from the cores (`rollout.threads_per_worker`,
     /// `trainer.threads`): `sync` gives every stage all cores in turn; overlapped
     /// schedules split them so the stages do not oversubscribe (DESIGN.md §6).
@@ -100,6 +103,7 @@ impl Default for RunConfig {
             out_dir: PathBuf::from("runs"),
             name: None,
             checkpoint_every: 0,
+            checkpoint_interval_s: 300,
             auto_placement: true,
             cores: 0,
         }
@@ -400,6 +404,47 @@ impl PipelineConfig {
         }
     }
 
+    /// The keys whose values differ between this config and `stored` (the
+    /// `config.toml` of a run being resumed) in a way that would make the resumed
+    /// run a different run; keys that only say where output goes, how long the run
+    /// lasts, how it is evaluated or how stages are placed (results do not depend on
+    /// workers, slots or threads) may change.
+    pub fn resume_changes(&self, stored: &str) -> Result<Vec<String>> {
+        const FREE: &[&str] = &[
+            "run.periods",
+            "run.out_dir",
+            "run.name",
+            "run.checkpoint_every",
+            "run.checkpoint_interval_s",
+            "run.auto_placement",
+            "run.cores",
+            "eval",
+            "rollout.workers",
+            "rollout.threads_per_worker",
+            "rollout.max_num_seqs",
+            "trainer.threads",
+            "transport",
+        ];
+        let stored: toml::Table = stored.parse().map_err(|e: toml::de::Error| Error::Config {
+            key: "config.toml".into(),
+            reason: format!("of the run being resumed is not valid TOML: {}", e.message()),
+        })?;
+        let current: toml::Table = self.to_toml()?.parse().map_err(|e: toml::de::Error| Error::Config {
+            key: "config".into(),
+            reason: e.message().to_owned(),
+        })?;
+        let (mut a, mut b) = (std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+        flatten("", &toml::Value::Table(stored), &mut a);
+        flatten("", &toml::Value::Table(current), &mut b);
+        let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+        Ok(keys
+            .into_iter()
+            .filter(|k| a.get(*k) != b.get(*k))
+            .filter(|k| !FREE.iter().any(|f| *k == f || k.starts_with(&format!("{f}."))))
+            .cloned()
+            .collect())
+    }
+
     /// Sets the stages' thread counts from the cores when `run.auto_placement` is on.
     pub fn place(&mut self) {
         if !self.run.auto_placement {
@@ -420,6 +465,21 @@ impl PipelineConfig {
             // thread each at least, so no core runs two busy threads.
             self.trainer.threads = (cores / 2).max(1);
             self.rollout.threads_per_worker = (cores.saturating_sub(self.trainer.threads) / workers).max(1);
+        }
+    }
+}
+
+/// Every leaf of `value` under its dotted key path.
+fn flatten(prefix: &str, value: &toml::Value, out: &mut std::collections::BTreeMap<String, String>) {
+    match value {
+        toml::Value::Table(t) => {
+            for (k, v) in t {
+                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                flatten(&key, v, out);
+            }
+        }
+        leaf => {
+            out.insert(prefix.to_owned(), leaf.to_string());
         }
     }
 }

@@ -19,6 +19,7 @@
 //! claims under leases so that workers may join and leave at any time.
 
 mod app;
+mod checkpoint;
 pub mod cluster;
 mod config;
 mod error;
@@ -30,7 +31,9 @@ mod runner;
 mod schedule;
 mod summary;
 
-pub use app::{EvalPoint, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run};
+pub use app::{
+    EvalPoint, RunOptions, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run,
+};
 pub use config::{
     DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig, TransportConfig,
 };
@@ -38,6 +41,6 @@ pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};
 pub use report::{Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;
-pub use runner::{Packer, PeriodHook, Runner, RunnerOptions, Stages, Transport};
+pub use runner::{Packer, PeriodEnd, PeriodHook, Runner, RunnerOptions, Stages, Transport};
 pub use schedule::{ParseScheduleError, Schedule};
 pub use summary::summary_table;

@@ -15,7 +15,7 @@
 //! the plots can always be redrawn from it ([`RunDir::read_periods`]).
 
 use std::fs::{self, OpenOptions};
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Component, Path, PathBuf};
 
 use crate::error::{Error, Result};
@@ -120,6 +120,7 @@ impl RunDir {
     }
 
     /// Appends one period as a JSON line to `metrics.jsonl` and flushes it to the disk.
+    /// A last line cut short by a crash is removed first, never appended after.
     ///
     /// # Errors
     /// [`Error::Io`] naming `metrics.jsonl`.
@@ -129,11 +130,30 @@ impl RunDir {
             serde_json::to_vec(report).map_err(|e| Error::Io { path: path.clone(), source: e.into() })?;
         line.push(b'\n');
         let mut file = OpenOptions::new().create(true).append(true).open(&path).map_err(io_error(&path))?;
+        cut_torn_line(&file, &path)?;
         // One write of the whole line: an appending reader (or a crash) never sees half a
         // record followed by the next one.
         file.write_all(&line).map_err(io_error(&path))?;
         file.sync_data().map_err(io_error(&path))?;
         Ok(())
+    }
+
+    /// Prepares the record for a run resumed at `next_period`: keeps the periods
+    /// before it (a period the resumed run repeats would otherwise be recorded
+    /// twice) and drops a torn last line; the file is replaced atomically.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming `metrics.jsonl` (or its line at fault).
+    pub fn resume_record(&self, next_period: u64) -> Result<()> {
+        let kept: Vec<PeriodReport> =
+            self.read_periods()?.into_iter().filter(|r| r.period.0 < next_period).collect();
+        let mut text = Vec::new();
+        for report in &kept {
+            let path = self.metrics_path();
+            serde_json::to_writer(&mut text, report).map_err(|e| Error::Io { path, source: e.into() })?;
+            text.push(b'\n');
+        }
+        write_file(&self.metrics_path(), &text)
     }
 
     /// Reads `metrics.jsonl` back, one report per line (empty when no period ended yet).
@@ -251,11 +271,39 @@ fn parse_line(line: &str) -> serde_json::Result<PeriodReport> {
 
 /// Writes a whole file through a temporary sibling and a rename, so a reader (a
 /// browser refreshing a plot) never sees it half written.
+/// Removes a last line without its newline (a write cut short by a crash) from the
+/// file `file` is open on, so that the next line does not run into it.
+fn cut_torn_line(file: &fs::File, path: &Path) -> Result<()> {
+    let len = file.metadata().map_err(io_error(path))?.len();
+    if len == 0 {
+        return Ok(());
+    }
+    let mut reader = fs::File::open(path).map_err(io_error(path))?;
+    reader.seek(SeekFrom::End(-1)).map_err(io_error(path))?;
+    let mut last = [0u8];
+    reader.read_exact(&mut last).map_err(io_error(path))?;
+    if last[0] == b'\n' {
+        return Ok(());
+    }
+    // Rare (once after a crash): read it all to find the last whole line.
+    let bytes = fs::read(path).map_err(io_error(path))?;
+    let keep = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    tracing::warn!(
+        "{}: removing a last line cut short by a crash ({} bytes)",
+        path.display(),
+        len - keep as u64
+    );
+    file.set_len(keep as u64).map_err(io_error(path))?;
+    file.sync_data().map_err(io_error(path))
+}
+
+/// Replaces `path` atomically with `bytes`, synced to the disk.
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    fs::write(&tmp, bytes).map_err(io_error(&tmp))?;
+    let mut file = fs::File::create(&tmp).map_err(io_error(&tmp))?;
+    file.write_all(bytes).and_then(|()| file.sync_all()).map_err(io_error(&tmp))?;
     fs::rename(&tmp, path).map_err(|source| {
         let _ = fs::remove_file(&tmp);
         Error::Io { path: path.to_path_buf(), source }

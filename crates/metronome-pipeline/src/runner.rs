@@ -14,9 +14,9 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use metronome_core::{
-    Delivery, Group, GroupKey, GroupReceiver, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion,
-    PromptBatch, PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, StepReport, TrainBatch, Trainer,
-    WeightPublisher, WeightSnapshot, WeightSubscriber,
+    Cursor, Delivery, Group, GroupKey, GroupReceiver, GroupScorer, GroupSender, GroupSink, PeriodId,
+    PolicyVersion, PromptBatch, PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, StepReport,
+    TrainBatch, Trainer, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 use metronome_rollout::CollectSink;
 use tokio::sync::mpsc;
@@ -91,8 +91,21 @@ pub struct RunnerOptions {
     pub group_size: u32,
 }
 
-/// Called after every period with its report and the weights it produced.
-pub type PeriodHook = Box<dyn FnMut(&PeriodReport, &Arc<WeightSnapshot>) + Send>;
+/// What the runner tells its hook when a period ends.
+#[derive(Debug)]
+pub struct PeriodEnd<'a> {
+    /// The period's report.
+    pub report: &'a PeriodReport,
+    /// The weights its step produced (the next period samples with them).
+    pub weights: &'a Arc<WeightSnapshot>,
+    /// Where the prompt source stands after this period's release: restored with
+    /// the trainer's checkpoint of this moment, a run resumes with the next period.
+    pub resume: Cursor,
+}
+
+/// Called after every period; an error stops the run (a record or checkpoint that
+/// cannot be written must not be lost silently).
+pub type PeriodHook = Box<dyn FnMut(&PeriodEnd<'_>) -> Result<()> + Send>;
 
 /// Runs a schedule over the stages.
 pub struct Runner {
@@ -127,10 +140,7 @@ impl Runner {
 
     /// Calls `hook` after every period (e.g. to evaluate, checkpoint or print).
     #[must_use]
-    pub fn on_period(
-        mut self,
-        hook: impl FnMut(&PeriodReport, &Arc<WeightSnapshot>) + Send + 'static,
-    ) -> Self {
+    pub fn on_period(mut self, hook: impl FnMut(&PeriodEnd<'_>) -> Result<()> + Send + 'static) -> Self {
         self.hook = Some(Box::new(hook));
         self
     }
@@ -156,7 +166,12 @@ impl Runner {
         t.duration_since(self.t0).as_secs_f64()
     }
 
-    fn finish_period(&mut self, report: &PeriodReport, weights: &Arc<WeightSnapshot>) {
+    fn finish_period(
+        &mut self,
+        report: &PeriodReport,
+        weights: &Arc<WeightSnapshot>,
+        resume: Cursor,
+    ) -> Result<()> {
         record_period(report);
         tracing::info!(
             period = report.period.0,
@@ -165,24 +180,28 @@ impl Runner {
             loss = report.step.loss,
             "period done"
         );
-        if let Some(hook) = self.hook.as_mut() {
-            hook(report, weights);
+        match self.hook.as_mut() {
+            Some(hook) => hook(&PeriodEnd { report, weights, resume }),
+            None => Ok(()),
         }
     }
 
     async fn run_sync(mut self) -> Result<(Vec<PeriodReport>, Stages)> {
         let mut reports = Vec::new();
-        for k in 0..self.options.periods {
+        // A restored source resumes a run at the period its cursor names.
+        let first = self.stages.source.cursor().period.0;
+        let mut weights = Arc::new(self.stages.trainer.snapshot().await?);
+        for k in first..self.options.periods {
             let period = PeriodId(k);
             let start = Instant::now();
             let mut report = PeriodReport { period, ..PeriodReport::default() };
 
             let t = Instant::now();
-            let weights = Arc::new(self.stages.trainer.snapshot().await?);
             self.stages.engine.install_weights(weights.clone()).await?;
             report.intervals.push(self.interval(StageKind::Publication, period, t));
 
             let Some(batch) = next_batch(self.stages.source.as_mut()).await? else { break };
+            let resume = self.stages.source.cursor();
             let order: BTreeMap<GroupKey, usize> = batch
                 .prompts
                 .iter()
@@ -233,8 +252,14 @@ impl Runner {
             report.step = close_period(self.stages.trainer.as_mut(), period)?;
             report.intervals.push(self.interval(StageKind::Training, period, t));
 
+            // The hook sees the weights the step produced, as with the overlapped
+            // schedules (an evaluation of the period's own weights would lag one step
+            // behind theirs), and the next period samples with them.
+            let t = Instant::now();
+            weights = Arc::new(self.stages.trainer.snapshot().await?);
+            report.intervals.push(self.interval(StageKind::Publication, period, t));
             finalise_report(&mut report, start);
-            self.finish_period(&report, &weights);
+            self.finish_period(&report, &weights, resume)?;
             reports.push(report);
         }
         Ok((reports, self.stages))
@@ -249,10 +274,12 @@ impl Runner {
         let transport = self.transport.take().expect("checked in Runner::new");
         let Transport { sender, mut receiver, publisher, subscriber } = transport;
 
+        // A restored source resumes the run at the period its cursor names.
+        let first = self.stages.source.cursor().period.0;
         let t = Instant::now();
         let mut weights = Arc::new(self.stages.trainer.snapshot().await?);
         publisher.publish(weights.clone()).await?;
-        let mut publication = self.interval(StageKind::Publication, PeriodId(0), t);
+        let mut publication = self.interval(StageKind::Publication, PeriodId(first), t);
 
         // The producer owns the prompt source and the rollout side for the run.
         let source = std::mem::replace(&mut self.stages.source, Box::new(Exhausted));
@@ -264,14 +291,14 @@ impl Runner {
             sender,
             subscriber,
             lag,
-            periods: self.options.periods,
+            periods: first..self.options.periods,
             group_size: self.options.group_size,
             events: events_tx,
             t0: self.t0,
         };
         let producer = tokio::spawn(producer.run());
 
-        let mut released: BTreeMap<PeriodId, usize> = BTreeMap::new();
+        let mut released: BTreeMap<PeriodId, (usize, Cursor)> = BTreeMap::new();
         let mut generated: BTreeMap<PeriodId, (Interval, u64)> = BTreeMap::new();
         let mut pending: BTreeMap<PeriodId, Vec<Delivery>> = BTreeMap::new();
         let mut trained: HashSet<GroupKey> = HashSet::new();
@@ -281,14 +308,14 @@ impl Runner {
         // A period starts when its weights are published: the consumer's own loop may
         // begin later (after the previous period's hook), while generation already runs.
         let mut start = Instant::now();
-        'periods: for k in 0..self.options.periods {
+        'periods: for k in first..self.options.periods {
             let period = PeriodId(k);
             let mut report = PeriodReport { period, ..PeriodReport::default() };
             report.intervals.push(publication);
 
-            let expected = loop {
-                if let Some(&n) = released.get(&period) {
-                    break n;
+            let (expected, resume) = loop {
+                if let Some(&released) = released.get(&period) {
+                    break released;
                 }
                 if producer_done {
                     break 'periods;
@@ -399,7 +426,7 @@ impl Runner {
                 report.generated_tokens = tokens;
             }
             finalise_report(&mut report, start);
-            self.finish_period(&report, &weights);
+            self.finish_period(&report, &weights, resume)?;
             reports.push(report);
             start = next_start;
         }
@@ -428,12 +455,12 @@ pub(crate) async fn next_batch(source: &mut dyn PromptSource) -> Result<Option<P
 /// Folds one producer event into the consumer's books; true when the producer is done.
 fn handle_event(
     event: Event,
-    released: &mut BTreeMap<PeriodId, usize>,
+    released: &mut BTreeMap<PeriodId, (usize, Cursor)>,
     generated: &mut BTreeMap<PeriodId, (Interval, u64)>,
 ) -> Result<bool> {
     match event {
-        Event::Released { period, prompts } => {
-            released.insert(period, prompts);
+        Event::Released { period, prompts, resume } => {
+            released.insert(period, (prompts, resume));
             Ok(false)
         }
         Event::Generated { interval, tokens } => {
@@ -537,7 +564,7 @@ const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// What the producer tells the consumer.
 enum Event {
-    Released { period: PeriodId, prompts: usize },
+    Released { period: PeriodId, prompts: usize, resume: Cursor },
     Generated { interval: Interval, tokens: u64 },
     Finished,
     Failed(Error),
@@ -550,7 +577,7 @@ struct Producer {
     sender: Arc<dyn GroupSender>,
     subscriber: Box<dyn WeightSubscriber>,
     lag: u64,
-    periods: u64,
+    periods: std::ops::Range<u64>,
     group_size: u32,
     events: mpsc::UnboundedSender<Event>,
     t0: Instant,
@@ -571,10 +598,11 @@ impl Producer {
 
     async fn periods_loop(&mut self) -> Result<()> {
         let mut installed: Option<PolicyVersion> = None;
-        for k in 0..self.periods {
+        for k in self.periods.clone() {
             let Some(batch) = next_batch(self.source.as_mut()).await? else { return Ok(()) };
             let period = batch.period;
-            let _ = self.events.send(Event::Released { period, prompts: batch.prompts.len() });
+            let resume = self.source.cursor();
+            let _ = self.events.send(Event::Released { period, prompts: batch.prompts.len(), resume });
             // The controller: never generate more than `lag` versions ahead of training.
             let min = PolicyVersion(k.saturating_sub(self.lag));
             let wait = self.subscriber.wait_for(min);

@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 use metronome_transport::server::{NatsServer, free_port};
 
 /// How long any one step may take before the test gives up (a hang, not a timing).
-const PATIENCE: Duration = Duration::from_secs(300);
+pub(crate) const PATIENCE: Duration = Duration::from_secs(300);
 
 /// The cluster tests share two cores: run them one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -47,7 +47,7 @@ fn settings(url: &str, periods: u64) -> Vec<String> {
 }
 
 /// A `metronome` process whose stderr lines are collected.
-struct Proc {
+pub(crate) struct Proc {
     name: String,
     child: Child,
     lines: Receiver<String>,
@@ -55,11 +55,11 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(name: &str, args: &[&str], sets: &[String], out: &Path) -> Self {
+    pub(crate) fn spawn(name: &str, args: &[&str], sets: &[String], out: &Path) -> Self {
         Self::spawn_with(name, args, sets, out, &[], None)
     }
 
-    fn spawn_with(
+    pub(crate) fn spawn_with(
         name: &str,
         args: &[&str],
         sets: &[String],
@@ -133,17 +133,17 @@ impl Proc {
         page
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().unwrap().join("\n")
     }
 
     /// Waits for a stderr line containing `pattern` and returns it.
-    fn wait_for(&self, pattern: &str) -> String {
+    pub(crate) fn wait_for(&self, pattern: &str) -> String {
         self.wait_until(pattern, |l| l.contains(pattern))
     }
 
     /// Waits for a stderr line for which `matches` holds and returns it.
-    fn wait_until(&self, pattern: &str, matches: impl Fn(&str) -> bool) -> String {
+    pub(crate) fn wait_until(&self, pattern: &str, matches: impl Fn(&str) -> bool) -> String {
         let deadline = Instant::now() + PATIENCE;
         while Instant::now() < deadline {
             match self.lines.recv_timeout(Duration::from_millis(200)) {
@@ -155,7 +155,7 @@ impl Proc {
         panic!("{} never printed {pattern:?}:\n{}", self.name, self.log())
     }
 
-    fn finish(&mut self) -> ExitStatus {
+    pub(crate) fn finish(&mut self) -> ExitStatus {
         let deadline = Instant::now() + PATIENCE;
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -168,12 +168,17 @@ impl Proc {
         panic!("{} did not exit:\n{}", self.name, self.log())
     }
 
-    fn finish_ok(&mut self) {
+    pub(crate) fn finish_ok(&mut self) {
         let status = self.finish();
         assert!(status.success(), "{} failed ({status}):\n{}", self.name, self.log());
     }
 
-    fn sigkill(&mut self) {
+    /// The next stderr line; `None` once the process ended.
+    pub(crate) fn next_line(&self) -> Option<String> {
+        self.lines.recv_timeout(PATIENCE).ok()
+    }
+
+    pub(crate) fn sigkill(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
     }
@@ -215,9 +220,9 @@ impl Drop for Proc {
     }
 }
 
-type Weights = BTreeMap<String, Vec<f32>>;
+pub(crate) type Weights = BTreeMap<String, Vec<f32>>;
 
-fn read_weights(run: &Path) -> Weights {
+pub(crate) fn read_weights(run: &Path) -> Weights {
     let path = run.join("checkpoints/final/policy/model.safetensors");
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -233,7 +238,7 @@ fn read_weights(run: &Path) -> Weights {
         .collect()
 }
 
-fn max_difference(a: &Weights, b: &Weights) -> f32 {
+pub(crate) fn max_difference(a: &Weights, b: &Weights) -> f32 {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     a.iter().flat_map(|(name, x)| x.iter().zip(&b[name]).map(|(p, q)| (p - q).abs())).fold(0.0, f32::max)
 }

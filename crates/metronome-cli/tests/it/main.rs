@@ -3,3 +3,4 @@
 mod cluster;
 mod config;
 mod prometheus;
+mod resume;

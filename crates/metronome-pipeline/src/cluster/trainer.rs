@@ -1,18 +1,17 @@
 //! `metronome trainer`: the training side of a multi-process run.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use metronome_core::{
-    ControlMessage, Cursor, Delivery, GroupKey, GroupReceiver, PeriodId, PromptSource, RunSeed, ScoredGroup,
+    ControlMessage, Delivery, GroupKey, GroupReceiver, PeriodId, PromptSource, RunSeed, ScoredGroup,
     WeightPublisher, WeightSnapshot,
 };
 use metronome_trainer::GrpoTrainer;
 use metronome_transport::ControlSender;
-use serde::{Deserialize, Serialize};
 
 use crate::app::{err, load_model, progress_bar, warm_start};
+use crate::checkpoint::{Checkpoints, RunState};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::metrics::record_period;
@@ -22,19 +21,8 @@ use crate::runner::{note_rejected, trainable};
 use crate::schedule::Schedule;
 use crate::summary::summary_table;
 
-/// Where the trainer stands after a period: enough to repeat the protocol from there.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct ClusterState {
-    /// The next period to run.
-    next_period: u64,
-    /// The data loader's position for that period.
-    cursor: Cursor,
-}
-
-const STATE_FILE: &str = "cluster_state.json";
 /// How long the trainer waits for a group before it logs that it is waiting.
 const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
-const LATEST_FILE: &str = "latest";
 
 /// What a trainer process produced.
 #[derive(Debug)]
@@ -47,62 +35,6 @@ pub struct TrainerOutcome {
     pub resumed_at: Option<u64>,
     /// The final weights.
     pub weights: Arc<WeightSnapshot>,
-}
-
-/// The checkpoints of the period protocol: `checkpoints/cluster/period-<n>/` and a
-/// `latest` file naming the newest complete one (replaced atomically).
-struct Checkpoints {
-    root: PathBuf,
-}
-
-impl Checkpoints {
-    fn new(dir: &RunDir) -> Self {
-        Self { root: dir.checkpoints().join("cluster") }
-    }
-
-    fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
-        move |source| Error::Io { path: path.to_owned(), source }
-    }
-
-    fn latest(&self) -> Result<Option<(PathBuf, ClusterState)>> {
-        let pointer = self.root.join(LATEST_FILE);
-        let name = match std::fs::read_to_string(&pointer) {
-            Ok(name) => name,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::Io { path: pointer, source: e }),
-        };
-        let dir = self.root.join(name.trim());
-        let state_path = dir.join(STATE_FILE);
-        let text = std::fs::read_to_string(&state_path).map_err(Self::io(&state_path))?;
-        let state = serde_json::from_str(&text)
-            .map_err(|e| Error::Io { path: state_path.clone(), source: std::io::Error::other(e) })?;
-        Ok(Some((dir, state)))
-    }
-
-    /// Writes the trainer and the protocol state, then points `latest` at them; older
-    /// checkpoints but the previous one are removed.
-    fn save(&self, trainer: &GrpoTrainer, state: ClusterState) -> Result<()> {
-        let name = format!("period-{}", state.next_period);
-        let dir = self.root.join(&name);
-        trainer.save_checkpoint(&dir).map_err(err("trainer"))?;
-        let state_path = dir.join(STATE_FILE);
-        let text = serde_json::to_string_pretty(&state)
-            .map_err(|e| Error::Io { path: state_path.clone(), source: std::io::Error::other(e) })?;
-        std::fs::write(&state_path, text).map_err(Self::io(&state_path))?;
-        let tmp = self.root.join(format!("{LATEST_FILE}.tmp"));
-        std::fs::write(&tmp, &name).map_err(Self::io(&tmp))?;
-        let pointer = self.root.join(LATEST_FILE);
-        std::fs::rename(&tmp, &pointer).map_err(Self::io(&pointer))?;
-        if let Some(old) = state.next_period.checked_sub(2) {
-            let old = self.root.join(format!("period-{old}"));
-            if old.exists()
-                && let Err(e) = std::fs::remove_dir_all(&old)
-            {
-                tracing::warn!("cannot remove old checkpoint {}: {e}", old.display());
-            }
-        }
-        Ok(())
-    }
 }
 
 /// Runs the trainer of a multi-process run: connects to NATS (failing fast on bad
@@ -123,7 +55,7 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
     let restarted = config.run.out_dir.join(&name).join("config.toml").is_file();
     let dir = RunDir::create(&config.run.out_dir, &name)?;
     dir.write_config(&config.to_toml()?)?;
-    let checkpoints = Checkpoints::new(&dir);
+    let checkpoints = Checkpoints::new(dir.checkpoints().join("cluster"));
 
     if let Schedule::Stale(_) = config.run.schedule {
         return Err(Error::Config {
@@ -148,6 +80,7 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             let trainer =
                 GrpoTrainer::resume(config.trainer.clone(), &path, &device).map_err(err("trainer"))?;
             source.restore(state.cursor).map_err(err("dataloader"))?;
+            dir.resume_record(state.next_period)?;
             (trainer, state.next_period, Some(state.next_period))
         }
         None => {
@@ -287,16 +220,18 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
         let t = Instant::now();
         report.step = crate::runner::close_period(&mut trainer, period)?;
         weights = Arc::new(trainer.snapshot_sync().map_err(err("trainer"))?);
-        checkpoints.save(&trainer, ClusterState { next_period: k + 1, cursor: source.cursor() })?;
         report.intervals.push(interval(StageKind::Training, period, t));
+        finalise(&mut report, start);
+        // The period's line, then the checkpoint that contains it, then the
+        // acknowledgements: a kill anywhere between loses nothing (a resume from the
+        // previous checkpoint drops the line and runs the period again).
+        dir.append_period(&report)?;
+        checkpoints.save(&trainer, RunState { next_period: k + 1, cursor: source.cursor() })?;
         for delivery in held {
             delivery.acker.ack().await?;
         }
         control.send(ControlMessage::PeriodEnd { period }).await?;
-
-        finalise(&mut report, start);
         record_period(&report);
-        dir.append_period(&report)?;
         bar.inc(1);
         bar.suspend(|| {
             eprintln!(
