@@ -24,6 +24,7 @@ mod data;
 mod error;
 mod ids;
 mod layout;
+mod secret;
 mod stage;
 mod text;
 mod weights;
@@ -35,6 +36,7 @@ pub use data::{
 pub use error::{Error, Result};
 pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};
+pub use secret::Secret;
 pub use stage::{
     AccumulateReport, Acker, ControlMessage, Cursor, Delivery, GroupReceiver, GroupScorer, GroupSender,
     GroupSink, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine, RolloutRequest, StepReport,

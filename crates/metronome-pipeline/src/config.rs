@@ -222,6 +222,7 @@ impl PipelineConfig {
         for o in overrides {
             apply_override(&mut doc, o)?;
         }
+        resolve_secrets("", &mut doc)?;
         let config: Self = doc.try_into().map_err(|e: toml::de::Error| Error::Config {
             key: error_key(&e, origin),
             reason: e.message().to_owned(),
@@ -467,6 +468,36 @@ impl PipelineConfig {
             self.rollout.threads_per_worker = (cores.saturating_sub(self.trainer.threads) / workers).max(1);
         }
     }
+}
+
+/// Keys whose values are credentials ([`metronome_core::Secret`]).
+const SECRET_KEYS: &[&str] = &["password", "token", "api_key"];
+
+/// Reads every credential given as `{ env = "VAR" }` or `{ file = "PATH" }` (at a key
+/// named in [`SECRET_KEYS`]) into its value, so that configs and command lines need
+/// not hold it; a file's trailing newline is dropped. Errors name the key and the
+/// variable or file, never a value.
+fn resolve_secrets(prefix: &str, table: &mut toml::Table) -> Result<()> {
+    for (k, v) in table.iter_mut() {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        let toml::Value::Table(inner) = v else { continue };
+        if !SECRET_KEYS.contains(&k.as_str()) {
+            resolve_secrets(&key, inner)?;
+            continue;
+        }
+        let bad = |reason: String| Error::Config { key: key.clone(), reason };
+        let value = match (inner.len(), inner.get("env"), inner.get("file")) {
+            (1, Some(toml::Value::String(var)), None) => std::env::var(var)
+                .map_err(|_| bad(format!("names the environment variable {var}, which is not set")))?,
+            (1, None, Some(toml::Value::String(path))) => std::fs::read_to_string(path)
+                .map_err(|e| bad(format!("names the file {path}, which cannot be read: {e}")))?
+                .trim_end_matches(['\r', '\n'])
+                .to_owned(),
+            _ => return Err(bad("expected a string, { env = \"VAR\" } or { file = \"PATH\" }".into())),
+        };
+        *v = toml::Value::String(value);
+    }
+    Ok(())
 }
 
 /// Every leaf of `value` under its dotted key path.

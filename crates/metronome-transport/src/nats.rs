@@ -65,7 +65,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use metronome_core::{
     Acker, ControlMessage, Delivery, GroupReceiver, GroupSender, HostTensor, PolicyVersion, ScoredGroup,
-    WeightPublisher, WeightSnapshot, WeightSubscriber,
+    Secret, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 use serde::{Deserialize, Serialize};
 
@@ -185,15 +185,15 @@ pub enum NatsAuth {
     None,
     /// A token.
     Token {
-        /// The token.
-        token: String,
+        /// The token (redacted wherever it would print).
+        token: Secret,
     },
     /// A user name and password.
     UserPassword {
         /// The user.
         user: String,
-        /// The password.
-        password: String,
+        /// The password (redacted wherever it would print).
+        password: Secret,
     },
     /// A `.creds` file (JWT and NKey seed), as issued by `nsc`.
     CredsFile {
@@ -459,9 +459,9 @@ impl NatsTransport {
             .reconnect_delay_callback(move |attempt| reconnect.delay(attempt));
         options = match &config.auth {
             NatsAuth::None => options,
-            NatsAuth::Token { token } => options.token(token.clone()),
+            NatsAuth::Token { token } => options.token(token.expose().to_owned()),
             NatsAuth::UserPassword { user, password } => {
-                options.user_and_password(user.clone(), password.clone())
+                options.user_and_password(user.clone(), password.expose().to_owned())
             }
             NatsAuth::CredsFile { path } => {
                 options.credentials_file(path).await.map_err(|e| Error::Config {
@@ -1951,7 +1951,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.urls.len(), 2);
-        assert_eq!(c.auth, NatsAuth::UserPassword { user: "u".into(), password: "p".into() });
+        assert_eq!(c.auth, NatsAuth::UserPassword { user: "u".into(), password: Secret::new("p") });
+        assert!(!format!("{c:?}").contains("\"p\""), "the password shows in Debug");
         assert!(c.tls.required);
         assert_eq!(c.groups.stream, "RUN7_GROUPS");
         assert_eq!(c.groups.max_pending, 16);

@@ -191,3 +191,14 @@ fn closures_are_reward_fns() {
     assert_eq!(fns[0].score(&prompt(), &completion(0)), Reward::scalar(3.0));
     assert_eq!(fns[1].score(&prompt(), &completion(0)).failure.as_deref(), Some("always"));
 }
+
+#[test]
+fn a_secret_serialises_redacted_and_its_redaction_is_not_read_back() {
+    use metronome_core::Secret;
+    let s = Secret::new("hunter2");
+    assert_eq!(serde_json::to_string(&s).unwrap(), "\"<redacted>\"");
+    let back: Secret = serde_json::from_str("\"hunter2\"").unwrap();
+    assert_eq!(back.expose(), "hunter2");
+    let err = serde_json::from_str::<Secret>("\"<redacted>\"").unwrap_err().to_string();
+    assert!(err.contains("redacted secret") && err.contains("env"), "{err}");
+}

@@ -124,3 +124,42 @@ fn devices_are_read_per_stage_and_named_when_wrong() {
         assert!(e.starts_with("invalid configuration `model.device`"), "{e}");
     }
 }
+
+#[test]
+fn credentials_come_from_the_environment_or_a_file_and_never_show() {
+    // Set nowhere: the error names it.
+    let var = "METRONOME_TEST_NATS_PASSWORD_7F3A";
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "s3cret-from-file\n").unwrap();
+    let from_file = PipelineConfig::embedded(&[
+        "transport.kind=\"nats\"".into(),
+        format!(
+            "transport.auth={{kind=\"user_password\", user=\"m\", password={{file={:?}}}}}",
+            file.path().display().to_string()
+        ),
+    ])
+    .unwrap();
+    let metronome_pipeline::TransportConfig::Nats(nats) = &from_file.transport else { panic!("nats") };
+    let metronome_transport::nats::NatsAuth::UserPassword { password, .. } = &nats.auth else {
+        panic!("auth")
+    };
+    assert_eq!(password.expose(), "s3cret-from-file");
+    // Written back (run directory, `metronome config`) and printed: redacted.
+    let toml = from_file.to_toml().unwrap();
+    assert!(!toml.contains("s3cret") && toml.contains("<redacted>"), "{toml}");
+    assert!(!format!("{from_file:?}").contains("s3cret"));
+    // And a config written back cannot smuggle the redaction in as a password.
+    let e = PipelineConfig::parse(&toml, "config.toml", &[]).unwrap_err().to_string();
+    assert!(e.contains("redacted secret"), "{e}");
+
+    let e = err(&[
+        "transport.kind=\"nats\"",
+        &format!("transport.auth={{kind=\"token\", token={{env=\"{var}\"}}}}"),
+    ]);
+    assert_eq!(
+        e,
+        format!(
+            "invalid configuration `transport.auth.token`: names the environment variable {var}, which is not set"
+        )
+    );
+}
