@@ -5,6 +5,7 @@
 //! metronome config [--config FILE] [--set ...]     # print the resolved, validated config
 //! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
 //! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
+//! metronome serve [--addr A] [--api-key-file F] [--weights-dir D] [--config FILE] [--set ...]
 //! ```
 //!
 //! Without `--config` the embedded default runs: the built-in arithmetic task on the
@@ -84,6 +85,29 @@ enum Command {
         /// Serve Prometheus metrics here; `off` disables.
         #[arg(long, default_value = "127.0.0.1:9465")]
         metrics_addr: String,
+    },
+    /// Serve the config's model through its rollout engine with the OpenAI-compatible
+    /// completions API (`/v1/completions`, `/v1/models`,
+    /// `/metronome/v1/load_weights`) until SIGTERM or Ctrl-C.
+    Serve {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Where to listen; an address other machines can reach needs an API key.
+        #[arg(long, default_value = "127.0.0.1:8000")]
+        addr: SocketAddr,
+        /// The model name clients ask for.
+        #[arg(long, default_value = "metronome")]
+        model_name: String,
+        /// A file holding the API key clients must send (`Authorization: Bearer`);
+        /// else `$METRONOME_API_KEY`, else none.
+        #[arg(long, value_name = "FILE")]
+        api_key_file: Option<PathBuf>,
+        /// The only folder `load_weights` reads weights from (none: it is refused).
+        #[arg(long, value_name = "DIR")]
+        weights_dir: Option<PathBuf>,
+        /// Requests generating at once; more get 429.
+        #[arg(long, default_value_t = 16)]
+        max_concurrent_requests: usize,
     },
     /// Print the resolved configuration after overrides and validation.
     Config {
@@ -241,6 +265,25 @@ fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// Resolves on SIGTERM or Ctrl-C.
+async fn stop_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = term => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
 /// Runs `work` on a fresh runtime and then shuts the runtime down without waiting
 /// for stray background work: a finished role exits promptly.
 fn run_role<F: std::future::Future<Output = Result<()>>>(work: impl FnOnce() -> F) -> Result<()> {
@@ -265,6 +308,30 @@ fn real_main() -> Result<()> {
             print!("{}", config.load()?.to_toml()?);
             Ok(())
         }
+        Command::Serve { config, addr, model_name, api_key_file, weights_dir, max_concurrent_requests } => {
+            let config = config.load()?;
+            let api_key = match (&api_key_file, std::env::var("METRONOME_API_KEY")) {
+                (Some(path), _) => Some(
+                    std::fs::read_to_string(path)
+                        .with_context(|| format!("--api-key-file {}", path.display()))?
+                        .trim_end_matches(['\r', '\n'])
+                        .to_owned(),
+                ),
+                (None, Ok(key)) => Some(key),
+                (None, Err(_)) => None,
+            };
+            let server = metronome_pipeline::ServerConfig {
+                model_name,
+                api_key: api_key.map(metronome_pipeline::Secret::new),
+                weights_dir,
+                max_concurrent_requests,
+                ..metronome_pipeline::ServerConfig::default()
+            };
+            run_role(|| async {
+                metronome_pipeline::serve(config, server, addr, stop_signal()).await?;
+                anyhow::Ok(())
+            })
+        }
         Command::Trainer { config, metrics_addr, quiet } => {
             let config = config.load()?;
             run_role(|| async {
@@ -280,18 +347,7 @@ fn real_main() -> Result<()> {
                 let stop = metronome_pipeline::cluster::StopFlag::default();
                 let on_signal = stop.clone();
                 tokio::spawn(async move {
-                    let mut term =
-                        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                            Ok(term) => term,
-                            Err(e) => {
-                                tracing::warn!("cannot listen for SIGTERM: {e}");
-                                return;
-                            }
-                        };
-                    tokio::select! {
-                        _ = term.recv() => {}
-                        _ = tokio::signal::ctrl_c() => {}
-                    }
+                    stop_signal().await;
                     eprintln!("leaving after the claims in hand");
                     on_signal.stop();
                 });

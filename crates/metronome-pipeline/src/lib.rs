@@ -29,6 +29,7 @@ mod report;
 mod rundir;
 mod runner;
 mod schedule;
+mod serve;
 mod summary;
 
 pub use app::{
@@ -39,8 +40,11 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};
+pub use metronome_core::Secret;
+pub use metronome_rollout::http::ServerConfig;
 pub use report::{Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;
 pub use runner::{Packer, PeriodEnd, PeriodHook, Runner, RunnerOptions, Stages, Transport};
 pub use schedule::{ParseScheduleError, Schedule};
+pub use serve::serve;
 pub use summary::summary_table;

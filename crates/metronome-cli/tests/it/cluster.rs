@@ -59,6 +59,13 @@ impl Proc {
         Self::spawn_with(name, args, sets, out, &[], None)
     }
 
+    /// A process with exactly `args` (no output folder, no metrics endpoint).
+    pub(crate) fn spawn_plain(name: &str, args: &[&str]) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_metronome"));
+        command.args(args).env("CANDLE_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+        Self::watch(name, command)
+    }
+
     pub(crate) fn spawn_with(
         name: &str,
         args: &[&str],
@@ -76,15 +83,13 @@ impl Proc {
         }
         // Both set here so the binary does not re-execute itself: a signal must reach
         // the process that does the work.
-        let mut child = command
-            .arg("--out-dir")
-            .arg(out)
-            .env("CANDLE_NUM_THREADS", "1")
-            .env("RAYON_NUM_THREADS", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        command.arg("--out-dir").arg(out).env("CANDLE_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
+        Self::watch(name, command)
+    }
+
+    /// Starts `command` and collects its stderr lines.
+    fn watch(name: &str, mut command: Command) -> Self {
+        let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let stderr = child.stderr.take().unwrap();
         let (tx, lines) = mpsc::channel();
         let log = Arc::new(Mutex::new(Vec::new()));
@@ -183,7 +188,7 @@ impl Proc {
         self.child.wait().unwrap();
     }
 
-    fn sigterm(&self) {
+    pub(crate) fn sigterm(&self) {
         let status = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status().unwrap();
         assert!(status.success());
     }

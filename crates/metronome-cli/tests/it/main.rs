@@ -4,3 +4,4 @@ mod cluster;
 mod config;
 mod prometheus;
 mod resume;
+mod serve;

@@ -41,6 +41,9 @@ pub struct OpenAiClientConfig {
     pub sampling: SamplingConfig,
     /// Send Metronome's `prompt_ids` extension (off for servers that reject unknown fields).
     pub send_prompt_ids: bool,
+    /// Sent as `Authorization: Bearer <api_key>` (vLLM's and SGLang's `--api-key`,
+    /// `metronome serve`'s).
+    pub api_key: Option<metronome_core::Secret>,
 }
 
 impl Default for OpenAiClientConfig {
@@ -55,6 +58,7 @@ impl Default for OpenAiClientConfig {
             seed: 0,
             sampling: SamplingConfig::default(),
             send_prompt_ids: true,
+            api_key: None,
         }
     }
 }
@@ -158,8 +162,16 @@ impl OpenAiEngine {
         if !(config.timeout_s.is_finite() && config.timeout_s > 0.0) {
             return Err(Error::config("openai.timeout_s", format!("is {} (expected > 0)", config.timeout_s)));
         }
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(key) = &config.api_key {
+            let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", key.expose()))
+                .map_err(|_| Error::config("api_key", "holds characters a header cannot carry"))?;
+            value.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, value);
+        }
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs_f64(config.timeout_s))
+            .default_headers(headers)
             .build()
             .map_err(|e| Error::Http { url: config.base_url.clone(), reason: e.to_string() })?;
         Ok(Self {

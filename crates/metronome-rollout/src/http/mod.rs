@@ -29,7 +29,10 @@ mod types;
 pub use client::{
     HookContext, NoWeightUpdate, OpenAiClientConfig, OpenAiEngine, SafetensorsReload, WeightUpdateHook,
 };
-pub use server::{LoadWeightsRequest, router, serve, snapshot_from_safetensors, snapshot_to_safetensors};
+pub use server::{
+    LoadWeightsRequest, ServerConfig, router, serve, serve_until, snapshot_from_safetensors,
+    snapshot_to_safetensors,
+};
 pub use types::{
     Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
     PromptInput, StopInput, Usage,

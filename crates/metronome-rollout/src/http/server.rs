@@ -1,7 +1,17 @@
 //! The OpenAI-compatible server: `/v1/completions` and `/v1/models` in front of an
 //! [`Engine`], plus `POST /metronome/v1/load_weights` for the client's weight hook.
+//!
+//! Hostile traffic is expected ([`ServerConfig`]): with an `api_key` every route needs
+//! `Authorization: Bearer <key>` (401 otherwise; the key is required to listen on a
+//! non-loopback address); bodies above `max_body_bytes` get 413; `n`, `max_tokens`,
+//! prompts per request and stop conditions above their limits get 400 naming the
+//! field; requests beyond `max_concurrent_requests` in flight get 429 at once instead
+//! of queueing; `load_weights` reads only files inside `weights_dir` (none: the route
+//! answers 403), up to `max_weights_bytes`, and its errors name only the path the
+//! client sent.
 
 use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -13,10 +23,11 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metronome_core::{
-    FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed, TensorData,
-    WeightSnapshot,
+    FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed, Secret,
+    TensorData, WeightSnapshot,
 };
 use serde::{Deserialize, Serialize};
+use tokio::sync::Semaphore;
 
 use super::types::{
     Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
@@ -24,25 +35,150 @@ use super::types::{
 };
 use crate::{Engine, Error, InferenceModel, Result, SamplingConfig, Submission};
 
+/// What the server accepts. Every limit has a default that serves a rollout client
+/// (`serde` form of `metronome serve`'s settings).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// The served model name (`model` in requests).
+    pub model_name: String,
+    /// Every request must carry `Authorization: Bearer <api_key>`; required to listen
+    /// on a non-loopback address.
+    pub api_key: Option<Secret>,
+    /// The largest request body, in bytes (413 beyond).
+    pub max_body_bytes: usize,
+    /// Prompts per request at most.
+    pub max_prompts: usize,
+    /// Choices per prompt (`n`) at most.
+    pub max_n: u32,
+    /// `max_tokens` at most (the context length bounds it too).
+    pub max_tokens: usize,
+    /// Stop strings and stop token ids per request at most, each.
+    pub max_stop: usize,
+    /// Requests generating at once at most; more are answered 429 at once.
+    pub max_concurrent_requests: usize,
+    /// The only folder `load_weights` reads from; `None` refuses the route (403).
+    pub weights_dir: Option<PathBuf>,
+    /// The largest weights file `load_weights` reads, in bytes.
+    pub max_weights_bytes: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            model_name: "metronome".into(),
+            api_key: None,
+            max_body_bytes: 4 << 20,
+            max_prompts: 256,
+            max_n: 64,
+            max_tokens: 4096,
+            max_stop: 16,
+            max_concurrent_requests: 16,
+            weights_dir: None,
+            max_weights_bytes: 64 << 30,
+        }
+    }
+}
+
+/// The longest stop string accepted, in bytes.
+const MAX_STOP_BYTES: usize = 256;
+
+impl ServerConfig {
+    /// The default limits, serving `model_name`.
+    #[must_use]
+    pub fn named(model_name: impl Into<String>) -> Self {
+        Self { model_name: model_name.into(), ..Self::default() }
+    }
+
+    /// Checks the limits, and that a server reachable from other machines (bound to
+    /// `addr`, not a loopback address) asks for a key; errors name the field.
+    pub fn validate(&self, addr: std::net::SocketAddr) -> Result<()> {
+        for (field, value) in [
+            ("max_body_bytes", self.max_body_bytes),
+            ("max_prompts", self.max_prompts),
+            ("max_n", self.max_n as usize),
+            ("max_tokens", self.max_tokens),
+            ("max_concurrent_requests", self.max_concurrent_requests),
+        ] {
+            if value == 0 {
+                return Err(Error::config(field, "is 0 (expected at least 1)"));
+            }
+        }
+        if self.api_key.as_ref().is_some_and(|k| k.expose().is_empty()) {
+            return Err(Error::config("api_key", "is empty"));
+        }
+        if !addr.ip().is_loopback() && self.api_key.is_none() {
+            return Err(Error::config(
+                "api_key",
+                format!("must be set to listen on {addr}, which other machines can reach"),
+            ));
+        }
+        Ok(())
+    }
+}
+
 struct AppState<M: InferenceModel> {
     engine: Arc<Engine<M>>,
-    model_name: String,
+    config: ServerConfig,
+    in_flight: Arc<Semaphore>,
     created: u64,
 }
 
-/// The routes, serving `engine` under the name `model_name`.
-pub fn router<M: InferenceModel>(engine: Arc<Engine<M>>, model_name: impl Into<String>) -> Router {
-    let state = Arc::new(AppState { engine, model_name: model_name.into(), created: unix_now() });
+/// The routes, serving `engine` as `config` says.
+pub fn router<M: InferenceModel>(engine: Arc<Engine<M>>, config: ServerConfig) -> Router {
+    let in_flight = Arc::new(Semaphore::new(config.max_concurrent_requests.max(1)));
+    let body_limit = config.max_body_bytes;
+    let state = Arc::new(AppState { engine, config, in_flight, created: unix_now() });
     Router::new()
         .route("/v1/completions", post(completions::<M>))
         .route("/v1/models", get(models::<M>))
         .route("/metronome/v1/load_weights", post(load_weights::<M>))
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), authorize::<M>))
+        .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(state)
+}
+
+/// Refuses a request without the configured bearer key (401).
+async fn authorize<M: InferenceModel>(
+    State(s): State<Arc<AppState<M>>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(key) = &s.config.api_key {
+        let given = request
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.expose().as_bytes())) {
+            return ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                message: "missing or wrong API key (Authorization: Bearer <key>)".into(),
+                param: None,
+            }
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
+
+/// Equality whose time does not depend on where the bytes differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Serves `router` on `listener` until the future is dropped or the listener fails.
 pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
     axum::serve(listener, router).await
+}
+
+/// [`serve`] until `shutdown` resolves, then finishes the requests in flight.
+pub async fn serve_until(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
 }
 
 fn unix_now() -> u64 {
@@ -86,7 +222,7 @@ async fn models<M: InferenceModel>(State(s): State<Arc<AppState<M>>>) -> Json<Mo
     Json(ModelList {
         object: "list".into(),
         data: vec![ModelCard {
-            id: s.model_name.clone(),
+            id: s.config.model_name.clone(),
             object: "model".into(),
             created: s.created,
             owned_by: "metronome".into(),
@@ -96,6 +232,21 @@ async fn models<M: InferenceModel>(State(s): State<Arc<AppState<M>>>) -> Json<Mo
 }
 
 async fn completions<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body: Bytes) -> Response {
+    // Beyond the limit, say so at once: a client backs off and retries (429), where a
+    // queue would hold its connection and memory.
+    let Ok(_permit) = Arc::clone(&s.in_flight).try_acquire_owned() else {
+        let mut r = ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: format!(
+                "{} requests are being served, the most this server takes at once; retry later",
+                s.config.max_concurrent_requests
+            ),
+            param: None,
+        }
+        .into_response();
+        r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
+        return r;
+    };
     match complete(&s, &body).await {
         Ok(r) => Json(r).into_response(),
         Err(e) => e.into_response(),
@@ -109,10 +260,14 @@ async fn complete<M: InferenceModel>(
 ) -> std::result::Result<CompletionResponse, ApiError> {
     let req: CompletionRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("request body is not a valid completion request: {e}"), None))?;
-    if req.model != s.model_name {
+    let limits = &s.config;
+    if req.model != limits.model_name {
         return Err(ApiError {
             status: StatusCode::NOT_FOUND,
-            message: format!("model `{}` does not exist (this server serves `{}`)", req.model, s.model_name),
+            message: format!(
+                "model `{}` does not exist (this server serves `{}`)",
+                req.model, limits.model_name
+            ),
             param: Some("model"),
         });
     }
@@ -126,8 +281,21 @@ async fn complete<M: InferenceModel>(
         return Err(ApiError::bad("`echo` is true, but this server does not echo prompts", Some("echo")));
     }
     let n = req.n.unwrap_or(1);
-    if n == 0 {
-        return Err(ApiError::bad("`n` is 0 (expected at least 1)", Some("n")));
+    if n == 0 || n > limits.max_n {
+        return Err(ApiError::bad(format!("`n` is {n} (expected 1 to {})", limits.max_n), Some("n")));
+    }
+    let stops = req.stop.clone().map(super::StopInput::into_vec).unwrap_or_default();
+    if stops.len() > limits.max_stop || stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::bad(
+            format!("`stop` takes at most {} strings of up to {MAX_STOP_BYTES} bytes", limits.max_stop),
+            Some("stop"),
+        ));
+    }
+    if req.stop_token_ids.as_ref().is_some_and(|ids| ids.len() > limits.max_stop) {
+        return Err(ApiError::bad(
+            format!("`stop_token_ids` takes at most {} ids", limits.max_stop),
+            Some("stop_token_ids"),
+        ));
     }
     let tokenizer = Arc::clone(s.engine.tokenizer());
     let encode =
@@ -144,9 +312,18 @@ async fn complete<M: InferenceModel>(
     if inputs.is_empty() {
         return Err(ApiError::bad("`prompt` is an empty list", Some("prompt")));
     }
+    if inputs.len() > limits.max_prompts {
+        return Err(ApiError::bad(
+            format!("`prompt` holds {} prompts (at most {})", inputs.len(), limits.max_prompts),
+            Some("prompt"),
+        ));
+    }
     let max_tokens = req.max_tokens.unwrap_or(16);
-    if max_tokens == 0 {
-        return Err(ApiError::bad("`max_tokens` is 0 (expected at least 1)", Some("max_tokens")));
+    if max_tokens == 0 || max_tokens > limits.max_tokens {
+        return Err(ApiError::bad(
+            format!("`max_tokens` is {max_tokens} (expected 1 to {})", limits.max_tokens),
+            Some("max_tokens"),
+        ));
     }
     let context = s.engine.max_seq_len();
     let vocab = tokenizer.vocab_size();
@@ -160,7 +337,8 @@ async fn complete<M: InferenceModel>(
                 Some("prompt"),
             ));
         }
-        if tokens.len() + max_tokens > context {
+        // Saturating: neither number is trusted to leave room for the sum.
+        if tokens.len().saturating_add(max_tokens) > context {
             return Err(ApiError::bad(
                 format!(
                     "`max_tokens` {max_tokens} plus the {} tokens of prompt {i} exceeds the context length {context}",
@@ -275,7 +453,7 @@ async fn complete<M: InferenceModel>(
         id: format!("cmpl-{seed:016x}-{}", unix_now()),
         object: "text_completion".into(),
         created: unix_now(),
-        model: s.model_name.clone(),
+        model: s.config.model_name.clone(),
         system_fingerprint: Some(format!("metronome-v{version}")),
         choices,
         usage: Some(Usage {
@@ -322,9 +500,10 @@ async fn load_weights<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body
         let req: LoadWeightsRequest = serde_json::from_slice(&body).map_err(|e| {
             ApiError::bad(format!("request body is not a valid load_weights request: {e}"), None)
         })?;
-        let bytes = tokio::fs::read(&req.path)
+        let path = weights_file(&s, &req.path).await?;
+        let bytes = tokio::fs::read(&path)
             .await
-            .map_err(|e| ApiError::bad(format!("{}: {e}", req.path), Some("path")))?;
+            .map_err(|_| ApiError::bad(format!("{}: cannot be read", req.path), Some("path")))?;
         let snapshot = snapshot_from_safetensors(&bytes, PolicyVersion(req.version))
             .map_err(|e| ApiError::bad(format!("{}: {e}", req.path), Some("path")))?;
         s.engine.install_weights(Arc::new(snapshot)).await.map_err(|e| ApiError {
@@ -339,6 +518,44 @@ async fn load_weights<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+/// The file `load_weights` may read for `requested` (a name inside `weights_dir`, or
+/// a path that resolves inside it), checked against the size limit. Errors name only
+/// what the client sent: they say nothing of other paths on the server.
+async fn weights_file<M: InferenceModel>(
+    s: &AppState<M>,
+    requested: &str,
+) -> std::result::Result<PathBuf, ApiError> {
+    let refused = |message: String| ApiError { status: StatusCode::FORBIDDEN, message, param: Some("path") };
+    let Some(dir) = &s.config.weights_dir else {
+        return Err(refused(
+            "this server loads no weights (it was started without a weights directory)".into(),
+        ));
+    };
+    let dir = tokio::fs::canonicalize(dir)
+        .await
+        .map_err(|_| refused("the server's weights directory is missing".into()))?;
+    let outside = || ApiError {
+        status: StatusCode::FORBIDDEN,
+        message: format!("{requested}: not a file in the server's weights directory"),
+        param: Some("path"),
+    };
+    let path = tokio::fs::canonicalize(dir.join(requested)).await.map_err(|_| outside())?;
+    if !path.starts_with(&dir) {
+        return Err(outside());
+    }
+    let meta = tokio::fs::metadata(&path).await.map_err(|_| outside())?;
+    if !meta.is_file() {
+        return Err(outside());
+    }
+    if meta.len() > s.config.max_weights_bytes {
+        return Err(ApiError::bad(
+            format!("{requested}: {} bytes, above the limit of {}", meta.len(), s.config.max_weights_bytes),
+            Some("path"),
+        ));
+    }
+    Ok(path)
 }
 
 /// The snapshot as a safetensors file (f32, bf16 and f16 kept as they are); the version

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use metronome_core::{PeriodId, PolicyVersion, RolloutEngine, RolloutRequest};
 use metronome_rollout::http::{
     CompletionResponse, ErrorBody, ModelList, NoWeightUpdate, OpenAiClientConfig, OpenAiEngine,
-    SafetensorsReload, router, serve,
+    SafetensorsReload, ServerConfig, router, serve,
 };
 use metronome_rollout::{CollectSink, ModelEngine, SamplingConfig};
 
@@ -13,9 +13,14 @@ use crate::common::{engine, prompts, sampling, signature, tiny_model};
 
 /// Serves `engine` as `tiny` on a free loopback port; returns the base URL.
 async fn start(engine: Arc<ModelEngine>) -> String {
+    start_with(engine, ServerConfig::named("tiny")).await
+}
+
+async fn start_with(engine: Arc<ModelEngine>, config: ServerConfig) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(listener, router(engine, "tiny")));
+    config.validate(addr).unwrap();
+    tokio::spawn(serve(listener, router(engine, config)));
     format!("http://{addr}")
 }
 
@@ -57,9 +62,10 @@ async fn client_against_our_server_equals_the_engine() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weight_hook_reloads_our_server() {
     let engine = Arc::new(engine(1, 4, sampling(8)));
-    let base_url = start(Arc::clone(&engine)).await;
     let dir = std::env::temp_dir().join(format!("metronome-rollout-hook-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let server = ServerConfig { weights_dir: Some(dir.clone()), ..ServerConfig::named("tiny") };
+    let base_url = start_with(Arc::clone(&engine), server).await;
     let config = OpenAiClientConfig {
         base_url,
         model: "tiny".into(),
@@ -160,4 +166,100 @@ async fn client_reports_server_errors_and_unreachable_servers() {
     let client = OpenAiEngine::new(config, PolicyVersion(0), NoWeightUpdate).unwrap();
     let err = client.generate(request, &CollectSink::default()).await.unwrap_err().to_string();
     assert!(err.contains("http"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_requests_are_refused_by_name_and_the_server_keeps_serving() {
+    let engine = Arc::new(engine(1, 4, sampling(8)));
+    let weights = tempfile::tempdir().unwrap();
+    let secret_dir = tempfile::tempdir().unwrap();
+    std::fs::write(secret_dir.path().join("other.safetensors"), b"not yours").unwrap();
+    let config = ServerConfig {
+        api_key: Some(metronome_core::Secret::new("k3y")),
+        max_body_bytes: 4096,
+        max_prompts: 4,
+        max_n: 8,
+        max_tokens: 64,
+        max_stop: 2,
+        max_concurrent_requests: 1,
+        weights_dir: Some(weights.path().to_owned()),
+        ..ServerConfig::named("tiny")
+    };
+    // Reachable from other machines only with a key.
+    let open = ServerConfig { api_key: None, ..config.clone() };
+    let err = open.validate("0.0.0.0:8000".parse().unwrap()).unwrap_err().to_string();
+    assert!(err.contains("api_key") && err.contains("0.0.0.0:8000"), "{err}");
+    config.validate("0.0.0.0:8000".parse().unwrap()).unwrap();
+
+    let base = start_with(Arc::clone(&engine), config).await;
+    let http = reqwest::Client::new();
+    let url = format!("{base}/v1/completions");
+    let post = |body: String, key: Option<&str>| {
+        let mut r = http.post(&url).header("content-type", "application/json").body(body);
+        if let Some(k) = key {
+            r = r.bearer_auth(k);
+        }
+        r.send()
+    };
+    let ok = r#"{"model": "tiny", "prompt": "1 + 1 = ", "max_tokens": 4}"#.to_owned();
+    assert_eq!(post(ok.clone(), None).await.unwrap().status().as_u16(), 401);
+    assert_eq!(post(ok.clone(), Some("wrong")).await.unwrap().status().as_u16(), 401);
+    let models = http.get(format!("{base}/v1/models")).send().await.unwrap();
+    assert_eq!(models.status().as_u16(), 401, "every route needs the key");
+    assert_eq!(post(ok.clone(), Some("k3y")).await.unwrap().status().as_u16(), 200);
+
+    let huge_prompt = format!(r#"{{"model": "tiny", "prompt": "{}"}}"#, "x".repeat(8000));
+    let many = serde_json::json!({"model": "tiny", "prompt": ["a", "b", "c", "d", "e"]}).to_string();
+    let stops = serde_json::json!({"model": "tiny", "prompt": "a", "stop": ["1", "2", "3"]}).to_string();
+    let cases: [(String, u16, &str); 6] = [
+        (huge_prompt, 413, ""),
+        (r#"{"model": "tiny", "prompt": "a", "n": 1000000}"#.into(), 400, "`n` is 1000000"),
+        (
+            format!(r#"{{"model": "tiny", "prompt": "a", "max_tokens": {}}}"#, usize::MAX),
+            400,
+            "`max_tokens` is 18446744073709551615",
+        ),
+        (many, 400, "holds 5 prompts"),
+        (stops, 400, "`stop` takes at most 2"),
+        (r#"{"model": "tiny", "prompt": "a", "n": -1}"#.into(), 400, "not a valid completion request"),
+    ];
+    for (body, status, message) in cases {
+        let resp = post(body.clone(), Some("k3y")).await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{}", &body[..body.len().min(80)]);
+        if !message.is_empty() {
+            let err: ErrorBody = resp.json().await.unwrap();
+            assert!(err.error.message.contains(message), "{}", err.error.message);
+        }
+    }
+
+    // Weights only from the weights directory, and errors that reveal no other path.
+    let load = |path: String| {
+        http.post(format!("{base}/metronome/v1/load_weights"))
+            .bearer_auth("k3y")
+            .json(&serde_json::json!({"path": path, "version": 1}))
+            .send()
+    };
+    let outside = secret_dir.path().join("other.safetensors").display().to_string();
+    for path in [outside.clone(), "../etc/passwd".to_owned(), "missing.safetensors".to_owned()] {
+        let resp = load(path.clone()).await.unwrap();
+        assert_eq!(resp.status().as_u16(), 403, "{path}");
+        let err: ErrorBody = resp.json().await.unwrap();
+        assert!(!err.error.message.contains(&weights.path().display().to_string()), "{}", err.error.message);
+        assert!(err.error.message.starts_with(&path), "{}", err.error.message);
+    }
+
+    // Beyond the requests it takes at once: 429 at once, not a queue.
+    let slow =
+        serde_json::json!({"model": "tiny", "prompt": ["1 + 1 = ", "2 + 2 = ", "3 + 3 = ", "4 + 4 = "],
+        "n": 8, "max_tokens": 64, "ignore_eos": true})
+        .to_string();
+    let first = tokio::spawn(post(slow, Some("k3y")));
+    while engine.queue_depth() == 0 && !first.is_finished() {
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    let second = post(ok.clone(), Some("k3y")).await.unwrap();
+    assert_eq!(second.status().as_u16(), 429);
+    assert_eq!(second.headers().get("retry-after").unwrap(), "1");
+    assert_eq!(first.await.unwrap().unwrap().status().as_u16(), 200);
+    assert_eq!(post(ok, Some("k3y")).await.unwrap().status().as_u16(), 200, "serving again");
 }

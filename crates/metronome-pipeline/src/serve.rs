@@ -1,0 +1,42 @@
+//! `metronome serve`: the rollout engine of a config behind the OpenAI-compatible
+//! completions API (`metronome_rollout::http`), for clients that are not Metronome's
+//! pipeline, or for Metronome's `OpenAiEngine` in another process.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use metronome_rollout::http::{ServerConfig, router, serve_until};
+
+use crate::app::{err, load_model};
+use crate::config::PipelineConfig;
+use crate::error::{Error, Result};
+
+/// Serves the model of `config` (`[model]`, on `rollout.device`) through its rollout
+/// engine (`[rollout]`) on `addr`, as `server` says, until `shutdown` resolves.
+/// Refuses, naming the setting, a server other machines can reach without an API key.
+pub async fn serve(
+    mut config: PipelineConfig,
+    server: ServerConfig,
+    addr: SocketAddr,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    config.place();
+    config.validate()?;
+    server.validate(addr).map_err(|e| Error::Config { key: "serve".into(), reason: e.to_string() })?;
+    let (model, tokenizer) = load_model(&config, config.rollout_device())?;
+    let inference = model.frozen_copy().map_err(err("model"))?;
+    drop(model);
+    let mut engine_cfg = config.rollout.clone();
+    engine_cfg.seed = config.run.seed;
+    let engine =
+        engine_cfg.build(inference, metronome_core::PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Config { key: "addr".into(), reason: format!("cannot listen on {addr}: {e}") })?;
+    let local = listener.local_addr().map_err(|e| Error::Io { path: "socket".into(), source: e })?;
+    tracing::info!(%local, model = %server.model_name, "serving");
+    eprintln!("serving `{}` on http://{local}", server.model_name);
+    serve_until(listener, router(Arc::new(engine), server), shutdown)
+        .await
+        .map_err(|e| Error::Io { path: "socket".into(), source: e })
+}
