@@ -300,4 +300,29 @@ impl ScoredGroup {
     pub fn key(&self) -> GroupKey {
         self.group.key()
     }
+
+    /// Computes the statistics and advantages again from the rewards with
+    /// `estimator`, replacing those the group came with: a trainer takes the rewards
+    /// of another process, never its arithmetic. Refuses a group whose rewards do not
+    /// match its completions or are not finite.
+    pub fn recompute(&mut self, estimator: AdvantageEstimator) -> Result<()> {
+        let key = self.key();
+        if self.rewards.len() != self.group.completions.len() {
+            return Err(Error::invalid(
+                format!("group {key}"),
+                format!(
+                    "has {} rewards for {} completions",
+                    self.rewards.len(),
+                    self.group.completions.len()
+                ),
+            ));
+        }
+        let totals: Vec<f32> = self.rewards.iter().map(|r| r.total).collect();
+        if let Some(i) = totals.iter().position(|t| !t.is_finite()) {
+            return Err(Error::invalid(format!("group {key}, reward {i}"), format!("is {}", totals[i])));
+        }
+        self.stats = GroupStats::of(&totals);
+        self.advantages = estimator.advantages(&totals);
+        Ok(())
+    }
 }

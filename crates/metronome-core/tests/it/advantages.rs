@@ -39,3 +39,32 @@ fn group_norm_advantages_have_zero_mean_unit_std() {
     assert!(stats.mean.abs() < 1e-5);
     assert!((stats.std - 1.0).abs() < 1e-4);
 }
+
+#[test]
+fn a_received_group_gets_the_trainers_advantages_and_bad_rewards_are_refused() {
+    use metronome_core::{Completion, Group, PeriodId, Prompt, PromptId, Reward, ScoredGroup};
+    let group = Group {
+        period: PeriodId(1),
+        prompt: Prompt { id: PromptId(4), ..Prompt::default() },
+        completions: (0..4).map(|i| Completion { sample_index: i, ..Completion::default() }).collect(),
+        ..Group::default()
+    };
+    let rewards: Vec<Reward> = [1.0, 0.0, 0.0, 1.0].map(Reward::scalar).to_vec();
+    let honest = ScoredGroup::new(group.clone(), rewards.clone(), AdvantageEstimator::GroupNorm).unwrap();
+    // A worker claims huge advantages for the same rewards.
+    let mut forged = honest.clone();
+    forged.advantages = vec![100.0, -100.0, 100.0, 100.0];
+    forged.stats.all_equal = true;
+    forged.recompute(AdvantageEstimator::GroupNorm).unwrap();
+    assert_eq!(forged, honest);
+
+    let mut nan = honest.clone();
+    nan.rewards[2].total = f32::NAN;
+    let err = nan.recompute(AdvantageEstimator::GroupNorm).unwrap_err().to_string();
+    assert!(err.contains("group (period 1, prompt 4), reward 2") && err.contains("NaN"), "{err}");
+    let mut short = honest;
+    short.rewards.pop();
+    assert!(
+        short.recompute(AdvantageEstimator::GroupNorm).unwrap_err().to_string().contains("3 rewards for 4")
+    );
+}

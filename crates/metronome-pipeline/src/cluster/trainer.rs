@@ -175,8 +175,13 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
                 continue;
             }
             // A group no trainer of this run would send: terminated, kept as a dead
-            // letter, counted; the period goes on.
-            let poison = if !expected.contains(&key) {
+            // letter, counted; the period goes on. The advantages are the trainer's own,
+            // from the rewards (a worker's numbers are not trusted).
+            let mut delivery = delivery;
+            let recomputed = delivery.group.recompute(config.trainer.advantage);
+            let poison = if let Err(e) = recomputed {
+                Some(format!("its rewards are unusable: {e}"))
+            } else if !expected.contains(&key) {
                 Some(format!(
                     "it is not one of period {period}'s prompts: another trainer may share these streams"
                 ))
