@@ -111,9 +111,16 @@ impl Model {
             bos_token_id: tokenizer.bos_token_id(),
             eos_token_id: md.get("tokenizer.ggml.eos_token_id").and_then(|v| v.to_u32().ok()),
         };
-        let mut source = |name: &str, _shape: &[usize], _init: Init| -> Result<Tensor> {
+        cfg.validate().map_err(|e| Error::checkpoint(format!("{file_name}: metadata"), e.to_string()))?;
+        let mut source = |name: &str, shape: &[usize], _init: Init| -> Result<Tensor> {
             let g = gguf_name(name);
             let what = format!("{file_name}: tensor `{g}`");
+            // Checked before reading: the metadata's sizes are not trusted to match.
+            let info = content.tensor_infos.get(&g).ok_or_else(|| Error::checkpoint(&what, "is missing"))?;
+            if info.shape.elem_count() != shape.iter().product::<usize>() {
+                let dims = info.shape.dims();
+                return Err(Error::checkpoint(&what, format!("has shape {dims:?}, expected {shape:?}")));
+            }
             let q = content
                 .tensor(&mut file, &g, &Device::Cpu)
                 .map_err(|e| Error::checkpoint(&what, e.to_string()))?;

@@ -177,7 +177,9 @@ impl Model {
             Ok(Var::from_tensor(&t.to_dtype(DType::F32)?.to_device(device)?)?)
         };
         let embed = var("model.embed_tokens.weight", &[cfg.vocab_size, d], Init::Normal)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        // Grown layer by layer: the count comes from a file, and a corrupted one must
+        // end at the first missing tensor, not in an allocation of that many layers.
+        let mut layers = Vec::new();
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let input_norm = var(&format!("{p}.input_layernorm.weight"), &[d], Init::Ones)?;

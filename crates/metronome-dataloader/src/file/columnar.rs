@@ -30,8 +30,29 @@ use crate::error::{Error, Location, Result};
 /// that the JSON staging of one batch stays a few megabytes.
 const BATCH_ROWS: usize = 4096;
 
+/// [`read`], with a panic of the `parquet` crate turned into an error naming the
+/// file: on some malformed footers (a column chunk with a negative offset, say) it
+/// asserts instead of returning an error, and a bad file must not take the process
+/// down.
+pub(super) fn read_guarded(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<u64> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(path, fields, out))) {
+        Ok(result) => result,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".to_owned());
+            Err(Error::Parquet {
+                path: path.to_owned(),
+                source: ParquetError::General(format!("the reader failed on malformed data ({what})")),
+            })
+        }
+    }
+}
+
 /// Reads one file; returns how many record ids (rows) it used.
-pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<u64> {
+fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<u64> {
     let parquet = |source| Error::Parquet { path: path.to_owned(), source };
     let file = File::open(path).map_err(|source| Error::Io { path: path.to_owned(), source })?;
     let size = file.metadata().map_err(|source| Error::Io { path: path.to_owned(), source })?.len();

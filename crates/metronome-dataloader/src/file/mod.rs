@@ -169,7 +169,7 @@ impl FileDataset {
             collector.file = u32::try_from(index).unwrap_or(u32::MAX);
             let used = match format {
                 FileFormat::Jsonl => jsonl::read(file, fields, &mut collector)?,
-                FileFormat::Parquet => columnar::read(file, fields, &mut collector)?,
+                FileFormat::Parquet => columnar::read_guarded(file, fields, &mut collector)?,
             };
             if used == 0 {
                 return Err(Error::EmptyFile { path: file.clone() });

@@ -237,3 +237,35 @@ fn a_directory_of_parquet_shards_reads_in_name_order() {
     assert_eq!(dataset.record(3).unwrap().content, PromptContent::Text("0+1=".into()));
     assert!(dataset.place(3).ends_with("part-1.parquet row 1"), "{}", dataset.place(3));
 }
+
+#[test]
+fn truncated_or_corrupted_parquet_files_are_errors_never_panics() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = file(&dir, "good.parquet");
+    write(&good, good_columns(40, &[]), Compression::SNAPPY);
+    let bytes = std::fs::read(&good).unwrap();
+    let bad = file(&dir, "bad.parquet");
+    let mut tried = 0;
+    // Every byte: the file is small, and its footer (schema, offsets) is at the end.
+    for at in 0..bytes.len() {
+        for mutation in 0..3 {
+            let mut b = bytes.clone();
+            match mutation {
+                0 => b.truncate(at),
+                1 => b[at] ^= 0xff,
+                _ => b[at] = 0x7f,
+            }
+            std::fs::write(&bad, &b).unwrap();
+            let outcome = std::panic::catch_unwind(|| {
+                FileDataset::open_parquet(&bad, &mapping(), BadRecordPolicy::Fail).map(|d| d.len())
+            });
+            match outcome {
+                Ok(Ok(_)) => assert!(mutation > 0, "a file cut at byte {at} opened"),
+                Ok(Err(e)) => assert!(e.to_string().contains("bad.parquet"), "at {at}: {e}"),
+                Err(_) => panic!("reading parquet panicked on mutation {mutation} at byte {at}"),
+            }
+            tried += 1;
+        }
+    }
+    assert!(tried > 1000, "{tried}");
+}

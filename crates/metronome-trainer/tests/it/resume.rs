@@ -85,3 +85,50 @@ fn missing_checkpoint_files_are_named() {
     let err = config().resume(dir.path(), &Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("optimizer.safetensors"), "{err}");
 }
+
+#[test]
+fn truncated_or_corrupted_checkpoint_files_are_errors_never_panics() {
+    let groups = period_groups();
+    let mut cfg = config();
+    cfg.loss.kl_coef = 0.05;
+    let good = tempfile::tempdir().unwrap();
+    let mut t = cfg.build(tiny_model()).unwrap();
+    for g in &groups {
+        t.accumulate_sync(g).unwrap();
+    }
+    t.step_sync().unwrap();
+    // Mid-period, so that the accumulator files hold something.
+    for g in &groups[..2] {
+        t.accumulate_sync(&stamped(g, t.version())).unwrap();
+    }
+    t.save_checkpoint(good.path()).unwrap();
+    let files =
+        ["trainer_state.json", "optimizer.safetensors", "accumulator.safetensors", "accumulator.json"];
+    let mut tried = 0;
+    for file in files {
+        let bytes = std::fs::read(good.path().join(file)).unwrap();
+        // Every byte of the first 128 (headers, JSON), then 40 points over the rest.
+        let positions = (0..bytes.len().min(128)).chain((128..bytes.len()).step_by(bytes.len() / 40 + 1));
+        for at in positions {
+            for mutation in 0..2 {
+                let dir = good.path();
+                let mut b = bytes.clone();
+                if mutation == 0 {
+                    b.truncate(at);
+                } else {
+                    b[at] ^= 0x5a;
+                }
+                std::fs::write(dir.join(file), &b).unwrap();
+                let outcome = std::panic::catch_unwind(|| cfg.resume(dir, &Device::Cpu).map(drop));
+                match outcome {
+                    Ok(Ok(())) => assert!(mutation > 0, "{file} cut at byte {at} resumed"),
+                    Ok(Err(e)) => assert!(e.to_string().contains(file), "{file} at {at}: {e}"),
+                    Err(_) => panic!("resume panicked on {file}, mutation {mutation} at byte {at}"),
+                }
+                tried += 1;
+            }
+        }
+        std::fs::write(good.path().join(file), &bytes).unwrap();
+    }
+    assert!(tried > 1000, "{tried}");
+}
