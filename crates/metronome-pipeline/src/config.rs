@@ -223,9 +223,13 @@ impl PipelineConfig {
             apply_override(&mut doc, o)?;
         }
         resolve_secrets("", &mut doc)?;
-        let config: Self = doc.try_into().map_err(|e: toml::de::Error| Error::Config {
-            key: error_key(&e, origin),
-            reason: e.message().to_owned(),
+        // The path of the value at fault, whether it came from the file or a `--set`.
+        let config: Self = serde_path_to_error::deserialize(toml::Value::Table(doc)).map_err(|e| {
+            let path = e.path().to_string();
+            Error::Config {
+                key: if path.is_empty() || path == "." { origin.to_owned() } else { path },
+                reason: format!("{} (in {origin})", e.inner().message()),
+            }
         })?;
         config.validate()?;
         Ok(config)
@@ -512,14 +516,6 @@ fn flatten(prefix: &str, value: &toml::Value, out: &mut std::collections::BTreeM
         leaf => {
             out.insert(prefix.to_owned(), leaf.to_string());
         }
-    }
-}
-
-/// Names the key of a deserialisation error: `origin` plus the TOML line when known.
-fn error_key(e: &toml::de::Error, origin: &str) -> String {
-    match e.span() {
-        Some(span) => format!("{origin} at byte {}", span.start),
-        None => origin.to_owned(),
     }
 }
 
