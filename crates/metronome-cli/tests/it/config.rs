@@ -28,3 +28,66 @@ fn schedule_shorthand_stale_brings_its_importance_sampling_cap() {
     let (ok, _, err) = resolved(&["--set", "run.schedule=\"stale:2\""]);
     assert!(!ok && err.contains("trainer.loss.tis_cap"), "{err}");
 }
+
+/// `metronome config` with `env` set (and nothing else of this process's environment
+/// named `METRONOME_NATS_PASSWORD`).
+fn resolved_with(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_metronome"))
+        .arg("config")
+        .args(args)
+        .env_remove("METRONOME_NATS_PASSWORD")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn deploy(file: &str) -> String {
+    format!("{}/../../deploy/{file}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn the_deploy_configs_authenticate_with_a_password_from_the_environment_and_never_print_it() {
+    for file in ["single-host.toml", "cluster.toml"] {
+        let path = deploy(file);
+        let (ok, toml, err) = resolved_with(&["--config", &path], &[("METRONOME_NATS_PASSWORD", "pw-8d1e")]);
+        assert!(ok, "{file}: {err}");
+        assert!(toml.contains("kind = \"user_password\"") && toml.contains("<redacted>"), "{file}: {toml}");
+        assert!(!toml.contains("pw-8d1e") && !err.contains("pw-8d1e"), "{file} printed the password");
+        let (ok, _, err) = resolved_with(&["--config", &path], &[]);
+        assert!(!ok, "{file} resolved without its password");
+        assert!(
+            err.contains("`transport.auth.password`") && err.contains("METRONOME_NATS_PASSWORD"),
+            "{file}: {err}"
+        );
+    }
+}
+
+#[test]
+fn the_deploy_nats_config_asks_for_the_password_and_keeps_monitoring_on_loopback() {
+    let text = std::fs::read_to_string(deploy("nats-server.conf")).unwrap();
+    assert!(text.contains("http: 127.0.0.1:8222"), "monitoring is not on loopback");
+    // The server accepts the file (without the TLS block, whose certificates are the
+    // operator's), with the password from its environment.
+    let start = text.find("tls {").unwrap();
+    let end = start + text[start..].find('}').unwrap() + 1;
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nats-server.conf");
+    let mut local = format!("{}{}", &text[..start], &text[end..]);
+    local = local.replace("/var/lib/nats/jetstream", &dir.path().join("js").display().to_string());
+    std::fs::write(&conf, &local).unwrap();
+    let bin = metronome_transport::server::binary().expect("nats-server");
+    let out = Command::new(bin)
+        .args(["-t", "-c"])
+        .arg(&conf)
+        .env("METRONOME_NATS_PASSWORD", "pw")
+        .output()
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{said}");
+    assert!(local.contains("authorization {") && local.contains("$METRONOME_NATS_PASSWORD"), "{local}");
+}
