@@ -4,6 +4,7 @@
 //!   invariants, clippy with warnings denied (also of the `cuda` build, with a CUDA
 //!   toolkit assembled from PyPI), `cargo deny`, then the test suite.
 //! - `cargo xtask deps`: the dependency invariants of ARCHITECTURE.md.
+//! - `cargo xtask soak`: the fault-injection tests at length.
 //! - `cargo xtask gpu check | bundle`: the CUDA build without a GPU (see `gpu.rs`).
 
 use std::path::{Path, PathBuf};
@@ -25,6 +26,9 @@ tasks:
          e.g. `cargo xtask bench pipeline model`
   deps   check the dependency invariants of ARCHITECTURE.md
          (--manifest-path PATH checks another workspace)
+  soak   the fault-injection tests at length: SIGKILLs of `metronome run`, the cluster
+         trainer and a worker at --kills N seeded points each (default 10; `ci` runs
+         3), then the nats-server restart test --restarts N times in a row (default 10)
 ";
 
 fn main() -> Result<()> {
@@ -38,6 +42,7 @@ fn main() -> Result<()> {
             _ => bail!("usage: cargo xtask deps [--manifest-path PATH]"),
         },
         Some("e2e") => e2e(&root, &args[1..]),
+        Some("soak") => soak(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("gpu") => gpu::gpu(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
@@ -113,6 +118,43 @@ fn e2e(root: &Path, args: &[String]) -> Result<()> {
     if !status.success() {
         bail!("e2e failed ({status})");
     }
+    Ok(())
+}
+
+/// The fault-injection tests of `crates/metronome-cli/tests/it` at length.
+fn soak(root: &Path, args: &[String]) -> Result<()> {
+    let (mut kills, mut restarts) = (10u64, 10u64);
+    let mut rest = args.iter();
+    while let Some(flag) = rest.next() {
+        let value = rest.next().and_then(|v| v.parse().ok());
+        match (flag.as_str(), value) {
+            ("--kills", Some(n)) => kills = n,
+            ("--restarts", Some(n)) => restarts = n,
+            _ => bail!("usage: cargo xtask soak [--kills N] [--restarts N]"),
+        }
+    }
+    let kill_tests = ["resume::a_run_killed_anywhere", "cluster::a_trainer_and_a_worker_killed"];
+    let mut test = Command::new(cargo());
+    test.args(["test", "--package", "metronome-cli", "--test", "it", "--"])
+        .args(kill_tests)
+        .args(["--test-threads", "1", "--nocapture"])
+        .env("METRONOME_SOAK_KILLS", kills.to_string())
+        .envs(test_thread_env())
+        .current_dir(root);
+    eprintln!("==> soak: {kills} kills per process kind");
+    if !test.status().context("starting cargo test")?.success() {
+        bail!("soak: a kill test failed");
+    }
+    let restart = "cluster::a_server_restart_mid_run_loses_nothing_and_the_weights_match_one_process";
+    for round in 1..=restarts {
+        eprintln!("==> soak: nats-server restart, round {round} of {restarts}");
+        step(
+            root,
+            "restart",
+            &["test", "--package", "metronome-cli", "--test", "it", "--", "--exact", restart],
+        )?;
+    }
+    eprintln!("soak: survived {kills} kills of each process kind and {restarts} server restarts");
     Ok(())
 }
 

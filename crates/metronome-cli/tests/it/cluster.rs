@@ -389,6 +389,63 @@ fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights
     assert_same_weights(&run, periods);
 }
 
+#[test]
+fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_process() {
+    use crate::resume::{kills_wanted, mix, number_after};
+    let _serial = serial();
+    let wanted = kills_wanted();
+    // Room for both kinds of kill: each lands in one of the next two periods.
+    let periods = 3 * wanted.max(3);
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let out = tempfile::tempdir().unwrap();
+    let sets = settings(&server.url(), periods);
+    let mut a = Proc::worker("a", &sets, out.path());
+    let mut b = Proc::worker("b", &sets, out.path());
+    let mut trainer = Proc::trainer(&sets, out.path());
+    // Alternately the trainer (then started again: it resumes) and worker b (then a
+    // new b joins), each right after a period ended or a little later: during the
+    // checkpoint, the next upload of weights, or generation.
+    let (mut state, mut next) = (7u64, 0u64);
+    let (mut trainer_kills, mut worker_kills) = (0, 0);
+    while (trainer_kills < wanted || worker_kills < wanted) && next + 1 < periods {
+        let mut target = next + mix(&mut state) % 2;
+        let ended = loop {
+            let Some(line) = trainer.next_line() else { break None };
+            if let Some(n) = number_after(&line, "resuming at period ") {
+                target = target.max(n);
+            }
+            if line.starts_with("period ")
+                && let Some(n) = number_after(&line, "period ")
+                && n >= target
+            {
+                break Some(n);
+            }
+        };
+        let Some(period) = ended else { break };
+        std::thread::sleep(Duration::from_millis(mix(&mut state) % 60));
+        if trainer_kills <= worker_kills && trainer_kills < wanted {
+            trainer.sigkill();
+            trainer = Proc::trainer(&sets, out.path());
+            trainer_kills += 1;
+        } else {
+            b.sigkill();
+            b = Proc::worker("b", &sets, out.path());
+            worker_kills += 1;
+        }
+        next = period + 1;
+    }
+    trainer.finish_ok();
+    a.finish_ok();
+    // A worker started after the trainer's shutdown waits for claims that never come.
+    b.sigterm();
+    b.finish_ok();
+    let run = out.path().join("cluster");
+    assert_trained_once(&run, periods);
+    assert_same_weights(&run, periods);
+    assert!(trainer_kills + worker_kills >= wanted.min(3) * 2 - 1, "{trainer_kills} + {worker_kills} kills");
+    eprintln!("survived {trainer_kills} trainer kills and {worker_kills} worker kills");
+}
+
 // It hung about one run in four (with debug logs) until the claim taker gave up on
 // pulls the restarted server never answered (`claims::PULL_GRACE`); 50 of 50 after.
 #[test]

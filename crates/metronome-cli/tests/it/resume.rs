@@ -42,13 +42,13 @@ fn recorded_periods(run: &Path) -> Vec<u64> {
 }
 
 /// The number after `prefix` in `line`, if any.
-fn number_after(line: &str, prefix: &str) -> Option<u64> {
+pub(crate) fn number_after(line: &str, prefix: &str) -> Option<u64> {
     let rest = &line[line.find(prefix)? + prefix.len()..];
     rest.trim_start().split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
 /// SplitMix64: the kill points of the test, from a fixed seed.
-fn mix(state: &mut u64) -> u64 {
+pub(crate) fn mix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -58,7 +58,7 @@ fn mix(state: &mut u64) -> u64 {
 
 /// Kills this many runs per schedule (`METRONOME_SOAK_KILLS`, 3 by default; `cargo
 /// xtask soak` asks for more, over a longer run).
-fn kills_wanted() -> u64 {
+pub(crate) fn kills_wanted() -> u64 {
     std::env::var("METRONOME_SOAK_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(3)
 }
 
