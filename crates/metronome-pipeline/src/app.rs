@@ -321,7 +321,7 @@ pub async fn run(mut config: PipelineConfig, options: RunOptions) -> Result<RunO
         evaluator: evaluator.map(Arc::new),
         evals: shared_evals.clone(),
         bar: bar.clone(),
-        eval_every: config.eval.every.max(1),
+        eval_every: config.eval.every,
         periods: config.run.periods,
         checkpoint_every: config.run.checkpoint_every,
         checkpoint_interval: std::time::Duration::from_secs(config.run.checkpoint_interval_s),

@@ -358,6 +358,14 @@ impl PipelineConfig {
         if !(self.eval.temperature.is_finite() && self.eval.temperature >= 0.0) {
             return bad("eval.temperature", format!("is {}, expected a number >= 0", self.eval.temperature));
         }
+        if self.eval.prompts > 0 && self.eval.every == 0 {
+            return bad(
+                "eval.every",
+                "is 0: to never evaluate set eval.prompts = 0; to evaluate only after the warm start and \
+                 the last period, set eval.every to run.periods"
+                    .into(),
+            );
+        }
         if self.eval.samples == 0 {
             return bad("eval.samples", "is 0, expected at least 1".into());
         }
