@@ -93,7 +93,10 @@ fn impossible_combinations_are_named() {
     let e = err(&["eval.temperature=0.0", "eval.samples=4"]);
     assert!(e.starts_with("invalid configuration `eval.samples`"), "{e}");
     let e = err(&["eval.every=0"]);
-    assert!(e.starts_with("invalid configuration `eval.every`: is 0: to never evaluate set eval.prompts = 0"), "{e}");
+    assert!(
+        e.starts_with("invalid configuration `eval.every`: is 0: to never evaluate set eval.prompts = 0"),
+        "{e}"
+    );
     let e = err(&["eval.temperature=-1.0"]);
     assert!(e.starts_with("invalid configuration `eval.temperature`"), "{e}");
 }

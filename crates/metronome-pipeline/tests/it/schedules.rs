@@ -199,6 +199,41 @@ async fn a_trainer_whose_version_stands_still_is_an_error_not_a_hang() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_schedule_shows_its_hook_the_weights_the_step_produced() {
+    // What a hook evaluates or checkpoints must not depend on the schedule: `sync`
+    // once showed the period's starting weights, the overlapped schedules the new ones,
+    // so held-out accuracy of equal runs differed by a step.
+    let mut seen = Vec::new();
+    for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let stages = Stages {
+            source: Box::new(MockSource { next: 0, n: 1000, batch: 3, period: 0 }),
+            engine: Arc::new(engine),
+            scorer: Arc::new(MockScorer),
+            packer: mock_packer(),
+            trainer: Box::new(trainer),
+        };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 2 };
+        let hooked = Arc::new(Mutex::new(Vec::new()));
+        let record = hooked.clone();
+        let runner =
+            Runner::new(stages, Some(channel_transport(4)), options).unwrap().on_period(move |end| {
+                assert_eq!(end.weights.version, end.report.step.version, "{schedule}");
+                record.lock().unwrap().push(end.weights.clone());
+                Ok(())
+            });
+        let (_, stages) = runner.run().await.unwrap();
+        let last = stages.trainer.snapshot().await.unwrap();
+        let hooked = std::mem::take(&mut *hooked.lock().unwrap());
+        assert_eq!(*hooked.last().unwrap().as_ref(), last, "{schedule}: the last hook saw other weights");
+        seen.push(hooked);
+    }
+    // `sync` and `periodic` are the same run.
+    assert_eq!(seen[0], seen[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_schedule_bounds_staleness_and_runs_ahead() {
     // A slow trainer step lets generation run ahead by up to one version.
     let stale = run(Schedule::Stale(1), 5, 2, 40).await;
