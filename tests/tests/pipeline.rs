@@ -6,10 +6,11 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use metronome_core::{
-    Completion, Group, GroupKey, GroupScorer, PeriodId, Prompt, ScoredGroup, TensorData, WeightSnapshot,
+    Completion, Group, GroupKey, GroupScorer, PeriodId, Prompt, ScoredGroup, TensorData, TrainBatch,
+    WeightSnapshot,
 };
 use metronome_pipeline::{
-    PeriodReport, PipelineConfig, Runner, RunnerOptions, Schedule, build_stages, load_model, local_transport,
+    Packer, PeriodReport, PipelineConfig, Runner, Schedule, Stages, build_stages, load_model, local_transport,
 };
 use metronome_reward::{PoolConfig, PoolScorer};
 
@@ -49,16 +50,16 @@ async fn run_with(
     workers: usize,
     extra: &[&str],
 ) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
-    run_scored(schedule, workers, extra, |scorer| scorer).await
+    run_scored(schedule, workers, extra, |_| {}).await
 }
 
-/// [`run_with`] with the recording scorer wrapped by `wrap`; a run that does not
-/// finish within five minutes fails the test (a hang).
+/// [`run_with`] with the stages (their scorer records what was generated) changed by
+/// `wrap`; a run that does not finish within five minutes fails the test (a hang).
 async fn run_scored(
     schedule: Schedule,
     workers: usize,
     extra: &[&str],
-    wrap: impl FnOnce(Arc<dyn GroupScorer>) -> Arc<dyn GroupScorer>,
+    wrap: impl FnOnce(&mut Stages),
 ) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
     let mut overrides: Vec<String> = [
         "run.periods=3".to_owned(),
@@ -85,15 +86,15 @@ async fn run_scored(
     let (mut stages, _trainer) = build_stages(&config, model, tokenizer).unwrap();
     let seen = Arc::new(Mutex::new(Rollouts::new()));
     let pool = PoolScorer::new(digit_share, PoolConfig::default()).unwrap();
-    stages.scorer = wrap(Arc::new(Recording { inner: Arc::new(pool), seen: seen.clone() }));
+    stages.scorer = Arc::new(Recording { inner: Arc::new(pool), seen: seen.clone() });
+    wrap(&mut stages);
     let transport = (schedule != Schedule::Sync).then(|| local_transport(&config));
-    let options = RunnerOptions { schedule, periods: 3, group_size: 4 };
-    let run = Runner::new(stages, transport, options).unwrap().run();
-    let (reports, stages) = tokio::time::timeout(std::time::Duration::from_secs(300), run)
+    let run = Runner::new(stages, transport, config.runner_options()).unwrap().run();
+    let end = tokio::time::timeout(std::time::Duration::from_secs(300), run)
         .await
         .unwrap_or_else(|_| panic!("{schedule} hung"))
         .unwrap();
-    let weights = stages.trainer.snapshot().await.unwrap();
+    let (reports, weights) = (end.reports, end.trainer.snapshot().await.unwrap());
     let rollouts = std::mem::take(&mut *seen.lock().unwrap());
     (rollouts, reports, weights)
 }
@@ -138,27 +139,24 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
     }
 }
 
-/// Gives every group of one period NaN advantages, so that the trainer's non-finite
-/// guard refuses the step that closes it.
-struct NanAdvantages {
-    inner: Arc<dyn GroupScorer>,
-    period: PeriodId,
-}
-
-#[async_trait]
-impl GroupScorer for NanAdvantages {
-    async fn score(&self, group: Group) -> metronome_core::Result<ScoredGroup> {
-        let mut scored = self.inner.score(group).await?;
-        if scored.key().period == self.period {
-            scored.advantages.fill(f32::NAN);
+/// Packs every group of one period with NaN advantages (the trainer's side computes
+/// advantages from the rewards, so the scorer cannot poison them), so that the
+/// trainer's non-finite guard refuses the step that closes it.
+fn nan_advantages_in(period: PeriodId, inner: Arc<dyn Packer>) -> Arc<dyn Packer> {
+    Arc::new(move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
+        let mut batches = inner.pack(groups)?;
+        if groups.iter().any(|g| g.key().period == period) {
+            for batch in &mut batches {
+                batch.targets.advantage.fill(f32::NAN);
+            }
         }
-        Ok(scored)
-    }
+        Ok(batches)
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_the_real_trainer_refuses_stalls_no_schedule() {
-    let poison = |inner| -> Arc<dyn GroupScorer> { Arc::new(NanAdvantages { inner, period: PeriodId(1) }) };
+    let poison = |stages: &mut Stages| stages.packer = nan_advantages_in(PeriodId(1), stages.packer.clone());
     let mut weights = Vec::new();
     for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
         let (rollouts, reports, w) = run_scored(schedule, 1, &[], poison).await;

@@ -66,6 +66,9 @@ enum Command {
     Trainer {
         #[command(flatten)]
         config: ConfigArgs,
+        /// Resume even when the config changes what the run trains.
+        #[arg(long)]
+        allow_config_change: bool,
         /// Serve Prometheus metrics here; `off` disables.
         #[arg(long, default_value = "127.0.0.1:9464")]
         metrics_addr: String,
@@ -332,11 +335,12 @@ fn real_main() -> Result<()> {
                 anyhow::Ok(())
             })
         }
-        Command::Trainer { config, metrics_addr, quiet } => {
+        Command::Trainer { config, allow_config_change, metrics_addr, quiet } => {
             let config = config.load()?;
             run_role(|| async {
                 serve_metrics(&metrics_addr, "trainer", None)?;
-                metronome_pipeline::cluster::run_trainer(config, !quiet).await?;
+                let options = metronome_pipeline::RunOptions { progress: !quiet, allow_config_change };
+                metronome_pipeline::cluster::run_trainer(config, options).await?;
                 anyhow::Ok(())
             })
         }

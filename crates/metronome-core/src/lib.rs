@@ -12,7 +12,7 @@
 //! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
 //! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],
 //!   [`GroupScorer`], [`Trainer`], [`GroupSender`]/[`GroupReceiver`],
-//!   [`WeightPublisher`]/[`WeightSubscriber`]).
+//!   [`WeightPublisher`]/[`WeightSubscriber`], [`ControlSender`]/[`ControlReceiver`]).
 //!
 //! It deliberately holds no tensors, no async runtime and no I/O: third-party stage
 //! implementations should depend on this crate alone. The sibling crates implement
@@ -38,9 +38,9 @@ pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, st
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};
 pub use secret::Secret;
 pub use stage::{
-    AccumulateReport, Acker, ControlMessage, Cursor, Delivery, GroupReceiver, GroupScorer, GroupSender,
-    GroupSink, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine, RolloutRequest, StepReport,
-    Trainer, WeightPublisher, WeightSubscriber,
+    AccumulateReport, Acker, ControlMessage, ControlReceiver, ControlSender, Cursor, Delivery, GroupReceiver,
+    GroupScorer, GroupSender, GroupSink, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine,
+    RolloutRequest, StepReport, Trainer, WeightPublisher, WeightSubscriber,
 };
 pub use text::{ChatMessage, Tokenizer};
 pub use weights::{HostTensor, TensorData, WeightSnapshot};

@@ -4,14 +4,15 @@
 //! (`#[async_trait]`), so the pipeline can hold `Box<dyn …>` chosen from config.
 //! Per-sample work that never waits (scoring a completion) is synchronous.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    Completion, Group, PeriodId, PolicyVersion, Prompt, PromptId, Result, Reward, ScoredGroup, TrainBatch,
-    WeightSnapshot,
+    Completion, Error, Group, PeriodId, PolicyVersion, Prompt, PromptId, Result, Reward, ScoredGroup,
+    TrainBatch, WeightSnapshot,
 };
 
 /// Where the data loader stands: enough to reproduce every future batch after a
@@ -165,6 +166,11 @@ pub struct StepReport {
 /// the version by exactly one, also when a guard refuses the update. The schedules
 /// rely on it: period `k` samples with version `k` (the overlapped ones wait for it),
 /// so a trainer whose version stood still after a refused step would stall them.
+///
+/// A trainer that can checkpoint ([`Trainer::save_checkpoint`],
+/// [`Trainer::restore_checkpoint`]) lets a run resume after a crash with the weights
+/// an uninterrupted run reaches; one that cannot keeps the default methods, which
+/// refuse, and runs without checkpoints.
 #[async_trait]
 pub trait Trainer: Send {
     /// The version of the current weights: the number of periods stepped.
@@ -180,6 +186,25 @@ pub trait Trainer: Send {
 
     /// A copy of the current weights that does not alias the trainer's storage.
     async fn snapshot(&self) -> Result<WeightSnapshot>;
+
+    /// Writes into `dir` (a folder the caller made for it, and makes durable)
+    /// everything [`Trainer::restore_checkpoint`] needs to continue exactly: weights,
+    /// optimiser state, version, and the step under way.
+    async fn save_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        Err(Error::invalid(
+            format!("checkpoint {}", dir.display()),
+            "cannot be written: this trainer does not checkpoint",
+        ))
+    }
+
+    /// Continues from a checkpoint written by [`Trainer::save_checkpoint`]: the steps
+    /// that follow equal those of the trainer that wrote it.
+    async fn restore_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        Err(Error::invalid(
+            format!("checkpoint {}", dir.display()),
+            "cannot be read: this trainer does not checkpoint",
+        ))
+    }
 }
 
 /// Acknowledges one delivered group once it has been accumulated.
@@ -270,4 +295,18 @@ pub enum ControlMessage {
     },
     /// Every process should finish its work and exit.
     Shutdown,
+}
+
+/// Sends the messages that frame a period (to every receiver).
+#[async_trait]
+pub trait ControlSender: Send + Sync {
+    /// Sends `message` to every receiver.
+    async fn send(&self, message: ControlMessage) -> Result<()>;
+}
+
+/// Receives the messages that frame a period, in send order.
+#[async_trait]
+pub trait ControlReceiver: Send {
+    /// The next message, or `Ok(None)` once the channel is closed.
+    async fn recv(&mut self) -> Result<Option<ControlMessage>>;
 }

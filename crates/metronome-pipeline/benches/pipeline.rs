@@ -40,9 +40,8 @@ async fn run(workload: &[String], schedule: Schedule, periods: u64) -> Vec<Perio
     let (model, tokenizer) = metronome_pipeline::load_model(&config, config.trainer_device()).expect("model");
     let (stages, _) = metronome_pipeline::build_stages(&config, model, tokenizer).expect("stages");
     let transport = (schedule != Schedule::Sync).then(|| metronome_pipeline::local_transport(&config));
-    let options = RunnerOptions { schedule, periods, group_size: config.run.group_size };
-    let (reports, _) = Runner::new(stages, transport, options).expect("runner").run().await.expect("run");
-    reports
+    let options = RunnerOptions { schedule, periods, ..config.runner_options() };
+    Runner::new(stages, transport, options).expect("runner").run().await.expect("run").reports
 }
 
 fn main() {

@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::Context;
 use metronome_core::{ChatMessage, PolicyVersion};
 use metronome_model::{Device, Tensor};
-use metronome_pipeline::{PeriodEnd, PipelineConfig, Runner, RunnerOptions};
+use metronome_pipeline::{PeriodEnd, PipelineConfig, Runner};
 
 // `find_spec` locates the package without importing it (its `__init__` needs `llm`).
 const FIND_GGUF: &str = "import importlib.util as u, pathlib; \
@@ -166,11 +166,7 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
     );
     let (stages, trainer) = metronome_pipeline::build_stages(&config, model, tokenizer.clone())?;
     let transport = metronome_pipeline::local_transport(&config);
-    let options = RunnerOptions {
-        schedule: config.run.schedule,
-        periods: config.run.periods,
-        group_size: config.run.group_size,
-    };
+    let options = config.runner_options();
 
     // Print each period as it ends.
     let hook = move |end: &PeriodEnd<'_>| {
@@ -191,7 +187,7 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
         Ok(())
     };
 
-    let (periods, _stages) = Runner::new(stages, Some(transport), options)?.on_period(hook).run().await?;
+    let periods = Runner::new(stages, Some(transport), options)?.on_period(hook).run().await?.reports;
 
     let (first, last) = (periods.first().context("no period ran")?, periods.last().context("no period ran")?);
     let mean_s = periods.iter().map(|p| p.period_s).sum::<f64>() / periods.len() as f64;

@@ -2,6 +2,7 @@
 //! the schedule, evaluate on held-out prompts, and record everything in the run
 //! directory. The `metronome` binary and `cargo xtask e2e` call [`run`].
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -18,12 +19,12 @@ use metronome_trainer::{GrpoTrainer, SftExample};
 use metronome_transport::local;
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::{Checkpoints, RunState};
+use crate::checkpoint::Checkpoints;
 use crate::config::{ModelSource, PipelineConfig};
 use crate::error::{Error, Result};
 use crate::report::PeriodReport;
 use crate::rundir::RunDir;
-use crate::runner::{PeriodEnd, Runner, RunnerOptions, Stages, Transport};
+use crate::runner::{Checkpointing, PeriodEnd, Runner, Stages, Transport};
 use crate::schedule::Schedule;
 use crate::summary::summary_table;
 
@@ -199,7 +200,7 @@ pub(crate) async fn warm_start(
 }
 
 /// The GRPO trainer behind a lock: the runner owns it as a stage while the caller keeps
-/// this handle for checkpoints and inspection.
+/// this handle for inspection (the final policy, say).
 #[derive(Clone, Debug)]
 pub struct TrainerHandle(Arc<Mutex<GrpoTrainer>>);
 
@@ -227,6 +228,18 @@ impl Trainer for TrainerHandle {
     async fn snapshot(&self) -> metronome_core::Result<WeightSnapshot> {
         self.lock().snapshot_sync().map_err(|e| metronome_core::Error::stage("trainer", e))
     }
+
+    async fn save_checkpoint(&mut self, dir: &Path) -> metronome_core::Result<()> {
+        self.lock().save_checkpoint(dir).map_err(|e| metronome_core::Error::stage("trainer", e))
+    }
+
+    async fn restore_checkpoint(&mut self, dir: &Path) -> metronome_core::Result<()> {
+        let mut trainer = self.lock();
+        let device = trainer.policy().device().clone();
+        *trainer = GrpoTrainer::resume(trainer.config().clone(), dir, &device)
+            .map_err(|e| metronome_core::Error::stage("trainer", e))?;
+        Ok(())
+    }
 }
 
 /// How [`run`] treats its terminal and a run directory it finds.
@@ -239,110 +252,155 @@ pub struct RunOptions {
     pub allow_config_change: bool,
 }
 
-/// Runs a whole configured run. When `run.out_dir/run.name` holds a checkpoint of
-/// an earlier run (killed, or ended and given more `run.periods`), the run resumes
-/// from it: trainer, optimiser, generator, data cursor and period, with the record of
-/// the periods before it; the weights it ends with equal an uninterrupted run's
-/// (`sync` and `periodic`; a `stale:s` run resumes with the newest weights where the
-/// uninterrupted one sampled older ones).
+/// Runs a whole configured run in this process. When `run.out_dir/run.name` holds a
+/// checkpoint of an earlier run (killed, or ended and given more `run.periods`), the
+/// run resumes from it: trainer, optimiser, generator, data cursor and period, with
+/// the record of the periods before it; the weights it ends with equal an
+/// uninterrupted run's (`sync` and `periodic`; a `stale:s` run resumes with the newest
+/// weights where the uninterrupted one sampled older ones).
 pub async fn run(mut config: PipelineConfig, options: RunOptions) -> Result<RunOutcome> {
     config.place();
     config.validate()?;
-    let name = config.run.name.clone().unwrap_or_else(|| {
-        let secs =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        format!("{}-{secs}", config.run.schedule).replace(':', "")
-    });
-    let dir = RunDir::create(&config.run.out_dir, &name)?;
-    let checkpoints = Checkpoints::new(dir.checkpoints().join("periods"));
-    let resumed = checkpoints.latest()?;
-    if resumed.is_some() {
-        check_resumable(&config, &dir, options.allow_config_change)?;
-    }
-    dir.write_config(&config.to_toml()?)?;
-
+    let session = Session::open(&config, "periods", options)?;
     let (model, tokenizer) = load_model(&config, config.trainer_device())?;
-    let mut evals = Vec::new();
-    let mut sft_loss = None;
-    let (trainer, evaluator, resume) = match resumed {
-        Some((path, state)) => {
-            let device = model.device().clone();
-            drop(model);
-            eprintln!("resuming at period {} from {}", state.next_period, path.display());
-            let trainer =
-                GrpoTrainer::resume(config.trainer.clone(), &path, &device).map_err(err("trainer"))?;
-            dir.resume_record(state.next_period)?;
-            let evaluator = Evaluator::new(&config, trainer.policy(), tokenizer.clone()).await?;
-            (trainer, evaluator, Some(state))
+    let start = session.start(&config, model, tokenizer.clone()).await?;
+    let (stages, _) = stages_around(&config, start.trainer, tokenizer)?;
+    let transport = (config.run.schedule != Schedule::Sync).then(|| local_transport(&config));
+    let runner = Runner::new(stages, transport, config.runner_options())?;
+    let checkpointing = Checkpointing {
+        dir: session.checkpoints.clone(),
+        every: config.run.checkpoint_every,
+        interval: std::time::Duration::from_secs(config.run.checkpoint_interval_s),
+    };
+    session.finish(&config, runner.checkpoint(checkpointing), start.evaluation).await
+}
+
+/// What every run of periods does around its [`Runner`], in one process and in the
+/// trainer of many: the run directory, the choice between a warm start and the
+/// checkpoint to resume from, the evaluator, the period record, and the ending.
+pub(crate) struct Session {
+    pub(crate) dir: RunDir,
+    /// The period checkpoints' folder.
+    pub(crate) checkpoints: std::path::PathBuf,
+    /// The period a checkpoint there resumes at.
+    pub(crate) resume_at: Option<u64>,
+    progress: bool,
+}
+
+/// A session's trainer and evaluation, ready for the runner.
+pub(crate) struct Start {
+    pub(crate) trainer: GrpoTrainer,
+    pub(crate) evaluation: Evaluation,
+}
+
+/// What a session measures beside the periods: the warm start's loss and held-out
+/// accuracy (the first point before RL, unless resumed).
+pub(crate) struct Evaluation {
+    evaluator: Option<Evaluator>,
+    evals: Vec<EvalPoint>,
+    sft_loss: Option<(f64, f64)>,
+}
+
+impl Session {
+    /// Opens the run directory (`run.out_dir/run.name`, a fresh name when unset) with
+    /// its period checkpoints in `checkpoints/<store>`. A checkpoint there means a
+    /// resume: refused when the config would train differently, unless allowed; its
+    /// record keeps the periods before it.
+    pub(crate) fn open(config: &PipelineConfig, store: &str, options: RunOptions) -> Result<Self> {
+        let name = config.run.name.clone().unwrap_or_else(|| {
+            let secs =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            format!("{}-{secs}", config.run.schedule).replace(':', "")
+        });
+        let dir = RunDir::create(&config.run.out_dir, &name)?;
+        let checkpoints = dir.checkpoints().join(store);
+        let latest = Checkpoints::new(checkpoints.clone()).latest()?;
+        if latest.is_some() {
+            check_resumable(config, &dir, options.allow_config_change)?;
         }
-        None => {
-            // A directory without a checkpoint holds nothing to continue: start over.
-            dir.resume_record(0)?;
-            let bar = progress_bar(options.progress, config.sft.steps, "sft");
-            let (model, loss) = warm_start(&config, model, &tokenizer).await?;
+        dir.write_config(&config.to_toml()?)?;
+        // A directory without a checkpoint holds nothing to continue: start over.
+        let resume_at = latest.map(|(path, state)| {
+            eprintln!("resuming at period {} from {}", state.next_period, path.display());
+            state.next_period
+        });
+        dir.resume_record(resume_at.unwrap_or(0))?;
+        Ok(Self { dir, checkpoints, resume_at, progress: options.progress })
+    }
+
+    /// The trainer around `model`: warm-started and evaluated for a fresh run; as it
+    /// is for a resumed one, whose runner restores it from the checkpoint.
+    pub(crate) async fn start(
+        &self,
+        config: &PipelineConfig,
+        model: Model,
+        tokenizer: Arc<dyn Tokenizer>,
+    ) -> Result<Start> {
+        let mut evals = Vec::new();
+        let mut sft_loss = None;
+        let model = if self.resume_at.is_some() {
+            model
+        } else {
+            let bar = progress_bar(self.progress, config.sft.steps, "sft");
+            let (model, loss) = warm_start(config, model, &tokenizer).await?;
             bar.finish_and_clear();
             if let Some((first, last)) = loss {
                 tracing::info!(first, last, "warm start done");
             }
             sft_loss = loss;
-            let evaluator = Evaluator::new(&config, &model, tokenizer.clone()).await?;
-            if let Some(e) = &evaluator {
-                let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
-                let accuracy = e.accuracy(initial).await?;
-                eprintln!(
-                    "held-out accuracy ({}) after warm start: {:.1}%",
-                    config.eval.describe(),
-                    accuracy * 100.0
-                );
-                evals.push(EvalPoint { after_periods: 0, accuracy });
-            }
-            (GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?, evaluator, None)
+            model
+        };
+        let evaluator = Evaluator::new(config, &model, tokenizer).await?;
+        if let Some(e) = evaluator.as_ref().filter(|_| self.resume_at.is_none()) {
+            let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
+            let accuracy = e.accuracy(initial).await?;
+            eprintln!(
+                "held-out accuracy ({}) after warm start: {:.1}%",
+                config.eval.describe(),
+                accuracy * 100.0
+            );
+            evals.push(EvalPoint { after_periods: 0, accuracy });
         }
-    };
-
-    let (mut stages, trainer) = stages_around(&config, trainer, tokenizer.clone())?;
-    if let Some(state) = resume {
-        stages.source.restore(state.cursor).map_err(err("dataloader"))?;
+        let trainer = GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?;
+        Ok(Start { trainer, evaluation: Evaluation { evaluator, evals, sft_loss } })
     }
-    let transport = (config.run.schedule != Schedule::Sync).then(|| local_transport(&config));
-    let options_runner = RunnerOptions {
-        schedule: config.run.schedule,
-        periods: config.run.periods,
-        group_size: config.run.group_size,
-    };
 
-    let first = resume.map_or(0, |s| s.next_period);
-    let bar = Arc::new(progress_bar(options.progress, config.run.periods.saturating_sub(first), "periods"));
-    let shared_evals = Arc::new(Mutex::new(Vec::new()));
-    let hook = PeriodEndHook {
-        dir: dir.clone(),
-        checkpoints,
-        trainer: trainer.clone(),
-        evaluator: evaluator.map(Arc::new),
-        evals: shared_evals.clone(),
-        bar: bar.clone(),
-        eval_every: config.eval.every,
-        periods: config.run.periods,
-        checkpoint_every: config.run.checkpoint_every,
-        checkpoint_interval: std::time::Duration::from_secs(config.run.checkpoint_interval_s),
-        last_checkpoint: Instant::now(),
-    };
-    let started = Instant::now();
-    let mut hook = hook;
-    let runner = Runner::new(stages, transport, options_runner)?.on_period(move |end| hook.period_ended(end));
-    let (_, stages) = runner.run().await?;
-    bar.finish_and_clear();
-    tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
+    /// Runs `runner` with the period record (and evaluation) as its hook, then saves
+    /// the final checkpoint, the plots and the summary of the whole run.
+    pub(crate) async fn finish(
+        self,
+        config: &PipelineConfig,
+        runner: Runner,
+        evaluation: Evaluation,
+    ) -> Result<RunOutcome> {
+        let Evaluation { evaluator, mut evals, sft_loss } = evaluation;
+        let first = self.resume_at.unwrap_or(0);
+        let bar = Arc::new(progress_bar(self.progress, config.run.periods.saturating_sub(first), "periods"));
+        let shared_evals = Arc::new(Mutex::new(Vec::new()));
+        let mut hook = PeriodEndHook {
+            dir: self.dir.clone(),
+            evaluator,
+            evals: shared_evals.clone(),
+            bar: bar.clone(),
+            eval_every: config.eval.every,
+            periods: config.run.periods,
+        };
+        let started = Instant::now();
+        let end = runner.on_period(move |end| hook.period_ended(end)).run().await?;
+        bar.finish_and_clear();
+        tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
 
-    let weights = Arc::new(stages.trainer.snapshot().await?);
-    trainer.lock().save_checkpoint(&dir.checkpoints().join("final")).map_err(err("trainer"))?;
-    evals.extend(shared_evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..));
-    // The whole run, also when it was resumed: the record on disk.
-    let periods = dir.read_periods()?;
-    dir.write_plots(&periods)?;
-    eprintln!("\n{}", summary_table(&periods));
-    eprintln!("run directory: {}", dir.path().display());
-    Ok(RunOutcome { dir, periods, evals, weights, sft_loss })
+        let mut trainer = end.trainer;
+        let weights = Arc::new(trainer.snapshot().await?);
+        trainer.save_checkpoint(&self.dir.checkpoints().join("final")).await?;
+        evals.extend(shared_evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..));
+        // The whole run, also when it was resumed: the record on disk.
+        let periods = self.dir.read_periods()?;
+        self.dir.write_plots(&periods)?;
+        eprintln!("\n{}", summary_table(&periods));
+        eprintln!("run directory: {}", self.dir.path().display());
+        Ok(RunOutcome { dir: self.dir, periods, evals, weights, sft_loss })
+    }
 }
 
 /// Refuses to resume a run whose stored config differs from `config` in a key that
@@ -368,20 +426,15 @@ fn check_resumable(config: &PipelineConfig, dir: &RunDir, allow: bool) -> Result
     })
 }
 
-/// What `run` does when a period ends: record it, checkpoint when due, evaluate
-/// when due, print its line.
+/// What a run does when a period ends: record it, evaluate when due, print its line.
+/// (The runner checkpoints after it.)
 struct PeriodEndHook {
     dir: RunDir,
-    checkpoints: Checkpoints,
-    trainer: TrainerHandle,
-    evaluator: Option<Arc<Evaluator>>,
+    evaluator: Option<Evaluator>,
     evals: Arc<Mutex<Vec<EvalPoint>>>,
     bar: Arc<indicatif::ProgressBar>,
     eval_every: u64,
     periods: u64,
-    checkpoint_every: u64,
-    checkpoint_interval: std::time::Duration,
-    last_checkpoint: Instant,
 }
 
 impl PeriodEndHook {
@@ -391,15 +444,6 @@ impl PeriodEndHook {
         // The period's line goes first, then the checkpoint that contains it: a
         // resume from an older checkpoint drops the lines after it.
         self.dir.append_period(report)?;
-        let by_count = self.checkpoint_every > 0 && done.is_multiple_of(self.checkpoint_every);
-        let by_time =
-            !self.checkpoint_interval.is_zero() && self.last_checkpoint.elapsed() >= self.checkpoint_interval;
-        // Always after the last period too: a run given more periods continues there.
-        if by_count || by_time || done == self.periods {
-            let state = RunState { next_period: done, cursor: end.resume };
-            self.checkpoints.save(&self.trainer.lock(), state)?;
-            self.last_checkpoint = Instant::now();
-        }
         let mut line = format!(
             "period {:>3}  {:6.2}s  reward {:.3}  loss {:+.4}  kl {:.4}",
             report.period, report.period_s, report.reward_mean, report.step.loss, report.step.kl
@@ -409,6 +453,9 @@ impl PeriodEndHook {
         }
         if report.rejected > 0 {
             line.push_str(&format!("  {} groups rejected", report.rejected));
+        }
+        if report.duplicates > 0 {
+            line.push_str(&format!("  {} duplicates", report.duplicates));
         }
         if let Some(e) = &self.evaluator
             && (done.is_multiple_of(self.eval_every) || done == self.periods)

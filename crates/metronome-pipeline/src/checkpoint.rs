@@ -19,11 +19,9 @@ use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
 
-use metronome_core::Cursor;
-use metronome_trainer::GrpoTrainer;
+use metronome_core::{Cursor, Trainer};
 use serde::{Deserialize, Serialize};
 
-use crate::app::err;
 use crate::error::{Error, Result};
 
 /// Where a run stands at a period boundary, beside the trainer's own state: enough
@@ -72,14 +70,14 @@ impl Checkpoints {
 
     /// Writes the trainer's checkpoint and `state` as `period-<next_period>` and makes
     /// it the latest, durably (see the module docs); returns its folder.
-    pub(crate) fn save(&self, trainer: &GrpoTrainer, state: RunState) -> Result<PathBuf> {
+    pub(crate) async fn save(&self, trainer: &mut dyn Trainer, state: RunState) -> Result<PathBuf> {
         let name = format!("period-{}", state.next_period);
         let partial = self.root.join(format!(".{name}.partial"));
         if partial.exists() {
             fs::remove_dir_all(&partial).map_err(io(&partial))?;
         }
         fs::create_dir_all(&self.root).map_err(io(&self.root))?;
-        trainer.save_checkpoint(&partial).map_err(err("trainer"))?;
+        trainer.save_checkpoint(&partial).await?;
         let state_path = partial.join(STATE_FILE);
         let text = serde_json::to_string_pretty(&state)
             .map_err(|e| Error::Io { path: state_path.clone(), source: io::Error::other(e) })?;
@@ -143,6 +141,7 @@ fn sync_dir(dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use metronome_model::{Device, Model, ModelConfig};
+    use metronome_trainer::GrpoTrainer;
 
     use super::*;
 
@@ -158,14 +157,14 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_checkpoint_killed_mid_write_leaves_the_previous_one_latest() {
+    #[tokio::test]
+    async fn a_checkpoint_killed_mid_write_leaves_the_previous_one_latest() {
         let root = tempfile::tempdir().unwrap();
         let store = Checkpoints::new(root.path().join("periods"));
         assert_eq!(store.latest().unwrap(), None);
-        let t = trainer();
-        store.save(&t, state(1)).unwrap();
-        store.save(&t, state(2)).unwrap();
+        let mut t = trainer();
+        store.save(&mut t, state(1)).await.unwrap();
+        store.save(&mut t, state(2)).await.unwrap();
         // A writer killed while writing period 3: half a trainer checkpoint.
         let partial = root.path().join("periods/.period-3.partial");
         fs::create_dir_all(partial.join("policy")).unwrap();
@@ -178,12 +177,12 @@ mod tests {
         // saving period 3 again replaces the orphan whole.
         fs::rename(&partial, root.path().join("periods/period-3")).unwrap();
         assert_eq!(store.latest().unwrap().unwrap().1, state(2));
-        store.save(&t, state(3)).unwrap();
+        store.save(&mut t, state(3)).await.unwrap();
         let (dir, st) = store.latest().unwrap().unwrap();
         assert_eq!(st, state(3));
         GrpoTrainer::resume(metronome_trainer::TrainerConfig::default(), &dir, &Device::Cpu).unwrap();
         // Only the newest and the one before are kept.
-        store.save(&t, state(4)).unwrap();
+        store.save(&mut t, state(4)).await.unwrap();
         let mut names: Vec<String> = fs::read_dir(root.path().join("periods"))
             .unwrap()
             .map(|e| e.unwrap().file_name().into_string().unwrap())

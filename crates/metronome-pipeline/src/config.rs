@@ -255,6 +255,18 @@ impl PipelineConfig {
             .map_err(|e| Error::Config { key: "config".into(), reason: format!("cannot be written: {e}") })
     }
 
+    /// The runner's options: the schedule, periods and group size of `[run]`, the
+    /// advantage estimator of `[trainer]`.
+    #[must_use]
+    pub fn runner_options(&self) -> crate::RunnerOptions {
+        crate::RunnerOptions {
+            schedule: self.run.schedule,
+            periods: self.run.periods,
+            group_size: self.run.group_size,
+            advantage: self.trainer.advantage,
+        }
+    }
+
     /// Where the trainer runs: `trainer.device`, else `model.device`.
     #[must_use]
     pub fn trainer_device(&self) -> DeviceSpec {

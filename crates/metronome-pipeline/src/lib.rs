@@ -25,6 +25,7 @@ mod config;
 mod error;
 mod metrics;
 mod plots;
+mod release;
 mod report;
 mod rundir;
 mod runner;
@@ -42,9 +43,12 @@ pub use error::{Error, Result};
 pub use metrics::{METRICS, describe_metrics};
 pub use metronome_core::Secret;
 pub use metronome_rollout::http::ServerConfig;
-pub use report::{Interval, PeriodReport, StageKind};
+pub use release::{Release, Released};
+pub use report::{Clock, Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;
-pub use runner::{Packer, PeriodEnd, PeriodHook, Runner, RunnerOptions, Stages, Transport};
+pub use runner::{
+    Checkpointing, Packer, Parts, PeriodEnd, PeriodHook, RunEnd, Runner, RunnerOptions, Stages, Transport,
+};
 pub use schedule::{ParseScheduleError, Schedule};
 pub use serve::serve;
 pub use summary::summary_table;

@@ -86,3 +86,31 @@ impl PeriodReport {
         if self.period_s <= 0.0 { 0.0 } else { self.generation_s.max(self.training_s) / self.period_s }
     }
 }
+
+/// The run's clock: turns instants into [`Interval`]s in seconds since the run
+/// started, for every part of the run alike.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock(std::time::Instant);
+
+impl Clock {
+    /// A clock whose zero is now.
+    #[must_use]
+    pub fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    /// `stage`'s busy interval of `period` from `start` until now.
+    #[must_use]
+    pub fn interval(&self, stage: StageKind, period: PeriodId, start: std::time::Instant) -> Interval {
+        Interval {
+            stage,
+            period,
+            start_s: self.seconds(start),
+            end_s: self.seconds(std::time::Instant::now()),
+        }
+    }
+
+    fn seconds(&self, t: std::time::Instant) -> f64 {
+        t.saturating_duration_since(self.0).as_secs_f64()
+    }
+}

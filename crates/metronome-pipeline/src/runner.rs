@@ -1,29 +1,39 @@
-//! The schedule runner: drives the stages through periods.
+//! The period driver: the one loop that runs a schedule's periods, for one process
+//! and many.
 //!
-//! `sync` is one sequential loop. `periodic` and `stale:s` share one overlapped
-//! design: a *producer* task releases each period's prompts, waits until weights of
-//! version `period - s` are published, installs the newest, generates, scores each
-//! group as it completes and sends it; the *consumer* (this task) trains groups in
-//! arrival order, steps once a period's groups are all in, and publishes the new
-//! weights. With `s = 0` that is periodic asynchrony exactly; with `s > 0` the same
-//! wait is the production/consumption controller that bounds staleness.
+//! On the trainer's side every schedule is the same loop. For period `k`:
+//!
+//! 1. the weights of version `k` go out (in the background: the upload overlaps what
+//!    follows) and the period's prompts are released through the run's [`Release`];
+//! 2. the period's groups are admitted in arrival order, each trained (accumulated) or
+//!    given up on with a reason, until every prompt of the period is settled;
+//! 3. one optimiser step closes the period (version `k + 1`, also when the trainer
+//!    refuses the update);
+//! 4. the period hook records it and a checkpoint is written when due; only then does
+//!    version `k + 1` go out and are the groups the checkpoint contains acknowledged.
+//!
+//! What differs between `sync`, `periodic`, `stale:s` and many processes is only how
+//! prompts reach generation (the [`Release`]; see `release.rs`). So resuming from a
+//! checkpoint, liveness after a refused step, acknowledgement after a durable
+//! checkpoint and the handling of poison groups are written once, here, and tested
+//! once (`tests/it/driver.rs`, `tests/it/schedules.rs`).
 
-use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use metronome_core::{
-    Cursor, Delivery, Group, GroupKey, GroupReceiver, GroupScorer, GroupSender, GroupSink, PeriodId,
-    PolicyVersion, PromptBatch, PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, StepReport,
-    TrainBatch, Trainer, WeightPublisher, WeightSnapshot, WeightSubscriber,
+    Acker, AdvantageEstimator, Cursor, Delivery, GroupKey, GroupReceiver, GroupScorer, GroupSender, NoAck,
+    PeriodId, PromptSource, RolloutEngine, ScoredGroup, StepReport, TrainBatch, Trainer, WeightPublisher,
+    WeightSnapshot, WeightSubscriber,
 };
-use metronome_rollout::CollectSink;
-use tokio::sync::mpsc;
 
+use crate::checkpoint::{Checkpoints, RunState};
 use crate::error::{Error, Result};
 use crate::metrics::record_period;
-use crate::report::{Interval, PeriodReport, StageKind};
+use crate::release::{ProducerRelease, Release, Released, SyncRelease};
+use crate::report::{Clock, Interval, PeriodReport, StageKind};
 use crate::schedule::Schedule;
 
 /// Turns scored groups into the trainer's micro-batches (the masking crate's packing,
@@ -42,7 +52,7 @@ where
     }
 }
 
-/// The stages of a run, each behind its contract.
+/// The stages of a run in one process, each behind its contract.
 pub struct Stages {
     /// Releases each period's prompts.
     pub source: Box<dyn PromptSource>,
@@ -80,6 +90,29 @@ impl std::fmt::Debug for Transport {
     }
 }
 
+/// The trainer's side of a run whose prompts reach generation through `release`:
+/// what [`Runner::from_parts`] drives (a multi-process trainer, say).
+pub struct Parts {
+    /// Releases each period's prompts; handed to `release` when the run starts.
+    pub source: Box<dyn PromptSource>,
+    /// Trains.
+    pub trainer: Box<dyn Trainer>,
+    /// Packs scored groups into micro-batches.
+    pub packer: Arc<dyn Packer>,
+    /// How prompts reach generation.
+    pub release: Box<dyn Release>,
+    /// Where groups arrive from; `None` when every group comes with its release.
+    pub receiver: Option<Box<dyn GroupReceiver>>,
+    /// Where weights go; `None` when the release installs them itself.
+    pub publisher: Option<Arc<dyn WeightPublisher>>,
+}
+
+impl std::fmt::Debug for Parts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parts").field("version", &self.trainer.version()).finish_non_exhaustive()
+    }
+}
+
 /// What the runner needs beyond the stages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RunnerOptions {
@@ -89,6 +122,22 @@ pub struct RunnerOptions {
     pub periods: u64,
     /// Responses per prompt (`G`).
     pub group_size: u32,
+    /// How the trainer's side computes each received group's advantages from its
+    /// rewards: the numbers a scorer (maybe in another process) sent are replaced, so
+    /// one estimator holds for the whole run whoever scored.
+    pub advantage: AdvantageEstimator,
+}
+
+/// When the runner writes period checkpoints, the points a run resumes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpointing {
+    /// The folder of the checkpoints (see `checkpoint.rs`: `period-<n>/`, `latest`).
+    pub dir: PathBuf,
+    /// After every this many periods; 0: not by count.
+    pub every: u64,
+    /// After the first period that ends this long after the last checkpoint; zero:
+    /// not by time.
+    pub interval: Duration,
 }
 
 /// What the runner tells its hook when a period ends.
@@ -103,17 +152,37 @@ pub struct PeriodEnd<'a> {
     pub resume: Cursor,
 }
 
-/// Called after every period; an error stops the run (a record or checkpoint that
-/// cannot be written must not be lost silently).
+/// Called after every period, before its checkpoint; an error stops the run (a
+/// record that cannot be written must not be lost silently).
 pub type PeriodHook = Box<dyn FnMut(&PeriodEnd<'_>) -> Result<()> + Send>;
 
-/// Runs a schedule over the stages.
+/// What a run leaves: its reports and the stages it handed back.
+pub struct RunEnd {
+    /// One report per period this runner ran (after a resume, only the remaining ones).
+    pub reports: Vec<PeriodReport>,
+    /// The period the run resumed at, when it restarted from a checkpoint.
+    pub resumed_at: Option<u64>,
+    /// The trainer, after the last step.
+    pub trainer: Box<dyn Trainer>,
+    /// The prompt source, where the run left it.
+    pub source: Box<dyn PromptSource>,
+}
+
+impl std::fmt::Debug for RunEnd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunEnd")
+            .field("periods", &self.reports.len())
+            .field("resumed_at", &self.resumed_at)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs a schedule's periods; see the [module docs](self).
 pub struct Runner {
-    stages: Stages,
-    transport: Option<Transport>,
+    parts: Parts,
     options: RunnerOptions,
     hook: Option<PeriodHook>,
-    t0: Instant,
+    checkpointing: Option<Checkpointing>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -122,367 +191,503 @@ impl std::fmt::Debug for Runner {
     }
 }
 
+/// How long the runner waits for a group before it logs that it is waiting.
+const WAIT_NOTICE: Duration = Duration::from_secs(60);
+
 impl Runner {
-    /// A runner. Overlapped schedules (`periodic`, `stale:s`) need a transport; `sync`
-    /// ignores it.
+    /// A runner of the stages in this process. Overlapped schedules (`periodic`,
+    /// `stale:s`) need a transport; `sync` ignores it.
     pub fn new(stages: Stages, transport: Option<Transport>, options: RunnerOptions) -> Result<Self> {
+        let Stages { source, engine, scorer, packer, trainer } = stages;
+        let parts = match (options.schedule, transport) {
+            (Schedule::Sync, _) => Parts {
+                source,
+                trainer,
+                packer,
+                release: Box::new(SyncRelease::new(engine, scorer, options.group_size)),
+                receiver: None,
+                publisher: None,
+            },
+            (schedule, Some(Transport { sender, receiver, publisher, subscriber })) => Parts {
+                source,
+                trainer,
+                packer,
+                release: Box::new(ProducerRelease::new(
+                    engine,
+                    scorer,
+                    sender,
+                    subscriber,
+                    schedule.max_lag(),
+                    options.group_size,
+                )),
+                receiver: Some(receiver),
+                publisher: Some(publisher),
+            },
+            (schedule, None) => {
+                return Err(Error::Config {
+                    key: "schedule".into(),
+                    reason: format!("`{schedule}` overlaps stages and needs a transport"),
+                });
+            }
+        };
+        Self::from_parts(parts, options)
+    }
+
+    /// A runner of a trainer whose prompts reach generation through `parts.release`.
+    pub fn from_parts(parts: Parts, options: RunnerOptions) -> Result<Self> {
         if options.group_size == 0 {
             return Err(Error::Config { key: "group_size".into(), reason: "must be at least 1".into() });
         }
-        if options.schedule != Schedule::Sync && transport.is_none() {
-            return Err(Error::Config {
-                key: "schedule".into(),
-                reason: format!("`{}` overlaps stages and needs a transport", options.schedule),
-            });
-        }
-        Ok(Self { stages, transport, options, hook: None, t0: Instant::now() })
+        Ok(Self { parts, options, hook: None, checkpointing: None })
     }
 
-    /// Calls `hook` after every period (e.g. to evaluate, checkpoint or print).
+    /// Calls `hook` after every period (e.g. to record, evaluate or print).
     #[must_use]
     pub fn on_period(mut self, hook: impl FnMut(&PeriodEnd<'_>) -> Result<()> + Send + 'static) -> Self {
         self.hook = Some(Box::new(hook));
         self
     }
 
-    /// Runs every period and returns their reports and the stages (for a final
-    /// evaluation or checkpoint). Needs a multi-threaded tokio runtime: the trainer's
-    /// compute runs in place on the runtime thread it is called from.
-    pub async fn run(mut self) -> Result<(Vec<PeriodReport>, Stages)> {
+    /// Writes period checkpoints as `checkpointing` says (and after the last period),
+    /// acknowledges groups only once a checkpoint contains them, and resumes from the
+    /// newest checkpoint found there.
+    #[must_use]
+    pub fn checkpoint(mut self, checkpointing: Checkpointing) -> Self {
+        self.checkpointing = Some(checkpointing);
+        self
+    }
+
+    /// Runs every period and returns their reports and the stages the runner still
+    /// holds. Needs a multi-threaded tokio runtime: the trainer's compute runs in
+    /// place on the runtime thread it is called from.
+    pub async fn run(self) -> Result<RunEnd> {
         if tokio::runtime::Handle::current().runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
             return Err(Error::Config {
                 key: "runtime".into(),
                 reason: "the pipeline needs a multi-threaded tokio runtime".into(),
             });
         }
-        self.t0 = Instant::now();
-        match self.options.schedule {
-            Schedule::Sync => self.run_sync().await,
-            Schedule::Periodic | Schedule::Stale(_) => self.run_overlapped().await,
-        }
-    }
-
-    fn since_start(&self, t: Instant) -> f64 {
-        t.duration_since(self.t0).as_secs_f64()
-    }
-
-    fn finish_period(
-        &mut self,
-        report: &PeriodReport,
-        weights: &Arc<WeightSnapshot>,
-        resume: Cursor,
-    ) -> Result<()> {
-        record_period(report);
-        tracing::info!(
-            period = report.period.0,
-            seconds = report.period_s,
-            reward = report.reward_mean,
-            loss = report.step.loss,
-            "period done"
-        );
-        match self.hook.as_mut() {
-            Some(hook) => hook(&PeriodEnd { report, weights, resume }),
-            None => Ok(()),
-        }
-    }
-
-    async fn run_sync(mut self) -> Result<(Vec<PeriodReport>, Stages)> {
-        let mut reports = Vec::new();
-        // A restored source resumes a run at the period its cursor names.
-        let first = self.stages.source.cursor().period.0;
-        let mut weights = Arc::new(self.stages.trainer.snapshot().await?);
-        for k in first..self.options.periods {
-            let period = PeriodId(k);
-            let start = Instant::now();
-            let mut report = PeriodReport { period, ..PeriodReport::default() };
-
-            let t = Instant::now();
-            self.stages.engine.install_weights(weights.clone()).await?;
-            report.intervals.push(self.interval(StageKind::Publication, period, t));
-
-            let Some(batch) = next_batch(self.stages.source.as_mut()).await? else { break };
-            let resume = self.stages.source.cursor();
-            let order: BTreeMap<GroupKey, usize> = batch
-                .prompts
-                .iter()
-                .enumerate()
-                .map(|(i, p)| (GroupKey { period: batch.period, prompt: p.id }, i))
-                .collect();
-            let request = RolloutRequest {
-                period: batch.period,
-                prompts: batch.prompts,
-                group_size: self.options.group_size,
-            };
-            let t = Instant::now();
-            let sink = CollectSink::default();
-            self.stages
-                .engine
-                .generate(request, &sink)
-                .await
-                .map_err(|source| Error::Generation { period, source })?;
-            report.intervals.push(self.interval(StageKind::Generation, period, t));
-
-            let t = Instant::now();
-            let mut scored = Vec::with_capacity(order.len());
-            for group in sink.into_groups() {
-                report.generated_tokens +=
-                    group.completions.iter().map(|c| c.tokens.len() as u64).sum::<u64>();
-                scored.push(self.stages.scorer.score(group).await?);
-            }
-            report.intervals.push(self.interval(StageKind::Scoring, period, t));
-            // Train in release order: a fixed order makes the sync baseline reproducible.
-            scored.sort_by_key(|g| order.get(&g.key()).copied().unwrap_or(usize::MAX));
-
-            for group in &scored {
-                let micro_batches = match trainable(self.stages.packer.as_ref(), group) {
-                    Ok(micro_batches) => micro_batches,
-                    Err(reason) => {
-                        note_rejected(&mut report, group.key(), &reason);
-                        continue;
-                    }
-                };
-                note_group(&mut report, group, 0);
-                let t = Instant::now();
-                for micro in micro_batches {
-                    accumulate(self.stages.trainer.as_mut(), micro)?;
-                }
-                report.intervals.push(self.interval(StageKind::Training, period, t));
-            }
-            let t = Instant::now();
-            report.step = close_period(self.stages.trainer.as_mut(), period)?;
-            report.intervals.push(self.interval(StageKind::Training, period, t));
-
-            // The hook sees the weights the step produced, as with the overlapped
-            // schedules (an evaluation of the period's own weights would lag one step
-            // behind theirs), and the next period samples with them.
-            let t = Instant::now();
-            weights = Arc::new(self.stages.trainer.snapshot().await?);
-            report.intervals.push(self.interval(StageKind::Publication, period, t));
-            finalise_report(&mut report, start);
-            self.finish_period(&report, &weights, resume)?;
-            reports.push(report);
-        }
-        Ok((reports, self.stages))
-    }
-
-    fn interval(&self, stage: StageKind, period: PeriodId, start: Instant) -> Interval {
-        Interval { stage, period, start_s: self.since_start(start), end_s: self.since_start(Instant::now()) }
-    }
-
-    async fn run_overlapped(mut self) -> Result<(Vec<PeriodReport>, Stages)> {
-        let lag = self.options.schedule.max_lag();
-        let transport = self.transport.take().expect("checked in Runner::new");
-        let Transport { sender, mut receiver, publisher, subscriber } = transport;
-
-        // A restored source resumes the run at the period its cursor names.
-        let first = self.stages.source.cursor().period.0;
-        let t = Instant::now();
-        let mut weights = Arc::new(self.stages.trainer.snapshot().await?);
-        publisher.publish(weights.clone()).await?;
-        let mut publication = self.interval(StageKind::Publication, PeriodId(first), t);
-
-        // The producer owns the prompt source and the rollout side for the run.
-        let source = std::mem::replace(&mut self.stages.source, Box::new(Exhausted));
-        let (events_tx, mut events) = mpsc::unbounded_channel();
-        let producer = Producer {
-            source,
-            engine: self.stages.engine.clone(),
-            scorer: self.stages.scorer.clone(),
-            sender,
-            subscriber,
-            lag,
-            periods: first..self.options.periods,
-            group_size: self.options.group_size,
-            events: events_tx,
-            t0: self.t0,
+        let Self { parts, options, hook, checkpointing } = self;
+        let Parts { mut source, mut trainer, packer, mut release, receiver, publisher } = parts;
+        let checkpoints = checkpointing.map(|policy| Checkpointer {
+            store: Checkpoints::new(policy.dir.clone()),
+            policy,
+            last: Instant::now(),
+        });
+        let resumed_at = match &checkpoints {
+            Some(c) => resume(&c.store, trainer.as_mut(), source.as_mut()).await?,
+            None => None,
         };
-        let producer = tokio::spawn(producer.run());
+        // A restored source resumes the run at the period its cursor names.
+        let first = source.cursor().period.0;
+        let clock = Clock::start();
+        release.start(source, first..options.periods, clock).await?;
 
-        let mut released: BTreeMap<PeriodId, (usize, Cursor)> = BTreeMap::new();
-        let mut generated: BTreeMap<PeriodId, (Interval, u64)> = BTreeMap::new();
-        let mut pending: BTreeMap<PeriodId, Vec<Delivery>> = BTreeMap::new();
-        let mut trained: HashSet<GroupKey> = HashSet::new();
-        let mut producer_done = false;
+        let mut driver = Driver {
+            trainer,
+            packer,
+            receiver,
+            options,
+            clock,
+            first: PeriodId(first),
+            settled: HashSet::new(),
+            held: Vec::new(),
+            held_keys: HashSet::new(),
+            pending: BTreeMap::new(),
+        };
+        let outcome = driver.periods(release.as_mut(), publisher, hook, checkpoints).await;
+        // Closing the group stream ends a producer that ran ahead (stale schedules).
+        drop(driver.receiver.take());
+        let reports = outcome?;
+        let source = release.finish().await?;
+        Ok(RunEnd { reports, resumed_at, trainer: driver.trainer, source })
+    }
+}
+
+/// Restores the trainer and the prompt source from the newest checkpoint, if any;
+/// the period to resume at.
+async fn resume(
+    store: &Checkpoints,
+    trainer: &mut dyn Trainer,
+    source: &mut dyn PromptSource,
+) -> Result<Option<u64>> {
+    let Some((dir, state)) = store.latest()? else { return Ok(None) };
+    tracing::info!(period = state.next_period, "resuming from {}", dir.display());
+    in_place(trainer.restore_checkpoint(&dir))?;
+    source.restore(state.cursor)?;
+    let version = trainer.version();
+    if version.0 != state.next_period || state.cursor.period.0 != state.next_period {
+        return Err(Error::Stage(metronome_core::Error::invalid(
+            format!("checkpoint {}", dir.display()),
+            format!(
+                "resumes at period {} with weights of version {version} and a prompt source at period {}; \
+                 they must agree",
+                state.next_period, state.cursor.period
+            ),
+        )));
+    }
+    Ok(Some(state.next_period))
+}
+
+/// The runner's period checkpoints: where, and when one is due.
+struct Checkpointer {
+    store: Checkpoints,
+    policy: Checkpointing,
+    last: Instant,
+}
+
+impl Checkpointer {
+    /// Writes the checkpoint from which a run resumes at period `next` when one is
+    /// due (by count, by time, or after the last period); whether it did.
+    fn save_if_due(
+        &mut self,
+        trainer: &mut dyn Trainer,
+        next: u64,
+        periods: u64,
+        cursor: Cursor,
+    ) -> Result<bool> {
+        let by_count = self.policy.every > 0 && next.is_multiple_of(self.policy.every);
+        let by_time = !self.policy.interval.is_zero() && self.last.elapsed() >= self.policy.interval;
+        if !(by_count || by_time || next == periods) {
+            return Ok(false);
+        }
+        in_place(self.store.save(trainer, RunState { next_period: next, cursor }))?;
+        self.last = Instant::now();
+        Ok(true)
+    }
+}
+
+/// A delivery whose outcome waits for the checkpoint that contains its period.
+struct Held {
+    acker: Box<dyn Acker>,
+    /// `None`: acknowledge; `Some(reason)`: reject (never deliver it again).
+    reject: Option<String>,
+}
+
+/// What admission decided about one delivery.
+enum Admission {
+    /// Trained before by this process, or in the checkpoint it resumed from.
+    Duplicate,
+    /// A later period's: kept until that period.
+    Later,
+    /// Never trainable and names no prompt of this period (a closed period's, or a
+    /// stranger's): rejected now; the period still waits for its own groups.
+    Poison(String),
+    /// The period's group for its prompt, not trained: counted and settled.
+    Settled { reason: String, stale: bool, reject: bool },
+    /// Its micro-batches, to train.
+    Train { batches: Vec<TrainBatch>, staleness: u64 },
+}
+
+/// The trainer's side of a run, as it drives the periods.
+struct Driver {
+    trainer: Box<dyn Trainer>,
+    packer: Arc<dyn Packer>,
+    receiver: Option<Box<dyn GroupReceiver>>,
+    options: RunnerOptions,
+    clock: Clock,
+    /// The first period this process runs; earlier ones are in the checkpoint.
+    first: PeriodId,
+    /// Every group this process settled (trained or gave up on).
+    settled: HashSet<GroupKey>,
+    /// Deliveries to acknowledge (or reject) once a checkpoint contains them.
+    held: Vec<Held>,
+    /// The groups of `held`.
+    held_keys: HashSet<GroupKey>,
+    /// Groups of later periods, received early.
+    pending: BTreeMap<PeriodId, Vec<Delivery>>,
+}
+
+impl Driver {
+    /// Runs the periods from `self.first` on; their reports.
+    async fn periods(
+        &mut self,
+        release: &mut dyn Release,
+        publisher: Option<Arc<dyn WeightPublisher>>,
+        mut hook: Option<PeriodHook>,
+        mut checkpoints: Option<Checkpointer>,
+    ) -> Result<Vec<PeriodReport>> {
         let mut reports = Vec::new();
-
-        // A period starts when its weights are published: the consumer's own loop may
-        // begin later (after the previous period's hook), while generation already runs.
+        let mut weights = Arc::new(self.trainer.snapshot().await?);
+        let mut period = self.first;
+        // A period starts when its weights go out.
         let mut start = Instant::now();
-        'periods: for k in first..self.options.periods {
-            let period = PeriodId(k);
+        let mut publishing = publish(publisher.as_ref(), &weights, self.clock, period);
+        let mut released =
+            if period.0 < self.options.periods { release.release(period, &weights).await? } else { None };
+        while let Some(this) = released.take() {
             let mut report = PeriodReport { period, ..PeriodReport::default() };
-            report.intervals.push(publication);
-
-            let (expected, resume) = loop {
-                if let Some(&released) = released.get(&period) {
-                    break released;
-                }
-                if producer_done {
-                    break 'periods;
-                }
-                match events.recv().await {
-                    Some(event) => {
-                        producer_done |= handle_event(event, &mut released, &mut generated)?;
-                    }
-                    None => producer_done = true,
-                }
-            };
-
-            let mut received = 0usize;
-            let mut backlog = pending.remove(&period).unwrap_or_default().into_iter();
-            while received < expected {
-                let delivery = if let Some(d) = backlog.next() {
-                    d
-                } else {
-                    tokio::select! {
-                        biased;
-                        event = events.recv(), if !producer_done => {
-                            match event {
-                                Some(event) => producer_done |= handle_event(event, &mut released, &mut generated)?,
-                                None => producer_done = true,
-                            }
-                            continue;
-                        }
-                        next = receiver.recv() => match next? {
-                            Some(d) => d,
-                            None => return Err(Error::StreamClosed { period, received, expected }),
-                        },
-                    }
-                };
-                let key = delivery.group.key();
-                if trained.contains(&key) {
-                    report.duplicates += 1;
-                    delivery.acker.ack().await?;
-                    continue;
-                }
-                if key.period != period {
-                    if key.period < period {
-                        // Not a redelivery (those are in `trained`): nothing of ours.
-                        let reason = format!("it belongs to period {}, which is closed", key.period);
-                        note_rejected(&mut report, key, &reason);
-                        delivery.acker.reject(&reason).await?;
-                        continue;
-                    }
-                    pending.entry(key.period).or_default().push(delivery);
-                    continue;
-                }
-                received += 1;
-                let version = self.stages.trainer.version();
-                let staleness = delivery.group.group.oldest_version().map_or(0, |v| v.staleness(version));
-                if staleness > lag {
-                    // The producer's wait makes this unreachable with a well-behaved
-                    // engine; a misbehaving one must not sneak old samples in.
-                    tracing::warn!(%key, staleness, lag, "dropping a group beyond the staleness bound");
-                    report.dropped_stale += 1;
-                    delivery.acker.ack().await?;
-                    continue;
-                }
-                metrics::gauge!("metronome_pipeline_queue_depth_groups")
-                    .set(pending.values().map(Vec::len).sum::<usize>() as f64);
-                let micro_batches = match trainable(self.stages.packer.as_ref(), &delivery.group) {
-                    Ok(micro_batches) => micro_batches,
-                    Err(reason) => {
-                        note_rejected(&mut report, key, &reason);
-                        trained.insert(key);
-                        if delivery.group.group.is_rejected() {
-                            delivery.acker.ack().await?;
-                        } else {
-                            delivery.acker.reject(&reason).await?;
-                        }
-                        continue;
-                    }
-                };
-                note_group(&mut report, &delivery.group, staleness);
-                let t = Instant::now();
-                for micro in micro_batches {
-                    accumulate(self.stages.trainer.as_mut(), micro)?;
-                }
-                report.intervals.push(self.interval(StageKind::Training, period, t));
-                // Acknowledge only once the group's gradient is accumulated (DESIGN.md §4).
-                trained.insert(key);
-                delivery.acker.ack().await?;
-            }
-
-            let t = Instant::now();
-            report.step = close_period(self.stages.trainer.as_mut(), period)?;
-            report.intervals.push(self.interval(StageKind::Training, period, t));
-
-            let t = Instant::now();
-            weights = Arc::new(self.stages.trainer.snapshot().await?);
-            publisher.publish(weights.clone()).await?;
-            publication = self.interval(StageKind::Publication, PeriodId(k + 1), t);
-            report.publication_s = publication.seconds();
-            let next_start = Instant::now();
-
-            // The generation of this period finished before its last group arrived.
-            while !generated.contains_key(&period) && !producer_done {
-                match events.recv().await {
-                    Some(event) => producer_done |= handle_event(event, &mut released, &mut generated)?,
-                    None => producer_done = true,
-                }
-            }
-            if let Some((interval, tokens)) = generated.remove(&period) {
-                report.intervals.push(interval);
-                report.generated_tokens = tokens;
-            }
+            report.intervals.extend(finish_publication(publishing).await?);
+            let resume = this.resume;
+            self.train_period(release, this, &mut report).await?;
+            weights = self.step(&mut report).await?;
+            report.intervals.extend(release.generated(period).await?);
             finalise_report(&mut report, start);
-            self.finish_period(&report, &weights, resume)?;
+            record_period(&report);
+            tracing::info!(
+                period = period.0,
+                seconds = report.period_s,
+                reward = report.reward_mean,
+                loss = report.step.loss,
+                "period done"
+            );
+            if let Some(hook) = hook.as_mut() {
+                hook(&PeriodEnd { report: &report, weights: &weights, resume })?;
+            }
+            let next = PeriodId(period.0 + 1);
+            let checkpointed = match checkpoints.as_mut() {
+                Some(c) => c.save_if_due(self.trainer.as_mut(), next.0, self.options.periods, resume)?,
+                None => false,
+            };
+            // The new weights go out only now: a published version is recorded, and in
+            // a checkpoint when one is due, so a trainer restarted from its checkpoint
+            // never publishes an older version after a newer one.
+            start = Instant::now();
+            publishing = publish(publisher.as_ref(), &weights, self.clock, next);
+            // Without checkpoints nothing could bring a group back after a crash, so
+            // there is nothing to wait for; with them, a group waits for the one that
+            // contains it.
+            if checkpointed || checkpoints.is_none() {
+                self.settle_held().await?;
+            }
+            release.close(period).await?;
             reports.push(report);
-            start = next_start;
+            period = next;
+            if period.0 < self.options.periods {
+                released = release.release(period, &weights).await?;
+            }
         }
+        // The last weights go out too, for the rollout side and anyone watching.
+        finish_publication(publishing).await?;
+        Ok(reports)
+    }
 
-        // Closing the receiver ends a producer that ran ahead (stale schedules).
-        drop(receiver);
-        drop(events);
-        // A producer that ran ahead stops at its next send; its error no longer matters.
-        self.stages.source = producer.await.map_err(|_| Error::TaskLost("producer"))?;
-        Ok((reports, self.stages))
+    /// Closes the report's period with one step; the weights it produced.
+    async fn step(&mut self, report: &mut PeriodReport) -> Result<Arc<WeightSnapshot>> {
+        let t = Instant::now();
+        report.step = close_period(self.trainer.as_mut(), report.period)?;
+        report.intervals.push(self.clock.interval(StageKind::Training, report.period, t));
+        let t = Instant::now();
+        let weights = Arc::new(self.trainer.snapshot().await?);
+        report.intervals.push(self.clock.interval(StageKind::Publication, report.period, t));
+        Ok(weights)
+    }
+
+    /// Receives and trains `period`'s groups until every prompt of it is settled.
+    async fn train_period(
+        &mut self,
+        release: &mut dyn Release,
+        released: Released,
+        report: &mut PeriodReport,
+    ) -> Result<()> {
+        let period = report.period;
+        let expected: BTreeSet<GroupKey> =
+            released.prompts.iter().map(|&prompt| GroupKey { period, prompt }).collect();
+        let mut open = expected.clone();
+        let mut backlog: VecDeque<Delivery> = released
+            .groups
+            .into_iter()
+            .map(|group| Delivery { group, acker: Box::new(NoAck) })
+            .chain(self.pending.remove(&period).unwrap_or_default())
+            .collect();
+        // Deliveries left in the backlog once the period is complete are duplicates or
+        // strangers; admission deals with them too.
+        while !open.is_empty() || !backlog.is_empty() {
+            let mut delivery = match backlog.pop_front() {
+                Some(d) => d,
+                None => self.receive(release, period, expected.len() - open.len(), expected.len()).await?,
+            };
+            let key = delivery.group.key();
+            let waiting = backlog.len() + self.pending.values().map(Vec::len).sum::<usize>();
+            metrics::gauge!("metronome_pipeline_queue_depth_groups").set(waiting as f64);
+            match self.admit(&mut delivery.group, period, &expected) {
+                Admission::Duplicate => {
+                    report.duplicates += 1;
+                    self.hold_or_ack(delivery, key).await?;
+                }
+                Admission::Later => self.pending.entry(key.period).or_default().push(delivery),
+                Admission::Poison(reason) => {
+                    note_rejected(report, key, &reason);
+                    delivery.acker.reject(&reason).await?;
+                }
+                Admission::Settled { reason, stale, reject } => {
+                    if stale {
+                        report.dropped_stale += 1;
+                        tracing::warn!(%key, "not training group {key}: {reason}");
+                    } else {
+                        note_rejected(report, key, &reason);
+                    }
+                    report.generated_tokens += tokens(&delivery.group);
+                    open.remove(&key);
+                    self.settled.insert(key);
+                    self.hold(delivery.acker, key, reject.then_some(reason));
+                }
+                Admission::Train { batches, staleness } => {
+                    tracing::info!("accumulating a group of period {period} (prompt {})", key.prompt);
+                    note_group(report, &delivery.group, staleness);
+                    report.generated_tokens += tokens(&delivery.group);
+                    let t = Instant::now();
+                    for batch in batches {
+                        accumulate(self.trainer.as_mut(), batch)?;
+                    }
+                    report.intervals.push(self.clock.interval(StageKind::Training, period, t));
+                    open.remove(&key);
+                    self.settled.insert(key);
+                    self.hold(delivery.acker, key, None);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next delivery from the group stream, watching the generating side for a
+    /// failure and telling the operator when nothing arrives for a while.
+    async fn receive(
+        &mut self,
+        release: &mut dyn Release,
+        period: PeriodId,
+        received: usize,
+        expected: usize,
+    ) -> Result<Delivery> {
+        let Some(receiver) = self.receiver.as_mut() else {
+            // Every group comes with its release, and one is missing.
+            return Err(Error::StreamClosed { period, received, expected });
+        };
+        loop {
+            // Cancelling a receive loses nothing: an unacknowledged group comes back.
+            tokio::select! {
+                biased;
+                e = release.failure() => return Err(e),
+                next = tokio::time::timeout(WAIT_NOTICE, receiver.recv()) => match next {
+                    Ok(next) => return next?.ok_or(Error::StreamClosed { period, received, expected }),
+                    Err(_) => tracing::warn!(
+                        "period {period}: {received} of {expected} groups in after waiting {}s; is generation running?",
+                        WAIT_NOTICE.as_secs()
+                    ),
+                },
+            }
+        }
+    }
+
+    /// Decides what to do with a delivery while `period` is being trained.
+    fn admit(&self, group: &mut ScoredGroup, period: PeriodId, expected: &BTreeSet<GroupKey>) -> Admission {
+        let key = group.key();
+        if self.settled.contains(&key) || key.period < self.first {
+            return Admission::Duplicate;
+        }
+        if key.period > period {
+            return Admission::Later;
+        }
+        if key.period < period {
+            return Admission::Poison(format!("it belongs to period {}, which is closed", key.period));
+        }
+        if !expected.contains(&key) {
+            return Admission::Poison(format!(
+                "it is not one of period {period}'s prompts: another trainer may share these streams"
+            ));
+        }
+        let settle = |reason: String| Admission::Settled { reason, stale: false, reject: true };
+        // The advantages are the trainer's own, from the rewards: the numbers another
+        // process sent are not trusted, and one estimator holds for the run.
+        if let Err(e) = group.recompute(self.options.advantage) {
+            return settle(format!("its rewards are unusable: {e}"));
+        }
+        let version = self.trainer.version();
+        let lag = self.options.schedule.max_lag();
+        let staleness = match group.group.oldest_version() {
+            Some(sampled) if sampled > version => {
+                return settle(format!(
+                    "it was sampled with weights of version {sampled}, newer than the trainer's {version}"
+                ));
+            }
+            Some(sampled) => sampled.staleness(version),
+            None => 0,
+        };
+        if staleness > lag {
+            // The release's wait makes this unreachable with a well-behaved engine; a
+            // misbehaving one (or another trainer's) must not sneak old samples in.
+            return Admission::Settled {
+                reason: format!("it is {staleness} versions old, beyond the bound of {lag}"),
+                stale: true,
+                reject: true,
+            };
+        }
+        if group.group.is_rejected() {
+            // Nothing to train, and nothing wrong with the message: acknowledged.
+            let reason = "the rollout engine rejected its prompt".to_owned();
+            return Admission::Settled { reason, stale: false, reject: false };
+        }
+        match trainable(self.packer.as_ref(), group) {
+            Ok(batches) => Admission::Train { batches, staleness },
+            Err(reason) => settle(reason),
+        }
+    }
+
+    /// A duplicate of a group whose own delivery waits for a checkpoint waits with it
+    /// (acknowledging a redelivered message acknowledges the original); any other is
+    /// acknowledged now.
+    async fn hold_or_ack(&mut self, delivery: Delivery, key: GroupKey) -> Result<()> {
+        if self.held_keys.contains(&key) {
+            self.hold(delivery.acker, key, None);
+            return Ok(());
+        }
+        delivery.acker.ack().await?;
+        Ok(())
+    }
+
+    fn hold(&mut self, acker: Box<dyn Acker>, key: GroupKey, reject: Option<String>) {
+        self.held.push(Held { acker, reject });
+        self.held_keys.insert(key);
+    }
+
+    /// Acknowledges (or rejects) every held delivery: a checkpoint contains them.
+    async fn settle_held(&mut self) -> Result<()> {
+        self.held_keys.clear();
+        for held in std::mem::take(&mut self.held) {
+            match held.reject {
+                None => held.acker.ack().await?,
+                Some(reason) => held.acker.reject(&reason).await?,
+            }
+        }
+        Ok(())
     }
 }
 
-/// The next period's prompts, checked to be distinct: a period's groups are identified
-/// by (period, prompt id), so a repeated prompt's second group would be dropped as a
-/// redelivery and the period would never complete.
-pub(crate) async fn next_batch(source: &mut dyn PromptSource) -> Result<Option<PromptBatch>> {
-    let Some(batch) = source.next_batch().await? else { return Ok(None) };
-    let mut seen = HashSet::with_capacity(batch.prompts.len());
-    if let Some(p) = batch.prompts.iter().find(|p| !seen.insert(p.id)) {
-        return Err(Error::RepeatedPrompt { period: batch.period, prompt: p.id });
-    }
-    Ok(Some(batch))
+/// Starts publishing `weights` (for `period`) in the background, so that the
+/// upload overlaps what the runner does next; `None` without a publisher.
+fn publish(
+    publisher: Option<&Arc<dyn WeightPublisher>>,
+    weights: &Arc<WeightSnapshot>,
+    clock: Clock,
+    period: PeriodId,
+) -> Option<tokio::task::JoinHandle<Result<Interval>>> {
+    let publisher = publisher?.clone();
+    let weights = weights.clone();
+    Some(tokio::spawn(async move {
+        let t = Instant::now();
+        publisher.publish(weights).await?;
+        Ok(clock.interval(StageKind::Publication, period, t))
+    }))
 }
 
-/// Folds one producer event into the consumer's books; true when the producer is done.
-fn handle_event(
-    event: Event,
-    released: &mut BTreeMap<PeriodId, (usize, Cursor)>,
-    generated: &mut BTreeMap<PeriodId, (Interval, u64)>,
-) -> Result<bool> {
-    match event {
-        Event::Released { period, prompts, resume } => {
-            released.insert(period, (prompts, resume));
-            Ok(false)
-        }
-        Event::Generated { interval, tokens } => {
-            generated.insert(interval.period, (interval, tokens));
-            Ok(false)
-        }
-        Event::Finished => Ok(true),
-        Event::Failed(e) => Err(e),
+/// Waits for a publication started by [`publish`]; its interval.
+async fn finish_publication(
+    publishing: Option<tokio::task::JoinHandle<Result<Interval>>>,
+) -> Result<Option<Interval>> {
+    match publishing {
+        None => Ok(None),
+        Some(task) => Ok(Some(task.await.map_err(|_| Error::TaskLost("weight publication"))??)),
     }
 }
 
-/// The micro-batches of `group`, or why it can never be trained: its prompt was
-/// rejected by the engine ([`metronome_core::Group::rejected`]: nothing to train),
-/// or it does not pack into valid micro-batches (a poison message; checked before
-/// any is accumulated, so a group is trained whole or not at all).
-pub(crate) fn trainable(
-    packer: &dyn Packer,
-    group: &ScoredGroup,
-) -> std::result::Result<Vec<TrainBatch>, String> {
-    if group.group.is_rejected() {
-        return Err("the rollout engine rejected its prompt".into());
-    }
+fn tokens(group: &ScoredGroup) -> u64 {
+    group.group.completions.iter().map(|c| c.tokens.len() as u64).sum()
+}
+
+/// The micro-batches of `group`, or why it can never be trained: it does not pack
+/// into valid micro-batches (a poison message; checked before any is accumulated, so
+/// a group is trained whole or not at all).
+fn trainable(packer: &dyn Packer, group: &ScoredGroup) -> std::result::Result<Vec<TrainBatch>, String> {
     let batches = packer.pack(std::slice::from_ref(group)).map_err(|e| format!("it does not pack: {e}"))?;
     for batch in &batches {
         batch.validate().map_err(|e| format!("it packs into an invalid micro-batch: {e}"))?;
@@ -491,7 +696,7 @@ pub(crate) fn trainable(
 }
 
 /// Counts and logs a group of the period that is not trained; the period goes on.
-pub(crate) fn note_rejected(report: &mut PeriodReport, key: GroupKey, reason: &str) {
+fn note_rejected(report: &mut PeriodReport, key: GroupKey, reason: &str) {
     report.rejected += 1;
     tracing::warn!(%key, "not training group {key}: {reason}");
 }
@@ -517,19 +722,24 @@ fn finalise_report(report: &mut PeriodReport, start: Instant) {
     if let Some(acc) = report.accuracy.as_mut() {
         *acc /= groups;
     }
-    let busy = |kind| report.intervals.iter().filter(|i| i.stage == kind).map(Interval::seconds).sum::<f64>();
+    // A fold from +0: an empty `sum` of floats is -0, which prints as "-0.00".
+    let busy = |kind| {
+        report.intervals.iter().filter(|i| i.stage == kind).map(Interval::seconds).fold(0.0, |a, b| a + b)
+    };
     report.generation_s = busy(StageKind::Generation);
     report.training_s = busy(StageKind::Training);
-    if report.publication_s == 0.0 {
-        report.publication_s = busy(StageKind::Publication);
-    }
+    report.publication_s = busy(StageKind::Publication);
 }
 
-/// Runs trainer work in place: it is compute-bound on the trainer's own pool, so the
+/// Runs trainer (or checkpoint) work in place: it is compute- or disk-bound, so the
 /// runtime moves other tasks off this thread meanwhile.
-fn accumulate(trainer: &mut dyn Trainer, batch: TrainBatch) -> Result<()> {
+fn in_place<T>(work: impl std::future::Future<Output = T>) -> T {
     let handle = tokio::runtime::Handle::current();
-    tokio::task::block_in_place(|| handle.block_on(trainer.accumulate(batch)))?;
+    tokio::task::block_in_place(|| handle.block_on(work))
+}
+
+fn accumulate(trainer: &mut dyn Trainer, batch: TrainBatch) -> Result<()> {
+    in_place(trainer.accumulate(batch))?;
     Ok(())
 }
 
@@ -539,10 +749,9 @@ fn accumulate(trainer: &mut dyn Trainer, batch: TrainBatch) -> Result<()> {
 /// version that stood still would stall them; it is refused here, by name, instead.
 /// A refused update is logged: the period's weights go out again, unchanged, under
 /// the new version.
-pub(crate) fn close_period(trainer: &mut dyn Trainer, period: PeriodId) -> Result<StepReport> {
+fn close_period(trainer: &mut dyn Trainer, period: PeriodId) -> Result<StepReport> {
     let before = trainer.version();
-    let handle = tokio::runtime::Handle::current();
-    let report = tokio::task::block_in_place(|| handle.block_on(trainer.step()))?;
+    let report = in_place(trainer.step())?;
     let after = trainer.version();
     if after != before.next() || report.version != after {
         return Err(Error::TrainerVersion { period, before, after, reported: report.version });
@@ -557,128 +766,4 @@ pub(crate) fn close_period(trainer: &mut dyn Trainer, period: PeriodId) -> Resul
         );
     }
     Ok(report)
-}
-
-/// How long the producer waits for weights before it logs that it is waiting.
-const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// What the producer tells the consumer.
-enum Event {
-    Released { period: PeriodId, prompts: usize, resume: Cursor },
-    Generated { interval: Interval, tokens: u64 },
-    Finished,
-    Failed(Error),
-}
-
-struct Producer {
-    source: Box<dyn PromptSource>,
-    engine: Arc<dyn RolloutEngine>,
-    scorer: Arc<dyn GroupScorer>,
-    sender: Arc<dyn GroupSender>,
-    subscriber: Box<dyn WeightSubscriber>,
-    lag: u64,
-    periods: std::ops::Range<u64>,
-    group_size: u32,
-    events: mpsc::UnboundedSender<Event>,
-    t0: Instant,
-}
-
-impl Producer {
-    /// Generates every period, reporting through the events (a failure included:
-    /// the consumer decides whether it matters), and hands the prompt source back.
-    async fn run(mut self) -> Box<dyn PromptSource> {
-        let outcome = self.periods_loop().await;
-        // The consumer may be gone already (it stops after its last period).
-        let _ = self.events.send(match outcome {
-            Ok(()) => Event::Finished,
-            Err(e) => Event::Failed(e),
-        });
-        self.source
-    }
-
-    async fn periods_loop(&mut self) -> Result<()> {
-        let mut installed: Option<PolicyVersion> = None;
-        for k in self.periods.clone() {
-            let Some(batch) = next_batch(self.source.as_mut()).await? else { return Ok(()) };
-            let period = batch.period;
-            let resume = self.source.cursor();
-            let _ = self.events.send(Event::Released { period, prompts: batch.prompts.len(), resume });
-            // The controller: never generate more than `lag` versions ahead of training.
-            let min = PolicyVersion(k.saturating_sub(self.lag));
-            let wait = self.subscriber.wait_for(min);
-            tokio::pin!(wait);
-            // A long wait is the trainer's (a slow step, or one that hangs): say so
-            // instead of waiting in silence.
-            let weights = loop {
-                tokio::select! {
-                    weights = &mut wait => break weights?,
-                    () = tokio::time::sleep(WAIT_NOTICE) => tracing::warn!(
-                        period = period.0,
-                        "generation waits for weights of version {min} after {}s; is the trainer stepping?",
-                        WAIT_NOTICE.as_secs()
-                    ),
-                }
-            };
-            if installed != Some(weights.version) {
-                self.engine.install_weights(weights.clone()).await?;
-                installed = Some(weights.version);
-            }
-            let request = RolloutRequest { period, prompts: batch.prompts, group_size: self.group_size };
-            let sink = ScoreAndSend {
-                scorer: self.scorer.clone(),
-                sender: self.sender.clone(),
-                tokens: Mutex::new(0),
-            };
-            let start = Instant::now();
-            self.engine
-                .generate(request, &sink)
-                .await
-                .map_err(|source| Error::Generation { period, source })?;
-            let end = Instant::now();
-            let interval = Interval {
-                stage: StageKind::Generation,
-                period,
-                start_s: start.duration_since(self.t0).as_secs_f64(),
-                end_s: end.duration_since(self.t0).as_secs_f64(),
-            };
-            let tokens = *sink.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let _ = self.events.send(Event::Generated { interval, tokens });
-        }
-        Ok(())
-    }
-}
-
-/// The overlapped schedules' sink: score each group as it completes and send it on.
-struct ScoreAndSend {
-    scorer: Arc<dyn GroupScorer>,
-    sender: Arc<dyn GroupSender>,
-    tokens: Mutex<u64>,
-}
-
-#[async_trait]
-impl GroupSink for ScoreAndSend {
-    async fn emit(&self, group: Group) -> metronome_core::Result<()> {
-        let tokens: usize = group.completions.iter().map(|c| c.tokens.len()).sum();
-        *self.tokens.lock().unwrap_or_else(std::sync::PoisonError::into_inner) += tokens as u64;
-        let scored = self.scorer.score(group).await?;
-        self.sender.send(scored).await
-    }
-}
-
-/// Stands in for the prompt source while the producer task owns it.
-struct Exhausted;
-
-#[async_trait]
-impl PromptSource for Exhausted {
-    async fn next_batch(&mut self) -> metronome_core::Result<Option<metronome_core::PromptBatch>> {
-        Ok(None)
-    }
-
-    fn cursor(&self) -> metronome_core::Cursor {
-        metronome_core::Cursor::default()
-    }
-
-    fn restore(&mut self, _cursor: metronome_core::Cursor) -> metronome_core::Result<()> {
-        Err(metronome_core::Error::invalid("prompt source", "is owned by the running producer"))
-    }
 }

@@ -756,4 +756,16 @@ impl metronome_core::Trainer for GrpoTrainer {
     async fn snapshot(&self) -> metronome_core::Result<WeightSnapshot> {
         Ok(self.snapshot_sync()?)
     }
+
+    async fn save_checkpoint(&mut self, dir: &Path) -> metronome_core::Result<()> {
+        Ok(GrpoTrainer::save_checkpoint(self, dir)?)
+    }
+
+    /// Replaces this trainer by the one the checkpoint holds, with this trainer's
+    /// configuration on this trainer's device.
+    async fn restore_checkpoint(&mut self, dir: &Path) -> metronome_core::Result<()> {
+        let device = self.policy.device().clone();
+        *self = GrpoTrainer::resume(self.cfg.clone(), dir, &device)?;
+        Ok(())
+    }
 }

@@ -81,24 +81,7 @@ pub mod stats;
 pub mod testdata;
 pub mod wire;
 
-use async_trait::async_trait;
-use metronome_core::ControlMessage;
-
 pub use error::{Error, Result};
+// The control traits are part of the stage contract; re-exported where they were.
+pub use metronome_core::{ControlReceiver, ControlSender};
 pub use stats::Stats;
-
-/// Sends the messages that frame a period (to every receiver).
-///
-/// Proposed for `metronome-core` beside `GroupSender`; kept here until then.
-#[async_trait]
-pub trait ControlSender: Send + Sync {
-    /// Sends `message` to every receiver.
-    async fn send(&self, message: ControlMessage) -> metronome_core::Result<()>;
-}
-
-/// Receives the messages that frame a period, in send order.
-#[async_trait]
-pub trait ControlReceiver: Send {
-    /// The next message, or `Ok(None)` once the channel is closed.
-    async fn recv(&mut self) -> metronome_core::Result<Option<ControlMessage>>;
-}

@@ -109,7 +109,7 @@ impl Proc {
 
     /// A trainer that logs every group it accumulates.
     fn verbose_trainer(sets: &[String], out: &Path) -> Self {
-        let env = [("RUST_LOG", "metronome_pipeline::cluster=info")];
+        let env = [("RUST_LOG", "metronome_pipeline=info")];
         Self::spawn_with("trainer", &["trainer", "--quiet"], sets, out, &env, None)
     }
 
@@ -374,7 +374,7 @@ fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights
     let mut trainer = Proc::verbose_trainer(&sets, out.path());
     // Killed after accumulating a group of period 2 and before stepping: the groups it
     // holds are unacknowledged and come back to the restarted trainer.
-    trainer.wait_until("a group of period 2", |l| l.contains("accumulated a group of period 2"));
+    trainer.wait_until("a group of period 2", |l| l.contains("accumulating a group of period 2"));
     trainer.sigkill();
     let mut restarted = Proc::trainer(&sets, out.path());
     let line = restarted.wait_for("resuming at period");

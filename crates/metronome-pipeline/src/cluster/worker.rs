@@ -1,4 +1,9 @@
 //! `metronome rollout-worker`: one rollout worker of a multi-process run.
+//!
+//! A worker serves claims, it does not drive periods: take claims, fetch the weights
+//! they name, generate, and score and publish each group through the same sink as
+//! the single-process producer ([`ScoreAndSend`]), wrapped in [`CompleteClaims`],
+//! which completes a group's claim once the group is out.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -6,17 +11,16 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use metronome_core::{
-    ControlMessage, Group, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion, PromptId,
-    RolloutEngine, RolloutRequest, WeightSubscriber,
+    ControlMessage, ControlReceiver, Group, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion,
+    PromptId, RolloutEngine, RolloutRequest, WeightSnapshot, WeightSubscriber,
 };
-use metronome_transport::ControlReceiver;
-use metronome_transport::claims::Claim;
-use metronome_transport::nats::NatsGroupSender;
+use metronome_transport::claims::{Claim, NatsClaimTaker};
 
 use super::StopFlag;
 use crate::app::{err, group_scorer, load_model};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
+use crate::release::ScoreAndSend;
 
 /// What a worker did before it left.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -49,7 +53,6 @@ pub async fn run_worker(
     config.validate()?;
     let transport =
         super::connect(&config, "rollout-worker", format!("metronome-worker-{worker_id}")).await?;
-    let lease = Duration::from_millis(transport.config().claims.lease_ms.max(1));
 
     let (model, tokenizer) = load_model(&config, config.rollout_device())?;
     let inference = model.frozen_copy().map_err(err("model"))?;
@@ -57,11 +60,7 @@ pub async fn run_worker(
     let mut engine_cfg = config.rollout.clone();
     engine_cfg.seed = config.run.seed;
     let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
-    let scorer: Arc<dyn GroupScorer> = Arc::from(group_scorer(&config)?);
 
-    let mut subscriber = transport.weight_subscriber().await.map_err(err("transport"))?;
-    let taker = transport.claim_taker().await.map_err(err("transport"))?;
-    let sender = transport.group_sender().await.map_err(err("transport"))?;
     let mut control = transport.control_receiver().await.map_err(err("transport"))?;
     let listener_stop = stop.clone();
     let listener = tokio::spawn(async move {
@@ -72,171 +71,248 @@ pub async fn run_worker(
             }
         }
     });
-
-    // Claims per take: enough prompts to fill the engine's slots.
-    let group_size = config.run.group_size.max(1) as usize;
-    let per_take = (config.rollout.max_num_seqs * config.rollout.workers.max(1) / group_size).max(1);
-    let mut outcome = WorkerOutcome::default();
-    let mut installed: Option<PolicyVersion> = None;
-    let max_deliveries = transport.config().claims.max_deliveries.max(1);
-    // Batches failed in a row (not counting the transport's failures).
-    let mut failures = 0u64;
+    let group_size = config.run.group_size.max(1);
+    let claims = transport.config().claims.clone();
+    let mut worker = Worker {
+        id: worker_id.to_owned(),
+        engine: Arc::new(engine),
+        scorer: Arc::from(group_scorer(&config)?),
+        subscriber: Box::new(transport.weight_subscriber().await.map_err(err("transport"))?),
+        taker: transport.claim_taker().await.map_err(err("transport"))?,
+        sender: Arc::new(transport.group_sender().await.map_err(err("transport"))?),
+        lease: Duration::from_millis(claims.lease_ms.max(1)),
+        // Claims per take: enough prompts to fill the engine's slots.
+        per_take: (config.rollout.max_num_seqs * config.rollout.workers.max(1) / group_size as usize).max(1),
+        max_deliveries: claims.max_deliveries.max(1),
+        group_size,
+        installed: None,
+        outcome: WorkerOutcome::default(),
+    };
     eprintln!("worker {worker_id}: ready");
-    while !stop.is_stopped() {
-        let claims = match taker.take(per_take, CLAIM_WAIT).await {
-            Ok(claims) => claims,
-            // The server may be restarting: the client reconnects, so wait and retry
-            // (leaving stays possible meanwhile).
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot take claims; retrying");
-                tokio::time::sleep(CLAIM_WAIT).await;
-                continue;
-            }
-        };
-        if claims.is_empty() {
-            continue;
-        }
-        metrics::counter!("metronome_cluster_claims_taken_total").increment(claims.len() as u64);
-        let redelivered = claims.iter().filter(|c| c.deliveries > 1).count() as u64;
-        metrics::counter!("metronome_cluster_claim_redeliveries_total").increment(redelivered);
-        outcome.redelivered_claims += redelivered;
-        // A claim every worker failed on is poison: its group goes out as rejected
-        // (empty responses), so the period completes and no worker dies on it again.
-        let (poison, claims): (Vec<Claim>, Vec<Claim>) =
-            claims.into_iter().partition(|c| c.deliveries > max_deliveries);
-        for claim in poison {
-            if let Err(e) = reject_claim(&claim, &scorer, &sender, config.run.group_size).await {
-                // The server may be restarting: the claim comes back after its lease.
-                tracing::warn!(error = %e, "cannot publish a rejected claim's group; it comes back");
-            }
-        }
-        // A take normally holds one period's claims; generate each period's fresh
-        // claims together, and each claim delivered before (its worker died, or its
-        // batch failed) alone, so that one bad prompt fails only itself.
-        let mut batches: Vec<(PeriodId, PolicyVersion, Vec<Claim>)> = Vec::new();
-        for claim in claims {
-            let fresh = claim.deliveries <= 1;
-            match batches.iter_mut().find(|(p, v, list)| {
-                fresh && *p == claim.period && *v == claim.version && list[0].deliveries <= 1
-            }) {
-                Some((_, _, list)) => list.push(claim),
-                None => batches.push((claim.period, claim.version, vec![claim])),
-            }
-        }
-        for (period, version, claims) in batches {
-            let claims = Arc::new(claims);
-            let keeper = tokio::spawn(keep_leases(claims.clone(), lease));
-            let result = async {
-                let start = Instant::now();
-                let weights = match subscriber.latest().await? {
-                    Some(w) if w.version >= version => w,
-                    _ => {
-                        // Claims are offered while their weights upload, so this wait
-                        // lasts one upload (streamed, `weights.streaming`) unless the
-                        // trainer died; a worker asked to leave meanwhile gives its
-                        // claims back.
-                        let stopped = async {
-                            while !stop.is_stopped() {
-                                tokio::time::sleep(CLAIM_WAIT).await;
-                            }
-                        };
-                        tokio::select! {
-                            w = subscriber.wait_for(version) => w?,
-                            () = stopped => {
-                                for claim in claims.iter() {
-                                    claim.release().await.map_err(err("transport"))?;
-                                }
-                                metrics::counter!("metronome_cluster_claims_released_total")
-                                    .increment(claims.len() as u64);
-                                return Ok(None);
-                            }
-                        }
-                    }
-                };
-                if weights.version > version {
-                    // The period was stepped already (a claim offered again after a
-                    // trainer restart, say): its groups are trained.
-                    for claim in claims.iter() {
-                        claim.complete().await.map_err(err("transport"))?;
-                    }
-                    metrics::counter!("metronome_cluster_claims_obsolete_total")
-                        .increment(claims.len() as u64);
-                    return Ok::<_, Error>(None);
-                }
-                if installed != Some(version) {
-                    engine.install_weights(weights).await?;
-                    installed = Some(version);
-                    metrics::histogram!("metronome_cluster_weight_fetch_seconds")
-                        .record(start.elapsed().as_secs_f64());
-                    eprintln!("worker {worker_id}: installed weights version {version} for period {period}");
-                    outcome.versions.push(version.0);
-                }
-                let sink = PublishAndComplete {
-                    scorer: scorer.clone(),
-                    sender: sender.clone(),
-                    claims: claims.iter().enumerate().map(|(i, c)| (c.prompt.id, i)).collect(),
-                    all: claims.clone(),
-                    done: Mutex::new((0, 0)),
-                };
-                let request = RolloutRequest {
-                    period,
-                    prompts: claims.iter().map(|c| c.prompt.clone()).collect(),
-                    group_size: config.run.group_size,
-                };
-                engine
-                    .generate(request, &sink)
-                    .await
-                    .map_err(|source| Error::Generation { period, source })?;
-                let (groups, tokens) = *sink.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                Ok(Some((groups, tokens)))
-            }
-            .await;
-            keeper.abort();
-            let result = match result {
-                // The server may be restarting (a fetch, a group or an acknowledgement
-                // failed): the claims not completed come back when their lease
-                // expires, to this worker or another, so keep working.
-                Err(e) if is_transport(&e) => {
-                    tracing::warn!(error = %e, "transport failed during period {period}; taking claims again");
-                    tokio::time::sleep(CLAIM_WAIT).await;
-                    continue;
-                }
-                // Anything else failed this batch (the model, a prompt it chokes on):
-                // give the claims back for another try, alone (a claim that fails
-                // every time ends as rejected, above). A worker that fails again
-                // and again is broken: it leaves, and its supervisor may restart it.
-                Err(e) => {
-                    failures += 1;
-                    tracing::warn!(error = %e, period = period.0, failures, "generation failed; giving the claims back");
-                    for claim in claims.iter() {
-                        // A claim whose group went out is complete; nothing to give back.
-                        let _ = claim.release().await;
-                    }
-                    if failures >= 2 * max_deliveries {
-                        return Err(e);
-                    }
-                    continue;
-                }
-                Ok(result) => {
-                    failures = 0;
-                    result
-                }
-            };
-            if let Some((groups, tokens)) = result {
-                outcome.groups += groups;
-                outcome.tokens += tokens;
-                if outcome.periods.last() != Some(&period.0) {
-                    outcome.periods.push(period.0);
-                }
-            }
-        }
-    }
+    let result = worker.serve(&stop).await;
     listener.abort();
+    let outcome = worker.outcome;
     eprintln!(
         "worker {worker_id}: done: {} groups, {} tokens, {} redelivered claims, versions {:?}, periods {:?}",
         outcome.groups, outcome.tokens, outcome.redelivered_claims, outcome.versions, outcome.periods
     );
-    Ok(outcome)
+    result.map(|()| outcome)
+}
+
+/// One worker's stages and books.
+struct Worker {
+    id: String,
+    engine: Arc<dyn RolloutEngine>,
+    scorer: Arc<dyn GroupScorer>,
+    subscriber: Box<dyn WeightSubscriber>,
+    taker: NatsClaimTaker,
+    sender: Arc<dyn GroupSender>,
+    lease: Duration,
+    per_take: usize,
+    max_deliveries: u64,
+    group_size: u32,
+    installed: Option<PolicyVersion>,
+    outcome: WorkerOutcome,
+}
+
+/// Claims generated together: one period's, sampled with one version.
+struct Batch {
+    period: PeriodId,
+    version: PolicyVersion,
+    claims: Vec<Claim>,
+}
+
+impl Worker {
+    /// Takes and generates claims until asked to stop.
+    async fn serve(&mut self, stop: &StopFlag) -> Result<()> {
+        // Batches failed in a row (not counting the transport's failures).
+        let mut failures = 0u64;
+        while !stop.is_stopped() {
+            let claims = match self.taker.take(self.per_take, CLAIM_WAIT).await {
+                Ok(claims) => claims,
+                // The server may be restarting: the client reconnects, so wait and retry
+                // (leaving stays possible meanwhile).
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot take claims; retrying");
+                    tokio::time::sleep(CLAIM_WAIT).await;
+                    continue;
+                }
+            };
+            for batch in self.batches(claims).await {
+                let period = batch.period;
+                match self.generate(batch, stop).await {
+                    Ok(()) => failures = 0,
+                    // The server may be restarting (a fetch, a group or an acknowledgement
+                    // failed): the claims not completed come back when their lease
+                    // expires, to this worker or another, so keep working.
+                    Err(e) if is_transport(&e) => {
+                        tracing::warn!(error = %e, "transport failed during period {period}; taking claims again");
+                        tokio::time::sleep(CLAIM_WAIT).await;
+                    }
+                    // Anything else failed the batch (the model, a prompt it chokes on):
+                    // its claims went back for another try, alone (a claim that fails
+                    // every time ends as rejected, in `batches`). A worker that fails
+                    // again and again is broken: it leaves, and its supervisor may
+                    // restart it.
+                    Err(e) => {
+                        failures += 1;
+                        tracing::warn!(error = %e, period = period.0, failures, "generation failed; the claims went back");
+                        if failures >= 2 * self.max_deliveries {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Groups taken claims into batches to generate: each period's fresh claims
+    /// together, and each claim delivered before (its worker died, or its batch
+    /// failed) alone, so that one bad prompt fails only itself. A claim every worker
+    /// failed on is poison: its group goes out as rejected (empty responses), so the
+    /// period completes and no worker dies on it again.
+    async fn batches(&mut self, claims: Vec<Claim>) -> Vec<Batch> {
+        if claims.is_empty() {
+            return Vec::new();
+        }
+        metrics::counter!("metronome_cluster_claims_taken_total").increment(claims.len() as u64);
+        let redelivered = claims.iter().filter(|c| c.deliveries > 1).count() as u64;
+        metrics::counter!("metronome_cluster_claim_redeliveries_total").increment(redelivered);
+        self.outcome.redelivered_claims += redelivered;
+        let mut batches: Vec<Batch> = Vec::new();
+        for claim in claims {
+            if claim.deliveries > self.max_deliveries {
+                if let Err(e) = self.reject_claim(&claim).await {
+                    // The server may be restarting: the claim comes back after its lease.
+                    tracing::warn!(error = %e, "cannot publish a rejected claim's group; it comes back");
+                }
+                continue;
+            }
+            let fresh = claim.deliveries <= 1;
+            match batches.iter_mut().find(|b| {
+                fresh && b.period == claim.period && b.version == claim.version && b.claims[0].deliveries <= 1
+            }) {
+                Some(batch) => batch.claims.push(claim),
+                None => {
+                    batches.push(Batch { period: claim.period, version: claim.version, claims: vec![claim] })
+                }
+            }
+        }
+        batches
+    }
+
+    /// Generates one batch with its leases kept alive; on a failure other than the
+    /// transport's, gives its claims back.
+    async fn generate(&mut self, batch: Batch, stop: &StopFlag) -> Result<()> {
+        let Batch { period, version, claims } = batch;
+        let claims = Arc::new(claims);
+        let keeper = tokio::spawn(keep_leases(claims.clone(), self.lease));
+        let result = self.generate_claims(period, version, &claims, stop).await;
+        keeper.abort();
+        if let Err(e) = &result
+            && !is_transport(e)
+        {
+            for claim in claims.iter() {
+                // A claim whose group went out is complete; nothing to give back.
+                let _ = claim.release().await;
+            }
+        }
+        result
+    }
+
+    async fn generate_claims(
+        &mut self,
+        period: PeriodId,
+        version: PolicyVersion,
+        claims: &Arc<Vec<Claim>>,
+        stop: &StopFlag,
+    ) -> Result<()> {
+        let start = Instant::now();
+        let Some(weights) = self.weights_for(version, claims, stop).await? else { return Ok(()) };
+        if weights.version > version {
+            // The period was stepped already (a claim offered again after a trainer
+            // restart, say): its groups are trained.
+            for claim in claims.iter() {
+                claim.complete().await.map_err(err("transport"))?;
+            }
+            metrics::counter!("metronome_cluster_claims_obsolete_total").increment(claims.len() as u64);
+            return Ok(());
+        }
+        if self.installed != Some(version) {
+            self.engine.install_weights(weights).await?;
+            self.installed = Some(version);
+            metrics::histogram!("metronome_cluster_weight_fetch_seconds")
+                .record(start.elapsed().as_secs_f64());
+            eprintln!("worker {}: installed weights version {version} for period {period}", self.id);
+            self.outcome.versions.push(version.0);
+        }
+        let sink = CompleteClaims {
+            inner: ScoreAndSend { scorer: self.scorer.clone(), sender: self.sender.clone() },
+            claims: claims.iter().enumerate().map(|(i, c)| (c.prompt.id, i)).collect(),
+            all: claims.clone(),
+            done: Mutex::new((0, 0)),
+        };
+        let request = RolloutRequest {
+            period,
+            prompts: claims.iter().map(|c| c.prompt.clone()).collect(),
+            group_size: self.group_size,
+        };
+        self.engine.generate(request, &sink).await.map_err(|source| Error::Generation { period, source })?;
+        let (groups, tokens) = *sink.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        self.outcome.groups += groups;
+        self.outcome.tokens += tokens;
+        if self.outcome.periods.last() != Some(&period.0) {
+            self.outcome.periods.push(period.0);
+        }
+        Ok(())
+    }
+
+    /// The weights of at least `version`. Claims are offered while their weights
+    /// upload, so the wait lasts one upload (streamed, `weights.streaming`) unless the
+    /// trainer died; a worker asked to leave meanwhile gives its claims back (`None`).
+    async fn weights_for(
+        &mut self,
+        version: PolicyVersion,
+        claims: &[Claim],
+        stop: &StopFlag,
+    ) -> Result<Option<Arc<WeightSnapshot>>> {
+        if let Some(w) = self.subscriber.latest().await?.filter(|w| w.version >= version) {
+            return Ok(Some(w));
+        }
+        let stopped = async {
+            while !stop.is_stopped() {
+                tokio::time::sleep(CLAIM_WAIT).await;
+            }
+        };
+        tokio::select! {
+            w = self.subscriber.wait_for(version) => Ok(Some(w?)),
+            () = stopped => {
+                for claim in claims {
+                    claim.release().await.map_err(err("transport"))?;
+                }
+                metrics::counter!("metronome_cluster_claims_released_total").increment(claims.len() as u64);
+                Ok(None)
+            }
+        }
+    }
+
+    /// Publishes the group of a poison claim as [`metronome_core::Group::rejected`],
+    /// then completes the claim: the trainer counts the group and trains nothing from it.
+    async fn reject_claim(&self, claim: &Claim) -> Result<()> {
+        tracing::warn!(
+            period = claim.period.0,
+            prompt = claim.prompt.id.0,
+            deliveries = claim.deliveries,
+            "every worker that took this claim failed on it; publishing its group as rejected"
+        );
+        metrics::counter!("metronome_cluster_claims_rejected_total").increment(1);
+        let group = Group::rejected(claim.period, claim.prompt.clone(), self.group_size, claim.version);
+        let scored = self.scorer.score(group).await?;
+        self.sender.send(scored).await?;
+        claim.complete().await.map_err(err("transport"))?;
+        Ok(())
+    }
 }
 
 /// Whether `e` is the transport's failure (directly, or under the generation that
@@ -247,28 +323,6 @@ fn is_transport(e: &Error) -> bool {
         _ => return false,
     };
     matches!(stage, metronome_core::Error::Stage { stage: "transport", .. })
-}
-
-/// Publishes the group of a poison claim as [`metronome_core::Group::rejected`],
-/// then completes the claim: the trainer counts the group and trains nothing from it.
-async fn reject_claim(
-    claim: &Claim,
-    scorer: &Arc<dyn GroupScorer>,
-    sender: &NatsGroupSender,
-    group_size: u32,
-) -> Result<()> {
-    tracing::warn!(
-        period = claim.period.0,
-        prompt = claim.prompt.id.0,
-        deliveries = claim.deliveries,
-        "every worker that took this claim failed on it; publishing its group as rejected"
-    );
-    metrics::counter!("metronome_cluster_claims_rejected_total").increment(1);
-    let group = Group::rejected(claim.period, claim.prompt.clone(), group_size, claim.version);
-    let scored = scorer.score(group).await?;
-    sender.send(scored).await?;
-    claim.complete().await.map_err(err("transport"))?;
-    Ok(())
 }
 
 /// Renews the leases of the claims in hand every third of the lease.
@@ -283,22 +337,21 @@ async fn keep_leases(claims: Arc<Vec<Claim>>, lease: Duration) {
     }
 }
 
-/// Scores each group as it completes, publishes it, then completes its claim.
-struct PublishAndComplete {
-    scorer: Arc<dyn GroupScorer>,
-    sender: NatsGroupSender,
+/// Completes a group's claim once `inner` has published the group, and counts what
+/// went out: a decorator around the generating side's sink.
+struct CompleteClaims<S> {
+    inner: S,
     claims: HashMap<PromptId, usize>,
     all: Arc<Vec<Claim>>,
     done: Mutex<(u64, u64)>,
 }
 
 #[async_trait]
-impl GroupSink for PublishAndComplete {
+impl<S: GroupSink> GroupSink for CompleteClaims<S> {
     async fn emit(&self, group: Group) -> metronome_core::Result<()> {
         let tokens: u64 = group.completions.iter().map(|c| c.tokens.len() as u64).sum();
         let prompt = group.prompt.id;
-        let scored = self.scorer.score(group).await?;
-        self.sender.send(scored).await?;
+        self.inner.emit(group).await?;
         if let Some(&i) = self.claims.get(&prompt) {
             self.all[i].complete().await?;
             metrics::counter!("metronome_cluster_claims_completed_total").increment(1);

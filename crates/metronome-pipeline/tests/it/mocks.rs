@@ -66,6 +66,11 @@ pub(crate) struct MockEngine {
     pub(crate) emitted: Arc<Mutex<Vec<GroupKey>>>,
     /// Prompts it cannot generate from: their groups come out rejected.
     pub(crate) reject: BTreeSet<u64>,
+    /// Prompts whose group it emits twice (a transport's redelivery, say).
+    pub(crate) twice: BTreeSet<u64>,
+    /// Emits, with the group of this prompt, a copy of it under another prompt id
+    /// that is no prompt of the period (another run's group, say): (of, as).
+    pub(crate) stranger: Option<(u64, u64)>,
 }
 
 impl MockEngine {
@@ -77,6 +82,8 @@ impl MockEngine {
             force_version: None,
             emitted: Arc::default(),
             reject: BTreeSet::new(),
+            twice: BTreeSet::new(),
+            stranger: None,
         }
     }
 }
@@ -122,6 +129,16 @@ impl RolloutEngine for MockEngine {
                 let group =
                     Group { period: request.period, prompt, completions, timing: GroupTiming::default() };
                 self.emitted.lock().unwrap().push(group.key());
+                if let Some((of, id)) = self.stranger
+                    && group.prompt.id.0 == of
+                {
+                    let mut stranger = group.clone();
+                    stranger.prompt.id = PromptId(id);
+                    sink.emit(stranger).await?;
+                }
+                if self.twice.contains(&group.prompt.id.0) {
+                    sink.emit(group.clone()).await?;
+                }
                 sink.emit(group).await
             }
         });
@@ -239,6 +256,8 @@ pub(crate) struct MockTrainer {
     pub(crate) refuse: BTreeSet<u64>,
     /// Breaks the contract on a refused step: the version stands still.
     pub(crate) keep_version_when_refusing: bool,
+    /// Its checkpoints, shared with the transport's acknowledgements.
+    pub(crate) events: Events,
 }
 
 impl MockTrainer {
@@ -255,6 +274,7 @@ impl MockTrainer {
             accumulations: Arc::default(),
             refuse: BTreeSet::new(),
             keep_version_when_refusing: false,
+            events: Events::default(),
         }
     }
 }
@@ -320,13 +340,69 @@ impl Trainer for MockTrainer {
             }],
         })
     }
+
+    /// Weights, gradient, tokens and version as JSON (f64 round-trips exactly).
+    async fn save_checkpoint(&mut self, dir: &std::path::Path) -> Result<()> {
+        let state = (self.version.0, &self.weights, &self.grad, self.tokens);
+        let text = serde_json::to_string(&state).map_err(|e| Error::stage("mock trainer", e))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::stage("mock trainer", e))?;
+        std::fs::write(dir.join("mock.json"), text).map_err(|e| Error::stage("mock trainer", e))?;
+        self.events.lock().unwrap().push(Event::Checkpoint(self.version.0));
+        Ok(())
+    }
+
+    async fn restore_checkpoint(&mut self, dir: &std::path::Path) -> Result<()> {
+        let text =
+            std::fs::read_to_string(dir.join("mock.json")).map_err(|e| Error::stage("mock trainer", e))?;
+        let (version, weights, grad, tokens): (u64, Vec<f64>, Vec<f64>, u64) =
+            serde_json::from_str(&text).map_err(|e| Error::stage("mock trainer", e))?;
+        (self.version, self.weights, self.grad, self.tokens) =
+            (PolicyVersion(version), weights, grad, tokens);
+        Ok(())
+    }
+}
+
+/// What the mock trainer and transport did, in order: checkpoints (by the version
+/// they hold) and acknowledgements (by group).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Event {
+    Checkpoint(u64),
+    Ack(GroupKey),
+    Reject(GroupKey, String),
+}
+
+pub(crate) type Events = Arc<Mutex<Vec<Event>>>;
+
+/// An acknowledgement that records itself.
+#[derive(Debug)]
+pub(crate) struct RecordingAck {
+    pub(crate) key: GroupKey,
+    pub(crate) events: Events,
+}
+
+#[async_trait]
+impl Acker for RecordingAck {
+    async fn ack(self: Box<Self>) -> Result<()> {
+        self.events.lock().unwrap().push(Event::Ack(self.key));
+        Ok(())
+    }
+
+    async fn reject(self: Box<Self>, reason: &str) -> Result<()> {
+        self.events.lock().unwrap().push(Event::Reject(self.key, reason.to_owned()));
+        Ok(())
+    }
 }
 
 /// A minimal in-process transport for these tests (the real one is
 /// `metronome-transport`; the pipeline must not depend on which it gets).
 pub(crate) fn channel_transport(capacity: usize) -> metronome_pipeline::Transport {
+    recording_transport(capacity, None)
+}
+
+/// [`channel_transport`] whose acknowledgements are recorded in `events`.
+pub(crate) fn recording_transport(capacity: usize, events: Option<Events>) -> metronome_pipeline::Transport {
     struct Tx(mpsc::Sender<ScoredGroup>);
-    struct Rx(mpsc::Receiver<ScoredGroup>);
+    struct Rx(mpsc::Receiver<ScoredGroup>, Option<Events>);
     struct Pub(watch::Sender<Option<Arc<WeightSnapshot>>>);
     struct Sub(watch::Receiver<Option<Arc<WeightSnapshot>>>);
     #[async_trait]
@@ -338,7 +414,13 @@ pub(crate) fn channel_transport(capacity: usize) -> metronome_pipeline::Transpor
     #[async_trait]
     impl GroupReceiver for Rx {
         async fn recv(&mut self) -> Result<Option<Delivery>> {
-            Ok(self.0.recv().await.map(|group| Delivery { group, acker: Box::new(NoAck) }))
+            Ok(self.0.recv().await.map(|group| {
+                let acker: Box<dyn Acker> = match &self.1 {
+                    Some(events) => Box::new(RecordingAck { key: group.key(), events: events.clone() }),
+                    None => Box::new(NoAck),
+                };
+                Delivery { group, acker }
+            }))
         }
     }
     #[async_trait]
@@ -366,7 +448,7 @@ pub(crate) fn channel_transport(capacity: usize) -> metronome_pipeline::Transpor
     let (wtx, wrx) = watch::channel(None);
     metronome_pipeline::Transport {
         sender: Arc::new(Tx(tx)),
-        receiver: Box::new(Rx(rx)),
+        receiver: Box::new(Rx(rx, events)),
         publisher: Arc::new(Pub(wtx)),
         subscriber: Box::new(Sub(wrx)),
     }

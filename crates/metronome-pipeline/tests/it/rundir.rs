@@ -354,12 +354,12 @@ async fn a_runner_hook_records_every_period_and_the_plots_show_its_intervals() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 3, group_size: 2 };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 2, advantage: Default::default() };
         let hook_dir = dir.clone();
         let runner = Runner::new(stages, Some(channel_transport(2)), options)
             .unwrap()
             .on_period(move |end| hook_dir.append_period(end.report));
-        let (reports, _) = runner.run().await.unwrap();
+        let reports = runner.run().await.unwrap().reports;
 
         assert_eq!(reports.len(), 3);
         assert_eq!(dir.read_periods().unwrap(), reports, "{schedule}");

@@ -41,10 +41,11 @@ async fn run_with(
         packer: mock_packer(),
         trainer: Box::new(trainer),
     };
-    let options = RunnerOptions { schedule, periods, group_size: 4 };
+    let options = RunnerOptions { schedule, periods, group_size: 4, advantage: Default::default() };
     let runner = Runner::new(stages, Some(channel_transport(2)), options).unwrap();
-    let (reports, stages) = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.ok()?.unwrap();
-    let snapshot = stages.trainer.snapshot().await.unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.ok()?.unwrap();
+    let reports = end.reports;
+    let snapshot = end.trainer.snapshot().await.unwrap();
     let TensorData::F32(weights) = snapshot.tensors[0].data.clone() else { unreachable!() };
     let emitted = std::mem::take(&mut *emitted.lock().unwrap());
     Some(Outcome { reports, weights, log, emitted })
@@ -146,12 +147,13 @@ async fn rejected_prompts_and_groups_that_do_not_pack_are_counted_and_the_period
             packer: failing_packer([8].into()),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 3, group_size: 4 };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 4, advantage: Default::default() };
         let run = Runner::new(stages, Some(channel_transport(2)), options).unwrap().run();
-        let (reports, _) = tokio::time::timeout(Duration::from_secs(60), run)
+        let reports = tokio::time::timeout(Duration::from_secs(60), run)
             .await
             .unwrap_or_else(|_| panic!("{schedule} hung"))
-            .unwrap();
+            .unwrap()
+            .reports;
         let counts: Vec<(usize, usize)> = reports.iter().map(|r| (r.groups, r.rejected)).collect();
         assert_eq!(counts, [(5, 1), (5, 1), (6, 0)], "{schedule}: (trained, rejected) per period");
         let keys: Vec<Vec<u64>> = log
@@ -181,7 +183,7 @@ async fn a_trainer_whose_version_stands_still_is_an_error_not_a_hang() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 4, group_size: 2 };
+        let options = RunnerOptions { schedule, periods: 4, group_size: 2, advantage: Default::default() };
         let run = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run();
         let err = tokio::time::timeout(Duration::from_secs(60), run)
             .await
@@ -214,7 +216,7 @@ async fn every_schedule_shows_its_hook_the_weights_the_step_produced() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 3, group_size: 2 };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 2, advantage: Default::default() };
         let hooked = Arc::new(Mutex::new(Vec::new()));
         let record = hooked.clone();
         let runner =
@@ -223,8 +225,8 @@ async fn every_schedule_shows_its_hook_the_weights_the_step_produced() {
                 record.lock().unwrap().push(end.weights.clone());
                 Ok(())
             });
-        let (_, stages) = runner.run().await.unwrap();
-        let last = stages.trainer.snapshot().await.unwrap();
+        let end = runner.run().await.unwrap();
+        let last = end.trainer.snapshot().await.unwrap();
         let hooked = std::mem::take(&mut *hooked.lock().unwrap());
         assert_eq!(*hooked.last().unwrap().as_ref(), last, "{schedule}: the last hook saw other weights");
         seen.push(hooked);
@@ -259,8 +261,14 @@ async fn groups_older_than_the_bound_are_never_trained() {
         packer: mock_packer(),
         trainer: Box::new(trainer),
     };
-    let options = RunnerOptions { schedule: Schedule::Stale(1), periods: 4, group_size: 2 };
-    let (reports, _) = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run().await.unwrap();
+    let options = RunnerOptions {
+        schedule: Schedule::Stale(1),
+        periods: 4,
+        group_size: 2,
+        advantage: Default::default(),
+    };
+    let reports =
+        Runner::new(stages, Some(channel_transport(4)), options).unwrap().run().await.unwrap().reports;
     // Periods 0 and 1 are within the bound (staleness 0 and 1); 2 and 3 are not.
     let dropped: Vec<usize> = reports.iter().map(|r| r.dropped_stale).collect();
     assert_eq!(dropped, vec![0, 0, 3, 3]);
@@ -280,10 +288,18 @@ async fn bad_options_fail_before_any_work_naming_the_key() {
         packer: mock_packer(),
         trainer: Box::new(trainer),
     };
-    let err =
-        Runner::new(stages, None, RunnerOptions { schedule: Schedule::Periodic, periods: 1, group_size: 2 })
-            .unwrap_err()
-            .to_string();
+    let err = Runner::new(
+        stages,
+        None,
+        RunnerOptions {
+            schedule: Schedule::Periodic,
+            periods: 1,
+            group_size: 2,
+            advantage: Default::default(),
+        },
+    )
+    .unwrap_err()
+    .to_string();
     assert_eq!(err, "invalid configuration `schedule`: `periodic` overlaps stages and needs a transport");
     assert_eq!(accumulations.load(Ordering::SeqCst), 0);
 }
@@ -302,9 +318,9 @@ async fn a_source_that_runs_out_ends_the_run_early() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 10, group_size: 2 };
-        let (reports, _) =
-            Runner::new(stages, Some(channel_transport(2)), options).unwrap().run().await.unwrap();
+        let options = RunnerOptions { schedule, periods: 10, group_size: 2, advantage: Default::default() };
+        let reports =
+            Runner::new(stages, Some(channel_transport(2)), options).unwrap().run().await.unwrap().reports;
         let groups: Vec<usize> = reports.iter().map(|r| r.groups).collect();
         assert_eq!(groups, vec![2, 2, 1], "{schedule}");
     }
@@ -344,7 +360,7 @@ async fn a_period_holding_a_prompt_twice_is_an_error_not_a_hang() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 2, group_size: 2 };
+        let options = RunnerOptions { schedule, periods: 2, group_size: 2, advantage: Default::default() };
         let run = Runner::new(stages, Some(channel_transport(2)), options).unwrap().run();
         let err = tokio::time::timeout(Duration::from_secs(60), run)
             .await

@@ -1,0 +1,399 @@
+//! How a period's prompts reach generation: the one part of a schedule that differs
+//! between `sync`, the overlapped schedules and a run of many processes.
+//!
+//! The [`Runner`](crate::Runner) drives every period the same way on the trainer's
+//! side. It asks a [`Release`] to release each period's prompts (after it has started
+//! publishing the period's weights) and, while it waits for the period's groups, to
+//! report a failure of the generating side. Three releases exist:
+//!
+//! - [`SyncRelease`] (`sync`): installs the weights, generates and scores the whole
+//!   period when it is released, and hands the groups over in release order, so that
+//!   nothing overlaps and the baseline is reproducible;
+//! - [`ProducerRelease`] (`periodic`, `stale:s`): a producer task releases period `k`'s
+//!   prompts, waits until weights of version `k − s` are published, installs the newest,
+//!   generates, and scores and sends each group as it completes, so that generation
+//!   overlaps training (with `s = 0` that is periodic asynchrony exactly; with `s > 0`
+//!   the same wait is the production/consumption controller that bounds staleness);
+//! - the multi-process trainer's claims (`crate::cluster`), offered to rollout workers
+//!   in other processes.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use metronome_core::{
+    Cursor, Group, GroupKey, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion, PromptId,
+    PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, WeightSnapshot, WeightSubscriber,
+};
+use metronome_rollout::CollectSink;
+use tokio::sync::mpsc;
+
+use crate::error::{Error, Result};
+use crate::report::{Clock, Interval, StageKind};
+
+/// Releases each period's prompts for generation; see the [module docs](self).
+#[async_trait]
+pub trait Release: Send {
+    /// Takes the prompt source for `periods` (a resumed run starts after 0; the
+    /// source is already restored to the first of them).
+    async fn start(&mut self, source: Box<dyn PromptSource>, periods: Range<u64>, clock: Clock)
+    -> Result<()>;
+
+    /// Releases `period`'s prompts, to be sampled with `weights` (whose publication
+    /// the runner has started). `Ok(None)` once the prompt source is exhausted.
+    async fn release(&mut self, period: PeriodId, weights: &Arc<WeightSnapshot>) -> Result<Option<Released>>;
+
+    /// Resolves only when generation failed, with its error: the runner waits on it
+    /// beside the group stream, so that a failure ends the run instead of a wait for
+    /// groups that never come. Cancel-safe. By default it never resolves (generation
+    /// runs in other processes, whose failures are theirs).
+    async fn failure(&mut self) -> Error {
+        std::future::pending().await
+    }
+
+    /// The generating side's busy intervals of `period`, once it has finished
+    /// generating it (this waits for that). None when other processes generate.
+    async fn generated(&mut self, period: PeriodId) -> Result<Vec<Interval>> {
+        let _ = period;
+        Ok(Vec::new())
+    }
+
+    /// `period` is over: stepped, recorded, checkpointed when due, and its groups
+    /// acknowledged.
+    async fn close(&mut self, period: PeriodId) -> Result<()> {
+        let _ = period;
+        Ok(())
+    }
+
+    /// The run is over (or failed): stop generating and hand the prompt source back.
+    async fn finish(&mut self) -> Result<Box<dyn PromptSource>>;
+}
+
+/// What a period's release tells the runner.
+#[derive(Debug, Default)]
+pub struct Released {
+    /// The period's prompts: the runner waits until each has its group.
+    pub prompts: Vec<PromptId>,
+    /// Where the prompt source stands after this release: a checkpoint taken when the
+    /// period ends resumes a run with the next period.
+    pub resume: Cursor,
+    /// Groups handed over with the release itself (`sync`), trained in this order
+    /// before anything from the group stream.
+    pub groups: Vec<ScoredGroup>,
+}
+
+/// The next period's prompts, checked to be the period the run is at and to be
+/// distinct: a period's groups are identified by (period, prompt id), so a repeated
+/// prompt's second group would be dropped as a redelivery and the period would never
+/// complete.
+pub(crate) async fn next_batch(
+    source: &mut dyn PromptSource,
+    period: PeriodId,
+) -> Result<Option<metronome_core::PromptBatch>> {
+    let Some(batch) = source.next_batch().await? else { return Ok(None) };
+    if batch.period != period {
+        return Err(Error::Stage(metronome_core::Error::invalid(
+            "prompt source",
+            format!("released period {} where the run is at period {period}", batch.period),
+        )));
+    }
+    let mut seen = std::collections::HashSet::with_capacity(batch.prompts.len());
+    if let Some(p) = batch.prompts.iter().find(|p| !seen.insert(p.id)) {
+        return Err(Error::RepeatedPrompt { period: batch.period, prompt: p.id });
+    }
+    Ok(Some(batch))
+}
+
+fn not_started() -> Error {
+    Error::Stage(metronome_core::Error::invalid("release", "was used before `start` or after `finish`"))
+}
+
+/// `sync`: the whole period is generated and scored when it is released.
+pub(crate) struct SyncRelease {
+    engine: Arc<dyn RolloutEngine>,
+    scorer: Arc<dyn GroupScorer>,
+    group_size: u32,
+    source: Option<Box<dyn PromptSource>>,
+    clock: Clock,
+    intervals: BTreeMap<PeriodId, Vec<Interval>>,
+}
+
+impl SyncRelease {
+    pub(crate) fn new(engine: Arc<dyn RolloutEngine>, scorer: Arc<dyn GroupScorer>, group_size: u32) -> Self {
+        Self { engine, scorer, group_size, source: None, clock: Clock::start(), intervals: BTreeMap::new() }
+    }
+}
+
+#[async_trait]
+impl Release for SyncRelease {
+    async fn start(&mut self, source: Box<dyn PromptSource>, _: Range<u64>, clock: Clock) -> Result<()> {
+        self.source = Some(source);
+        self.clock = clock;
+        Ok(())
+    }
+
+    async fn release(&mut self, period: PeriodId, weights: &Arc<WeightSnapshot>) -> Result<Option<Released>> {
+        let source = self.source.as_mut().ok_or_else(not_started)?;
+        let Some(batch) = next_batch(source.as_mut(), period).await? else { return Ok(None) };
+        let resume = source.cursor();
+        let mut intervals = Vec::with_capacity(3);
+
+        let t = Instant::now();
+        self.engine.install_weights(weights.clone()).await?;
+        intervals.push(self.clock.interval(StageKind::Publication, period, t));
+
+        let order: BTreeMap<GroupKey, usize> =
+            batch.prompts.iter().enumerate().map(|(i, p)| (GroupKey { period, prompt: p.id }, i)).collect();
+        let prompts = batch.prompts.iter().map(|p| p.id).collect();
+        let request = RolloutRequest { period, prompts: batch.prompts, group_size: self.group_size };
+        let t = Instant::now();
+        let sink = CollectSink::default();
+        self.engine.generate(request, &sink).await.map_err(|source| Error::Generation { period, source })?;
+        intervals.push(self.clock.interval(StageKind::Generation, period, t));
+
+        let t = Instant::now();
+        let mut groups = Vec::with_capacity(order.len());
+        for group in sink.into_groups() {
+            groups.push(self.scorer.score(group).await?);
+        }
+        intervals.push(self.clock.interval(StageKind::Scoring, period, t));
+        // Train in release order: a fixed order makes the baseline reproducible.
+        groups.sort_by_key(|g| order.get(&g.key()).copied().unwrap_or(usize::MAX));
+        self.intervals.insert(period, intervals);
+        Ok(Some(Released { prompts, resume, groups }))
+    }
+
+    async fn generated(&mut self, period: PeriodId) -> Result<Vec<Interval>> {
+        Ok(self.intervals.remove(&period).unwrap_or_default())
+    }
+
+    async fn finish(&mut self) -> Result<Box<dyn PromptSource>> {
+        self.source.take().ok_or_else(not_started)
+    }
+}
+
+/// How long the producer waits for weights before it logs that it is waiting.
+const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// What the producer task tells its [`ProducerRelease`].
+enum Event {
+    Released(PeriodId, Released),
+    Generated(Interval),
+    Finished,
+    Failed(Error),
+}
+
+/// `periodic` and `stale:s`: a producer task generates while the runner trains.
+pub(crate) struct ProducerRelease {
+    engine: Arc<dyn RolloutEngine>,
+    scorer: Arc<dyn GroupScorer>,
+    sender: Arc<dyn GroupSender>,
+    subscriber: Option<Box<dyn WeightSubscriber>>,
+    lag: u64,
+    group_size: u32,
+    task: Option<tokio::task::JoinHandle<Box<dyn PromptSource>>>,
+    events: Option<mpsc::UnboundedReceiver<Event>>,
+    released: BTreeMap<PeriodId, Released>,
+    generated: BTreeMap<PeriodId, Interval>,
+    /// The producer has stopped (finished its periods, ran out of prompts, or failed).
+    done: bool,
+}
+
+impl ProducerRelease {
+    pub(crate) fn new(
+        engine: Arc<dyn RolloutEngine>,
+        scorer: Arc<dyn GroupScorer>,
+        sender: Arc<dyn GroupSender>,
+        subscriber: Box<dyn WeightSubscriber>,
+        lag: u64,
+        group_size: u32,
+    ) -> Self {
+        Self {
+            engine,
+            scorer,
+            sender,
+            subscriber: Some(subscriber),
+            lag,
+            group_size,
+            task: None,
+            events: None,
+            released: BTreeMap::new(),
+            generated: BTreeMap::new(),
+            done: false,
+        }
+    }
+
+    /// The next event folded into the books; `Err` when the producer failed.
+    async fn next_event(&mut self) -> Result<()> {
+        let Some(events) = self.events.as_mut() else {
+            self.done = true;
+            return Ok(());
+        };
+        match events.recv().await {
+            Some(Event::Released(period, released)) => {
+                self.released.insert(period, released);
+            }
+            Some(Event::Generated(interval)) => {
+                self.generated.insert(interval.period, interval);
+            }
+            Some(Event::Finished) | None => self.done = true,
+            Some(Event::Failed(e)) => {
+                self.done = true;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Release for ProducerRelease {
+    async fn start(
+        &mut self,
+        source: Box<dyn PromptSource>,
+        periods: Range<u64>,
+        clock: Clock,
+    ) -> Result<()> {
+        let subscriber = self.subscriber.take().ok_or_else(not_started)?;
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let producer = Producer {
+            source,
+            engine: self.engine.clone(),
+            scorer: self.scorer.clone(),
+            sender: self.sender.clone(),
+            subscriber,
+            lag: self.lag,
+            periods,
+            group_size: self.group_size,
+            events: events_tx,
+            clock,
+        };
+        self.task = Some(tokio::spawn(producer.run()));
+        self.events = Some(events);
+        Ok(())
+    }
+
+    async fn release(&mut self, period: PeriodId, _: &Arc<WeightSnapshot>) -> Result<Option<Released>> {
+        loop {
+            if let Some(released) = self.released.remove(&period) {
+                return Ok(Some(released));
+            }
+            if self.done {
+                return Ok(None);
+            }
+            self.next_event().await?;
+        }
+    }
+
+    async fn failure(&mut self) -> Error {
+        while !self.done {
+            if let Err(e) = self.next_event().await {
+                return e;
+            }
+        }
+        std::future::pending().await
+    }
+
+    async fn generated(&mut self, period: PeriodId) -> Result<Vec<Interval>> {
+        while !self.generated.contains_key(&period) && !self.done {
+            self.next_event().await?;
+        }
+        Ok(self.generated.remove(&period).into_iter().collect())
+    }
+
+    async fn finish(&mut self) -> Result<Box<dyn PromptSource>> {
+        // A producer that ran ahead (stale schedules) stops at its next send, which
+        // fails once the runner has dropped the group stream; its error no longer
+        // matters.
+        self.events = None;
+        let task = self.task.take().ok_or_else(not_started)?;
+        task.await.map_err(|_| Error::TaskLost("producer"))
+    }
+}
+
+struct Producer {
+    source: Box<dyn PromptSource>,
+    engine: Arc<dyn RolloutEngine>,
+    scorer: Arc<dyn GroupScorer>,
+    sender: Arc<dyn GroupSender>,
+    subscriber: Box<dyn WeightSubscriber>,
+    lag: u64,
+    periods: Range<u64>,
+    group_size: u32,
+    events: mpsc::UnboundedSender<Event>,
+    clock: Clock,
+}
+
+impl Producer {
+    /// Generates every period, reporting through the events (a failure included:
+    /// the runner decides whether it matters), and hands the prompt source back.
+    async fn run(mut self) -> Box<dyn PromptSource> {
+        let outcome = self.periods_loop().await;
+        // The runner may be gone already (it stops after its last period).
+        let _ = self.events.send(match outcome {
+            Ok(()) => Event::Finished,
+            Err(e) => Event::Failed(e),
+        });
+        self.source
+    }
+
+    async fn periods_loop(&mut self) -> Result<()> {
+        let mut installed: Option<PolicyVersion> = None;
+        for k in self.periods.clone() {
+            let period = PeriodId(k);
+            let Some(batch) = next_batch(self.source.as_mut(), period).await? else { return Ok(()) };
+            let released = Released {
+                prompts: batch.prompts.iter().map(|p| p.id).collect(),
+                resume: self.source.cursor(),
+                groups: Vec::new(),
+            };
+            let _ = self.events.send(Event::Released(period, released));
+            // The controller: never generate more than `lag` versions ahead of training.
+            let min = PolicyVersion(k.saturating_sub(self.lag));
+            let wait = self.subscriber.wait_for(min);
+            tokio::pin!(wait);
+            // A long wait is the trainer's (a slow step, or one that hangs): say so
+            // instead of waiting in silence.
+            let weights = loop {
+                tokio::select! {
+                    weights = &mut wait => break weights?,
+                    () = tokio::time::sleep(WAIT_NOTICE) => tracing::warn!(
+                        period = k,
+                        "generation waits for weights of version {min} after {}s; is the trainer stepping?",
+                        WAIT_NOTICE.as_secs()
+                    ),
+                }
+            };
+            if installed != Some(weights.version) {
+                self.engine.install_weights(weights.clone()).await?;
+                installed = Some(weights.version);
+            }
+            let request = RolloutRequest { period, prompts: batch.prompts, group_size: self.group_size };
+            let sink = ScoreAndSend { scorer: self.scorer.clone(), sender: self.sender.clone() };
+            let start = Instant::now();
+            self.engine
+                .generate(request, &sink)
+                .await
+                .map_err(|source| Error::Generation { period, source })?;
+            let _ =
+                self.events.send(Event::Generated(self.clock.interval(StageKind::Generation, period, start)));
+        }
+        Ok(())
+    }
+}
+
+/// The generating side's sink: score each group as it completes and send it on.
+pub(crate) struct ScoreAndSend {
+    pub(crate) scorer: Arc<dyn GroupScorer>,
+    pub(crate) sender: Arc<dyn GroupSender>,
+}
+
+#[async_trait]
+impl GroupSink for ScoreAndSend {
+    async fn emit(&self, group: Group) -> metronome_core::Result<()> {
+        let scored = self.scorer.score(group).await?;
+        self.sender.send(scored).await
+    }
+}

@@ -1,0 +1,217 @@
+//! The period driver's own contracts, the same for every schedule: resuming from a
+//! checkpoint, acknowledging only what a checkpoint contains, and dealing with groups
+//! that are not what the period expects without stalling it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use metronome_core::{
+    AccumulateReport, Group, GroupKey, GroupScorer, PeriodId, PolicyVersion, PromptId, ScoredGroup,
+    StepReport, TensorData, TrainBatch, Trainer, WeightSnapshot,
+};
+use metronome_pipeline::{Checkpointing, RunEnd, Runner, RunnerOptions, Schedule, Stages};
+
+use crate::mocks::*;
+
+const SCHEDULES: [Schedule; 3] = [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)];
+
+fn options(schedule: Schedule, periods: u64) -> RunnerOptions {
+    RunnerOptions { schedule, periods, group_size: 4, advantage: Default::default() }
+}
+
+fn stages(engine: MockEngine, trainer: MockTrainer, scorer: Arc<dyn GroupScorer>) -> Stages {
+    Stages {
+        source: Box::new(MockSource { next: 0, n: 1000, batch: 6, period: 0 }),
+        engine: Arc::new(engine),
+        scorer,
+        packer: mock_packer(),
+        trainer: Box::new(trainer),
+    }
+}
+
+/// Runs `runner`, failing the test after a minute (a hang).
+async fn finish(runner: Runner, what: &str) -> RunEnd {
+    tokio::time::timeout(Duration::from_secs(60), runner.run())
+        .await
+        .unwrap_or_else(|_| panic!("{what} hung"))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+async fn weights(trainer: &dyn Trainer) -> Vec<f32> {
+    let TensorData::F32(w) = trainer.snapshot().await.unwrap().tensors[0].data.clone() else {
+        unreachable!()
+    };
+    w
+}
+
+fn checkpointing(dir: &std::path::Path, every: u64) -> Checkpointing {
+    Checkpointing { dir: dir.to_owned(), every, interval: Duration::ZERO }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_continued_from_its_checkpoint_ends_with_the_weights_of_an_uninterrupted_one() {
+    for schedule in SCHEDULES {
+        let run = |periods: u64, dir: std::path::PathBuf| async move {
+            let engine = MockEngine::new(Duration::from_millis(1));
+            let trainer = MockTrainer::new(engine.generating.clone());
+            let stages = stages(engine, trainer, Arc::new(MockScorer));
+            let runner = Runner::new(stages, Some(channel_transport(4)), options(schedule, periods))
+                .unwrap()
+                .checkpoint(checkpointing(&dir, 2));
+            finish(runner, &format!("{schedule}")).await
+        };
+        let whole = tempfile::tempdir().unwrap();
+        let uninterrupted = run(5, whole.path().to_owned()).await;
+        assert_eq!(uninterrupted.resumed_at, None);
+
+        let parts = tempfile::tempdir().unwrap();
+        // Three periods: checkpoints after period 2 (every 2) and 3 (the last).
+        let first = run(3, parts.path().to_owned()).await;
+        assert_eq!(first.reports.len(), 3);
+        let rest = run(5, parts.path().to_owned()).await;
+        assert_eq!(rest.resumed_at, Some(3), "{schedule}");
+        let periods: Vec<u64> = rest.reports.iter().map(|r| r.period.0).collect();
+        assert_eq!(periods, [3, 4], "{schedule}: the resumed run starts where the first stopped");
+        assert_eq!(rest.trainer.version(), PolicyVersion(5));
+        let (a, b) = (weights(uninterrupted.trainer.as_ref()).await, weights(rest.trainer.as_ref()).await);
+        if schedule.is_on_policy() {
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() <= 1e-6, "{schedule}: {a:?} vs {b:?}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_are_acknowledged_only_once_a_checkpoint_contains_them() {
+    for schedule in [Schedule::Periodic, Schedule::Stale(1)] {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let events = trainer.events.clone();
+        let dir = tempfile::tempdir().unwrap();
+        let transport = recording_transport(4, Some(events.clone()));
+        let runner =
+            Runner::new(stages(engine, trainer, Arc::new(MockScorer)), Some(transport), options(schedule, 5))
+                .unwrap()
+                .checkpoint(checkpointing(dir.path(), 2));
+        finish(runner, &format!("{schedule}")).await;
+        let events = events.lock().unwrap().clone();
+        let checkpoints: Vec<u64> = events
+            .iter()
+            .filter_map(|e| if let Event::Checkpoint(v) = e { Some(*v) } else { None })
+            .collect();
+        assert_eq!(checkpoints, [2, 4, 5], "{schedule}: every 2 periods and after the last");
+        let mut acked = 0;
+        for (i, event) in events.iter().enumerate() {
+            let Event::Ack(key) = event else { continue };
+            acked += 1;
+            let covered = events[..i].iter().any(|e| matches!(e, Event::Checkpoint(v) if *v > key.period.0));
+            assert!(covered, "{schedule}: {key} acknowledged before a checkpoint contained it: {events:?}");
+        }
+        assert_eq!(acked, 5 * 6, "{schedule}: every group acknowledged once");
+    }
+}
+
+/// A scorer whose reward for one prompt is not a number.
+struct NanReward(u64);
+
+#[async_trait]
+impl GroupScorer for NanReward {
+    async fn score(&self, group: Group) -> metronome_core::Result<ScoredGroup> {
+        let poisoned = group.prompt.id.0 == self.0;
+        let mut scored = MockScorer.score(group).await?;
+        if poisoned {
+            scored.rewards[0].total = f32::NAN;
+        }
+        Ok(scored)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strangers_duplicates_and_unusable_rewards_are_dealt_with_and_every_period_completes() {
+    // In period 0 (prompts 0..6): a copy of prompt 1's group arrives under prompt
+    // 999 (no prompt of the period: rejected, and the period still waits for its own
+    // groups), prompt 2's group arrives twice (trained once), and prompt 3's rewards
+    // are not numbers (rejected: the advantages cannot be computed). Before, the
+    // multi-process trainer waited forever for a group it had rejected.
+    let mut outcomes = Vec::new();
+    for schedule in SCHEDULES {
+        let mut engine = MockEngine::new(Duration::from_millis(1));
+        engine.stranger = Some((1, 999));
+        engine.twice = [2].into();
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let log = trainer.log.clone();
+        let events = trainer.events.clone();
+        let transport = recording_transport(4, Some(events.clone()));
+        let runner = Runner::new(
+            stages(engine, trainer, Arc::new(NanReward(3))),
+            Some(transport),
+            options(schedule, 2),
+        )
+        .unwrap();
+        let end = finish(runner, &format!("{schedule}")).await;
+        let counts: Vec<(usize, usize)> = end.reports.iter().map(|r| (r.groups, r.rejected)).collect();
+        assert_eq!(counts, [(5, 2), (6, 0)], "{schedule}: (trained, rejected)");
+        // The second copy is counted when it arrives, which may be after its period.
+        let duplicates: usize = end.reports.iter().map(|r| r.duplicates).sum();
+        assert_eq!(duplicates, 1, "{schedule}");
+        let trained: Vec<u64> = log.lock().unwrap().steps[0].iter().map(|(k, _)| k.prompt.0).collect();
+        let mut trained = trained;
+        trained.sort_unstable();
+        assert_eq!(trained, [0, 1, 2, 4, 5], "{schedule}");
+        if schedule != Schedule::Sync {
+            // Through a transport the rejections say why (sync's groups never left
+            // the process).
+            let rejected: Vec<(GroupKey, String)> = events
+                .lock()
+                .unwrap()
+                .iter()
+                .filter_map(|e| if let Event::Reject(k, r) = e { Some((*k, r.clone())) } else { None })
+                .collect();
+            let key = |p| GroupKey { period: PeriodId(0), prompt: PromptId(p) };
+            assert_eq!(rejected.len(), 2, "{schedule}: {rejected:?}");
+            assert!(
+                rejected.iter().any(|(k, r)| *k == key(999) && r.contains("not one of period 0's prompts"))
+            );
+            assert!(rejected.iter().any(|(k, r)| *k == key(3) && r.contains("rewards are unusable")));
+        }
+        outcomes.push(weights(end.trainer.as_ref()).await);
+    }
+    for (x, y) in outcomes[0].iter().zip(&outcomes[1]) {
+        assert!((x - y).abs() <= 1e-6, "sync and periodic differ: {outcomes:?}");
+    }
+}
+
+/// A trainer that cannot checkpoint (the contract's default methods).
+struct NoCheckpoints(MockTrainer);
+
+#[async_trait]
+impl Trainer for NoCheckpoints {
+    fn version(&self) -> PolicyVersion {
+        self.0.version()
+    }
+    async fn accumulate(&mut self, batch: TrainBatch) -> metronome_core::Result<AccumulateReport> {
+        self.0.accumulate(batch).await
+    }
+    async fn step(&mut self) -> metronome_core::Result<StepReport> {
+        self.0.step().await
+    }
+    async fn snapshot(&self) -> metronome_core::Result<WeightSnapshot> {
+        self.0.snapshot().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoints_asked_of_a_trainer_that_cannot_write_them_are_an_error_naming_it() {
+    let engine = MockEngine::new(Duration::from_millis(1));
+    let trainer = NoCheckpoints(MockTrainer::new(engine.generating.clone()));
+    let mut stages = stages(engine, MockTrainer::new(Default::default()), Arc::new(MockScorer));
+    stages.trainer = Box::new(trainer);
+    let dir = tempfile::tempdir().unwrap();
+    let runner = Runner::new(stages, Some(channel_transport(4)), options(Schedule::Periodic, 2))
+        .unwrap()
+        .checkpoint(checkpointing(dir.path(), 1));
+    let err = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.expect("hung").unwrap_err();
+    assert!(err.to_string().contains("this trainer does not checkpoint"), "{err}");
+}
