@@ -120,7 +120,9 @@ impl Evaluator {
         engine_cfg.workers = 1;
         let device = config.rollout_device().open().map_err(err("model"))?;
         let inference = model.frozen_copy_on(&device).map_err(err("model"))?;
-        let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+        let engine = engine_cfg
+            .build(inference, PolicyVersion(0), tokenizer, RunSeed(config.run.seed))
+            .map_err(err("rollout"))?;
         Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
 
@@ -506,11 +508,7 @@ pub fn local_transport(config: &PipelineConfig) -> Transport {
 
 /// The run's group scorer, computing advantages with the trainer's estimator.
 pub(crate) fn group_scorer(config: &PipelineConfig) -> Result<Box<dyn GroupScorer>> {
-    let mut reward = config.reward.clone();
-    if let RewardConfig::Local { pool, .. } = &mut reward {
-        pool.estimator = config.trainer.advantage;
-    }
-    reward.build().map_err(err("reward"))
+    config.reward.build(config.trainer.advantage).map_err(err("reward"))
 }
 
 /// The masking crate's packing with the run's settings.
@@ -542,9 +540,10 @@ fn stages_around(
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
     let device = config.rollout_device().open().map_err(err("model"))?;
     let inference = trainer.policy().frozen_copy_on(&device).map_err(err("model"))?;
-    let mut engine_cfg = config.rollout.clone();
-    engine_cfg.seed = config.run.seed;
-    let engine = engine_cfg.build(inference, trainer.version(), tokenizer).map_err(err("rollout"))?;
+    let engine = config
+        .rollout
+        .build(inference, trainer.version(), tokenizer, RunSeed(config.run.seed))
+        .map_err(err("rollout"))?;
     let scorer = group_scorer(config)?;
     let packer = packer(config.packing);
     let trainer = TrainerHandle(Arc::new(Mutex::new(trainer)));

@@ -26,10 +26,11 @@ pub async fn serve(
     let (model, tokenizer) = load_model(&config, config.rollout_device())?;
     let inference = model.frozen_copy().map_err(err("model"))?;
     drop(model);
-    let mut engine_cfg = config.rollout.clone();
-    engine_cfg.seed = config.run.seed;
-    let engine =
-        engine_cfg.build(inference, metronome_core::PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+    let seed = metronome_core::RunSeed(config.run.seed);
+    let engine = config
+        .rollout
+        .build(inference, metronome_core::PolicyVersion(0), tokenizer, seed)
+        .map_err(err("rollout"))?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| Error::Config { key: "addr".into(), reason: format!("cannot listen on {addr}: {e}") })?;

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use metronome_core::{GroupScorer, RewardFn};
+use metronome_core::{AdvantageEstimator, GroupScorer, RewardFn};
 
 use crate::composite::{Component, Composite};
 use crate::countdown::CountdownConfig;
@@ -130,11 +130,15 @@ pub enum RewardConfig {
 }
 
 impl RewardConfig {
-    /// Builds the group scorer (starting the pool's threads for a local one).
-    pub fn build(&self) -> Result<Box<dyn GroupScorer>> {
+    /// Builds the group scorer (starting the pool's threads for a local one),
+    /// computing advantages with `estimator`: an argument, not a key of this table,
+    /// because a run has one estimator and it is the trainer's.
+    pub fn build(&self, estimator: AdvantageEstimator) -> Result<Box<dyn GroupScorer>> {
         Ok(match self {
-            Self::Local { scorer, pool } => Box::new(PoolScorer::from_arc(scorer.build()?, pool.clone())?),
-            Self::Remote(c) => Box::new(c.build()?),
+            Self::Local { scorer, pool } => {
+                Box::new(PoolScorer::from_arc(scorer.build()?, pool.clone())?.with_estimator(estimator))
+            }
+            Self::Remote(c) => Box::new(c.build()?.with_estimator(estimator)),
         })
     }
 }

@@ -41,19 +41,11 @@ pub struct PoolConfig {
     pub failure_score: f32,
     /// How many stuck threads get a replacement before the pool starts shrinking.
     pub max_stuck_workers: usize,
-    /// How rewards become advantages.
-    pub estimator: AdvantageEstimator,
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
-        Self {
-            workers: 4,
-            time_limit_ms: 5_000,
-            failure_score: 0.0,
-            max_stuck_workers: 16,
-            estimator: AdvantageEstimator::default(),
-        }
+        Self { workers: 4, time_limit_ms: 5_000, failure_score: 0.0, max_stuck_workers: 16 }
     }
 }
 
@@ -383,11 +375,13 @@ fn watch(shared: &Arc<Shared>) {
 /// A [`GroupScorer`] that scores every completion of a group in parallel on a
 /// [`WorkerPool`], turns timeouts, panics and non-finite totals into the configured
 /// failure score (counted in `metronome_reward_failures_total{reason}`), and computes
-/// advantages with the configured estimator. Scores come back in completion order.
+/// advantages with its estimator ([`PoolScorer::with_estimator`]; GRPO's by default).
+/// Scores come back in completion order.
 pub struct PoolScorer {
     scorer: Arc<dyn RewardFn>,
     pool: WorkerPool,
     config: PoolConfig,
+    estimator: AdvantageEstimator,
 }
 
 impl std::fmt::Debug for PoolScorer {
@@ -413,7 +407,16 @@ impl PoolScorer {
             Duration::from_millis(config.time_limit_ms),
             config.max_stuck_workers,
         )?;
-        Ok(Self { scorer, pool, config })
+        Ok(Self { scorer, pool, config, estimator: AdvantageEstimator::default() })
+    }
+
+    /// Computes advantages with `estimator`. Not a key of [`PoolConfig`]: a run has
+    /// one estimator, and it is the trainer's (`trainer.advantage` in a pipeline
+    /// config).
+    #[must_use]
+    pub fn with_estimator(mut self, estimator: AdvantageEstimator) -> Self {
+        self.estimator = estimator;
+        self
     }
 
     /// The pool's counters.
@@ -441,7 +444,7 @@ impl PoolScorer {
         // A stuck job still holds its clone of the group; copy it out in that case.
         let group = Arc::try_unwrap(group).unwrap_or_else(|shared| (*shared).clone());
         metric::group_scored(rewards.len(), started.elapsed());
-        ScoredGroup::new(group, rewards, self.config.estimator)
+        ScoredGroup::new(group, rewards, self.estimator)
     }
 
     fn reward_of(&self, outcome: Outcome) -> Reward {

@@ -43,8 +43,6 @@ pub struct RemoteConfig {
     pub max_response_bytes: usize,
     /// Score of every completion of a group whose scoring failed.
     pub failure_score: f32,
-    /// How rewards become advantages.
-    pub estimator: AdvantageEstimator,
 }
 
 impl Default for RemoteConfig {
@@ -58,7 +56,6 @@ impl Default for RemoteConfig {
             max_concurrency: 8,
             max_response_bytes: 16 << 20,
             failure_score: 0.0,
-            estimator: AdvantageEstimator::default(),
         }
     }
 }
@@ -98,6 +95,7 @@ impl RemoteConfig {
             client,
             limit: Arc::new(Semaphore::new(self.max_concurrency)),
             config: self.clone(),
+            estimator: AdvantageEstimator::default(),
         })
     }
 }
@@ -146,6 +144,7 @@ pub struct RemoteScorer {
     client: reqwest::Client,
     limit: Arc<Semaphore>,
     config: RemoteConfig,
+    estimator: AdvantageEstimator,
 }
 
 enum Attempt {
@@ -155,6 +154,14 @@ enum Attempt {
 }
 
 impl RemoteScorer {
+    /// Computes advantages with `estimator` (GRPO's by default). Not a key of
+    /// [`RemoteConfig`]: a run has one estimator, and it is the trainer's.
+    #[must_use]
+    pub fn with_estimator(mut self, estimator: AdvantageEstimator) -> Self {
+        self.estimator = estimator;
+        self
+    }
+
     /// The delay before retry number `retry` (0-based) of the group `key`: exponential
     /// up to the cap, with deterministic "equal jitter" (half fixed, half spread by a
     /// hash of the group and the retry) so groups that failed together do not retry
@@ -281,6 +288,6 @@ impl GroupScorer for RemoteScorer {
             }
         };
         metric::group_scored(n, started.elapsed());
-        ScoredGroup::new(group, rewards, self.config.estimator)
+        ScoredGroup::new(group, rewards, self.estimator)
     }
 }

@@ -67,7 +67,7 @@ fn engine_with(slots: usize, batching: Batching, frozen: bool) -> ModelEngine {
         batching,
         ..EngineConfig::default()
     };
-    model_engine(model, PolicyVersion(0), Arc::new(CharTokenizer), config).unwrap()
+    model_engine(model, PolicyVersion(0), Arc::new(CharTokenizer), config, RunSeed(42)).unwrap()
 }
 
 /// Runs one submission and returns the tokens generated.

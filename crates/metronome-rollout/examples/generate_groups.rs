@@ -36,11 +36,10 @@ async fn main() -> anyhow::Result<()> {
     let config = EngineConfig {
         max_num_seqs: 8,
         max_seq_len: 64,
-        seed: 42,
         sampling: SamplingConfig { temperature: 1.0, max_new_tokens: 12, ..SamplingConfig::default() },
         ..EngineConfig::default()
     };
-    let engine = config.build(model, PolicyVersion(0), tokenizer.clone())?;
+    let engine = config.build(model, PolicyVersion(0), tokenizer.clone(), metronome_core::RunSeed(42))?;
 
     // Prompts arrive tokenised (the data loader does this in a run).
     let prompts: Vec<Prompt> = ["12+7=", "3*4="]

@@ -42,8 +42,6 @@ pub struct EngineConfig {
     pub max_seq_len: usize,
     /// Continuous (default), row-skipping static, or padded static batching.
     pub batching: Batching,
-    /// The run seed that [`metronome_core::sample_seed`] derives every response's seed from.
-    pub seed: u64,
     /// Sampling used by [`metronome_core::RolloutEngine::generate`].
     pub sampling: SamplingConfig,
     /// The device the engine decodes on; absent, the model's (`model.device` in a run
@@ -59,7 +57,6 @@ impl Default for EngineConfig {
             max_num_seqs: 16,
             max_seq_len: 1024,
             batching: Batching::Continuous,
-            seed: 0,
             sampling: SamplingConfig::default(),
             device: None,
         }
@@ -96,7 +93,6 @@ mod tests {
             threads_per_worker = 1
             max_num_seqs = 8
             batching = "static"
-            seed = 17
 
             [sampling]
             temperature = 0.7

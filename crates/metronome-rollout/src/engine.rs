@@ -190,6 +190,8 @@ pub struct Engine<M: InferenceModel> {
     loader: Option<Box<dyn WeightLoader<M>>>,
     config: EngineConfig,
     max_seq_len: usize,
+    /// The run seed of [`RolloutEngine::generate`]'s sampling.
+    seed: RunSeed,
 }
 
 impl<M: InferenceModel> std::fmt::Debug for Engine<M> {
@@ -226,7 +228,8 @@ impl<M: InferenceModel> Engine<M> {
             max_seq_len,
             batching: config.batching,
         });
-        let mut engine = Self { shared, workers: Vec::new(), loader: None, config, max_seq_len };
+        let mut engine =
+            Self { shared, workers: Vec::new(), loader: None, config, max_seq_len, seed: RunSeed(0) };
         for (index, cache) in caches.into_iter().enumerate() {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(engine.config.threads_per_worker)
@@ -250,6 +253,20 @@ impl<M: InferenceModel> Engine<M> {
     pub fn with_weight_loader(mut self, loader: impl WeightLoader<M>) -> Self {
         self.loader = Some(Box::new(loader));
         self
+    }
+
+    /// Sets the run seed [`RolloutEngine::generate`] samples from (0 by default;
+    /// [`Engine::submit`] takes its seed with each submission).
+    #[must_use]
+    pub fn with_seed(mut self, seed: RunSeed) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// The run seed [`RolloutEngine::generate`] samples from.
+    #[must_use]
+    pub fn seed(&self) -> RunSeed {
+        self.seed
     }
 
     /// The configuration the engine was built with.
@@ -455,7 +472,7 @@ impl<M: InferenceModel> RolloutEngine for Engine<M> {
             prompts,
             group_size: request.group_size,
             sampling: self.config.sampling.clone(),
-            seed: RunSeed(self.config.seed),
+            seed: self.seed,
         };
         self.submit(sub, sink).await
     }

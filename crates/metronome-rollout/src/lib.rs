@@ -87,27 +87,31 @@ pub use stop::StopConditions;
 /// The engine on Metronome's own candle model.
 pub type ModelEngine = Engine<metronome_model::Model>;
 
-/// Builds an engine on `model` (weights at `version`) whose
-/// [`install_weights`](metronome_core::RolloutEngine::install_weights) rebuilds the
-/// model from snapshots with the same architecture and device.
+/// Builds an engine on `model` (weights at `version`) sampling from the run seed
+/// `seed`, whose [`install_weights`](metronome_core::RolloutEngine::install_weights)
+/// rebuilds the model from snapshots with the same architecture and device.
 pub fn model_engine(
     model: metronome_model::Model,
     version: metronome_core::PolicyVersion,
     tokenizer: std::sync::Arc<dyn metronome_core::Tokenizer>,
     config: EngineConfig,
+    seed: metronome_core::RunSeed,
 ) -> Result<ModelEngine> {
     let loader = SnapshotLoader { config: model.config().clone(), device: model.device().clone() };
-    Ok(Engine::new(model, version, tokenizer, config)?.with_weight_loader(loader))
+    Ok(Engine::new(model, version, tokenizer, config)?.with_weight_loader(loader).with_seed(seed))
 }
 
 impl EngineConfig {
-    /// Builds an engine on `model` from this configuration (see [`model_engine`]).
+    /// Builds an engine on `model` from this configuration (see [`model_engine`]). The
+    /// run seed is an argument, not a key of this table: a run has one seed, and it
+    /// is the run's (`run.seed` in a pipeline config).
     pub fn build(
         &self,
         model: metronome_model::Model,
         version: metronome_core::PolicyVersion,
         tokenizer: std::sync::Arc<dyn metronome_core::Tokenizer>,
+        seed: metronome_core::RunSeed,
     ) -> Result<ModelEngine> {
-        model_engine(model, version, tokenizer, self.clone())
+        model_engine(model, version, tokenizer, self.clone(), seed)
     }
 }

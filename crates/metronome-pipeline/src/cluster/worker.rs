@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use metronome_core::{
     ControlMessage, ControlReceiver, Group, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion,
-    PromptId, RolloutEngine, RolloutRequest, WeightSnapshot, WeightSubscriber,
+    PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot, WeightSubscriber,
 };
 use metronome_transport::claims::{Claim, NatsClaimTaker};
 
@@ -57,9 +57,10 @@ pub async fn run_worker(
     let (model, tokenizer) = load_model(&config, config.rollout_device())?;
     let inference = model.frozen_copy().map_err(err("model"))?;
     drop(model);
-    let mut engine_cfg = config.rollout.clone();
-    engine_cfg.seed = config.run.seed;
-    let engine = engine_cfg.build(inference, PolicyVersion(0), tokenizer).map_err(err("rollout"))?;
+    let engine = config
+        .rollout
+        .build(inference, PolicyVersion(0), tokenizer, RunSeed(config.run.seed))
+        .map_err(err("rollout"))?;
 
     let mut control = transport.control_receiver().await.map_err(err("transport"))?;
     let listener_stop = stop.clone();

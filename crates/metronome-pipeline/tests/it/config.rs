@@ -46,6 +46,17 @@ fn unknown_keys_are_named() {
 }
 
 #[test]
+fn every_value_has_one_key() {
+    // The seed is the run's and the advantage estimator the trainer's; the stages
+    // that use them get them when they are built, so no second key can disagree.
+    for duplicate in ["rollout.seed=3", "reward.pool.estimator=\"group_mean\""] {
+        let e = err(&[duplicate]);
+        let key = duplicate.split('=').next().unwrap().rsplit('.').next().unwrap();
+        assert!(e.contains(key) && e.contains("unknown field"), "{duplicate}: {e}");
+    }
+}
+
+#[test]
 fn wrong_types_are_named() {
     let e = err(&["run.periods=\"ten\""]);
     assert_eq!(

@@ -215,3 +215,32 @@ async fn checkpoints_asked_of_a_trainer_that_cannot_write_them_are_an_error_nami
     let err = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.expect("hung").unwrap_err();
     assert!(err.to_string().contains("this trainer does not checkpoint"), "{err}");
 }
+
+/// [`MockScorer`] with its advantages computed by `estimator`.
+struct ScoredWith(metronome_core::AdvantageEstimator);
+
+#[async_trait]
+impl GroupScorer for ScoredWith {
+    async fn score(&self, group: Group) -> metronome_core::Result<ScoredGroup> {
+        let mut scored = MockScorer.score(group).await?;
+        scored.recompute(self.0)?;
+        Ok(scored)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trainer_side_computes_advantages_with_the_runs_estimator_whatever_the_scorer_sent() {
+    use metronome_core::AdvantageEstimator::{GroupNorm, LeaveOneOut};
+    let run = |scorer, run| async move {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let stages = stages(engine, trainer, Arc::new(ScoredWith(scorer)));
+        let options = RunnerOptions { advantage: run, ..options(Schedule::Periodic, 2) };
+        let end = finish(Runner::new(stages, Some(channel_transport(4)), options).unwrap(), "run").await;
+        weights(end.trainer.as_ref()).await
+    };
+    // A remote scorer (or a worker) that sent GRPO's advantages for a leave-one-out run.
+    let mismatched = run(GroupNorm, LeaveOneOut).await;
+    assert_eq!(mismatched, run(LeaveOneOut, LeaveOneOut).await);
+    assert_ne!(mismatched, run(GroupNorm, GroupNorm).await, "the estimators must differ for this test");
+}

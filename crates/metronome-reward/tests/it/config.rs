@@ -14,7 +14,7 @@ fn a_local_composite_from_toml_scores_a_group() {
     let text = r#"
         [reward]
         kind = "local"
-        pool = { workers = 2, time_limit_ms = 1000, failure_score = -1.0, estimator = "group_mean" }
+        pool = { workers = 2, time_limit_ms = 1000, failure_score = -1.0 }
 
         [reward.scorer]
         kind = "composite"
@@ -32,15 +32,9 @@ fn a_local_composite_from_toml_scores_a_group() {
     let RewardConfig::Local { pool, .. } = &file.reward else { panic!("not local") };
     assert_eq!(
         pool,
-        &PoolConfig {
-            workers: 2,
-            time_limit_ms: 1000,
-            failure_score: -1.0,
-            estimator: metronome_core::AdvantageEstimator::GroupMean,
-            ..PoolConfig::default()
-        }
+        &PoolConfig { workers: 2, time_limit_ms: 1000, failure_score: -1.0, ..PoolConfig::default() }
     );
-    let scorer = file.reward.build().unwrap();
+    let scorer = file.reward.build(metronome_core::AdvantageEstimator::GroupMean).unwrap();
     let g = group(prompt(Some("4"), &[]), &["<think>2+2</think><answer>4</answer>", "<answer>5</answer>"]);
     let scored = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -103,7 +97,7 @@ fn config_errors_name_the_field() {
     assert!(e.to_string().contains("length.cache_len"), "{e}");
     let e = toml::from_str::<RewardConfig>("kind = \"remote\"\nurl = \"localhost\"")
         .unwrap()
-        .build()
+        .build(Default::default())
         .err()
         .unwrap();
     assert!(e.to_string().contains("remote.url"), "{e}");

@@ -138,8 +138,8 @@ fn scores_come_back_in_completion_order_with_group_statistics() {
         std::thread::sleep(Duration::from_millis(u64::from(8 - c.sample_index) * 3));
         c.sample_index as f32
     };
-    let config = PoolConfig { workers: 4, estimator: AdvantageEstimator::GroupMean, ..PoolConfig::default() };
-    let pool = PoolScorer::new(slow_first, config).unwrap();
+    let config = PoolConfig { workers: 4, ..PoolConfig::default() };
+    let pool = PoolScorer::new(slow_first, config).unwrap().with_estimator(AdvantageEstimator::GroupMean);
     let texts = ["", "", "", "", "", "", "", ""];
     let g = runtime().block_on(pool.score(group(prompt(None, &[]), &texts))).unwrap();
     let totals: Vec<f32> = g.rewards.iter().map(|r| r.total).collect();

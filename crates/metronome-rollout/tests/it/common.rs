@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use metronome_core::{Group, PolicyVersion, Prompt, PromptId, Tokenizer};
+use metronome_core::{Group, PolicyVersion, Prompt, PromptId, RunSeed, Tokenizer};
 use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
 use metronome_rollout::{EngineConfig, ModelEngine, SamplingConfig, model_engine};
 
@@ -40,11 +40,10 @@ pub(crate) fn engine(workers: usize, slots: usize, sampling: SamplingConfig) -> 
         threads_per_worker: 1,
         max_num_seqs: slots,
         max_seq_len: 128,
-        seed: 42,
         sampling,
         ..EngineConfig::default()
     };
-    model_engine(tiny_model(7), PolicyVersion(0), tokenizer(), config).expect("engine")
+    model_engine(tiny_model(7), PolicyVersion(0), tokenizer(), config, RunSeed(42)).expect("engine")
 }
 
 /// Groups sorted by prompt id, for comparisons that ignore completion order.

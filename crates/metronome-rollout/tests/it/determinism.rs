@@ -17,7 +17,7 @@ async fn run(workers: usize, slots: usize, sampling: SamplingConfig) -> Vec<metr
         prompts: request().prompts,
         group_size: 4,
         sampling: e.config().sampling.clone(),
-        seed: metronome_core::RunSeed(e.config().seed),
+        seed: e.seed(),
     };
     e.generate_groups(sub).await.expect("generate")
 }
@@ -67,12 +67,18 @@ fn batching_engine(batching: Batching, slots: usize, max_seq_len: usize, s: &Sam
         workers: 1,
         max_num_seqs: slots,
         max_seq_len,
-        seed: 42,
         batching,
         sampling: s.clone(),
         ..EngineConfig::default()
     };
-    model_engine(tiny_model(7), metronome_core::PolicyVersion(0), tokenizer(), cfg).unwrap()
+    model_engine(
+        tiny_model(7),
+        metronome_core::PolicyVersion(0),
+        tokenizer(),
+        cfg,
+        metronome_core::RunSeed(42),
+    )
+    .unwrap()
 }
 
 /// Row-skipping and padded static batching give the tokens of continuous batching;
@@ -166,12 +172,18 @@ async fn frozen_copies_are_layout_independent_too() {
             batching,
             max_num_seqs: slots,
             max_seq_len: 128,
-            seed: 42,
             sampling: s.clone(),
             device: None,
         };
         let model = tiny_model(7).frozen_copy().expect("frozen copy");
-        let e = model_engine(model, metronome_core::PolicyVersion(0), tokenizer(), cfg).expect("engine");
+        let e = model_engine(
+            model,
+            metronome_core::PolicyVersion(0),
+            tokenizer(),
+            cfg,
+            metronome_core::RunSeed(42),
+        )
+        .expect("engine");
         let sub = metronome_rollout::Submission {
             period: PeriodId(3),
             prompts: prompts(16),

@@ -2,7 +2,7 @@
 //! CPU's tokens wherever the two devices' logits round alike. Skipped, with the reason
 //! printed, without the `cuda` feature or a GPU (`cargo xtask gpu` runs it on one).
 
-use metronome_core::{PeriodId, PolicyVersion};
+use metronome_core::{PeriodId, PolicyVersion, RunSeed};
 use metronome_model::{DeviceSpec, Model, ModelConfig};
 use metronome_rollout::{EngineConfig, SamplingConfig, model_engine};
 
@@ -17,11 +17,10 @@ async fn generate(
     let config = EngineConfig {
         max_num_seqs: slots,
         max_seq_len: 128,
-        seed: 42,
         sampling: s.clone(),
         ..EngineConfig::default()
     };
-    let e = model_engine(model, PolicyVersion(0), tokenizer(), config).unwrap();
+    let e = model_engine(model, PolicyVersion(0), tokenizer(), config, RunSeed(42)).unwrap();
     let sub = metronome_rollout::Submission {
         period: PeriodId(3),
         prompts: prompts(6),

@@ -41,7 +41,7 @@ async fn client_against_our_server_equals_the_engine() {
     let config = OpenAiClientConfig {
         base_url,
         model: "tiny".into(),
-        seed: engine.config().seed,
+        seed: engine.seed().0,
         sampling: s,
         max_concurrency: 2,
         ..OpenAiClientConfig::default()

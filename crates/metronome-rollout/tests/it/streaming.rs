@@ -99,7 +99,6 @@ async fn groups_stream_out_in_completion_order_before_the_batch_ends() {
         workers: 1,
         max_num_seqs: 4,
         max_seq_len: 128,
-        seed: 5,
         sampling: s,
         ..EngineConfig::default()
     };
