@@ -23,6 +23,8 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use metronome_pipeline::{PipelineConfig, Schedule};
 
+mod render;
+
 // Training allocates and frees many tensors per step; mimalloc avoids the page-fault
 // churn of the system allocator (DESIGN.md §6). Only the binary chooses an allocator.
 #[global_allocator]
@@ -59,6 +61,8 @@ enum Command {
         /// No progress bars (logs only).
         #[arg(long)]
         quiet: bool,
+        #[command(flatten)]
+        events: EventsArg,
     },
     /// The trainer of a multi-process run (needs `transport.kind = "nats"`): publishes
     /// weights, offers each period's prompts as claims, trains the groups workers send.
@@ -75,6 +79,8 @@ enum Command {
         /// No progress bars (logs only).
         #[arg(long)]
         quiet: bool,
+        #[command(flatten)]
+        events: EventsArg,
     },
     /// A rollout worker of a multi-process run: takes prompt claims, generates with the
     /// weights they name, publishes groups. Leaves on the trainer's shutdown, SIGTERM or
@@ -88,6 +94,8 @@ enum Command {
         /// Serve Prometheus metrics here; `off` disables.
         #[arg(long, default_value = "127.0.0.1:9465")]
         metrics_addr: String,
+        #[command(flatten)]
+        events: EventsArg,
     },
     /// Serve the config's model through its rollout engine with the OpenAI-compatible
     /// completions API (`/v1/completions`, `/v1/models`,
@@ -111,12 +119,34 @@ enum Command {
         /// Requests generating at once; more get 429.
         #[arg(long, default_value_t = 16)]
         max_concurrent_requests: usize,
+        #[command(flatten)]
+        events: EventsArg,
     },
     /// Print the resolved configuration after overrides and validation.
     Config {
         #[command(flatten)]
         config: ConfigArgs,
     },
+}
+
+#[derive(Debug, Args)]
+struct EventsArg {
+    /// Write every event of the run (periods, evaluations, resumption, workers' weights)
+    /// as a JSON line to FILE; `-` is standard output.
+    #[arg(long = "events", value_name = "FILE")]
+    path: Option<PathBuf>,
+}
+
+impl EventsArg {
+    fn observer(&self, progress: bool) -> Result<metronome_pipeline::Observer> {
+        Ok(render::Render::new(progress, self.path.as_deref())?.observer())
+    }
+}
+
+/// Prints a finished run's summary table and where it is.
+fn print_summary(outcome: &metronome_pipeline::RunOutcome) {
+    eprintln!("\n{}", metronome_pipeline::summary_table(&outcome.periods));
+    eprintln!("run directory: {}", outcome.dir.path().display());
 }
 
 #[derive(Debug, Args)]
@@ -311,7 +341,15 @@ fn real_main() -> Result<()> {
             print!("{}", config.load()?.to_toml()?);
             Ok(())
         }
-        Command::Serve { config, addr, model_name, api_key_file, weights_dir, max_concurrent_requests } => {
+        Command::Serve {
+            config,
+            addr,
+            model_name,
+            api_key_file,
+            weights_dir,
+            max_concurrent_requests,
+            events,
+        } => {
             let config = config.load()?;
             let api_key = match (&api_key_file, std::env::var("METRONOME_API_KEY")) {
                 (Some(path), _) => Some(
@@ -330,22 +368,25 @@ fn real_main() -> Result<()> {
                 max_concurrent_requests,
                 ..metronome_pipeline::ServerConfig::default()
             };
+            let observer = events.observer(false)?;
             run_role(|| async {
-                metronome_pipeline::serve(config, server, addr, stop_signal()).await?;
+                metronome_pipeline::serve(config, server, addr, stop_signal(), observer).await?;
                 anyhow::Ok(())
             })
         }
-        Command::Trainer { config, allow_config_change, metrics_addr, quiet } => {
+        Command::Trainer { config, allow_config_change, metrics_addr, quiet, events } => {
             let config = config.load()?;
+            let options =
+                metronome_pipeline::RunOptions { observer: events.observer(!quiet)?, allow_config_change };
             run_role(|| async {
                 serve_metrics(&metrics_addr, "trainer", None)?;
-                let options = metronome_pipeline::RunOptions { progress: !quiet, allow_config_change };
-                metronome_pipeline::cluster::run_trainer(config, options).await?;
+                print_summary(&metronome_pipeline::cluster::run_trainer(config, options).await?);
                 anyhow::Ok(())
             })
         }
-        Command::RolloutWorker { config, worker_id, metrics_addr } => {
+        Command::RolloutWorker { config, worker_id, metrics_addr, events } => {
             let config = config.load()?;
+            let observer = events.observer(false)?;
             run_role(|| async {
                 serve_metrics(&metrics_addr, "rollout-worker", Some(&worker_id))?;
                 let stop = metronome_pipeline::cluster::StopFlag::default();
@@ -355,11 +396,11 @@ fn real_main() -> Result<()> {
                     eprintln!("leaving after the claims in hand");
                     on_signal.stop();
                 });
-                metronome_pipeline::cluster::run_worker(config, &worker_id, stop).await?;
+                metronome_pipeline::cluster::run_worker(config, &worker_id, stop, observer).await?;
                 anyhow::Ok(())
             })
         }
-        Command::Run { mut config, resume, allow_config_change, metrics_addr, quiet } => {
+        Command::Run { mut config, resume, allow_config_change, metrics_addr, quiet, events } => {
             if let Some(dir) = &resume {
                 config.resume_from(dir)?;
             }
@@ -380,8 +421,12 @@ fn real_main() -> Result<()> {
                     metronome_pipeline::describe_metrics();
                     eprintln!("metrics: http://{addr}/metrics");
                 }
-                let options = metronome_pipeline::RunOptions { progress: !quiet, allow_config_change };
+                let options = metronome_pipeline::RunOptions {
+                    observer: events.observer(!quiet)?,
+                    allow_config_change,
+                };
                 let outcome = metronome_pipeline::run(config, options).await?;
+                print_summary(&outcome);
                 if let (Some(first), Some(last)) = (outcome.evals.first(), outcome.evals.last()) {
                     eprintln!(
                         "held-out accuracy: {:.1}% after warm start, {:.1}% after {} periods",

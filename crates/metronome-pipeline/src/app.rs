@@ -22,11 +22,11 @@ use serde::{Deserialize, Serialize};
 use crate::checkpoint::Checkpoints;
 use crate::config::{ModelSource, PipelineConfig};
 use crate::error::{Error, Result};
+use crate::events::{Event, Observer};
 use crate::report::PeriodReport;
 use crate::rundir::RunDir;
 use crate::runner::{Checkpointing, PeriodEnd, Runner, Stages, Transport};
 use crate::schedule::Schedule;
-use crate::summary::summary_table;
 
 /// Held-out accuracy at one point of the run.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -149,11 +149,13 @@ impl Evaluator {
     }
 }
 
-/// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers.
+/// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers,
+/// each reported to `observer`.
 pub(crate) async fn warm_start(
     config: &PipelineConfig,
     model: Model,
     tokenizer: &Arc<dyn Tokenizer>,
+    observer: &Observer,
 ) -> Result<(Model, Option<(f64, f64)>)> {
     let sft = &config.sft;
     if sft.steps == 0 {
@@ -178,7 +180,7 @@ pub(crate) async fn warm_start(
     let eos = tokenizer.stop_token_ids().first().copied();
     let mut trainer = GrpoTrainer::new(cfg, model).map_err(err("trainer"))?;
     let mut losses = Vec::new();
-    for _ in 0..sft.steps {
+    for step in 1..=sft.steps {
         let Some(batch) = loader.next().await.map_err(err("dataloader"))? else { break };
         let mut examples = Vec::with_capacity(batch.prompts.len());
         for p in &batch.prompts {
@@ -195,7 +197,9 @@ pub(crate) async fn warm_start(
         }
         let report = trainer.accumulate_sft(&examples).map_err(err("trainer"))?;
         trainer.step_sync().map_err(err("trainer"))?;
-        losses.push(report.loss_sum / report.tokens.max(1) as f64);
+        let loss = report.loss_sum / report.tokens.max(1) as f64;
+        observer.emit(&Event::WarmStartStep { step, steps: sft.steps, loss });
+        losses.push(loss);
     }
     let first_last = losses.first().copied().zip(losses.last().copied());
     Ok((trainer.policy().clone(), first_last))
@@ -244,11 +248,11 @@ impl Trainer for TrainerHandle {
     }
 }
 
-/// How [`run`] treats its terminal and a run directory it finds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Where [`run`] reports what happens, and how it treats a run directory it finds.
+#[derive(Clone, Debug, Default)]
 pub struct RunOptions {
-    /// Draw progress bars on stderr.
-    pub progress: bool,
+    /// Receives the run's events (the binary renders them).
+    pub observer: Observer,
     /// Resume even when the config differs from the stored one in keys that change
     /// what is trained (see [`PipelineConfig::resume_changes`]).
     pub allow_config_change: bool,
@@ -263,7 +267,7 @@ pub struct RunOptions {
 pub async fn run(mut config: PipelineConfig, options: RunOptions) -> Result<RunOutcome> {
     config.place();
     config.validate()?;
-    let session = Session::open(&config, "periods", options)?;
+    let session = Session::open(&config, "periods", &options)?;
     let (model, tokenizer) = load_model(&config, config.trainer_device())?;
     let start = session.start(&config, model, tokenizer.clone()).await?;
     let (stages, _) = stages_around(&config, start.trainer, tokenizer)?;
@@ -286,7 +290,7 @@ pub(crate) struct Session {
     pub(crate) checkpoints: std::path::PathBuf,
     /// The period a checkpoint there resumes at.
     pub(crate) resume_at: Option<u64>,
-    progress: bool,
+    observer: Observer,
 }
 
 /// A session's trainer and evaluation, ready for the runner.
@@ -308,7 +312,7 @@ impl Session {
     /// its period checkpoints in `checkpoints/<store>`. A checkpoint there means a
     /// resume: refused when the config would train differently, unless allowed; its
     /// record keeps the periods before it.
-    pub(crate) fn open(config: &PipelineConfig, store: &str, options: RunOptions) -> Result<Self> {
+    pub(crate) fn open(config: &PipelineConfig, store: &str, options: &RunOptions) -> Result<Self> {
         let name = config.run.name.clone().unwrap_or_else(|| {
             let secs =
                 std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
@@ -322,12 +326,12 @@ impl Session {
         }
         dir.write_config(&config.to_toml()?)?;
         // A directory without a checkpoint holds nothing to continue: start over.
-        let resume_at = latest.map(|(path, state)| {
-            eprintln!("resuming at period {} from {}", state.next_period, path.display());
+        let resume_at = latest.map(|(checkpoint, state)| {
+            options.observer.emit(&Event::Resuming { period: state.next_period, checkpoint });
             state.next_period
         });
         dir.resume_record(resume_at.unwrap_or(0))?;
-        Ok(Self { dir, checkpoints, resume_at, progress: options.progress })
+        Ok(Self { dir, checkpoints, resume_at, observer: options.observer.clone() })
     }
 
     /// The trainer around `model`: warm-started and evaluated for a fresh run; as it
@@ -343,9 +347,7 @@ impl Session {
         let model = if self.resume_at.is_some() {
             model
         } else {
-            let bar = progress_bar(self.progress, config.sft.steps, "sft");
-            let (model, loss) = warm_start(config, model, &tokenizer).await?;
-            bar.finish_and_clear();
+            let (model, loss) = warm_start(config, model, &tokenizer, &self.observer).await?;
             if let Some((first, last)) = loss {
                 tracing::info!(first, last, "warm start done");
             }
@@ -356,11 +358,7 @@ impl Session {
         if let Some(e) = evaluator.as_ref().filter(|_| self.resume_at.is_none()) {
             let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
             let accuracy = e.accuracy(initial).await?;
-            eprintln!(
-                "held-out accuracy ({}) after warm start: {:.1}%",
-                config.eval.describe(),
-                accuracy * 100.0
-            );
+            self.observer.emit(&Event::Evaluated { how: config.eval.describe(), accuracy });
             evals.push(EvalPoint { after_periods: 0, accuracy });
         }
         let trainer = GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?;
@@ -368,7 +366,7 @@ impl Session {
     }
 
     /// Runs `runner` with the period record (and evaluation) as its hook, then saves
-    /// the final checkpoint, the plots and the summary of the whole run.
+    /// the final checkpoint and the plots of the whole run.
     pub(crate) async fn finish(
         self,
         config: &PipelineConfig,
@@ -377,19 +375,19 @@ impl Session {
     ) -> Result<RunOutcome> {
         let Evaluation { evaluator, mut evals, sft_loss } = evaluation;
         let first = self.resume_at.unwrap_or(0);
-        let bar = Arc::new(progress_bar(self.progress, config.run.periods.saturating_sub(first), "periods"));
+        self.observer.emit(&Event::PeriodsStarted { first, periods: config.run.periods });
         let shared_evals = Arc::new(Mutex::new(Vec::new()));
         let mut hook = PeriodEndHook {
             dir: self.dir.clone(),
             evaluator,
             evals: shared_evals.clone(),
-            bar: bar.clone(),
+            observer: self.observer.clone(),
             eval_every: config.eval.every,
             periods: config.run.periods,
         };
         let started = Instant::now();
-        let end = runner.on_period(move |end| hook.period_ended(end)).run().await?;
-        bar.finish_and_clear();
+        let end =
+            runner.observe(self.observer.clone()).on_period(move |end| hook.period_ended(end)).run().await?;
         tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
 
         let mut trainer = end.trainer;
@@ -399,8 +397,7 @@ impl Session {
         // The whole run, also when it was resumed: the record on disk.
         let periods = self.dir.read_periods()?;
         self.dir.write_plots(&periods)?;
-        eprintln!("\n{}", summary_table(&periods));
-        eprintln!("run directory: {}", self.dir.path().display());
+        self.observer.emit(&Event::RunFinished { dir: self.dir.path().to_owned() });
         Ok(RunOutcome { dir: self.dir, periods, evals, weights, sft_loss })
     }
 }
@@ -428,13 +425,13 @@ fn check_resumable(config: &PipelineConfig, dir: &RunDir, allow: bool) -> Result
     })
 }
 
-/// What a run does when a period ends: record it, evaluate when due, print its line.
+/// What a run does when a period ends: record it, evaluate when due, report it.
 /// (The runner checkpoints after it.)
 struct PeriodEndHook {
     dir: RunDir,
     evaluator: Option<Evaluator>,
     evals: Arc<Mutex<Vec<EvalPoint>>>,
-    bar: Arc<indicatif::ProgressBar>,
+    observer: Observer,
     eval_every: u64,
     periods: u64,
 }
@@ -446,51 +443,25 @@ impl PeriodEndHook {
         // The period's line goes first, then the checkpoint that contains it: a
         // resume from an older checkpoint drops the lines after it.
         self.dir.append_period(report)?;
-        let mut line = format!(
-            "period {:>3}  {:6.2}s  reward {:.3}  loss {:+.4}  kl {:.4}",
-            report.period, report.period_s, report.reward_mean, report.step.loss, report.step.kl
-        );
-        if !report.step.applied {
-            line.push_str("  step refused (non-finite)");
-        }
-        if report.rejected > 0 {
-            line.push_str(&format!("  {} groups rejected", report.rejected));
-        }
-        if report.duplicates > 0 {
-            line.push_str(&format!("  {} duplicates", report.duplicates));
-        }
+        let mut accuracy = None;
         if let Some(e) = &self.evaluator
             && (done.is_multiple_of(self.eval_every) || done == self.periods)
         {
             let handle = tokio::runtime::Handle::current();
             match tokio::task::block_in_place(|| handle.block_on(e.accuracy(end.weights.clone()))) {
-                Ok(accuracy) => {
-                    line.push_str(&format!("  held-out accuracy {:.1}%", accuracy * 100.0));
+                Ok(a) => {
+                    accuracy = Some(a);
                     self.evals
                         .lock()
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push(EvalPoint { after_periods: done, accuracy });
+                        .push(EvalPoint { after_periods: done, accuracy: a });
                 }
                 Err(err) => tracing::error!("evaluation failed: {err}"),
             }
         }
-        self.bar.inc(1);
-        self.bar.suspend(|| eprintln!("{line}"));
+        self.observer.emit(&Event::PeriodDone { report: Box::new(report.clone()), accuracy });
         Ok(())
     }
-}
-
-pub(crate) fn progress_bar(show: bool, len: u64, what: &'static str) -> indicatif::ProgressBar {
-    if !show {
-        return indicatif::ProgressBar::hidden();
-    }
-    let bar = indicatif::ProgressBar::new(len);
-    if let Ok(style) = indicatif::ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {elapsed}")
-    {
-        bar.set_style(style.progress_chars("=> "));
-    }
-    bar.set_prefix(what);
-    bar
 }
 
 /// The in-process transport: a bounded group channel (backpressure at one period's

@@ -23,6 +23,7 @@ mod checkpoint;
 pub mod cluster;
 mod config;
 mod error;
+mod events;
 mod metrics;
 mod plots;
 mod release;
@@ -40,6 +41,7 @@ pub use config::{
     DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig, TransportConfig,
 };
 pub use error::{Error, Result};
+pub use events::{Event, Observer};
 pub use metrics::{METRICS, describe_metrics};
 pub use metronome_core::Secret;
 pub use metronome_rollout::http::ServerConfig;

@@ -31,6 +31,7 @@ use metronome_core::{
 
 use crate::checkpoint::{Checkpoints, RunState};
 use crate::error::{Error, Result};
+use crate::events::{Event, Observer};
 use crate::metrics::record_period;
 use crate::release::{ProducerRelease, Release, Released, SyncRelease};
 use crate::report::{Clock, Interval, PeriodReport, StageKind};
@@ -183,6 +184,7 @@ pub struct Runner {
     options: RunnerOptions,
     hook: Option<PeriodHook>,
     checkpointing: Option<Checkpointing>,
+    observer: Observer,
 }
 
 impl std::fmt::Debug for Runner {
@@ -238,7 +240,14 @@ impl Runner {
         if options.group_size == 0 {
             return Err(Error::Config { key: "group_size".into(), reason: "must be at least 1".into() });
         }
-        Ok(Self { parts, options, hook: None, checkpointing: None })
+        Ok(Self { parts, options, hook: None, checkpointing: None, observer: Observer::default() })
+    }
+
+    /// Reports each group trained to `observer` ([`Event::GroupTrained`]).
+    #[must_use]
+    pub fn observe(mut self, observer: Observer) -> Self {
+        self.observer = observer;
+        self
     }
 
     /// Calls `hook` after every period (e.g. to record, evaluate or print).
@@ -267,7 +276,7 @@ impl Runner {
                 reason: "the pipeline needs a multi-threaded tokio runtime".into(),
             });
         }
-        let Self { parts, options, hook, checkpointing } = self;
+        let Self { parts, options, hook, checkpointing, observer } = self;
         let Parts { mut source, mut trainer, packer, mut release, receiver, publisher } = parts;
         let checkpoints = checkpointing.map(|policy| Checkpointer {
             store: Checkpoints::new(policy.dir.clone()),
@@ -289,6 +298,7 @@ impl Runner {
             receiver,
             options,
             clock,
+            observer,
             first: PeriodId(first),
             settled: HashSet::new(),
             held: Vec::new(),
@@ -386,6 +396,7 @@ struct Driver {
     receiver: Option<Box<dyn GroupReceiver>>,
     options: RunnerOptions,
     clock: Clock,
+    observer: Observer,
     /// The first period this process runs; earlier ones are in the checkpoint.
     first: PeriodId,
     /// Every group this process settled (trained or gave up on).
@@ -523,7 +534,7 @@ impl Driver {
                     self.hold(delivery.acker, key, reject.then_some(reason));
                 }
                 Admission::Train { batches, staleness } => {
-                    tracing::info!("accumulating a group of period {period} (prompt {})", key.prompt);
+                    tracing::debug!("accumulating a group of period {period} (prompt {})", key.prompt);
                     note_group(report, &delivery.group, staleness);
                     report.generated_tokens += tokens(&delivery.group);
                     let t = Instant::now();
@@ -534,6 +545,7 @@ impl Driver {
                     open.remove(&key);
                     self.settled.insert(key);
                     self.hold(delivery.acker, key, None);
+                    self.observer.emit(&Event::GroupTrained { period: period.0, prompt: key.prompt.0 });
                 }
             }
         }

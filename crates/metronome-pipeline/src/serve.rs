@@ -10,15 +10,18 @@ use metronome_rollout::http::{ServerConfig, router, serve_until};
 use crate::app::{err, load_model};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
+use crate::events::{Event, Observer};
 
 /// Serves the model of `config` (`[model]`, on `rollout.device`) through its rollout
 /// engine (`[rollout]`) on `addr`, as `server` says, until `shutdown` resolves.
 /// Refuses, naming the setting, a server other machines can reach without an API key.
+/// Tells `observer` where it listens ([`Event::Serving`]).
 pub async fn serve(
     mut config: PipelineConfig,
     server: ServerConfig,
     addr: SocketAddr,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    observer: Observer,
 ) -> Result<()> {
     config.place();
     config.validate()?;
@@ -36,7 +39,7 @@ pub async fn serve(
         .map_err(|e| Error::Config { key: "addr".into(), reason: format!("cannot listen on {addr}: {e}") })?;
     let local = listener.local_addr().map_err(|e| Error::Io { path: "socket".into(), source: e })?;
     tracing::info!(%local, model = %server.model_name, "serving");
-    eprintln!("serving `{}` on http://{local}", server.model_name);
+    observer.emit(&Event::Serving { model: server.model_name.clone(), addr: local.to_string() });
     serve_until(listener, router(Arc::new(engine), server), shutdown)
         .await
         .map_err(|e| Error::Io { path: "socket".into(), source: e })

@@ -10,7 +10,9 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use metronome_pipeline::cluster::WorkerOutcome;
 use metronome_transport::server::{NatsServer, free_port};
+use serde_json::Value;
 
 /// How long any one step may take before the test gives up (a hang, not a timing).
 pub(crate) const PATIENCE: Duration = Duration::from_secs(300);
@@ -46,17 +48,19 @@ fn settings(url: &str, periods: u64) -> Vec<String> {
     .to_vec()
 }
 
-/// A `metronome` process whose stderr lines are collected.
+/// A `metronome` process: its events (`--events -`, JSON lines on stdout) and its
+/// stderr lines are collected.
 pub(crate) struct Proc {
     name: String,
     child: Child,
-    lines: Receiver<String>,
+    events: Receiver<Value>,
+    seen: Arc<Mutex<Vec<Value>>>,
     log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Proc {
     pub(crate) fn spawn(name: &str, args: &[&str], sets: &[String], out: &Path) -> Self {
-        Self::spawn_with(name, args, sets, out, &[], None)
+        Self::spawn_with(name, args, sets, out, None)
     }
 
     /// A process with exactly `args` (no output folder, no metrics endpoint).
@@ -71,13 +75,11 @@ impl Proc {
         args: &[&str],
         sets: &[String],
         out: &Path,
-        env: &[(&str, &str)],
         metrics_port: Option<u16>,
     ) -> Self {
         let mut command = Command::new(env!("CARGO_BIN_EXE_metronome"));
-        command.envs(env.iter().copied());
         let metrics = metrics_port.map_or_else(|| "off".to_owned(), |p| format!("127.0.0.1:{p}"));
-        command.args(args).arg("--metrics-addr").arg(metrics);
+        command.args(args).arg("--metrics-addr").arg(metrics).args(["--events", "-"]);
         for s in sets {
             command.arg("--set").arg(s);
         }
@@ -87,30 +89,32 @@ impl Proc {
         Self::watch(name, command)
     }
 
-    /// Starts `command` and collects its stderr lines.
+    /// Starts `command` and collects its events and stderr lines.
     fn watch(name: &str, mut command: Command) -> Self {
-        let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let (tx, lines) = mpsc::channel();
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let (stdout, stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+        let (tx, events) = mpsc::channel();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let event: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+                sink.lock().unwrap().push(event.clone());
+                let _ = tx.send(event);
+            }
+        });
         let log = Arc::new(Mutex::new(Vec::new()));
         let sink = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line.clone());
-                let _ = tx.send(line);
+                sink.lock().unwrap().push(line);
             }
         });
-        Self { name: name.to_owned(), child, lines, log }
+        Self { name: name.to_owned(), child, events, seen, log }
     }
 
     fn trainer(sets: &[String], out: &Path) -> Self {
         Self::spawn("trainer", &["trainer", "--quiet"], sets, out)
-    }
-
-    /// A trainer that logs every group it accumulates.
-    fn verbose_trainer(sets: &[String], out: &Path) -> Self {
-        let env = [("RUST_LOG", "metronome_pipeline=info")];
-        Self::spawn_with("trainer", &["trainer", "--quiet"], sets, out, &env, None)
     }
 
     fn worker(id: &str, sets: &[String], out: &Path) -> Self {
@@ -120,7 +124,7 @@ impl Proc {
     /// A worker serving its metrics on `port`.
     fn worker_with_metrics(id: &str, sets: &[String], out: &Path, port: u16) -> Self {
         let args = ["rollout-worker", "--worker-id", id];
-        Self::spawn_with(&format!("worker {id}"), &args, sets, out, &[], Some(port))
+        Self::spawn_with(&format!("worker {id}"), &args, sets, out, Some(port))
     }
 
     /// Scrapes `port` until the process exits; the last page that has `metric`.
@@ -138,33 +142,35 @@ impl Proc {
         page
     }
 
+    /// Its stderr, then its events.
     pub(crate) fn log(&self) -> String {
-        self.log.lock().unwrap().join("\n")
+        let events: Vec<String> = self.seen.lock().unwrap().iter().map(Value::to_string).collect();
+        format!("{}\nevents:\n{}", self.log.lock().unwrap().join("\n"), events.join("\n"))
     }
 
-    /// Waits for a stderr line containing `pattern` and returns it.
-    pub(crate) fn wait_for(&self, pattern: &str) -> String {
-        self.wait_until(pattern, |l| l.contains(pattern))
-    }
-
-    /// Waits for a stderr line for which `matches` holds and returns it.
-    pub(crate) fn wait_until(&self, pattern: &str, matches: impl Fn(&str) -> bool) -> String {
+    /// Waits for an event named `kind` for which `matches` holds and returns it.
+    pub(crate) fn wait_event(&self, kind: &str, matches: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + PATIENCE;
         while Instant::now() < deadline {
-            match self.lines.recv_timeout(Duration::from_millis(200)) {
-                Ok(line) if matches(&line) => return line,
+            match self.events.recv_timeout(Duration::from_millis(200)) {
+                Ok(e) if e["event"] == kind && matches(&e) => return e,
                 Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
         }
-        panic!("{} never printed {pattern:?}:\n{}", self.name, self.log())
+        panic!("{} never reported the {kind:?} awaited:\n{}", self.name, self.log())
+    }
+
+    /// The next event; `None` once the process ended.
+    pub(crate) fn next_event(&self) -> Option<Value> {
+        self.events.recv_timeout(PATIENCE).ok()
     }
 
     pub(crate) fn finish(&mut self) -> ExitStatus {
         let deadline = Instant::now() + PATIENCE;
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the reader thread drain the pipe.
+                // Let the reader threads drain the pipes.
                 std::thread::sleep(Duration::from_millis(100));
                 return status;
             }
@@ -178,11 +184,6 @@ impl Proc {
         assert!(status.success(), "{} failed ({status}):\n{}", self.name, self.log());
     }
 
-    /// The next stderr line; `None` once the process ended.
-    pub(crate) fn next_line(&self) -> Option<String> {
-        self.lines.recv_timeout(PATIENCE).ok()
-    }
-
     pub(crate) fn sigkill(&mut self) {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
@@ -193,29 +194,20 @@ impl Proc {
         assert!(status.success());
     }
 
-    /// The worker's closing report: (groups, redelivered claims, versions, periods).
-    fn worker_report(&self) -> (u64, u64, Vec<u64>, Vec<u64>) {
-        let log = self.log();
-        let line = log
-            .lines()
-            .find(|l| l.contains(": done: "))
-            .unwrap_or_else(|| panic!("{} printed no report:\n{log}", self.name));
-        let number_before = |word: &str| -> u64 {
-            let head = &line[..line.find(word).unwrap()];
-            head.trim_end().rsplit([' ', ':']).next().unwrap().parse().unwrap()
-        };
-        let list_after = |word: &str| -> Vec<u64> {
-            let tail = &line[line.find(word).unwrap() + word.len()..];
-            let inner = &tail[tail.find('[').unwrap() + 1..tail.find(']').unwrap()];
-            inner.split(',').filter(|s| !s.trim().is_empty()).map(|s| s.trim().parse().unwrap()).collect()
-        };
-        (
-            number_before(" groups"),
-            number_before(" redelivered"),
-            list_after("versions"),
-            list_after("periods"),
-        )
+    /// The worker's closing report.
+    fn worker_report(&self) -> WorkerOutcome {
+        let seen = self.seen.lock().unwrap();
+        let done = seen
+            .iter()
+            .find(|e| e["event"] == "worker_done")
+            .unwrap_or_else(|| panic!("{} reported no outcome:\n{}", self.name, self.log()));
+        serde_json::from_value(done["outcome"].clone()).unwrap()
     }
+}
+
+/// The `period` of a `period_done` event.
+pub(crate) fn period_of(event: &Value) -> Option<u64> {
+    event["report"]["period"].as_u64()
 }
 
 impl Drop for Proc {
@@ -300,15 +292,13 @@ fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() 
     let mut b_sets = sets.clone();
     b_sets.push("rollout.max_num_seqs=24".into());
     let mut b = Proc::worker("b", &b_sets, out.path());
-    a.wait_for("ready");
-    b.wait_for("ready");
+    a.wait_event("worker_ready", |_| true);
+    b.wait_event("worker_ready", |_| true);
     let mut trainer = Proc::trainer(&sets, out.path());
-    // Worker b prints this after it took claims of a period after the first and
+    // Worker b reports this after it took claims of a period after the first and
     // before it generates them: it dies holding claims, which must go to a when their
     // lease expires.
-    b.wait_until("installed weights version >= 1", |l| {
-        l.contains("installed weights version") && !l.contains("version 0 ")
-    });
+    b.wait_event("weights_installed", |e| e["version"].as_u64() >= Some(1));
     b.sigkill();
     trainer.finish_ok();
     a.finish_ok();
@@ -317,9 +307,9 @@ fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() 
     assert_trained_once(&run, periods);
     assert_same_weights(&run, periods);
     eprintln!("{}\n{}\n{}", trainer.log(), a.log(), b.log());
-    let (groups, redelivered, _, periods_done) = a.worker_report();
-    assert!(redelivered >= 1, "worker a took none of b's claims:\n{}", a.log());
-    assert!(groups >= 1 && periods_done.contains(&(periods - 1)), "{}", a.log());
+    let report = a.worker_report();
+    assert!(report.redelivered_claims >= 1, "worker a took none of b's claims:\n{}", a.log());
+    assert!(report.groups >= 1 && report.periods.contains(&(periods - 1)), "{}", a.log());
 }
 
 #[test]
@@ -330,9 +320,9 @@ fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
-    a.wait_for("ready");
+    a.wait_event("worker_ready", |_| true);
     let mut trainer = Proc::trainer(&sets, out.path());
-    trainer.wait_for("period   1");
+    trainer.wait_event("period_done", |e| period_of(e) == Some(1));
     // Worker a leaves gracefully (finishing the claims in hand); until b joins the
     // trainer waits for the next period's groups.
     a.sigterm();
@@ -354,7 +344,7 @@ fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
     assert_trained_once(&run, periods);
     assert_same_weights(&run, periods);
     eprintln!("{}\n{}\n{}", trainer.log(), a.log(), b.log());
-    let (groups, _, versions, b_periods) = b.worker_report();
+    let WorkerOutcome { groups, versions, periods: b_periods, .. } = b.worker_report();
     assert!(groups >= 1, "worker b contributed nothing:\n{}", b.log());
     let joined = *versions.first().expect("b installed weights");
     assert!(joined >= 2, "b started from version {joined}, not the current weights:\n{}", b.log());
@@ -371,27 +361,27 @@ fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
     let mut b = Proc::worker("b", &sets, out.path());
-    let mut trainer = Proc::verbose_trainer(&sets, out.path());
+    let mut trainer = Proc::trainer(&sets, out.path());
     // Killed after accumulating a group of period 2 and before stepping: the groups it
     // holds are unacknowledged and come back to the restarted trainer.
-    trainer.wait_until("a group of period 2", |l| l.contains("accumulating a group of period 2"));
+    trainer.wait_event("group_trained", |e| e["period"] == 2);
     trainer.sigkill();
     let mut restarted = Proc::trainer(&sets, out.path());
-    let line = restarted.wait_for("resuming at period");
+    let resuming = restarted.wait_event("resuming", |_| true);
     restarted.finish_ok();
     a.finish_ok();
     b.finish_ok();
 
     let run = out.path().join("cluster");
     eprintln!("{}\n{}\n{}\n{}", trainer.log(), restarted.log(), a.log(), b.log());
-    assert!(line.contains("resuming at period 2 "), "{line}");
+    assert_eq!(resuming["period"], 2, "{resuming}");
     assert_trained_once(&run, periods);
     assert_same_weights(&run, periods);
 }
 
 #[test]
 fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_process() {
-    use crate::resume::{kills_wanted, mix, number_after};
+    use crate::resume::{kills_wanted, mix};
     let _serial = serial();
     let wanted = kills_wanted();
     // Room for both kinds of kill: each lands in one of the next two periods.
@@ -410,12 +400,11 @@ fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_pr
     while (trainer_kills < wanted || worker_kills < wanted) && next + 1 < periods {
         let mut target = next + mix(&mut state) % 2;
         let ended = loop {
-            let Some(line) = trainer.next_line() else { break None };
-            if let Some(n) = number_after(&line, "resuming at period ") {
+            let Some(event) = trainer.next_event() else { break None };
+            if let Some(n) = event["period"].as_u64().filter(|_| event["event"] == "resuming") {
                 target = target.max(n);
             }
-            if line.starts_with("period ")
-                && let Some(n) = number_after(&line, "period ")
+            if let Some(n) = period_of(&event)
                 && n >= target
             {
                 break Some(n);
@@ -456,11 +445,11 @@ fn a_server_restart_mid_run_loses_nothing_and_the_weights_match_one_process() {
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
-    a.wait_for("ready");
+    a.wait_event("worker_ready", |_| true);
     let mut trainer = Proc::trainer(&sets, out.path());
     // Killed (SIGKILL) as the trainer publishes the weights of period 2: groups and
     // claims are on disk, the weights in memory, which the trainer uploads again.
-    trainer.wait_for("period   1");
+    trainer.wait_event("period_done", |e| period_of(e) == Some(1));
     server.restart().expect("restart nats-server");
     trainer.finish_ok();
     a.finish_ok();
@@ -513,9 +502,9 @@ fn a_poison_group_is_dead_lettered_and_the_run_ends_with_the_same_weights() {
     let out = tempfile::tempdir().unwrap();
     let sets = settings(&server.url(), periods);
     let mut a = Proc::worker("a", &sets, out.path());
-    a.wait_for("ready");
+    a.wait_event("worker_ready", |_| true);
     let mut trainer = Proc::trainer(&sets, out.path());
-    trainer.wait_for("period   0");
+    trainer.wait_event("period_done", |e| period_of(e) == Some(0));
     // A group no worker of this run sent: a prompt the last period does not hold.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {

@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::cluster::{Proc, max_difference, read_weights, serial};
+use crate::cluster::{Proc, max_difference, period_of, read_weights, serial};
 
 /// A short run whose rewards vary for an untrained model (so the weights move), with
 /// a checkpoint after every period.
@@ -39,12 +39,6 @@ fn recorded_periods(run: &Path) -> Vec<u64> {
     text.lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["period"].as_u64().unwrap())
         .collect()
-}
-
-/// The number after `prefix` in `line`, if any.
-pub(crate) fn number_after(line: &str, prefix: &str) -> Option<u64> {
-    let rest = &line[line.find(prefix)? + prefix.len()..];
-    rest.trim_start().split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()
 }
 
 /// SplitMix64: the kill points of the test, from a fixed seed.
@@ -92,12 +86,11 @@ fn a_run_killed_anywhere_resumes_to_the_weights_and_record_of_an_uninterrupted_o
             // after a later checkpoint).
             let mut target = next + mix(&mut state) % 2;
             let ended = loop {
-                let Some(line) = p.next_line() else { break None };
-                if let Some(n) = number_after(&line, "resuming at period ") {
+                let Some(event) = p.next_event() else { break None };
+                if let Some(n) = event["period"].as_u64().filter(|_| event["event"] == "resuming") {
                     target = target.max(n);
                 }
-                if let Some(n) = number_after(&line, "period ")
-                    && line.starts_with("period ")
+                if let Some(n) = period_of(&event)
                     && n >= target
                 {
                     break Some(n);

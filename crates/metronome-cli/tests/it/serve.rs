@@ -34,9 +34,21 @@ fn serve_answers_with_its_key_only_and_stops_on_sigterm() {
     let addr = format!("127.0.0.1:{port}");
     let mut server = Proc::spawn_plain(
         "serve",
-        &["serve", "--addr", &addr, "--api-key-file", key.to_str().unwrap(), "--model-name", "tiny"],
+        &[
+            "serve",
+            "--addr",
+            &addr,
+            "--api-key-file",
+            key.to_str().unwrap(),
+            "--model-name",
+            "tiny",
+            "--events",
+            "-",
+        ],
     );
-    server.wait_for("serving `tiny`");
+    let serving = server.wait_event("serving", |_| true);
+    assert_eq!(serving["model"], "tiny");
+    assert_eq!(serving["addr"], addr.as_str());
     let body = r#"{"model": "tiny", "prompt": "1+2=", "max_tokens": 4, "seed": 1}"#;
     assert_eq!(request(port, "POST", "/v1/completions", None, body).0, 401);
     let (status, text) = request(port, "POST", "/v1/completions", Some("s3rve-key"), body);

@@ -40,7 +40,7 @@ pub async fn run_trainer(mut config: PipelineConfig, options: RunOptions) -> Res
     // A run directory with a config is this run's: a restart, maybe before its first
     // checkpoint, whose messages on the server are its own.
     let restarted = config.run.out_dir.join(&name).join(crate::rundir::CONFIG_FILE).is_file();
-    let session = Session::open(&config, "cluster", options)?;
+    let session = Session::open(&config, "cluster", &options)?;
     if session.resume_at.is_some() {
         metrics::counter!("metronome_cluster_trainer_resumes_total").increment(1);
     } else if !restarted {

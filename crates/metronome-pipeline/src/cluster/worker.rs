@@ -20,10 +20,11 @@ use super::StopFlag;
 use crate::app::{err, group_scorer, load_model};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
+use crate::events::{Event, Observer};
 use crate::release::ScoreAndSend;
 
 /// What a worker did before it left.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct WorkerOutcome {
     /// Groups it published.
     pub groups: u64,
@@ -43,11 +44,13 @@ const CLAIM_WAIT: Duration = Duration::from_millis(500);
 /// Runs a rollout worker until the trainer sends `Shutdown` or `stop` is set: take
 /// claims, fetch the weights they name, generate, score, publish each group and then
 /// complete its claim. Leases are renewed while the worker generates, so only a dead
-/// worker's claims expire. Leaving (`stop`) finishes the claims in hand.
+/// worker's claims expire. Leaving (`stop`) finishes the claims in hand. What it
+/// does goes to `observer`.
 pub async fn run_worker(
     mut config: PipelineConfig,
     worker_id: &str,
     stop: StopFlag,
+    observer: Observer,
 ) -> Result<WorkerOutcome> {
     config.place();
     config.validate()?;
@@ -88,15 +91,13 @@ pub async fn run_worker(
         group_size,
         installed: None,
         outcome: WorkerOutcome::default(),
+        observer,
     };
-    eprintln!("worker {worker_id}: ready");
+    worker.observer.emit(&Event::WorkerReady { worker: worker_id.to_owned() });
     let result = worker.serve(&stop).await;
     listener.abort();
     let outcome = worker.outcome;
-    eprintln!(
-        "worker {worker_id}: done: {} groups, {} tokens, {} redelivered claims, versions {:?}, periods {:?}",
-        outcome.groups, outcome.tokens, outcome.redelivered_claims, outcome.versions, outcome.periods
-    );
+    worker.observer.emit(&Event::WorkerDone { worker: worker_id.to_owned(), outcome: outcome.clone() });
     result.map(|()| outcome)
 }
 
@@ -114,6 +115,7 @@ struct Worker {
     group_size: u32,
     installed: Option<PolicyVersion>,
     outcome: WorkerOutcome,
+    observer: Observer,
 }
 
 /// Claims generated together: one period's, sampled with one version.
@@ -245,7 +247,11 @@ impl Worker {
             self.installed = Some(version);
             metrics::histogram!("metronome_cluster_weight_fetch_seconds")
                 .record(start.elapsed().as_secs_f64());
-            eprintln!("worker {}: installed weights version {version} for period {period}", self.id);
+            self.observer.emit(&Event::WeightsInstalled {
+                worker: self.id.clone(),
+                version: version.0,
+                period: period.0,
+            });
             self.outcome.versions.push(version.0);
         }
         let sink = CompleteClaims {

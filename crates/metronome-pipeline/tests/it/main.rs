@@ -3,6 +3,7 @@
 
 mod config;
 mod driver;
+mod events;
 mod mocks;
 mod rundir;
 mod schedules;
