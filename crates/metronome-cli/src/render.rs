@@ -89,6 +89,9 @@ impl Render {
                 if report.rejected > 0 {
                     line.push_str(&format!("  {} groups rejected", report.rejected));
                 }
+                if report.filtered > 0 {
+                    line.push_str(&format!("  {} filtered", report.filtered));
+                }
                 if report.duplicates > 0 {
                     line.push_str(&format!("  {} duplicates", report.duplicates));
                 }

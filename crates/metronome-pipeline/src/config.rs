@@ -91,6 +91,22 @@ pub struct RunConfig {
     pub auto_placement: bool,
     /// Cores to place on; 0 detects them.
     pub cores: usize,
+    /// DAPO's dynamic sampling (`[run.dynamic_sampling]`); absent, every group of a
+    /// period is trained.
+    pub dynamic_sampling: Option<DynamicSampling>,
+}
+
+/// DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476, §3.2): a period
+/// generates the groups of all `data.release.batch_size` prompts, and trains the
+/// first `groups` of them, in release order, whose rewards vary. A group whose
+/// rewards are all equal has no group-relative advantage and would only thin the
+/// batch; DAPO over-generates about three times what it trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DynamicSampling {
+    /// Groups trained per period (at most; fewer when not enough of the period's
+    /// groups have rewards that vary).
+    pub groups: usize,
 }
 
 impl Default for RunConfig {
@@ -106,6 +122,7 @@ impl Default for RunConfig {
             checkpoint_interval_s: 300,
             auto_placement: true,
             cores: 0,
+            dynamic_sampling: None,
         }
     }
 }
@@ -264,6 +281,7 @@ impl PipelineConfig {
             periods: self.run.periods,
             group_size: self.run.group_size,
             advantage: self.trainer.advantage,
+            dynamic_sampling: self.run.dynamic_sampling.map(|d| d.groups),
         }
     }
 
@@ -305,11 +323,24 @@ impl PipelineConfig {
             return bad("run.periods", "must be at least 1".into());
         }
         let batch = self.data.release.batch_size;
+        if let Some(DynamicSampling { groups }) = run.dynamic_sampling
+            && !(1..=batch).contains(&groups)
+        {
+            return bad(
+                "run.dynamic_sampling.groups",
+                format!(
+                    "is {groups}: it must be at least 1 and at most data.release.batch_size = {batch}, the \
+                     prompts a period generates to choose from"
+                ),
+            );
+        }
+        let batch = run.dynamic_sampling.map_or(batch, |d| d.groups);
         if self.trainer.mini_steps as usize > batch {
             return bad(
                 "trainer.mini_steps",
                 format!(
-                    "is {} but a period has only data.release.batch_size = {batch} groups",
+                    "is {} but a period trains only {batch} groups (data.release.batch_size, or \
+                     run.dynamic_sampling.groups)",
                     self.trainer.mini_steps
                 ),
             );

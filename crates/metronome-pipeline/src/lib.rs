@@ -38,7 +38,8 @@ pub use app::{
     EvalPoint, RunOptions, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run,
 };
 pub use config::{
-    DEFAULT_CONFIG, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig, TransportConfig,
+    DEFAULT_CONFIG, DynamicSampling, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig,
+    TransportConfig,
 };
 pub use error::{Error, Result};
 pub use events::{Event, Observer};

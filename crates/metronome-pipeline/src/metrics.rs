@@ -26,6 +26,11 @@ pub const METRICS: &[(&str, &str, &str)] = &[
         "groups not trained: prompt rejected by the engine, or a poison message (see the log)",
     ),
     (
+        "metronome_pipeline_filtered_groups_total",
+        "counter",
+        "groups generated but not trained by dynamic sampling (all rewards equal, or the period was full)",
+    ),
+    (
         "metronome_pipeline_refused_steps_total",
         "counter",
         "steps whose update the trainer refused (non-finite loss or gradient); the weights stayed",
@@ -80,6 +85,7 @@ pub(crate) fn record_period(report: &PeriodReport) {
     counter!("metronome_pipeline_stale_groups_dropped_total").increment(report.dropped_stale as u64);
     counter!("metronome_pipeline_duplicate_groups_total").increment(report.duplicates as u64);
     counter!("metronome_pipeline_rejected_groups_total").increment(report.rejected as u64);
+    counter!("metronome_pipeline_filtered_groups_total").increment(report.filtered as u64);
     counter!("metronome_pipeline_refused_steps_total").increment(u64::from(!report.step.applied));
     counter!("metronome_pipeline_generated_tokens_total").increment(report.generated_tokens);
     if report.generation_s > 0.0 {

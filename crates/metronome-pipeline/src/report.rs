@@ -64,6 +64,10 @@ pub struct PeriodReport {
     /// not in training). Logged one by one.
     #[serde(default)]
     pub rejected: usize,
+    /// Groups generated but not trained by dynamic sampling (`run.dynamic_sampling`):
+    /// their rewards were all equal, or the period had its groups already.
+    #[serde(default)]
+    pub filtered: usize,
     /// Tokens generated.
     pub generated_tokens: u64,
     /// Mean reward over the period's completions.

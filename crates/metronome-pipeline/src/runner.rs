@@ -18,7 +18,7 @@
 //! checkpoint and the handling of poison groups are written once, here, and tested
 //! once (`tests/it/driver.rs`, `tests/it/schedules.rs`).
 
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -127,6 +127,22 @@ pub struct RunnerOptions {
     /// rewards: the numbers a scorer (maybe in another process) sent are replaced, so
     /// one estimator holds for the whole run whoever scored.
     pub advantage: AdvantageEstimator,
+    /// DAPO's dynamic sampling: of each period's groups, train the first this many
+    /// (in release order) whose rewards vary; `None` trains every group.
+    pub dynamic_sampling: Option<usize>,
+}
+
+impl Default for RunnerOptions {
+    /// One `periodic` period of groups of one, GRPO's advantages, every group trained.
+    fn default() -> Self {
+        Self {
+            schedule: Schedule::Periodic,
+            periods: 1,
+            group_size: 1,
+            advantage: AdvantageEstimator::default(),
+            dynamic_sampling: None,
+        }
+    }
 }
 
 /// When the runner writes period checkpoints, the points a run resumes from.
@@ -367,6 +383,44 @@ impl Checkpointer {
     }
 }
 
+/// A group admitted for training, with what training it needs.
+struct Waiting {
+    delivery: Delivery,
+    batches: Vec<TrainBatch>,
+    staleness: u64,
+}
+
+/// DAPO's dynamic sampling on the trainer's side (Yu et al. 2025, arXiv 2503.14476,
+/// §3.2; see `DynamicSampling` in `config.rs`): of a period's groups, in release
+/// order, the first `wanted` whose rewards vary are trained, the rest are not. A
+/// group is decided only once every group released before it has arrived, so the
+/// choice does not depend on completion order and `sync` equals `periodic`.
+struct DynamicSampling {
+    /// The period's groups in release order.
+    order: Vec<GroupKey>,
+    /// The first undecided position of `order`.
+    next: usize,
+    wanted: usize,
+    trained: usize,
+    /// Arrived and undecided: `None` for a group settled otherwise (rejected, stale).
+    arrived: HashMap<GroupKey, Option<Waiting>>,
+}
+
+impl DynamicSampling {
+    /// The decisions the release order allows now: each group and whether to train it.
+    fn decide(&mut self) -> Vec<(Waiting, bool)> {
+        let mut decided = Vec::new();
+        while let Some(waiting) = self.order.get(self.next).and_then(|key| self.arrived.remove(key)) {
+            self.next += 1;
+            let Some(waiting) = waiting else { continue };
+            let train = self.trained < self.wanted && !waiting.delivery.group.stats.all_equal;
+            self.trained += usize::from(train);
+            decided.push((waiting, train));
+        }
+        decided
+    }
+}
+
 /// A delivery whose outcome waits for the checkpoint that contains its period.
 struct Held {
     acker: Box<dyn Acker>,
@@ -495,6 +549,13 @@ impl Driver {
         let expected: BTreeSet<GroupKey> =
             released.prompts.iter().map(|&prompt| GroupKey { period, prompt }).collect();
         let mut open = expected.clone();
+        let mut dynamic = self.options.dynamic_sampling.map(|wanted| DynamicSampling {
+            order: released.prompts.iter().map(|&prompt| GroupKey { period, prompt }).collect(),
+            next: 0,
+            wanted,
+            trained: 0,
+            arrived: HashMap::new(),
+        });
         let mut backlog: VecDeque<Delivery> = released
             .groups
             .into_iter()
@@ -532,23 +593,51 @@ impl Driver {
                     open.remove(&key);
                     self.settled.insert(key);
                     self.hold(delivery.acker, key, reject.then_some(reason));
+                    if let Some(dynamic) = dynamic.as_mut() {
+                        dynamic.arrived.insert(key, None);
+                    }
                 }
                 Admission::Train { batches, staleness } => {
-                    tracing::debug!("accumulating a group of period {period} (prompt {})", key.prompt);
-                    note_group(report, &delivery.group, staleness);
                     report.generated_tokens += tokens(&delivery.group);
-                    let t = Instant::now();
-                    for batch in batches {
-                        accumulate(self.trainer.as_mut(), batch)?;
-                    }
-                    report.intervals.push(self.clock.interval(StageKind::Training, period, t));
                     open.remove(&key);
                     self.settled.insert(key);
-                    self.hold(delivery.acker, key, None);
-                    self.observer.emit(&Event::GroupTrained { period: period.0, prompt: key.prompt.0 });
+                    let waiting = Waiting { delivery, batches, staleness };
+                    match dynamic.as_mut() {
+                        Some(dynamic) => {
+                            dynamic.arrived.insert(key, Some(waiting));
+                        }
+                        None => self.train(report, waiting)?,
+                    }
+                }
+            }
+            // What arrived may be what the release order waited for.
+            for (waiting, train) in dynamic.as_mut().map(DynamicSampling::decide).unwrap_or_default() {
+                if train {
+                    self.train(report, waiting)?;
+                } else {
+                    report.filtered += 1;
+                    let key = waiting.delivery.group.key();
+                    tracing::debug!(%key, "dynamic sampling does not train group {key}");
+                    self.hold(waiting.delivery.acker, key, None);
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Accumulates one admitted group.
+    fn train(&mut self, report: &mut PeriodReport, waiting: Waiting) -> Result<()> {
+        let Waiting { delivery, batches, staleness } = waiting;
+        let key = delivery.group.key();
+        tracing::debug!("accumulating a group of period {} (prompt {})", key.period, key.prompt);
+        note_group(report, &delivery.group, staleness);
+        let t = Instant::now();
+        for batch in batches {
+            accumulate(self.trainer.as_mut(), batch)?;
+        }
+        report.intervals.push(self.clock.interval(StageKind::Training, key.period, t));
+        self.hold(delivery.acker, key, None);
+        self.observer.emit(&Event::GroupTrained { period: key.period.0, prompt: key.prompt.0 });
         Ok(())
     }
 

@@ -80,6 +80,18 @@ fn impossible_combinations_are_named() {
     assert!(e.starts_with("invalid configuration `trainer.mini_steps`"), "{e}");
     let e = err(&["run.schedule=\"stale:1\""]);
     assert!(e.starts_with("invalid configuration `trainer.loss.tis_cap`"), "{e}");
+    for groups in [0, 129] {
+        let e = err(&[&format!("run.dynamic_sampling={{ groups = {groups} }}")]);
+        assert!(e.starts_with("invalid configuration `run.dynamic_sampling.groups`"), "{e}");
+        assert!(e.contains("data.release.batch_size = 128"), "{e}");
+    }
+    let e = err(&["run.dynamic_sampling={ groups = 2 }", "trainer.mini_steps=4"]);
+    assert!(
+        e.starts_with("invalid configuration `trainer.mini_steps`") && e.contains("dynamic_sampling"),
+        "{e}"
+    );
+    let ok = PipelineConfig::embedded(&["run.dynamic_sampling={ groups = 96 }".into()]).unwrap();
+    assert_eq!(ok.runner_options().dynamic_sampling, Some(96));
     let e = err(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"]);
     assert!(e.starts_with("invalid configuration `packing.row_tokens`"), "{e}");
     let e = err(&["rollout.max_seq_len=20"]);

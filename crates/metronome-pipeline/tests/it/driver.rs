@@ -17,7 +17,7 @@ use crate::mocks::*;
 const SCHEDULES: [Schedule; 3] = [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)];
 
 fn options(schedule: Schedule, periods: u64) -> RunnerOptions {
-    RunnerOptions { schedule, periods, group_size: 4, advantage: Default::default() }
+    RunnerOptions { schedule, periods, group_size: 4, ..RunnerOptions::default() }
 }
 
 fn stages(engine: MockEngine, trainer: MockTrainer, scorer: Arc<dyn GroupScorer>) -> Stages {
@@ -243,4 +243,45 @@ async fn the_trainer_side_computes_advantages_with_the_runs_estimator_whatever_t
     let mismatched = run(GroupNorm, LeaveOneOut).await;
     assert_eq!(mismatched, run(LeaveOneOut, LeaveOneOut).await);
     assert_ne!(mismatched, run(GroupNorm, GroupNorm).await, "the estimators must differ for this test");
+}
+
+/// [`MockScorer`], except that every response to a prompt whose id is a multiple of
+/// three scores the same: such groups carry no group-relative signal.
+struct SomeAllEqual;
+
+#[async_trait]
+impl GroupScorer for SomeAllEqual {
+    async fn score(&self, group: Group) -> metronome_core::Result<ScoredGroup> {
+        let flat = group.prompt.id.0.is_multiple_of(3);
+        let mut scored = MockScorer.score(group).await?;
+        if flat {
+            scored.rewards.iter_mut().for_each(|r| r.total = 0.5);
+            scored.recompute(metronome_core::AdvantageEstimator::GroupNorm)?;
+        }
+        Ok(scored)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamic_sampling_trains_the_first_groups_whose_rewards_vary_in_release_order() {
+    // Six prompts a period; those with ids 0, 3, 6, 9 have equal rewards. Three groups
+    // wanted: period 0 trains prompts 1, 2, 4 (0 and 3 filtered, 5 not needed),
+    // period 1 prompts 7, 8, 10 (6 and 9 filtered, 11 not needed) — in any schedule,
+    // whatever order the groups complete in.
+    let mut weights_of = Vec::new();
+    for schedule in SCHEDULES {
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let log = trainer.log.clone();
+        let options = RunnerOptions { dynamic_sampling: Some(3), ..options(schedule, 2) };
+        let stages = stages(engine, trainer, Arc::new(SomeAllEqual));
+        let end = finish(Runner::new(stages, Some(channel_transport(4)), options).unwrap(), "dynamic").await;
+        let trained: Vec<Vec<u64>> =
+            log.lock().unwrap().steps.iter().map(|s| s.iter().map(|(k, _)| k.prompt.0).collect()).collect();
+        assert_eq!(trained, [vec![1, 2, 4], vec![7, 8, 10]], "{schedule}: trained in release order");
+        let counts: Vec<(usize, usize)> = end.reports.iter().map(|r| (r.groups, r.filtered)).collect();
+        assert_eq!(counts, [(3, 3), (3, 3)], "{schedule}: (trained, filtered)");
+        weights_of.push(weights(end.trainer.as_ref()).await);
+    }
+    assert_eq!(weights_of[0], weights_of[1], "sync and periodic train the same groups in the same order");
 }

@@ -22,6 +22,7 @@ fn period(k: u64, t: f64) -> PeriodReport {
         dropped_stale: 0,
         duplicates: usize::from(k == 1),
         rejected: usize::from(k == 2),
+        filtered: 0,
         generated_tokens: 1200 + 10 * k,
         reward_mean: 0.2 + 0.1 * k as f64,
         accuracy: Some(0.15 + 0.1 * k as f64),
@@ -354,7 +355,7 @@ async fn a_runner_hook_records_every_period_and_the_plots_show_its_intervals() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 3, group_size: 2, advantage: Default::default() };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 2, ..RunnerOptions::default() };
         let hook_dir = dir.clone();
         let runner = Runner::new(stages, Some(channel_transport(2)), options)
             .unwrap()

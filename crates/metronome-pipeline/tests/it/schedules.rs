@@ -41,7 +41,7 @@ async fn run_with(
         packer: mock_packer(),
         trainer: Box::new(trainer),
     };
-    let options = RunnerOptions { schedule, periods, group_size: 4, advantage: Default::default() };
+    let options = RunnerOptions { schedule, periods, group_size: 4, ..RunnerOptions::default() };
     let runner = Runner::new(stages, Some(channel_transport(2)), options).unwrap();
     let end = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.ok()?.unwrap();
     let reports = end.reports;
@@ -147,7 +147,7 @@ async fn rejected_prompts_and_groups_that_do_not_pack_are_counted_and_the_period
             packer: failing_packer([8].into()),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 3, group_size: 4, advantage: Default::default() };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 4, ..RunnerOptions::default() };
         let run = Runner::new(stages, Some(channel_transport(2)), options).unwrap().run();
         let reports = tokio::time::timeout(Duration::from_secs(60), run)
             .await
@@ -183,7 +183,7 @@ async fn a_trainer_whose_version_stands_still_is_an_error_not_a_hang() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 4, group_size: 2, advantage: Default::default() };
+        let options = RunnerOptions { schedule, periods: 4, group_size: 2, ..RunnerOptions::default() };
         let run = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run();
         let err = tokio::time::timeout(Duration::from_secs(60), run)
             .await
@@ -216,7 +216,7 @@ async fn every_schedule_shows_its_hook_the_weights_the_step_produced() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 3, group_size: 2, advantage: Default::default() };
+        let options = RunnerOptions { schedule, periods: 3, group_size: 2, ..RunnerOptions::default() };
         let hooked = Arc::new(Mutex::new(Vec::new()));
         let record = hooked.clone();
         let runner =
@@ -261,12 +261,8 @@ async fn groups_older_than_the_bound_are_never_trained() {
         packer: mock_packer(),
         trainer: Box::new(trainer),
     };
-    let options = RunnerOptions {
-        schedule: Schedule::Stale(1),
-        periods: 4,
-        group_size: 2,
-        advantage: Default::default(),
-    };
+    let options =
+        RunnerOptions { schedule: Schedule::Stale(1), periods: 4, group_size: 2, ..RunnerOptions::default() };
     let reports =
         Runner::new(stages, Some(channel_transport(4)), options).unwrap().run().await.unwrap().reports;
     // Periods 0 and 1 are within the bound (staleness 0 and 1); 2 and 3 are not.
@@ -291,12 +287,7 @@ async fn bad_options_fail_before_any_work_naming_the_key() {
     let err = Runner::new(
         stages,
         None,
-        RunnerOptions {
-            schedule: Schedule::Periodic,
-            periods: 1,
-            group_size: 2,
-            advantage: Default::default(),
-        },
+        RunnerOptions { schedule: Schedule::Periodic, periods: 1, group_size: 2, ..RunnerOptions::default() },
     )
     .unwrap_err()
     .to_string();
@@ -318,7 +309,7 @@ async fn a_source_that_runs_out_ends_the_run_early() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 10, group_size: 2, advantage: Default::default() };
+        let options = RunnerOptions { schedule, periods: 10, group_size: 2, ..RunnerOptions::default() };
         let reports =
             Runner::new(stages, Some(channel_transport(2)), options).unwrap().run().await.unwrap().reports;
         let groups: Vec<usize> = reports.iter().map(|r| r.groups).collect();
@@ -360,7 +351,7 @@ async fn a_period_holding_a_prompt_twice_is_an_error_not_a_hang() {
             packer: mock_packer(),
             trainer: Box::new(trainer),
         };
-        let options = RunnerOptions { schedule, periods: 2, group_size: 2, advantage: Default::default() };
+        let options = RunnerOptions { schedule, periods: 2, group_size: 2, ..RunnerOptions::default() };
         let run = Runner::new(stages, Some(channel_transport(2)), options).unwrap().run();
         let err = tokio::time::timeout(Duration::from_secs(60), run)
             .await
