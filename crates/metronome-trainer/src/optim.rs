@@ -83,12 +83,34 @@ impl GradAccumulator {
     /// parameters (zeros where none arrived), and their global L2 norm (computed in
     /// f64; non-finite when any element is).
     pub fn finish(&self, params: &[(String, Var)], scale: f64) -> Result<(Vec<Tensor>, f64)> {
+        Self::finish_sum(params, &[(self, scale)])
+    }
+
+    /// [`GradAccumulator::finish`] of `Σ_k scale_k · sums_k` over several
+    /// accumulators of the same parameters (terms of a loss scaled apart at step
+    /// time), summed in f64.
+    pub fn finish_sum(params: &[(String, Var)], parts: &[(&Self, f64)]) -> Result<(Vec<Tensor>, f64)> {
+        if let Some((a, _)) = parts.iter().find(|(a, _)| a.sums.len() != params.len()) {
+            return Err(TrainerError::invalid(
+                "gradient accumulator",
+                format!("holds {} sums for {} parameters", a.sums.len(), params.len()),
+            ));
+        }
         let mut out = Vec::with_capacity(params.len());
         let mut sq = 0f64;
-        for ((_, var), sum) in params.iter().zip(&self.sums) {
-            match sum {
+        for (i, (_, var)) in params.iter().enumerate() {
+            let mut total: Option<Tensor> = None;
+            for (a, scale) in parts {
+                if let Some(s) = &a.sums[i] {
+                    let s = (s * *scale)?;
+                    total = Some(match total {
+                        Some(t) => (t + s)?,
+                        None => s,
+                    });
+                }
+            }
+            match total {
                 Some(s) => {
-                    let s = (s * scale)?;
                     sq += s.sqr()?.sum_all()?.to_scalar::<f64>()?;
                     out.push(s.to_dtype(var.dtype())?);
                 }
