@@ -500,6 +500,9 @@ fn stages_around(
     let engine = engine_cfg.build(inference, trainer.version(), tokenizer).map_err(err("rollout"))?;
     let scorer = group_scorer(config)?;
     let packer = packer(config.packing);
+    // The trainer scores log-probs at the temperature the engine samples at.
+    let trainer =
+        trainer.with_sampling_temperature(config.rollout.sampling.temperature).map_err(err("trainer"))?;
     let trainer = TrainerHandle(Arc::new(Mutex::new(trainer)));
     let stages = Stages {
         source: Box::new(source) as Box<dyn PromptSource>,

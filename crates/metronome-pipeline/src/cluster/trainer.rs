@@ -77,8 +77,10 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             tracing::info!(period = state.next_period, "resuming from {}", path.display());
             eprintln!("resuming at period {} from {}", state.next_period, path.display());
             metrics::counter!("metronome_cluster_trainer_resumes_total").increment(1);
-            let trainer =
-                GrpoTrainer::resume(config.trainer.clone(), &path, &device).map_err(err("trainer"))?;
+            // The trainer scores log-probs at the temperature the workers sample at.
+            let trainer = GrpoTrainer::resume(config.trainer.clone(), &path, &device)
+                .and_then(|t| t.with_sampling_temperature(config.rollout.sampling.temperature))
+                .map_err(err("trainer"))?;
             source.restore(state.cursor).map_err(err("dataloader"))?;
             dir.resume_record(state.next_period)?;
             (trainer, state.next_period, Some(state.next_period))
@@ -93,7 +95,10 @@ pub async fn run_trainer(mut config: PipelineConfig, progress: bool) -> Result<T
             if let Some((first, last)) = sft_loss {
                 tracing::info!(first, last, "warm start done");
             }
-            (GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?, 0, None)
+            let trainer = GrpoTrainer::new(config.trainer.clone(), model)
+                .and_then(|t| t.with_sampling_temperature(config.rollout.sampling.temperature))
+                .map_err(err("trainer"))?;
+            (trainer, 0, None)
         }
     };
 
