@@ -29,7 +29,9 @@ pub struct TrainerConfig {
     /// The loss family and its coefficients.
     pub loss: LossConfig,
     /// The advantage estimator the pipeline's scorer should use. The trainer reads
-    /// advantages from the batches; this is where the run chooses them.
+    /// advantages from the batches; this is where the run chooses them. For
+    /// `reinforce_plus_plus_baseline` the trainer also divides the policy-gradient
+    /// term by the step's standard deviation of the advantages.
     pub advantage: AdvantageEstimator,
     /// Optimiser steps per period. 1 (the default) is the on-policy case: the old
     /// policy is the stop-gradient current policy. Above 1, the period's batches are

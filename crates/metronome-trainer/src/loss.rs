@@ -354,8 +354,11 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.to_vec1::<f32>()?)
 }
 
-/// Per-response sums over the targets of one micro-batch, indexed by response.
+/// The responses of one micro-batch's targets, numbered densely, with their target
+/// counts.
 struct PerSequence {
+    /// Each target's response, `0..len.len()`.
+    of: Vec<usize>,
     /// Targets of each response.
     len: Vec<u32>,
     /// Targets of each response still in the loss.
@@ -363,21 +366,26 @@ struct PerSequence {
 }
 
 impl PerSequence {
+    /// Responses numbered in the order of their ids (any `u32`s, not necessarily
+    /// dense: a micro-batch's kept targets may skip responses).
     fn new(sequences: &[u32]) -> Self {
-        let count = sequences.iter().map(|&s| s as usize + 1).max().unwrap_or(0);
-        let mut len = vec![0u32; count];
-        for &s in sequences {
-            len[s as usize] += 1;
+        let mut ids = sequences.to_vec();
+        ids.sort_unstable();
+        ids.dedup();
+        let of: Vec<usize> = sequences.iter().map(|s| ids.binary_search(s).unwrap_or_default()).collect();
+        let mut len = vec![0u32; ids.len()];
+        for &s in &of {
+            len[s] += 1;
         }
-        Self { kept: len.clone(), len }
+        Self { of, kept: len.clone(), len }
     }
 
     /// `Σ_t x_t` per response over the targets `keep` allows, in f64.
-    fn sums(&self, sequences: &[u32], x: &[f64], keep: &[bool]) -> Vec<f64> {
+    fn sums(&self, x: &[f64], keep: &[bool]) -> Vec<f64> {
         let mut out = vec![0f64; self.len.len()];
-        for ((&s, &v), &k) in sequences.iter().zip(x).zip(keep) {
+        for ((&s, &v), &k) in self.of.iter().zip(x).zip(keep) {
             if k {
-                out[s as usize] += v;
+                out[s] += v;
             }
         }
         out
@@ -386,7 +394,7 @@ impl PerSequence {
 
 /// Which targets masked IS keeps: `ρ` (per token, or per response from
 /// `log ρ_t = old_t − behaviour_t`) within the bounds.
-fn masked_is_keep(m: &MaskedIs, sequences: &[u32], log_rho: &[f64], per_seq: &PerSequence) -> Vec<bool> {
+fn masked_is_keep(m: &MaskedIs, log_rho: &[f64], per_seq: &PerSequence) -> Vec<bool> {
     let (lower, upper) = m.bounds();
     let inside = |log_ratio: f64| {
         let r = log_ratio.exp();
@@ -395,8 +403,7 @@ fn masked_is_keep(m: &MaskedIs, sequences: &[u32], log_rho: &[f64], per_seq: &Pe
     match m.level {
         MaskLevel::Token => log_rho.iter().map(|&l| inside(l)).collect(),
         MaskLevel::Sequence | MaskLevel::Geometric => {
-            let all = vec![true; log_rho.len()];
-            let sums = per_seq.sums(sequences, log_rho, &all);
+            let sums = per_seq.sums(log_rho, &vec![true; log_rho.len()]);
             let keep_seq: Vec<bool> = sums
                 .iter()
                 .zip(&per_seq.len)
@@ -405,7 +412,7 @@ fn masked_is_keep(m: &MaskedIs, sequences: &[u32], log_rho: &[f64], per_seq: &Pe
                     inside(l)
                 })
                 .collect();
-            sequences.iter().map(|&s| keep_seq[s as usize]).collect()
+            per_seq.of.iter().map(|&s| keep_seq[s]).collect()
         }
     }
 }
@@ -437,20 +444,20 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
 
     let mut per_seq = PerSequence::new(x.sequences);
     let keep = match &cfg.masked_is {
-        Some(m) => masked_is_keep(m, x.sequences, &log_rho, &per_seq),
+        Some(m) => masked_is_keep(m, &log_rho, &per_seq),
         None => vec![true; n],
     };
     let masked_tokens = keep.iter().filter(|&&k| !k).count() as u64;
-    for (&s, &k) in x.sequences.iter().zip(&keep) {
-        per_seq.kept[s as usize] -= u32::from(!k);
+    for (&s, &k) in per_seq.of.iter().zip(&keep) {
+        per_seq.kept[s] -= u32::from(!k);
     }
     let masked_sequences =
         per_seq.len.iter().zip(&per_seq.kept).filter(|&(&l, &k)| l > 0 && k == 0).count() as u64;
-    let weights: Vec<f32> = x
-        .sequences
+    let weights: Vec<f32> = per_seq
+        .of
         .iter()
         .zip(&keep)
-        .map(|(&s, &k)| if k { cfg.aggregation.target_weight(per_seq.kept[s as usize]) } else { 0.0 })
+        .map(|(&s, &k)| if k { cfg.aggregation.target_weight(per_seq.kept[s]) } else { 0.0 })
         .collect();
 
     // The ratio as a differentiable tensor and its value per target. GSPO's is the
@@ -464,11 +471,11 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
         RatioLevel::Sequence => {
             let log_ratio: Vec<f64> =
                 logp_host.iter().zip(&old_host).map(|(&l, &o)| f64::from(l) - f64::from(o)).collect();
-            let sums = per_seq.sums(x.sequences, &log_ratio, &keep);
-            let s: Vec<f32> = x
-                .sequences
+            let sums = per_seq.sums(&log_ratio, &keep);
+            let s: Vec<f32> = per_seq
+                .of
                 .iter()
-                .map(|&q| (sums[q as usize] / f64::from(per_seq.kept[q as usize].max(1))).exp() as f32)
+                .map(|&q| (sums[q] / f64::from(per_seq.kept[q].max(1))).exp() as f32)
                 .collect();
             let s_t = Tensor::from_slice(&s, n, device)?;
             let ratio = (x.logprobs - x.logprobs.detach())?.exp()?.mul(&s_t)?;
@@ -822,6 +829,29 @@ mod tests {
         let err = gspo.validate("loss").unwrap_err().to_string();
         assert!(err.contains("loss.ratio_level") && err.contains("loss.aggregation"), "{err}");
         LossConfig { aggregation: Aggregation::SeqMeanTokenMean, ..gspo }.validate("loss").unwrap();
+    }
+
+    #[test]
+    fn response_ids_need_not_be_dense() {
+        // Kept targets of a micro-batch may name any responses; per-response means
+        // count each response's own targets.
+        let lp = var(&[-1.0, -1.0, -1.0]);
+        let old = lp.as_tensor().detach();
+        let cfg = LossConfig { aggregation: Aggregation::SeqMeanTokenMean, ..LossConfig::default() };
+        let out = grpo_loss(
+            &cfg,
+            LossInputs {
+                logprobs: lp.as_tensor(),
+                old_logprobs: &old,
+                behaviour_logprobs: &old,
+                ref_logprobs: None,
+                entropy: None,
+                advantages: &[1.0, 1.0, 1.0],
+                sequences: &[7, u32::MAX, 7],
+            },
+        )
+        .unwrap();
+        assert_eq!(grad(&out.loss, &lp), vec![-0.5, -1.0, -0.5]);
     }
 
     #[test]

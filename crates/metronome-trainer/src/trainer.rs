@@ -107,8 +107,6 @@ struct Sums {
     entropy: f64,
     gap: f64,
     clipped: u64,
-    /// Targets masked IS dropped.
-    masked: u64,
     /// Responses in the loss before masking, and the sum and sum of squares of their
     /// advantages: REINFORCE++'s batch standard deviation.
     adv_count: u64,
@@ -128,7 +126,6 @@ impl Sums {
         self.entropy += o.entropy;
         self.gap += o.gap;
         self.clipped += o.clipped;
-        self.masked += o.masked;
         self.adv_count += o.adv_count;
         self.adv_sum += o.adv_sum;
         self.adv_sq_sum += o.adv_sq_sum;
@@ -380,12 +377,10 @@ impl GrpoTrainer {
         }
     }
 
-    /// Whether REINFORCE++'s batch normaliser applies at step time (not in SFT, nor
-    /// to mini-steps, which divide the advantages before training).
+    /// Whether REINFORCE++'s batch normaliser is left to step time for the RL
+    /// gradient being accumulated (mini-steps divide the advantages before training).
     fn batch_normalised(&self) -> bool {
-        self.cfg.advantage == AdvantageEstimator::ReinforcePlusPlusBaseline
-            && self.mode == Some(Mode::Rl)
-            && !self.advantages_normalised
+        self.cfg.advantage == AdvantageEstimator::ReinforcePlusPlusBaseline && !self.advantages_normalised
     }
 
     /// The extra scale of the policy-gradient term: REINFORCE++'s `1 / (std + eps)`
@@ -394,7 +389,7 @@ impl GrpoTrainer {
     /// of that term by the batch's standard deviation equals training on advantages
     /// divided by it up front, while groups still arrive one at a time.
     fn policy_scale(&self) -> f64 {
-        if self.batch_normalised() { self.sums.batch_std_scale() } else { 1.0 }
+        if self.mode == Some(Mode::Rl) && self.batch_normalised() { self.sums.batch_std_scale() } else { 1.0 }
     }
 
     /// The step's gradient (before clipping) and its norm: the accumulated sums times
@@ -468,13 +463,20 @@ impl GrpoTrainer {
         }
         let start = Instant::now();
         let n = p.targets.len();
-        // One layout of the micro-batch for both forwards; the reference builds no
-        // graph (it is frozen).
+        // One layout of the micro-batch for both forwards, and one scheduling of them:
+        // the two are independent until the loss, so on a pool of two or more threads
+        // they run side by side (whole forwards in parallel keep the cores busier than
+        // splitting each small op across them, DESIGN.md §6); on one thread they run
+        // in turn. The reference builds no graph (it is frozen).
         let batch = self.policy.prepare_batch(rows, &p.targets)?;
-        let out = self.policy.score(&batch, self.temperature)?;
-        let reference = match &self.reference {
-            Some(r) if self.cfg.loss.kl_coef > 0.0 => Some(r.score(&batch, self.temperature)?.logprobs),
-            _ => None,
+        let temperature = self.temperature;
+        let (out, reference) = match &self.reference {
+            Some(r) if self.cfg.loss.kl_coef > 0.0 => {
+                let (out, reference) =
+                    rayon::join(|| self.policy.score(&batch, temperature), || r.score(&batch, temperature));
+                (out?, Some(reference?.logprobs))
+            }
+            _ => (self.policy.score(&batch, temperature)?, None),
         };
         drop(batch);
         let behaviour = Tensor::from_slice(&p.targets.behaviour_logprob, n, self.policy.device())?;
@@ -503,9 +505,10 @@ impl GrpoTrainer {
         }
         self.times.forward += mid - start;
         self.times.backward += mid.elapsed();
+        // Masked IS drops targets, and responses it dropped whole, from the counts
+        // the normalisers divide by.
         sums.tokens = terms.tokens;
-        sums.masked = terms.masked_tokens;
-        sums.sequences -= terms.masked_sequences;
+        sums.sequences = sums.sequences.saturating_sub(terms.masked_sequences);
         sums.loss = terms.loss_sum;
         sums.policy = terms.policy_sum;
         sums.kl = terms.kl_sum;
@@ -527,8 +530,8 @@ impl GrpoTrainer {
             return Ok(AccumulateReport { tokens: prepared.counts.tokens, loss_sum: 0.0 });
         }
         let start = Instant::now();
-        self.mode = Some(Mode::Rl);
         let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
+        self.mode = Some(Mode::Rl);
         metrics::histogram!("metronome_trainer_accumulate_seconds").record(start.elapsed().as_secs_f64());
         self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
         self.sums.add(&sums);
