@@ -196,17 +196,17 @@ impl Reward {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvantageEstimator {
-    /// GRPO (Shao et al. 2024, arXiv 2402.03300, §4.1.2): `(r - mean) / (std + eps)`,
+    /// GRPO (Shao et al. 2024, arXiv 2402.03300): `(r - mean) / (std + eps)`,
     /// population standard deviation.
     #[default]
     GroupNorm,
-    /// Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, §3.2): `r - mean`, no division by
+    /// Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): `r - mean`, no division by
     /// the standard deviation.
     GroupMean,
-    /// RLOO (Ahmadian et al. 2024, arXiv 2402.14740, eq. 7): `r_i - mean_{j != i} r_j`,
+    /// RLOO (Ahmadian et al. 2024, arXiv 2402.14740): `r_i - mean_{j != i} r_j`,
     /// the leave-one-out baseline.
     LeaveOneOut,
-    /// REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262, §3.2): the group mean
+    /// REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262): the group mean
     /// as the baseline, `r - mean`, then every advantage of the *batch* divided by
     /// the batch's standard deviation of these (plus [`ADVANTAGE_STD_EPS`]). Per group
     /// this computes `r - mean`; the batch part needs the whole batch, so the trainer

@@ -104,12 +104,12 @@ pub enum RatioLevel {
     /// PPO/GRPO: one ratio `π(y_t) / π_old(y_t)` per token, clipped per token.
     #[default]
     Token,
-    /// GSPO (Zheng et al. 2025, arXiv 2507.18071, eq. 5–7): one ratio per response,
+    /// GSPO (Zheng et al. 2025, arXiv 2507.18071): one ratio per response,
     /// `s_i = (π(y_i) / π_old(y_i))^(1/|y_i|) = exp(mean_t(log π − log π_old))`, the
     /// length-normalised geometric mean of its token ratios, clipped per response:
     /// `−min(s_i A_i, clip(s_i, 1−ε_low, 1+ε_high) A_i)`, one term per response (it
     /// needs `aggregation = seq_mean_token_mean`). Computed in the paper's GSPO-token
-    /// form (eq. 13), `s_i,t = sg[s_i] · π(y_t) / sg[π(y_t)]`, whose value and gradient
+    /// form, `s_i,t = sg[s_i] · π(y_t) / sg[π(y_t)]`, whose value and gradient
     /// equal GSPO's when a response's tokens share its advantage, as here.
     Sequence,
 }
@@ -134,10 +134,12 @@ pub enum MaskLevel {
 ///
 /// This is verl's rollout-correction rejection sampling (`rollout_rs` = `token`,
 /// `sequence` or `geometric`, with `rollout_rs_threshold` and `_lower`; Liu, Li et al.
-/// 2025, "When Speed Kills Stability") and the masking of AReaL's decoupled PPO (Fu et
-/// al. 2025, arXiv 2505.24298, §5: tokens whose behaviour weight exceeds a cap leave
-/// the policy term; with `tis_cap = upper` the kept tokens carry that weight, as
-/// there). Combine it with [`LossConfig::tis_cap`] to weight what is kept.
+/// 2025, "When Speed Kills Stability"), and the mask of AReaL's decoupled PPO (Fu et
+/// al. 2025, arXiv 2505.24298): its implementation drops from the policy term the
+/// tokens whose behaviour weight exceeds a cap and weights the kept ones by it, which
+/// is `level = token`, `lower = 0`, `upper = tis_cap = cap` here, except that AReaL
+/// keeps the dropped tokens in the token count. Combine it with
+/// [`LossConfig::tis_cap`] to weight what is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MaskedIs {

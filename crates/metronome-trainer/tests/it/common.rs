@@ -139,8 +139,14 @@ pub(crate) fn stamped(batch: &TrainBatch, version: PolicyVersion) -> TrainBatch 
 /// Two periods of four groups in `order` (KL term on, so the reference model trains
 /// beside the policy), then every weight on the host and the two steps' losses.
 pub(crate) fn two_periods(device: &Device, order: [usize; 4]) -> (Vec<f32>, Vec<f64>) {
+    two_periods_on(device, order, 1)
+}
+
+/// [`two_periods`] on a trainer pool of `threads` threads.
+pub(crate) fn two_periods_on(device: &Device, order: [usize; 4], threads: usize) -> (Vec<f32>, Vec<f64>) {
     let groups = period_groups();
     let mut cfg = config();
+    cfg.threads = threads;
     cfg.loss.kl_coef = 0.02;
     cfg.loss.kl_estimator = KlEstimator::K3;
     cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;

@@ -201,7 +201,7 @@ fn assert_close(what: &str, got: f64, want: f64) {
     assert!((got - want).abs() < 1e-5, "{what}: {got} vs {want}");
 }
 
-/// Dr. GRPO (Liu et al. 2025, arXiv 2503.20783, §3.2 and Listing 1): advantages
+/// Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): advantages
 /// `R − mean(R)` without the standard deviation, and each response's token *sum*
 /// divided by one constant (the generation budget) before the mean over responses,
 /// without `1/|o_i|`. Written in the paper's shape; reached by `advantage =
@@ -242,7 +242,7 @@ fn dr_grpo_is_the_papers_objective() {
     assert_eq!(terms.tokens, 13);
 }
 
-/// GSPO (Zheng et al. 2025, arXiv 2507.18071, eq. 5–7): per response
+/// GSPO (Zheng et al. 2025, arXiv 2507.18071): per response
 /// `s_i = exp(mean_t log(π/π_old))`, loss `−(1/G) Σ_i min(s_i A_i, clip(s_i) A_i)`
 /// and `∇ = −(1/G) A_i s_i (1/|y_i|) Σ_t ∇log π(y_t)` where unclipped, 0 where
 /// clipped; with a KL term on top (token-level, weighted `1/(G |y_i|)`).
