@@ -123,6 +123,17 @@ pub(crate) fn flat_weights(model: &Model) -> Vec<f32> {
         .collect()
 }
 
+/// Every pending gradient of `t` (the next step's, before clipping) flattened, in
+/// parameter order.
+pub(crate) fn pending_gradients(t: &metronome_trainer::GrpoTrainer) -> Vec<f32> {
+    t.pending_gradients()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .flat_map(|(_, g)| g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
 pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)

@@ -7,17 +7,9 @@ use metronome_model::Device;
 use metronome_trainer::loss::{Aggregation, MaskLevel, MaskedIs, RatioLevel};
 use metronome_trainer::{GrpoTrainer, TrainerConfig};
 
-use crate::common::{config, flat_weights, group_batch_at, max_abs_diff, period_groups, stamped, tiny_model};
-
-/// Every pending gradient flattened, in parameter order.
-fn gradients(t: &GrpoTrainer) -> Vec<f32> {
-    t.pending_gradients()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .flat_map(|(_, g)| g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-        .collect()
-}
+use crate::common::{
+    config, flat_weights, group_batch_at, max_abs_diff, pending_gradients, period_groups, stamped, tiny_model,
+};
 
 /// The batches with every advantage divided by `factor`.
 fn divided(groups: &[TrainBatch], factor: f64) -> Vec<TrainBatch> {
@@ -71,7 +63,8 @@ fn reinforce_plus_plus_at_step_time_equals_the_batch_std_up_front() {
             unscaled.accumulate_sync(g).unwrap();
         }
         if mini_steps == 1 {
-            let (a, b, c) = (gradients(&streamed), gradients(&reference), gradients(&unscaled));
+            let (a, b, c) =
+                (pending_gradients(&streamed), pending_gradients(&reference), pending_gradients(&unscaled));
             let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
             let diff = max_abs_diff(&a, &b);
             assert!(diff <= 1e-5 * scale, "{what}: gradients differ by {diff} (largest {scale})");
@@ -129,7 +122,7 @@ fn gspo_on_policy_is_grpo_with_sequence_means() {
         grpo.accumulate_sync(g).unwrap();
         gspo.accumulate_sync(g).unwrap();
     }
-    let (a, b) = (gradients(&gspo), gradients(&grpo));
+    let (a, b) = (pending_gradients(&gspo), pending_gradients(&grpo));
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     assert!(scale > 0.0 && max_abs_diff(&a, &b) <= 1e-6 * scale.max(1.0));
 }
