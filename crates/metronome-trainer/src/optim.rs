@@ -365,4 +365,24 @@ mod tests {
         assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
         assert_eq!(norm, 0.0);
     }
+
+    #[test]
+    fn accumulators_scaled_apart_sum_into_one_gradient() {
+        let x = Var::from_slice(&[1.0f32, 2.0], 2, &Device::Cpu).unwrap();
+        let params = vec![("x".to_string(), x.clone())];
+        let (mut a, mut b) = (GradAccumulator::new(1), GradAccumulator::new(1));
+        a.add(&params, &(x.as_tensor() * 2.0).unwrap().sum_all().unwrap().backward().unwrap()).unwrap();
+        b.add(&params, &x.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap()).unwrap();
+        // 0.5·[2, 2] + 3·[2, 4].
+        let (g, norm) = GradAccumulator::finish_sum(&params, &[(&a, 0.5), (&b, 3.0)]).unwrap();
+        assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![7.0, 13.0]);
+        assert!((norm - (49f64 + 169.0).sqrt()).abs() < 1e-12);
+        // An empty part adds nothing; one for other parameters is refused.
+        b.clear();
+        let (g, _) = GradAccumulator::finish_sum(&params, &[(&a, 1.0), (&b, 3.0)]).unwrap();
+        assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![2.0, 2.0]);
+        let other = GradAccumulator::new(2);
+        let err = GradAccumulator::finish_sum(&params, &[(&a, 1.0), (&other, 1.0)]).unwrap_err().to_string();
+        assert!(err.contains("2 sums for 1 parameters"), "{err}");
+    }
 }
