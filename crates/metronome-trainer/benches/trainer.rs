@@ -306,7 +306,7 @@ fn reference(c: &mut Criterion) {
                 .expect("trainer");
             let mut two = TwoPass::new(&cfg);
             let (a, b) = min_times(
-                15,
+                30,
                 || {
                     fused.accumulate_sync(&batch).expect("accumulate");
                 },
@@ -356,7 +356,7 @@ fn reference(c: &mut Criterion) {
             }
             two.step();
         };
-        let (a, b) = min_times(7, &mut fused_period, &mut two_period);
+        let (a, b) = min_times(15, &mut fused_period, &mut two_period);
         println!(
             "reference_period/{threads} threads/8 groups: fused {:.1} ms, two passes {:.1} ms, \
              two passes / fused = {:.3}",
