@@ -139,6 +139,51 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
     }
 }
 
+/// Every loss variant (and dynamic sampling) keeps `sync` equal to `periodic`: the same rollouts and weights
+/// within 1e-6 (REINFORCE++'s batch normaliser is applied at step time, so
+/// completion order cannot change it; masked IS, GSPO and the temperature are per
+/// group).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_and_periodic_agree_for_every_loss_variant() {
+    let variants: [&[&str]; 5] = [
+        // GSPO, scored at a sampling temperature other than 1, with a KL term.
+        &[
+            "trainer.loss.ratio_level=\"sequence\"",
+            "trainer.loss.aggregation={ kind = \"seq_mean_token_mean\" }",
+            "rollout.sampling.temperature=0.7",
+            "trainer.loss.kl_coef=0.01",
+        ],
+        // REINFORCE++-baseline with KL and entropy terms (accumulated apart), masked IS.
+        &[
+            "trainer.advantage=\"reinforce_plus_plus_baseline\"",
+            "trainer.loss.kl_coef=0.01",
+            "trainer.loss.entropy_coef=0.001",
+            "trainer.loss.masked_is={ level = \"token\", upper = 1.5 }",
+        ],
+        // Dr. GRPO.
+        &[
+            "trainer.advantage=\"group_mean\"",
+            "trainer.loss.aggregation={ kind = \"constant_normaliser\", max_tokens = 8 }",
+        ],
+        // DAPO's dynamic sampling: 4 of the 6 groups, those whose rewards vary first.
+        &["run.dynamic_sampling={ groups = 4 }"],
+        // RLOO with truncated IS and geometric masked IS.
+        &[
+            "trainer.advantage=\"leave_one_out\"",
+            "trainer.loss.tis_cap=2.0",
+            "trainer.loss.masked_is={ level = \"geometric\", lower = 0.5, upper = 2.0 }",
+        ],
+    ];
+    for extra in variants {
+        let (base_rollouts, base_reports, base_weights) = run_with(Schedule::Sync, 1, extra).await;
+        assert!(base_reports.iter().any(|r| r.step.tokens > 0), "{extra:?}: nothing trained");
+        let (rollouts, _, weights) = run_with(Schedule::Periodic, 1, extra).await;
+        assert_eq!(rollouts, base_rollouts, "{extra:?}: rollouts or rewards differ");
+        let diff = max_weight_difference(&base_weights, &weights);
+        assert!(diff <= 1e-6, "{extra:?}: weights differ by {diff}");
+    }
+}
+
 /// Packs every group of one period with NaN advantages (the trainer's side computes
 /// advantages from the rewards, so the scorer cannot poison them), so that the
 /// trainer's non-finite guard refuses the step that closes it.

@@ -196,16 +196,27 @@ impl Reward {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvantageEstimator {
-    /// GRPO: `(r - mean) / (std + eps)`, population standard deviation.
+    /// GRPO (Shao et al. 2024, arXiv 2402.03300): `(r - mean) / (std + eps)`,
+    /// population standard deviation.
     #[default]
     GroupNorm,
-    /// Dr. GRPO: `r - mean`, no division by the standard deviation.
+    /// Dr. GRPO (Liu et al. 2025, arXiv 2503.20783): `r - mean`, no division by
+    /// the standard deviation.
     GroupMean,
-    /// RLOO: `r_i - mean_{j != i} r_j`, the leave-one-out baseline.
+    /// RLOO (Ahmadian et al. 2024, arXiv 2402.14740): `r_i - mean_{j != i} r_j`,
+    /// the leave-one-out baseline.
     LeaveOneOut,
+    /// REINFORCE++-baseline (Hu et al. 2025, arXiv 2501.03262): the group mean
+    /// as the baseline, `r - mean`, then every advantage of the *batch* divided by
+    /// the batch's standard deviation of these (plus [`ADVANTAGE_STD_EPS`]). Per group
+    /// this computes `r - mean`; the batch part needs the whole batch, so the trainer
+    /// applies it (as a step-time scale on the policy-gradient term, where groups
+    /// arrive one at a time).
+    ReinforcePlusPlusBaseline,
 }
 
-/// The epsilon added to the standard deviation by [`AdvantageEstimator::GroupNorm`].
+/// The epsilon added to the standard deviation by [`AdvantageEstimator::GroupNorm`]
+/// and [`AdvantageEstimator::ReinforcePlusPlusBaseline`].
 pub const ADVANTAGE_STD_EPS: f32 = 1e-6;
 
 /// Summary statistics of a group's rewards.
@@ -251,7 +262,9 @@ impl AdvantageEstimator {
                 let denom = f64::from(stats.std) + f64::from(ADVANTAGE_STD_EPS);
                 rewards.iter().map(|&r| ((f64::from(r) - mean) / denom) as f32).collect()
             }
-            Self::GroupMean => rewards.iter().map(|&r| (f64::from(r) - mean) as f32).collect(),
+            Self::GroupMean | Self::ReinforcePlusPlusBaseline => {
+                rewards.iter().map(|&r| (f64::from(r) - mean) as f32).collect()
+            }
             Self::LeaveOneOut => {
                 let n = rewards.len() as f64;
                 let sum: f64 = rewards.iter().map(|&r| f64::from(r)).sum();

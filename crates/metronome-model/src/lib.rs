@@ -6,7 +6,10 @@
 //! - [`Model`] holds the weights as `candle_core::Var`s named as in Hugging Face.
 //!   [`Model::target_logprobs`] is the trainer's forward: packed rows with explicit
 //!   positions and the segment-tree attention of `metronome_core::PackedRow` (the
-//!   shared-prompt layout), returning log-probs and entropies of the loss targets only.
+//!   shared-prompt layout), returning log-probs and entropies of the loss targets only;
+//!   [`Model::prepare_batch`] and [`Model::score`] split it so that several models
+//!   (a policy and its reference) share one layout of a micro-batch, and score at a
+//!   sampling temperature (`logits / T`, the distribution the rollout engine samples).
 //!   It is written from differentiable candle-core primitives, because candle-nn's
 //!   fused softmax and RMSNorm have no backward.
 //! - [`KvCache`], [`Model::prefill`] and [`Model::decode_step`] are the rollout engine's
@@ -73,6 +76,6 @@ pub use device::DeviceSpec;
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use kv_cache::{DECODE_MIN_ROWS, KvCache};
-pub use model::{Model, TargetOutput};
+pub use model::{Model, ScoringBatch, TargetOutput};
 pub use portable::Kernels;
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};

@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::ops::{DenseWeight, attention, linear, rope_tables, segment_plans};
+use crate::ops::{DenseWeight, RopeTables, SegmentPlan, attention, linear, rope_tables, segment_plans};
 use crate::{Error, Kernels, Result};
 
 /// One decoder layer's parameters.
@@ -114,6 +114,52 @@ pub struct TargetOutput {
     pub logprobs: Tensor,
     /// Entropy of the predicting position's distribution, `[n_targets]` f32.
     pub entropy: Tensor,
+}
+
+/// A packed micro-batch checked and laid out by [`Model::prepare_batch`], ready for
+/// [`Model::score`] by any model of the same vocabulary, head size, rotary base and
+/// device (a policy and its frozen reference share one).
+#[derive(Debug)]
+pub struct ScoringBatch {
+    shape: BatchShape,
+    device: Device,
+    /// Token ids of the concatenated rows, `[positions]` u32.
+    ids: Tensor,
+    rope: RopeTables,
+    /// Per row: its length and the attention plan of each segment.
+    plans: Vec<(usize, Vec<SegmentPlan>)>,
+    /// Each target's predicting position in the concatenated rows, `[targets]` u32.
+    index: Tensor,
+    targets: Vec<u32>,
+}
+
+impl ScoringBatch {
+    /// Number of positions of the rows (the tokens every forward runs).
+    #[must_use]
+    pub fn num_positions(&self) -> usize {
+        self.ids.dims().first().copied().unwrap_or(0)
+    }
+
+    /// Number of targets scored.
+    #[must_use]
+    pub fn num_targets(&self) -> usize {
+        self.targets.len()
+    }
+}
+
+/// What a [`ScoringBatch`]'s layout depends on besides the rows: the vocabulary the
+/// tokens were checked against, and the rotary tables' head size and base.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct BatchShape {
+    vocab_size: usize,
+    head_dim: usize,
+    rope_theta: f64,
+}
+
+impl BatchShape {
+    fn of(cfg: &ModelConfig) -> Self {
+        Self { vocab_size: cfg.vocab_size, head_dim: cfg.head_dim, rope_theta: cfg.rope_theta }
+    }
 }
 
 /// Where the parameters come from when a model is built.
@@ -373,80 +419,17 @@ impl Model {
         Ok(())
     }
 
-    /// Final hidden states (after the last norm) of the concatenated positions of
-    /// `rows`, `[sum of lengths, hidden]`.
-    fn hidden_states(&self, rows: &[PackedRow], grad: bool) -> Result<Tensor> {
-        let m = &self.inner;
-        let cfg = &m.cfg;
-        let dev = &m.device;
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut plans = Vec::with_capacity(rows.len());
-        for (r, row) in rows.iter().enumerate() {
-            row.validate(r).map_err(|e| Error::invalid("batch:", e.to_string()))?;
-            self.check_tokens(&row.tokens, &|| format!("packed row {r}"))?;
-            tokens.extend_from_slice(&row.tokens);
-            positions.extend_from_slice(&row.positions);
-            plans.push(segment_plans(row, dev)?);
-        }
-        let n = tokens.len();
-        if n == 0 {
-            return Err(Error::invalid("rows", "hold no positions"));
-        }
-        let ids = Tensor::from_vec(tokens, n, dev)?;
-        let mut x = Self::w(&m.embed, grad).index_select(&ids, 0)?;
-        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
-        let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let ks = self.kernels;
-        for l in &m.layers {
-            let w = |v: &Var| Self::w(v, grad);
-            let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
-            let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
-            let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let q = ks.rope(&q, &rope)?;
-            let k = ks.rope(&k, &rope)?;
-            // Attention runs per segment, without padding: its queries against its
-            // ancestors' keys and its own causal prefix, the only pairs it may see.
-            let mut outs = Vec::new();
-            let mut row_start = 0;
-            for (row, row_plans) in rows.iter().zip(&plans) {
-                for plan in row_plans {
-                    let gather = |t: &Tensor| -> Result<Tensor> {
-                        let parts = plan
-                            .keys
-                            .iter()
-                            .map(|&(s, l)| t.narrow(0, row_start + s, l))
-                            .collect::<std::result::Result<Vec<_>, _>>()?;
-                        Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
-                    };
-                    let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                    outs.push(attention(ks, &q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
-                }
-                row_start += row.len();
-            }
-            let att = if outs.len() == 1 {
-                outs.pop().unwrap_or_else(|| unreachable!())
-            } else {
-                Tensor::cat(&outs, 0)?
-            };
-            x = (x + linear(&att, &w(&l.o), None)?)?;
-            let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let gu = ks.swiglu_train(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?)?;
-            x = (x + linear(&gu, &w(&l.down), None)?)?;
-        }
-        ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
-    }
-
-    /// Training forward on packed rows: for each target, the log-prob of its token at
-    /// its predicting position and that position's entropy.
+    /// Checks `rows` and `targets` against this model and lays them out once for
+    /// every model of the same shape that scores them ([`Model::score`]): the token
+    /// ids, the rotary tables of the explicit positions, each segment's attention
+    /// plan and mask, and where each target's predicting position lies. A policy and
+    /// its reference score one micro-batch from one [`ScoringBatch`].
     ///
-    /// Only the predicting positions go through the LM head, so at most
-    /// `[n_targets, vocab]` logits exist. Differentiable with respect to every
-    /// parameter when the model is trainable. `targets.row`, `position` and `token`
-    /// are read; the other fields are the trainer's.
-    pub fn target_logprobs(&self, rows: &[PackedRow], targets: &Targets) -> Result<TargetOutput> {
+    /// `targets.row`, `position` and `token` are read; the other fields are the
+    /// trainer's.
+    pub fn prepare_batch(&self, rows: &[PackedRow], targets: &Targets) -> Result<ScoringBatch> {
+        let cfg = &self.inner.cfg;
+        let dev = self.device();
         let n = targets.token.len();
         if targets.row.len() != n || targets.position.len() != n {
             return Err(Error::invalid(
@@ -459,11 +442,21 @@ impl Model {
             ));
         }
         self.check_tokens(&targets.token, &|| "targets".to_owned())?;
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut plans = Vec::with_capacity(rows.len());
         let mut offsets = Vec::with_capacity(rows.len());
-        let mut total = 0u32;
-        for r in rows {
-            offsets.push(total);
-            total += r.len() as u32;
+        for (r, row) in rows.iter().enumerate() {
+            row.validate(r).map_err(|e| Error::invalid("batch:", e.to_string()))?;
+            self.check_tokens(&row.tokens, &|| format!("packed row {r}"))?;
+            offsets.push(tokens.len() as u32);
+            tokens.extend_from_slice(&row.tokens);
+            positions.extend_from_slice(&row.positions);
+            plans.push((row.len(), segment_plans(row, dev)?));
+        }
+        let positions_total = tokens.len();
+        if positions_total == 0 {
+            return Err(Error::invalid("rows", "hold no positions"));
         }
         let mut index = Vec::with_capacity(n);
         for i in 0..n {
@@ -482,16 +475,109 @@ impl Model {
             }
             index.push(offsets[row] + pos);
         }
-        let grad = self.trainable;
-        let dev = self.device();
-        let hidden = self.hidden_states(rows, grad)?;
+        Ok(ScoringBatch {
+            shape: BatchShape::of(cfg),
+            device: dev.clone(),
+            ids: Tensor::from_vec(tokens, positions_total, dev)?,
+            rope: rope_tables(&positions, cfg.head_dim, cfg.rope_theta),
+            plans,
+            index: Tensor::from_vec(index, n, dev)?,
+            targets: targets.token.clone(),
+        })
+    }
+
+    /// Final hidden states (after the last norm) of a prepared batch's concatenated
+    /// positions, `[sum of lengths, hidden]`.
+    fn hidden_states(&self, batch: &ScoringBatch, grad: bool) -> Result<Tensor> {
+        let m = &self.inner;
+        let cfg = &m.cfg;
+        let n = batch.ids.dim(0)?;
+        let mut x = Self::w(&m.embed, grad).index_select(&batch.ids, 0)?;
+        let rope = &batch.rope;
+        let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let ks = self.kernels;
+        for l in &m.layers {
+            let w = |v: &Var| Self::w(v, grad);
+            let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
+            let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
+            let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
+            let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
+            let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
+            let q = ks.rope(&q, rope)?;
+            let k = ks.rope(&k, rope)?;
+            // Attention runs per segment, without padding: its queries against its
+            // ancestors' keys and its own causal prefix, the only pairs it may see.
+            let mut outs = Vec::new();
+            let mut row_start = 0;
+            for (row_len, row_plans) in &batch.plans {
+                for plan in row_plans {
+                    let gather = |t: &Tensor| -> Result<Tensor> {
+                        let parts = plan
+                            .keys
+                            .iter()
+                            .map(|&(s, l)| t.narrow(0, row_start + s, l))
+                            .collect::<std::result::Result<Vec<_>, _>>()?;
+                        Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
+                    };
+                    let q = q.narrow(0, row_start + plan.start, plan.len)?;
+                    outs.push(attention(ks, &q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
+                }
+                row_start += row_len;
+            }
+            let att = if outs.len() == 1 {
+                outs.pop().unwrap_or_else(|| unreachable!())
+            } else {
+                Tensor::cat(&outs, 0)?
+            };
+            x = (x + linear(&att, &w(&l.o), None)?)?;
+            let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
+            let gu = ks.swiglu_train(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?)?;
+            x = (x + linear(&gu, &w(&l.down), None)?)?;
+        }
+        ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
+    }
+
+    /// Training forward on packed rows: for each target, the log-prob of its token at
+    /// its predicting position and that position's entropy, at temperature 1.
+    ///
+    /// Only the predicting positions go through the LM head, so at most
+    /// `[n_targets, vocab]` logits exist. Differentiable with respect to every
+    /// parameter when the model is trainable. `targets.row`, `position` and `token`
+    /// are read; the other fields are the trainer's. The same as [`Model::score`] of
+    /// [`Model::prepare_batch`] at `temperature = 1`.
+    pub fn target_logprobs(&self, rows: &[PackedRow], targets: &Targets) -> Result<TargetOutput> {
+        self.score(&self.prepare_batch(rows, targets)?, 1.0)
+    }
+
+    /// The forward of [`Model::target_logprobs`] on a prepared batch, with the logits
+    /// divided by `temperature` before the log-softmax: the log-prob of each target
+    /// under the distribution a sampler at that temperature draws from, and its
+    /// entropy. `temperature = 0` (greedy decoding) scores at 1, as the rollout engine
+    /// records the log-probs of greedy tokens.
+    ///
+    /// Errors when the batch was prepared by a model of another vocabulary, head
+    /// size, rotary base or device, and for a negative or non-finite temperature.
+    pub fn score(&self, batch: &ScoringBatch, temperature: f32) -> Result<TargetOutput> {
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            return Err(Error::invalid("temperature", format!("is {temperature}, expected a number >= 0")));
+        }
+        if batch.shape != BatchShape::of(&self.inner.cfg) || !batch.device.same_device(self.device()) {
+            return Err(Error::invalid(
+                "scoring batch",
+                "was prepared by a model of another vocabulary, head size, rotary base or device",
+            ));
+        }
+        let n = batch.targets.len();
         if n == 0 {
-            let empty = Tensor::zeros(0, DType::F32, dev)?;
+            let empty = Tensor::zeros(0, DType::F32, self.device())?;
             return Ok(TargetOutput { logprobs: empty.clone(), entropy: empty });
         }
-        let picked = hidden.index_select(&Tensor::from_vec(index, n, dev)?, 0)?;
+        let grad = self.trainable;
+        let hidden = self.hidden_states(batch, grad)?;
+        let picked = hidden.index_select(&batch.index, 0)?;
         let logits = linear(&picked, &self.lm_head(grad), None)?;
-        let both = self.kernels.target_logprobs_entropy(&logits, targets.token.clone())?;
+        let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
+        let both = self.kernels.target_logprobs_entropy(&logits, batch.targets.clone(), inv_temperature)?;
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
         let entropy = both.narrow(1, 1, 1)?.squeeze(1)?;
         Ok(TargetOutput { logprobs, entropy })
@@ -511,7 +597,8 @@ impl Model {
                 segments: vec![metronome_core::Segment { start: 0, len: s as u32, parent: None }],
             })
             .collect();
-        let hidden = self.hidden_states(&rows, self.trainable)?;
+        let batch = self.prepare_batch(&rows, &Targets::default())?;
+        let hidden = self.hidden_states(&batch, self.trainable)?;
         let logits = linear(&hidden, &self.lm_head(self.trainable), None)?;
         Ok(logits.reshape((b, s, self.inner.cfg.vocab_size))?)
     }

@@ -258,15 +258,20 @@ fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 }
 
 /// For each row of `logits: [n, vocab]`, the log-prob of its target token and the
-/// entropy of its distribution, as `[n, 2]`, with its backward.
+/// entropy of its distribution at a sampling temperature, as `[n, 2]`, with its
+/// backward.
 ///
-/// As candle ops this is a log-softmax (six ops), a gather, and exp, product, sum and
-/// negation for the entropy, each with a backward that allocates `[n, vocab]` again.
-/// With `p = softmax(z)`, `H = −Σ p log p` and `t` the target:
-/// `d log p_t / d z_j = [j = t] − p_j` and `d H / d z_j = −p_j (log p_j + H)`.
+/// As candle ops this is a scale, a log-softmax (six ops), a gather, and exp, product,
+/// sum and negation for the entropy, each with a backward that allocates
+/// `[n, vocab]` again. With `z = logits / T`, `p = softmax(z)`, `H = −Σ p log p` and
+/// `t` the target: `d log p_t / d z_j = [j = t] − p_j` and
+/// `d H / d z_j = −p_j (log p_j + H)`, and `d z / d logits = 1 / T`.
 #[derive(Debug, Clone)]
 struct TargetLogProbs {
     targets: std::sync::Arc<Vec<u32>>,
+    /// `1 / T`, multiplied into the logits as the rollout engine's sampler does (so
+    /// both round alike); exactly 1 skips the product.
+    inv_temperature: f32,
 }
 
 impl TargetLogProbs {
@@ -286,6 +291,17 @@ impl TargetLogProbs {
             candle_core::bail!("{op}: target {i} is token {t}, outside the vocabulary of {vocab}")
         }
         Ok((z, vocab.max(1)))
+    }
+
+    /// The row `z / T` (in `scratch`), or `z` itself at `T = 1`.
+    fn scale<'a>(&self, z: &'a [f32], scratch: &'a mut [f32]) -> &'a [f32] {
+        if self.inv_temperature == 1.0 {
+            return z;
+        }
+        for (o, &v) in scratch.iter_mut().zip(z) {
+            *o = v * self.inv_temperature;
+        }
+        scratch
     }
 }
 
@@ -320,8 +336,9 @@ impl candle_core::CustomOp1 for TargetLogProbs {
         let n = self.targets.len();
         let mut out = vec![0f32; 2 * n];
         let mut logp = vec![0f32; vocab];
+        let mut scaled = vec![0f32; if self.inv_temperature == 1.0 { 0 } else { vocab }];
         for (i, zs) in z.chunks_exact(vocab).enumerate() {
-            let entropy = log_softmax_row(zs, &mut logp);
+            let entropy = log_softmax_row(self.scale(zs, &mut scaled), &mut logp);
             out[2 * i] = logp[self.targets[i] as usize];
             out[2 * i + 1] = entropy;
         }
@@ -357,23 +374,33 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
             candle_core::bail!("{}: gradient {:?} for {n} targets", self.name(), l2.dims())
         }
         let mut out = vec![0f32; z.len()];
+        let inv = self.0.inv_temperature;
+        let mut scaled = vec![0f32; if inv == 1.0 { 0 } else { vocab }];
         for (i, (zs, os)) in z.chunks_exact(vocab).zip(out.chunks_exact_mut(vocab)).enumerate() {
-            let entropy = log_softmax_row(zs, os);
+            let entropy = log_softmax_row(self.0.scale(zs, &mut scaled), os);
             let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
             for o in os.iter_mut() {
                 let p = o.exp();
                 *o = -p * (g_logp + g_entropy * (*o + entropy));
             }
             os[self.0.targets[i] as usize] += g_logp;
+            if inv != 1.0 {
+                os.iter_mut().for_each(|o| *o *= inv);
+            }
         }
         Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
-/// Log-probs of `targets` under `logits: [n, vocab]` and the entropies of the rows, as
-/// `[n, 2]` (see [`TargetLogProbs`]).
-pub(crate) fn target_logprobs_entropy(logits: &Tensor, targets: Vec<u32>) -> Result<Tensor> {
-    Ok(logits.contiguous()?.apply_op1(TargetLogProbs { targets: std::sync::Arc::new(targets) })?)
+/// Log-probs of `targets` under `logits / T: [n, vocab]` and the entropies of the rows,
+/// as `[n, 2]` (see [`TargetLogProbs`]); `inv_temperature` is `1 / T`.
+pub(crate) fn target_logprobs_entropy(
+    logits: &Tensor,
+    targets: Vec<u32>,
+    inv_temperature: f32,
+) -> Result<Tensor> {
+    let op = TargetLogProbs { targets: std::sync::Arc::new(targets), inv_temperature };
+    Ok(logits.contiguous()?.apply_op1(op)?)
 }
 
 /// `x @ wᵀ (+ b)` for `x: [n, in]`, `w: [out, in]`.
@@ -1214,6 +1241,7 @@ pub(crate) fn swiglu_train(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// ancestors and its own causal prefix. Attending per segment costs the pairs the
 /// segment tree allows, where one `[len, len]` mask per row would cost the row's
 /// square: for a shared-prompt row of G responses that is up to G times less.
+#[derive(Debug)]
 pub(crate) struct SegmentPlan {
     /// First query position in the row.
     pub(crate) start: usize,
@@ -1540,27 +1568,35 @@ mod tests {
         let diff = |a: &Tensor, b: &Tensor| {
             (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
         };
-        let fused = target_logprobs_entropy(z.as_tensor(), targets.clone()).unwrap();
-        let (lf, ef) = (
-            fused.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
-            fused.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
-        );
-        let portable = Kernels::Portable.target_logprobs_entropy(z.as_tensor(), targets.clone()).unwrap();
-        let (lc, ec) = (
-            portable.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
-            portable.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
-        );
-        assert!(diff(&lf, &lc) < 1e-5, "log-probs {}", diff(&lf, &lc));
-        assert!(diff(&ef, &ec) < 1e-5, "entropy {}", diff(&ef, &ec));
+        let split = |both: &Tensor| {
+            (
+                both.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
+                both.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
+            )
+        };
         let loss =
             |l: &Tensor, e: &Tensor| ((l * &wl).unwrap() + (e * &we).unwrap()).unwrap().sum_all().unwrap();
-        let gf = loss(&lf, &ef).backward().unwrap();
-        let gc = loss(&lc, &ec).backward().unwrap();
-        let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
-        assert!(diff(gf, gc) < 1e-5, "d logits {}", diff(gf, gc));
+        for temperature in [1.0f32, 0.7, 1.6] {
+            let inv = 1.0 / temperature;
+            let (lf, ef) = split(&target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap());
+            let (lc, ec) = split(
+                &Kernels::Portable.target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap(),
+            );
+            assert!(diff(&lf, &lc) < 1e-5, "T={temperature}: log-probs {}", diff(&lf, &lc));
+            assert!(diff(&ef, &ec) < 1e-5, "T={temperature}: entropy {}", diff(&ef, &ec));
+            // Both against the plain log-softmax of the scaled logits.
+            let logp = log_softmax_last_dim(&(z.as_tensor() * f64::from(inv)).unwrap()).unwrap();
+            let index = Tensor::from_vec(targets.clone(), (n, 1), &dev).unwrap();
+            let want = logp.gather(&index, 1).unwrap().squeeze(1).unwrap();
+            assert!(diff(&lf, &want) < 1e-5, "T={temperature}: against log_softmax(z / T)");
+            let gf = loss(&lf, &ef).backward().unwrap();
+            let gc = loss(&lc, &ec).backward().unwrap();
+            let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
+            assert!(diff(gf, gc) < 1e-5, "T={temperature}: d logits {}", diff(gf, gc));
+        }
         for k in [Kernels::Fused, Kernels::Portable] {
-            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![0; n - 1]).is_err());
-            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![41; n]).is_err());
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![0; n - 1], 1.0).is_err());
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![41; n], 1.0).is_err());
         }
     }
 

@@ -115,11 +115,16 @@ impl Kernels {
         }
     }
 
-    /// Per row of `logits: [n, vocab]`, the log-prob of its target and the entropy, as
-    /// `[n, 2]` f32, differentiable in the logits.
-    pub(crate) fn target_logprobs_entropy(self, logits: &Tensor, targets: Vec<u32>) -> Result<Tensor> {
+    /// Per row of `logits / T: [n, vocab]`, the log-prob of its target and the entropy,
+    /// as `[n, 2]` f32, differentiable in the logits; `inv_temperature` is `1 / T`.
+    pub(crate) fn target_logprobs_entropy(
+        self,
+        logits: &Tensor,
+        targets: Vec<u32>,
+        inv_temperature: f32,
+    ) -> Result<Tensor> {
         match self {
-            Self::Fused => ops::target_logprobs_entropy(logits, targets),
+            Self::Fused => ops::target_logprobs_entropy(logits, targets, inv_temperature),
             Self::Portable => {
                 let (n, vocab) = logits.dims2()?;
                 if targets.len() != n {
@@ -135,6 +140,7 @@ impl Kernels {
                     ));
                 }
                 let z = logits.to_dtype(DType::F32)?;
+                let z = if inv_temperature == 1.0 { z } else { (z * f64::from(inv_temperature))? };
                 let max = z.max_keepdim(D::Minus1)?.detach();
                 let z = z.broadcast_sub(&max)?;
                 let logp = z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)?;

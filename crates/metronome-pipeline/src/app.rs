@@ -240,11 +240,7 @@ impl Trainer for TrainerHandle {
     }
 
     async fn restore_checkpoint(&mut self, dir: &Path) -> metronome_core::Result<()> {
-        let mut trainer = self.lock();
-        let device = trainer.policy().device().clone();
-        *trainer = GrpoTrainer::resume(trainer.config().clone(), dir, &device)
-            .map_err(|e| metronome_core::Error::stage("trainer", e))?;
-        Ok(())
+        self.lock().restore(dir).map_err(|e| metronome_core::Error::stage("trainer", e))
     }
 }
 
@@ -361,7 +357,7 @@ impl Session {
             self.observer.emit(&Event::Evaluated { how: config.eval.describe(), accuracy });
             evals.push(EvalPoint { after_periods: 0, accuracy });
         }
-        let trainer = GrpoTrainer::new(config.trainer.clone(), model).map_err(err("trainer"))?;
+        let trainer = new_trainer(config, model)?;
         Ok(Start { trainer, evaluation: Evaluation { evaluator, evals, sft_loss } })
     }
 
@@ -497,8 +493,15 @@ pub fn build_stages(
     policy: Model,
     tokenizer: Arc<dyn Tokenizer>,
 ) -> Result<(Stages, TrainerHandle)> {
-    let trainer = GrpoTrainer::new(config.trainer.clone(), policy).map_err(err("trainer"))?;
-    stages_around(config, trainer, tokenizer)
+    stages_around(config, new_trainer(config, policy)?, tokenizer)
+}
+
+/// The run's trainer around `policy`: `[trainer]`, scoring log-probs at the
+/// temperature the engine samples at (`rollout.sampling.temperature`).
+fn new_trainer(config: &PipelineConfig, policy: Model) -> Result<GrpoTrainer> {
+    GrpoTrainer::new(config.trainer.clone(), policy)
+        .and_then(|t| t.with_sampling_temperature(config.rollout.sampling.temperature))
+        .map_err(err("trainer"))
 }
 
 /// The stages of a configured run around `trainer` (a new one, or one resumed from

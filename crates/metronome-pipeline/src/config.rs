@@ -346,12 +346,64 @@ impl PipelineConfig {
             );
         }
         let stale = !run.schedule.is_on_policy();
-        if stale && self.trainer.loss.tis_cap.is_none() {
+        let loss = &self.trainer.loss;
+        if stale && loss.tis_cap.is_none() && loss.masked_is.is_none() {
             return bad(
                 "trainer.loss.tis_cap",
                 format!(
-                    "must be set for `{}`: stale samples need importance-sampling correction",
+                    "must be set for `{}` (or trainer.loss.masked_is): stale samples need importance-sampling \
+                     correction",
                     run.schedule
+                ),
+            );
+        }
+        // The engine records behaviour log-probs of the penalised `softmax(logits / T)`
+        // before top-k/top-p/min-p truncation, and samples greedy tokens from no
+        // distribution at all; the trainer scores the unpenalised `logits / T`. With
+        // truncation, a penalty or greedy decoding the recorded log-probs are not those
+        // of the policy's sampling distribution, so whatever reads them (importance
+        // weights, masks, the old policy of mini-steps and stale samples) would
+        // correct against the wrong distribution. On-policy training never reads them.
+        let sampling = &self.rollout.sampling;
+        let readers = [
+            (loss.tis_cap.is_some(), "trainer.loss.tis_cap is set".to_owned()),
+            (loss.masked_is.is_some(), "trainer.loss.masked_is is set".to_owned()),
+            (self.trainer.mini_steps > 1, format!("trainer.mini_steps = {}", self.trainer.mini_steps)),
+            (stale, format!("run.schedule = \"{}\"", run.schedule)),
+        ];
+        let differing = [
+            (sampling.top_k > 0, "rollout.sampling.top_k", format!("{} (top-k truncation)", sampling.top_k)),
+            (
+                sampling.top_p < 1.0,
+                "rollout.sampling.top_p",
+                format!("{} (top-p truncation)", sampling.top_p),
+            ),
+            (
+                sampling.min_p > 0.0,
+                "rollout.sampling.min_p",
+                format!("{} (min-p truncation)", sampling.min_p),
+            ),
+            (
+                sampling.repetition_penalty != 1.0,
+                "rollout.sampling.repetition_penalty",
+                format!("{} (the trainer scores without a penalty)", sampling.repetition_penalty),
+            ),
+            (
+                sampling.temperature == 0.0,
+                "rollout.sampling.temperature",
+                "0 (greedy: the sampled distribution is one token)".to_owned(),
+            ),
+        ];
+        if let (Some((_, key, value)), Some((_, reader))) =
+            (differing.iter().find(|d| d.0), readers.iter().find(|r| r.0))
+        {
+            return bad(
+                key,
+                format!(
+                    "is {value} while {reader}: the behaviour log-probs the engine records are not those of the \
+                     distribution it samples from, so the correction would use the wrong distribution; sample \
+                     without truncation or penalty, or train on-policy (trainer.mini_steps = 1, no trainer.loss.tis_cap \
+                     or trainer.loss.masked_is, an on-policy run.schedule)"
                 ),
             );
         }

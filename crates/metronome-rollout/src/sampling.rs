@@ -13,9 +13,11 @@
 //! logits *after* the repetition penalty and the temperature, and *before* top-k,
 //! top-p and min-p truncation: `log_softmax(penalised_logits / T)[token]`. At
 //! temperature 0 (greedy) the temperature is taken as 1, i.e. the log-prob is that of
-//! the model's own distribution (with the repetition penalty). With the defaults
-//! (`T = 1`, no penalty, no truncation) this is exactly the policy's log-prob, which is
-//! what importance-sampling corrections compare against.
+//! the model's own distribution (with the repetition penalty). Without a penalty or
+//! truncation this is exactly the policy's log-prob at temperature `T`, which is what
+//! the trainer scores (it is given the same temperature) and what importance-sampling
+//! corrections compare against; the pipeline refuses truncation, a penalty or greedy
+//! decoding wherever the trainer reads these log-probs.
 //!
 //! # Truncation order
 //! Top-k first; then top-p over the top-k candidates renormalised (the smallest set,

@@ -29,7 +29,9 @@ pub struct TrainerConfig {
     /// The loss family and its coefficients.
     pub loss: LossConfig,
     /// The advantage estimator the pipeline's scorer should use. The trainer reads
-    /// advantages from the batches; this is where the run chooses them.
+    /// advantages from the batches; this is where the run chooses them. For
+    /// `reinforce_plus_plus_baseline` the trainer also divides the policy-gradient
+    /// term by the step's standard deviation of the advantages.
     pub advantage: AdvantageEstimator,
     /// Optimiser steps per period. 1 (the default) is the on-policy case: the old
     /// policy is the stop-gradient current policy. Above 1, the period's batches are
@@ -126,6 +128,19 @@ mod tests {
         assert_eq!(cfg.loss.kl_coef, 0.05);
         assert_eq!(cfg.advantage, AdvantageEstimator::LeaveOneOut);
         assert_eq!(cfg.threads, 1);
+        let cfg = TrainerConfig::from_json(
+            r#"{"advantage": "reinforce_plus_plus_baseline",
+                "loss": {"ratio_level": "sequence", "aggregation": {"kind": "seq_mean_token_mean"},
+                         "masked_is": {"level": "geometric", "upper": 1.01}}}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.advantage, AdvantageEstimator::ReinforcePlusPlusBaseline);
+        assert_eq!(cfg.loss.ratio_level, crate::loss::RatioLevel::Sequence);
+        let masked = cfg.loss.masked_is.unwrap();
+        assert_eq!(
+            (masked.level, masked.lower, masked.upper),
+            (crate::loss::MaskLevel::Geometric, None, 1.01)
+        );
     }
 
     #[test]
@@ -138,5 +153,11 @@ mod tests {
         assert!(err.contains("mini_steps"), "{err}");
         let err = TrainerConfig::from_json(r#"{"lossy": {}}"#).unwrap_err().to_string();
         assert!(err.contains("lossy"), "{err}");
+        let err =
+            TrainerConfig::from_json(r#"{"loss": {"masked_is": {"upper": 0.5}}}"#).unwrap_err().to_string();
+        assert!(err.contains("loss.masked_is.upper"), "{err}");
+        let err =
+            TrainerConfig::from_json(r#"{"loss": {"masked_is": {"lower": 0.5}}}"#).unwrap_err().to_string();
+        assert!(err.contains("upper"), "{err}");
     }
 }

@@ -6,25 +6,37 @@
 //! its forward is skipped entirely otherwise) and the *old policy*: with one
 //! optimiser step per period the old policy is the stop-gradient current policy, so
 //! the ratio is exactly 1 and only its gradient acts; with several mini-steps per
-//! period it is the behaviour log-probs recorded by the rollout engine. It implements
-//! `metronome_core::Trainer`: [`GrpoTrainer::accumulate_sync`] runs forward, loss and
-//! backward on one packed micro-batch (`metronome_core::TrainBatch`) and adds the
-//! gradient; [`GrpoTrainer::step_sync`] applies the whole-batch normaliser as a scale
-//! on the accumulated gradient (DESIGN.md §4), the non-finite guard, gradient-norm
-//! clipping and one AdamW update. Gradients are summed in f64 per parameter, so the
-//! period's groups may arrive in completion order and still give the weights of a
-//! synchronous run.
+//! period it is the behaviour log-probs recorded by the rollout engine. Policy and
+//! reference score each micro-batch from one layout (`Model::prepare_batch`: token
+//! ids, rotary tables, segment masks, target index), the reference without an
+//! autograd graph, and both at the rollout engine's sampling temperature
+//! ([`GrpoTrainer::with_sampling_temperature`]: `logits / T`, the distribution the
+//! behaviour log-probs are of). It implements `metronome_core::Trainer`:
+//! [`GrpoTrainer::accumulate_sync`] runs forward, loss and backward on one packed
+//! micro-batch (`metronome_core::TrainBatch`) and adds the gradient;
+//! [`GrpoTrainer::step_sync`] applies the whole-batch normaliser as a scale on the
+//! accumulated gradient (DESIGN.md §4), the non-finite guard, gradient-norm clipping
+//! and one AdamW update. Gradients are summed in f64 per parameter, so the period's
+//! groups may arrive in completion order and still give the weights of a synchronous
+//! run.
 //!
-//! - [`loss`]: PPO clipped surrogate with separate low/high bounds (clip-higher), KL
-//!   to the reference with the k1/k2/k3 estimators, an optional entropy bonus,
-//!   truncated importance sampling for stale samples, and three aggregations
-//!   (sequence-mean-token-mean, global token mean, Dr. GRPO's constant normaliser).
-//!   Groups whose rewards were all equal are dropped from the loss and counted.
-//!   Advantages are computed upstream by `metronome_core::AdvantageEstimator`;
-//!   [`TrainerConfig::advantage`] is where a run chooses it.
+//! - [`loss`]: PPO clipped surrogate with separate low/high bounds (clip-higher) or
+//!   GSPO's sequence-level ratio and clipping ([`loss::RatioLevel`]), KL to the
+//!   reference with the k1/k2/k3 estimators, an optional entropy bonus, truncated
+//!   and masked importance sampling for stale or mismatched samples
+//!   ([`loss::MaskedIs`], verl's rollout correction and AReaL's decoupled-PPO mask),
+//!   and three aggregations (sequence-mean-token-mean, global token mean, Dr. GRPO's
+//!   constant normaliser). Groups whose rewards were all equal are dropped from the
+//!   loss and counted. Advantages are computed upstream by
+//!   `metronome_core::AdvantageEstimator`; [`TrainerConfig::advantage`] is where a
+//!   run chooses it. REINFORCE++-baseline's division by the batch's advantage
+//!   standard deviation is the trainer's: a step-time scale on the policy-gradient
+//!   part of the gradient (the KL and entropy parts are accumulated apart and not
+//!   scaled), so groups still stream. Each formula cites its paper.
 //! - [`optim`]: gradient accumulation, clipping and an AdamW whose moments are visible,
 //!   so checkpoints restore them; [`schedule`]: warm-up then constant or cosine.
-//! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]).
+//! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]), scored
+//!   at temperature 1.
 //! - Checkpoints ([`GrpoTrainer::save_checkpoint`], [`GrpoTrainer::resume`]): Hugging
 //!   Face safetensors for the weights, AdamW state, version, schedule position and
 //!   generator state; a resumed run takes bit-identical steps. A checkpoint may be
@@ -35,7 +47,8 @@
 //!
 //! It does not pack groups into rows (`metronome-masking` does), score or normalise
 //! rewards (`metronome-reward`, `metronome-core`), or move weights
-//! (`metronome-transport`); `metronome-pipeline` wires it to them.
+//! (`metronome-transport`); `metronome-pipeline` wires it to them and checks that the
+//! sampling settings give behaviour log-probs the trainer can match.
 //!
 //! Metrics: `metronome_trainer_steps_total`, `metronome_trainer_skipped_steps_total`,
 //! `metronome_trainer_tokens_total`, `metronome_trainer_zero_advantage_groups_total`,

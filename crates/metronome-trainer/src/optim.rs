@@ -83,12 +83,34 @@ impl GradAccumulator {
     /// parameters (zeros where none arrived), and their global L2 norm (computed in
     /// f64; non-finite when any element is).
     pub fn finish(&self, params: &[(String, Var)], scale: f64) -> Result<(Vec<Tensor>, f64)> {
+        Self::finish_sum(params, &[(self, scale)])
+    }
+
+    /// [`GradAccumulator::finish`] of `Σ_k scale_k · sums_k` over several
+    /// accumulators of the same parameters (terms of a loss scaled apart at step
+    /// time), summed in f64.
+    pub fn finish_sum(params: &[(String, Var)], parts: &[(&Self, f64)]) -> Result<(Vec<Tensor>, f64)> {
+        if let Some((a, _)) = parts.iter().find(|(a, _)| a.sums.len() != params.len()) {
+            return Err(TrainerError::invalid(
+                "gradient accumulator",
+                format!("holds {} sums for {} parameters", a.sums.len(), params.len()),
+            ));
+        }
         let mut out = Vec::with_capacity(params.len());
         let mut sq = 0f64;
-        for ((_, var), sum) in params.iter().zip(&self.sums) {
-            match sum {
+        for (i, (_, var)) in params.iter().enumerate() {
+            let mut total: Option<Tensor> = None;
+            for (a, scale) in parts {
+                if let Some(s) = &a.sums[i] {
+                    let s = (s * *scale)?;
+                    total = Some(match total {
+                        Some(t) => (t + s)?,
+                        None => s,
+                    });
+                }
+            }
+            match total {
                 Some(s) => {
-                    let s = (s * scale)?;
                     sq += s.sqr()?.sum_all()?.to_scalar::<f64>()?;
                     out.push(s.to_dtype(var.dtype())?);
                 }
@@ -342,5 +364,25 @@ mod tests {
         let (g, norm) = acc.finish(&params, 1.0).unwrap();
         assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
         assert_eq!(norm, 0.0);
+    }
+
+    #[test]
+    fn accumulators_scaled_apart_sum_into_one_gradient() {
+        let x = Var::from_slice(&[1.0f32, 2.0], 2, &Device::Cpu).unwrap();
+        let params = vec![("x".to_string(), x.clone())];
+        let (mut a, mut b) = (GradAccumulator::new(1), GradAccumulator::new(1));
+        a.add(&params, &(x.as_tensor() * 2.0).unwrap().sum_all().unwrap().backward().unwrap()).unwrap();
+        b.add(&params, &x.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap()).unwrap();
+        // 0.5·[2, 2] + 3·[2, 4].
+        let (g, norm) = GradAccumulator::finish_sum(&params, &[(&a, 0.5), (&b, 3.0)]).unwrap();
+        assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![7.0, 13.0]);
+        assert!((norm - (49f64 + 169.0).sqrt()).abs() < 1e-12);
+        // An empty part adds nothing; one for other parameters is refused.
+        b.clear();
+        let (g, _) = GradAccumulator::finish_sum(&params, &[(&a, 1.0), (&b, 3.0)]).unwrap();
+        assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![2.0, 2.0]);
+        let other = GradAccumulator::new(2);
+        let err = GradAccumulator::finish_sum(&params, &[(&a, 1.0), (&other, 1.0)]).unwrap_err().to_string();
+        assert!(err.contains("2 sums for 1 parameters"), "{err}");
     }
 }

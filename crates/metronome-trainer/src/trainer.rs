@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use candle_core::{Tensor, Var};
 use metronome_core::{
-    AccumulateReport, GroupKey, PackedRow, PolicyVersion, RunSeed, Segment, StepReport, Targets, TokenId,
-    TrainBatch, TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
+    AccumulateReport, AdvantageEstimator, GroupKey, PackedRow, PolicyVersion, RunSeed, Segment, StepReport,
+    Targets, TokenId, TrainBatch, TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
 };
 use metronome_model::{Device, Model};
 use serde::{Deserialize, Serialize};
@@ -24,6 +24,9 @@ const TRAINER_STREAM: u64 = 0x7472_6169_6e65_7221; // "trainer!"
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Version of the checkpoint layout written by [`GrpoTrainer::save_checkpoint`].
 const CHECKPOINT_FORMAT: u32 = 1;
+/// Prefix of the regulariser's gradient sums in `accumulator.safetensors` (the
+/// policy-gradient term's, or the whole loss's, carry the parameter names alone).
+const REGULARISER_PREFIX: &str = "regulariser/";
 
 /// One supervised example: the answer's tokens are the targets, predicted from the
 /// prompt and the answer's earlier tokens.
@@ -92,6 +95,7 @@ pub struct PhaseTimes {
 
 /// Sums over the micro-batches of the current step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 struct Sums {
     tokens: u64,
     sequences: u64,
@@ -103,6 +107,11 @@ struct Sums {
     entropy: f64,
     gap: f64,
     clipped: u64,
+    /// Responses in the loss before masking, and the sum and sum of squares of their
+    /// advantages: REINFORCE++'s batch standard deviation.
+    adv_count: u64,
+    adv_sum: f64,
+    adv_sq_sum: f64,
 }
 
 impl Sums {
@@ -117,6 +126,22 @@ impl Sums {
         self.entropy += o.entropy;
         self.gap += o.gap;
         self.clipped += o.clipped;
+        self.adv_count += o.adv_count;
+        self.adv_sum += o.adv_sum;
+        self.adv_sq_sum += o.adv_sq_sum;
+    }
+
+    /// `1 / (std + eps)` of the responses' advantages (population standard
+    /// deviation, computed in f64), REINFORCE++'s batch normaliser; 1 when the step
+    /// holds no response.
+    fn batch_std_scale(&self) -> f64 {
+        if self.adv_count == 0 {
+            return 1.0;
+        }
+        let n = self.adv_count as f64;
+        let mean = self.adv_sum / n;
+        let var = (self.adv_sq_sum / n - mean * mean).max(0.0);
+        1.0 / (var.sqrt() + f64::from(metronome_core::ADVANTAGE_STD_EPS))
     }
 }
 
@@ -126,11 +151,11 @@ enum Mode {
     Sft,
 }
 
-/// The targets of a batch that enter the loss, with their aggregation weights.
+/// The targets of a batch that enter the loss (before masked IS, which needs the
+/// forward), and their counts.
 #[derive(Debug)]
 struct Prepared {
     targets: Targets,
-    weights: Vec<f32>,
     counts: Sums,
 }
 
@@ -168,7 +193,17 @@ pub struct GrpoTrainer {
     params: Vec<(String, Var)>,
     reference: Option<Model>,
     optimizer: AdamW,
+    /// The accumulated gradient; with REINFORCE++'s batch normaliser and a KL or
+    /// entropy term, that of the policy-gradient term only (the normaliser scales it
+    /// at step time), the rest going to `accum_regulariser`.
     accum: GradAccumulator,
+    accum_regulariser: GradAccumulator,
+    /// The sampling temperature the rollout engine draws at: log-probs are scored
+    /// at `logits / T`, the behaviour distribution (0 is greedy, scored at 1).
+    temperature: f32,
+    /// Set while mini-steps train on advantages already divided by the batch
+    /// normaliser.
+    advantages_normalised: bool,
     pool: Arc<rayon::ThreadPool>,
     version: PolicyVersion,
     rng_state: u64,
@@ -224,6 +259,9 @@ impl GrpoTrainer {
         Ok(Self {
             rng_state: stream_seed(RunSeed(cfg.seed), TRAINER_STREAM, 0),
             accum: GradAccumulator::new(params.len()),
+            accum_regulariser: GradAccumulator::new(params.len()),
+            temperature: 1.0,
+            advantages_normalised: false,
             cfg,
             policy,
             params,
@@ -238,6 +276,30 @@ impl GrpoTrainer {
             seen_groups: BTreeSet::new(),
             times: PhaseTimes::default(),
         })
+    }
+
+    /// Scores log-probs at the rollout engine's sampling temperature (the run
+    /// config's `rollout.sampling.temperature`): the policy, old-policy and reference
+    /// log-probs are of `softmax(logits / T)`, the distribution the behaviour
+    /// log-probs were recorded from, so the PPO ratio and the importance weights
+    /// compare like with like. `0` (greedy) scores at 1, as the engine records greedy
+    /// tokens; the default is 1. Supervised steps always score at 1.
+    pub fn with_sampling_temperature(mut self, temperature: f32) -> Result<Self> {
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            return Err(TrainerError::invalid(
+                "sampling temperature",
+                format!("is {temperature}, expected a number >= 0"),
+            ));
+        }
+        self.temperature = temperature;
+        Ok(self)
+    }
+
+    /// The sampling temperature log-probs are scored at
+    /// ([`GrpoTrainer::with_sampling_temperature`]).
+    #[must_use]
+    pub fn sampling_temperature(&self) -> f32 {
+        self.temperature
     }
 
     /// The configuration.
@@ -287,8 +349,7 @@ impl GrpoTrainer {
         if self.accum.micro_batches() == 0 {
             return Ok(None);
         }
-        let scale = self.step_scale();
-        let (grads, _) = self.accum.finish(&self.params, scale)?;
+        let (grads, _) = self.finish_gradients()?;
         Ok(Some(self.params.iter().map(|(n, _)| n.clone()).zip(grads).collect()))
     }
 
@@ -316,22 +377,49 @@ impl GrpoTrainer {
         }
     }
 
-    /// Keeps the targets that enter the loss and computes their weights.
+    /// Whether REINFORCE++'s batch normaliser is left to step time for the RL
+    /// gradient being accumulated (mini-steps divide the advantages before training).
+    fn batch_normalised(&self) -> bool {
+        self.cfg.advantage == AdvantageEstimator::ReinforcePlusPlusBaseline && !self.advantages_normalised
+    }
+
+    /// The extra scale of the policy-gradient term: REINFORCE++'s `1 / (std + eps)`
+    /// of the step's advantages, else 1. The clipped surrogate (and every importance
+    /// weight) is positively homogeneous in the advantage, so dividing the gradient
+    /// of that term by the batch's standard deviation equals training on advantages
+    /// divided by it up front, while groups still arrive one at a time.
+    fn policy_scale(&self) -> f64 {
+        if self.mode == Some(Mode::Rl) && self.batch_normalised() { self.sums.batch_std_scale() } else { 1.0 }
+    }
+
+    /// The step's gradient (before clipping) and its norm: the accumulated sums times
+    /// the step-time normaliser, the policy-gradient part also times
+    /// [`GrpoTrainer::policy_scale`].
+    fn finish_gradients(&self) -> Result<(Vec<Tensor>, f64)> {
+        let scale = self.step_scale();
+        GradAccumulator::finish_sum(
+            &self.params,
+            &[(&self.accum, scale * self.policy_scale()), (&self.accum_regulariser, scale)],
+        )
+    }
+
+    /// Keeps the targets that enter the loss and counts them.
     fn prepare(&self, batch: &TrainBatch) -> Result<Prepared> {
         batch.validate()?;
         let skip_group = |g: usize| {
             self.cfg.skip_zero_advantage_groups && batch.groups.get(g).is_some_and(|g| g.all_equal)
         };
         // Sampled by another version than the one being trained means off-policy:
-        // only allowed when truncated importance sampling corrects it.
+        // only allowed when truncated or masked importance sampling corrects it.
         if self.cfg.loss.tis_cap.is_none()
+            && self.cfg.loss.masked_is.is_none()
             && self.cfg.mini_steps == 1
             && let Some((i, s)) = batch.sequences.iter().enumerate().find(|(_, s)| s.version != self.version)
         {
             return Err(TrainerError::invalid(
                 format!("sequence {i} (group {}, sample {})", s.group, s.sample_index),
                 format!(
-                    "was sampled by version {}, the trainer is at version {}; set loss.tis_cap to train on stale samples",
+                    "was sampled by version {}, the trainer is at version {}; set loss.tis_cap or loss.masked_is to train on stale samples",
                     s.version, self.version
                 ),
             ));
@@ -343,10 +431,14 @@ impl GrpoTrainer {
                 counts.zero_groups += u64::from(g.all_equal);
             }
         }
-        counts.sequences = batch.sequences.iter().filter(|s| !skip_group(s.group as usize)).count() as u64;
+        for s in batch.sequences.iter().filter(|s| !skip_group(s.group as usize)) {
+            counts.sequences += 1;
+            counts.adv_count += 1;
+            counts.adv_sum += f64::from(s.advantage);
+            counts.adv_sq_sum += f64::from(s.advantage) * f64::from(s.advantage);
+        }
         let t = &batch.targets;
         let mut kept = Targets::default();
-        let mut weights = Vec::with_capacity(t.len());
         for i in 0..t.len() {
             let seq = &batch.sequences[t.sequence[i] as usize];
             if skip_group(seq.group as usize) {
@@ -358,10 +450,9 @@ impl GrpoTrainer {
             kept.sequence.push(t.sequence[i]);
             kept.advantage.push(t.advantage[i]);
             kept.behaviour_logprob.push(t.behaviour_logprob[i]);
-            weights.push(self.cfg.loss.aggregation.target_weight(seq.num_targets));
         }
         counts.tokens = kept.len() as u64;
-        Ok(Prepared { targets: kept, weights, counts })
+        Ok(Prepared { targets: kept, counts })
     }
 
     /// Forward, loss and backward of one prepared batch; adds the gradient.
@@ -372,11 +463,22 @@ impl GrpoTrainer {
         }
         let start = Instant::now();
         let n = p.targets.len();
-        let out = self.policy.target_logprobs(rows, &p.targets)?;
-        let reference = match &self.reference {
-            Some(r) if self.cfg.loss.kl_coef > 0.0 => Some(r.target_logprobs(rows, &p.targets)?.logprobs),
-            _ => None,
+        // One layout of the micro-batch for both forwards, and one scheduling of them:
+        // the two are independent until the loss, so on a pool of two or more threads
+        // they run side by side (whole forwards in parallel keep the cores busier than
+        // splitting each small op across them, DESIGN.md §6); on one thread they run
+        // in turn. The reference builds no graph (it is frozen).
+        let batch = self.policy.prepare_batch(rows, &p.targets)?;
+        let temperature = self.temperature;
+        let (out, reference) = match &self.reference {
+            Some(r) if self.cfg.loss.kl_coef > 0.0 => {
+                let (out, reference) =
+                    rayon::join(|| self.policy.score(&batch, temperature), || r.score(&batch, temperature));
+                (out?, Some(reference?.logprobs))
+            }
+            _ => (self.policy.score(&batch, temperature)?, None),
         };
+        drop(batch);
         let behaviour = Tensor::from_slice(&p.targets.behaviour_logprob, n, self.policy.device())?;
         let old = if old_is_behaviour { behaviour.clone() } else { out.logprobs.detach() };
         let terms = grpo_loss(
@@ -388,14 +490,25 @@ impl GrpoTrainer {
                 ref_logprobs: reference.as_ref(),
                 entropy: Some(&out.entropy),
                 advantages: &p.targets.advantage,
-                weights: &p.weights,
+                sequences: &p.targets.sequence,
             },
         )?;
         let mid = Instant::now();
-        let grads = terms.loss.backward()?;
-        self.accum.add(&self.params, &grads)?;
+        match &terms.regulariser {
+            // REINFORCE++'s normaliser scales the policy-gradient term alone, known
+            // only at step time: the two parts are accumulated apart.
+            Some(regulariser) if self.batch_normalised() => {
+                self.accum.add(&self.params, &terms.policy_loss.backward()?)?;
+                self.accum_regulariser.add(&self.params, &regulariser.backward()?)?;
+            }
+            _ => self.accum.add(&self.params, &terms.loss.backward()?)?,
+        }
         self.times.forward += mid - start;
         self.times.backward += mid.elapsed();
+        // Masked IS drops targets, and responses it dropped whole, from the counts
+        // the normalisers divide by.
+        sums.tokens = terms.tokens;
+        sums.sequences = sums.sequences.saturating_sub(terms.masked_sequences);
         sums.loss = terms.loss_sum;
         sums.policy = terms.policy_sum;
         sums.kl = terms.kl_sum;
@@ -493,13 +606,14 @@ impl GrpoTrainer {
         let start = Instant::now();
         let s = self.sums;
         let scale = self.step_scale();
+        let policy_scale = self.policy_scale();
         let lr = self.cfg.schedule.lr_at(self.optimizer.steps());
         let per_token = |v: f64| if s.tokens == 0 { 0.0 } else { v / s.tokens as f64 };
         let mut report = StepReport {
             version: self.version,
             applied: true,
-            loss: s.loss * scale,
-            policy_loss: s.policy * scale,
+            loss: (s.policy * policy_scale + (s.loss - s.policy)) * scale,
+            policy_loss: s.policy * policy_scale * scale,
             kl: per_token(s.kl),
             clip_fraction: per_token(s.clipped as f64),
             entropy: per_token(s.entropy),
@@ -517,7 +631,7 @@ impl GrpoTrainer {
                 // weights stay, and the version still counts the period.
                 return Ok(());
             }
-            let (mut grads, norm) = self.accum.finish(&self.params, scale)?;
+            let (mut grads, norm) = self.finish_gradients()?;
             report.grad_norm = norm;
             if !norm.is_finite() || !report.loss.is_finite() {
                 report.applied = false;
@@ -531,6 +645,7 @@ impl GrpoTrainer {
             self.optimizer.step(&self.params, &grads, lr)
         })();
         self.accum.clear();
+        self.accum_regulariser.clear();
         self.sums = Sums::default();
         self.times.optimizer += start.elapsed();
         result.map(|()| report)
@@ -548,6 +663,27 @@ impl GrpoTrainer {
             let j = (self.next_random() % (i as u64 + 1)) as usize;
             batches.swap(i, j);
         }
+        // REINFORCE++'s batch is the period: its advantages are divided by their
+        // standard deviation before the first mini-step.
+        if self.cfg.advantage == AdvantageEstimator::ReinforcePlusPlusBaseline {
+            let mut stats = Sums::default();
+            for b in &batches {
+                stats.add(&self.prepare(b)?.counts);
+            }
+            let factor = stats.batch_std_scale() as f32;
+            for b in &mut batches {
+                b.targets.advantage.iter_mut().for_each(|a| *a *= factor);
+                b.sequences.iter_mut().for_each(|s| s.advantage *= factor);
+            }
+            self.advantages_normalised = true;
+        }
+        let result = self.train_mini_batches(&batches);
+        self.advantages_normalised = false;
+        result
+    }
+
+    /// One optimiser update per chunk of `batches` (the shuffled period).
+    fn train_mini_batches(&mut self, batches: &[TrainBatch]) -> Result<StepReport> {
         let k = (self.cfg.mini_steps as usize).min(batches.len()).max(1);
         let mut reports = Vec::with_capacity(k);
         let per_chunk = batches.len().div_ceil(k).max(1);
@@ -621,12 +757,14 @@ impl GrpoTrainer {
     /// counts, groups and buffered batches of the step under way. Always written, so
     /// a stale pair never survives from an earlier checkpoint in the same directory.
     fn save_pending(&self, dir: &Path) -> Result<()> {
-        let grads: HashMap<String, Tensor> = self
-            .params
-            .iter()
-            .zip(self.accum.sums())
-            .filter_map(|((name, _), s)| s.as_ref().map(|s| (name.clone(), s.clone())))
-            .collect();
+        let mut grads = HashMap::new();
+        for (prefix, accum) in [("", &self.accum), (REGULARISER_PREFIX, &self.accum_regulariser)] {
+            for ((name, _), sum) in self.params.iter().zip(accum.sums()) {
+                if let Some(sum) = sum {
+                    grads.insert(format!("{prefix}{name}"), sum.clone());
+                }
+            }
+        }
         let path = dir.join("accumulator.safetensors");
         candle_core::safetensors::save(&grads, &path).map_err(|e| TrainerError::checkpoint(&path, e))?;
         let pending = PendingState {
@@ -649,27 +787,52 @@ impl GrpoTrainer {
         let path = dir.join("accumulator.safetensors");
         let mut grads =
             candle_core::safetensors::load(&path, device).map_err(|e| TrainerError::checkpoint(&path, e))?;
-        let mut sums = Vec::with_capacity(self.params.len());
-        for (name, var) in &self.params {
-            let g = grads.remove(name);
-            if let Some(g) = &g
-                && g.dims() != var.dims()
-            {
-                return Err(TrainerError::checkpoint(
-                    &path,
-                    format!("tensor `{name}` has shape {:?}, the parameter has {:?}", g.dims(), var.dims()),
-                ));
+        let mut parts = Vec::with_capacity(2);
+        for prefix in ["", REGULARISER_PREFIX] {
+            let mut sums = Vec::with_capacity(self.params.len());
+            for (name, var) in &self.params {
+                let key = format!("{prefix}{name}");
+                let g = grads.remove(&key);
+                if let Some(g) = &g
+                    && g.dims() != var.dims()
+                {
+                    return Err(TrainerError::checkpoint(
+                        &path,
+                        format!(
+                            "tensor `{key}` has shape {:?}, the parameter has {:?}",
+                            g.dims(),
+                            var.dims()
+                        ),
+                    ));
+                }
+                sums.push(g);
             }
-            sums.push(g);
+            parts.push(sums);
         }
         if let Some(name) = grads.keys().next() {
             return Err(TrainerError::checkpoint(&path, format!("holds `{name}`, which is not a parameter")));
         }
-        self.accum.restore(sums, pending.micro_batches)?;
+        let regulariser = parts.pop().unwrap_or_default();
+        let policy = parts.pop().unwrap_or_default();
+        // A step that split its terms added to both in every micro-batch.
+        let split = regulariser.iter().any(Option::is_some);
+        self.accum_regulariser.restore(regulariser, if split { pending.micro_batches } else { 0 })?;
+        self.accum.restore(policy, pending.micro_batches)?;
         self.mode = pending.mode;
         self.sums = pending.sums;
         self.seen_groups = pending.seen_groups;
         self.buffered = pending.buffered;
+        Ok(())
+    }
+
+    /// Becomes the trainer the checkpoint in `dir` holds, keeping this trainer's
+    /// configuration, device and sampling temperature (which are the run's, not the
+    /// checkpoint's).
+    pub fn restore(&mut self, dir: &Path) -> Result<()> {
+        let device = self.policy.device().clone();
+        let temperature = self.temperature;
+        *self = Self::resume(self.cfg.clone(), dir, &device)?;
+        self.temperature = temperature;
         Ok(())
     }
 
@@ -761,11 +924,7 @@ impl metronome_core::Trainer for GrpoTrainer {
         Ok(GrpoTrainer::save_checkpoint(self, dir)?)
     }
 
-    /// Replaces this trainer by the one the checkpoint holds, with this trainer's
-    /// configuration on this trainer's device.
     async fn restore_checkpoint(&mut self, dir: &Path) -> metronome_core::Result<()> {
-        let device = self.policy.device().clone();
-        *self = GrpoTrainer::resume(self.cfg.clone(), dir, &device)?;
-        Ok(())
+        Ok(self.restore(dir)?)
     }
 }

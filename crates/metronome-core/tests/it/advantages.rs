@@ -15,13 +15,19 @@ fn closed_forms() {
     close(&AdvantageEstimator::GroupMean.advantages(&r), &[0.5, -0.5, -0.5, 0.5]);
     // Leave-one-out: 1 - (0+0+1)/3 = 2/3; 0 - (1+0+1)/3 = -2/3.
     close(&AdvantageEstimator::LeaveOneOut.advantages(&r), &[2.0 / 3.0, -2.0 / 3.0, -2.0 / 3.0, 2.0 / 3.0]);
+    // REINFORCE++-baseline: the group part is the mean baseline (the trainer divides
+    // by the batch's standard deviation).
+    close(&AdvantageEstimator::ReinforcePlusPlusBaseline.advantages(&r), &[0.5, -0.5, -0.5, 0.5]);
 }
 
 #[test]
 fn all_equal_groups_are_exact_zero() {
-    for estimator in
-        [AdvantageEstimator::GroupNorm, AdvantageEstimator::GroupMean, AdvantageEstimator::LeaveOneOut]
-    {
+    for estimator in [
+        AdvantageEstimator::GroupNorm,
+        AdvantageEstimator::GroupMean,
+        AdvantageEstimator::LeaveOneOut,
+        AdvantageEstimator::ReinforcePlusPlusBaseline,
+    ] {
         assert_eq!(estimator.advantages(&[0.7; 5]), vec![0.0; 5]);
         assert_eq!(estimator.advantages(&[3.0]), vec![0.0]);
     }

@@ -79,9 +79,12 @@ fn rewards_and_scored_groups() {
     )
     .unwrap();
     roundtrip(&scored);
-    for estimator in
-        [AdvantageEstimator::GroupNorm, AdvantageEstimator::GroupMean, AdvantageEstimator::LeaveOneOut]
-    {
+    for estimator in [
+        AdvantageEstimator::GroupNorm,
+        AdvantageEstimator::GroupMean,
+        AdvantageEstimator::LeaveOneOut,
+        AdvantageEstimator::ReinforcePlusPlusBaseline,
+    ] {
         roundtrip(&estimator);
     }
 }

@@ -109,6 +109,65 @@ fn target_logprobs_equal_log_softmax_of_full_logits() {
 }
 
 #[test]
+fn scoring_at_a_temperature_is_the_log_softmax_of_scaled_logits() {
+    let model = Model::load_hf(&fixture("tiny_llama"), &Device::Cpu).unwrap();
+    let portable = model.clone().with_kernels(metronome_model::Kernels::Portable).unwrap();
+    let seq = tokens(4, 8, 96);
+    let (rows, targets) = separate_rows(&seq[..3], &[seq[3..].to_vec()]);
+    let full = crate::common::full_logits(&model, &seq);
+    let batch = model.prepare_batch(&rows, &targets).unwrap();
+    assert_eq!((batch.num_positions(), batch.num_targets()), (8, 5));
+    for temperature in [0.6f32, 1.0, 1.7] {
+        for m in [&model, &portable] {
+            let out = m.score(&batch, temperature).unwrap();
+            let (lp, h) = (out.logprobs.to_vec1::<f32>().unwrap(), out.entropy.to_vec1::<f32>().unwrap());
+            for j in 0..lp.len() {
+                // In f64 from the full forward's logits: log_softmax(z / T) and its entropy.
+                let z: Vec<f64> =
+                    full[2 + j].iter().map(|&x| f64::from(x) / f64::from(temperature)).collect();
+                let max = z.iter().copied().fold(f64::MIN, f64::max);
+                let lse = max + z.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+                let want = z[seq[3 + j] as usize] - lse;
+                let entropy: f64 = z.iter().map(|x| -(x - lse).exp() * (x - lse)).sum();
+                assert!(
+                    (f64::from(lp[j]) - want).abs() < 1e-5,
+                    "T={temperature} target {j}: {} vs {want}",
+                    lp[j]
+                );
+                assert!((f64::from(h[j]) - entropy).abs() < 1e-4, "T={temperature} entropy {j}");
+            }
+        }
+    }
+    // Greedy decoding records log-probs at T = 1, so T = 0 scores at 1.
+    let at = |t: f32| model.score(&batch, t).unwrap().logprobs.to_vec1::<f32>().unwrap();
+    assert_eq!(at(0.0), at(1.0));
+    assert_eq!(at(1.0), model.target_logprobs(&rows, &targets).unwrap().logprobs.to_vec1::<f32>().unwrap());
+    for bad in [-1.0, f32::NAN, f32::INFINITY] {
+        let e = model.score(&batch, bad).unwrap_err().to_string();
+        assert!(e.contains("temperature"), "{e}");
+    }
+}
+
+#[test]
+fn a_prepared_batch_is_scored_by_models_of_its_shape_only() {
+    let policy = Model::new(ModelConfig::tiny(), &Device::Cpu, 3).unwrap();
+    let reference = policy.frozen_copy().unwrap();
+    let (row, targets) = shared_prompt_row(&tokens(1, 5, 99), &[tokens(2, 4, 99), tokens(3, 3, 99)]);
+    let rows = [row];
+    let batch = policy.prepare_batch(&rows, &targets).unwrap();
+    let v = |t: &metronome_model::Tensor| t.to_vec1::<f32>().unwrap();
+    // The same weights score the shared batch exactly as they score the rows alone.
+    let shared = v(&reference.score(&batch, 0.8).unwrap().logprobs);
+    let alone =
+        v(&reference.score(&reference.prepare_batch(&rows, &targets).unwrap(), 0.8).unwrap().logprobs);
+    assert_eq!(shared, alone);
+    assert_eq!(v(&policy.score(&batch, 0.8).unwrap().logprobs), shared);
+    let other = Model::new(ModelConfig { head_dim: 16, ..ModelConfig::tiny() }, &Device::Cpu, 3).unwrap();
+    let e = other.score(&batch, 1.0).unwrap_err().to_string();
+    assert!(e.contains("scoring batch") && e.contains("head size"), "{e}");
+}
+
+#[test]
 fn malformed_targets_are_errors() {
     let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
     let (row, mut targets) = shared_prompt_row(&tokens(1, 3, 99), &[tokens(2, 2, 99)]);

@@ -92,6 +92,11 @@ fn impossible_combinations_are_named() {
     );
     let ok = PipelineConfig::embedded(&["run.dynamic_sampling={ groups = 96 }".into()]).unwrap();
     assert_eq!(ok.runner_options().dynamic_sampling, Some(96));
+    PipelineConfig::embedded(&[
+        "run.schedule=\"stale:1\"".into(),
+        "trainer.loss.masked_is={ upper = 2.0 }".into(),
+    ])
+    .unwrap();
     let e = err(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"]);
     assert!(e.starts_with("invalid configuration `packing.row_tokens`"), "{e}");
     let e = err(&["rollout.max_seq_len=20"]);
@@ -122,6 +127,44 @@ fn impossible_combinations_are_named() {
     );
     let e = err(&["eval.temperature=-1.0"]);
     assert!(e.starts_with("invalid configuration `eval.temperature`"), "{e}");
+}
+
+/// Behaviour log-probs are recorded before truncation and after the repetition
+/// penalty, and greedy tokens have no sampling distribution: wherever they are read
+/// (importance weights, masks, mini-steps' old policy, stale samples) the config is
+/// refused, naming the sampling key and the key that reads them.
+#[test]
+fn sampling_the_trainer_cannot_score_is_refused_where_behaviour_log_probs_matter() {
+    let samplers = [
+        ("rollout.sampling.top_k=20", "rollout.sampling.top_k"),
+        ("rollout.sampling.top_p=0.9", "rollout.sampling.top_p"),
+        ("rollout.sampling.min_p=0.05", "rollout.sampling.min_p"),
+        ("rollout.sampling.repetition_penalty=1.1", "rollout.sampling.repetition_penalty"),
+        ("rollout.sampling.temperature=0.0", "rollout.sampling.temperature"),
+    ];
+    let readers: [(&[&str], &str); 4] = [
+        (&["trainer.loss.tis_cap=2.0"], "trainer.loss.tis_cap"),
+        (&["trainer.loss.masked_is={ upper = 2.0 }"], "trainer.loss.masked_is"),
+        (&["trainer.mini_steps=2"], "trainer.mini_steps = 2"),
+        (&["run.schedule=\"stale:1\"", "trainer.loss.tis_cap=2.0"], "run.schedule"),
+    ];
+    for (sampler, sampler_key) in samplers {
+        // On-policy training never reads the behaviour log-probs.
+        PipelineConfig::embedded(&[sampler.to_owned()]).unwrap();
+        for (reader, reader_key) in readers {
+            let mut overrides = vec![sampler];
+            overrides.extend_from_slice(reader);
+            let e = err(&overrides);
+            assert!(e.starts_with(&format!("invalid configuration `{sampler_key}`")), "{e}");
+            assert!(e.contains(reader_key), "{e}");
+        }
+    }
+    // A temperature other than 1 is scored by the trainer: allowed with every reader.
+    for (reader, _) in readers {
+        let mut overrides = vec!["rollout.sampling.temperature=0.7".to_owned()];
+        overrides.extend(reader.iter().map(|s| (*s).to_owned()));
+        PipelineConfig::embedded(&overrides).unwrap();
+    }
 }
 
 #[test]

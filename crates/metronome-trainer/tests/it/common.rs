@@ -123,6 +123,17 @@ pub(crate) fn flat_weights(model: &Model) -> Vec<f32> {
         .collect()
 }
 
+/// Every pending gradient of `t` (the next step's, before clipping) flattened, in
+/// parameter order.
+pub(crate) fn pending_gradients(t: &metronome_trainer::GrpoTrainer) -> Vec<f32> {
+    t.pending_gradients()
+        .unwrap()
+        .unwrap()
+        .iter()
+        .flat_map(|(_, g)| g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect()
+}
+
 pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
@@ -139,8 +150,14 @@ pub(crate) fn stamped(batch: &TrainBatch, version: PolicyVersion) -> TrainBatch 
 /// Two periods of four groups in `order` (KL term on, so the reference model trains
 /// beside the policy), then every weight on the host and the two steps' losses.
 pub(crate) fn two_periods(device: &Device, order: [usize; 4]) -> (Vec<f32>, Vec<f64>) {
+    two_periods_on(device, order, 1)
+}
+
+/// [`two_periods`] on a trainer pool of `threads` threads.
+pub(crate) fn two_periods_on(device: &Device, order: [usize; 4], threads: usize) -> (Vec<f32>, Vec<f64>) {
     let groups = period_groups();
     let mut cfg = config();
+    cfg.threads = threads;
     cfg.loss.kl_coef = 0.02;
     cfg.loss.kl_estimator = KlEstimator::K3;
     cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;

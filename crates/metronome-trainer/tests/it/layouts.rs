@@ -8,7 +8,7 @@ use metronome_core::{
 use metronome_masking::{LayoutKind, PackingConfig, pack_period, padded, shared_prompt};
 use metronome_trainer::loss::Aggregation;
 
-use crate::common::{config, max_abs_diff, tiny_model};
+use crate::common::{config, max_abs_diff, pending_gradients, tiny_model};
 
 fn scored_groups() -> Vec<ScoredGroup> {
     (0..3u32)
@@ -38,15 +38,6 @@ fn scored_groups() -> Vec<ScoredGroup> {
         .collect()
 }
 
-fn gradients(t: &metronome_trainer::GrpoTrainer) -> Vec<f32> {
-    t.pending_gradients()
-        .unwrap()
-        .unwrap()
-        .iter()
-        .flat_map(|(_, g)| g.flatten_all().unwrap().to_vec1::<f32>().unwrap())
-        .collect()
-}
-
 #[test]
 fn shared_prompt_gradient_equals_padded_rows_gradient() {
     let groups = scored_groups();
@@ -60,7 +51,7 @@ fn shared_prompt_gradient_equals_padded_rows_gradient() {
     let mut pad = cfg.build(tiny_model()).unwrap();
     let layout = padded(&groups, 0).unwrap();
     pad.accumulate_sync(&layout.batch).unwrap();
-    let (a, b) = (gradients(&shared), gradients(&pad));
+    let (a, b) = (pending_gradients(&shared), pending_gradients(&pad));
     let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
     let diff = max_abs_diff(&a, &b);
     assert!(scale > 0.0 && diff <= 1e-4 * scale, "gradients differ by {diff} (largest {scale})");

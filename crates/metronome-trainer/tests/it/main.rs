@@ -9,3 +9,4 @@ mod learning;
 mod loss_closed_form;
 mod order;
 mod resume;
+mod variants;

@@ -4,7 +4,9 @@ use metronome_trainer::loss::Aggregation;
 
 use metronome_model::Device;
 
-use crate::common::{config, flat_weights, max_abs_diff, merge, period_groups, tiny_model, two_periods};
+use crate::common::{
+    config, flat_weights, max_abs_diff, merge, period_groups, tiny_model, two_periods, two_periods_on,
+};
 
 #[test]
 fn two_orders_give_the_same_weights() {
@@ -15,6 +17,20 @@ fn two_orders_give_the_same_weights() {
     assert!(max_abs_diff(&before, &weights[0]) > 1e-4, "the steps must move the weights");
     let diff = max_abs_diff(&weights[0], &weights[1]);
     assert!(diff <= 1e-6, "orders differ by {diff}");
+}
+
+/// With a KL term the policy and reference forwards are scheduled together: side by
+/// side on a pool of two threads, in turn on one. Where they run must not change
+/// what they compute.
+#[test]
+fn a_trainer_pool_of_two_threads_gives_the_same_weights() {
+    let (one, losses_one) = two_periods_on(&Device::Cpu, [0, 1, 2, 3], 1);
+    let (two, losses_two) = two_periods_on(&Device::Cpu, [0, 1, 2, 3], 2);
+    let diff = max_abs_diff(&one, &two);
+    assert!(diff <= 1e-6, "one and two threads differ by {diff}");
+    for (a, b) in losses_one.iter().zip(&losses_two) {
+        assert!((a - b).abs() <= 1e-9 * a.abs().max(1.0), "losses {a} vs {b}");
+    }
 }
 
 #[test]

@@ -133,3 +133,30 @@ fn truncated_or_corrupted_checkpoint_files_are_errors_never_panics() {
     eprintln!("{tried} truncated or corrupted files, every one an error or a load");
     assert!(tried > 1000, "{tried}");
 }
+
+/// A trainer restored in place (the `Trainer` contract's `restore_checkpoint`, what a
+/// resumed run does) keeps the run's sampling temperature, and then steps as the
+/// trainer that wrote the checkpoint does.
+#[test]
+fn a_trainer_restored_in_place_keeps_its_sampling_temperature() {
+    let groups = period_groups();
+    let dir = tempfile::tempdir().unwrap();
+    let at = |t: f32| config().build(tiny_model()).unwrap().with_sampling_temperature(t).unwrap();
+    let mut a = at(0.7);
+    for g in &groups {
+        a.accumulate_sync(&stamped(g, a.version())).unwrap();
+    }
+    a.step_sync().unwrap();
+    a.save_checkpoint(dir.path()).unwrap();
+    let mut b = at(0.7);
+    b.restore(dir.path()).unwrap();
+    assert_eq!(b.sampling_temperature(), 0.7);
+    assert_eq!(b.version(), a.version());
+    for t in [&mut a, &mut b] {
+        for g in &groups {
+            t.accumulate_sync(&stamped(g, t.version())).unwrap();
+        }
+    }
+    let (ra, rb) = (a.step_sync().unwrap(), b.step_sync().unwrap());
+    assert_eq!(ra.loss.to_bits(), rb.loss.to_bits(), "scored at another temperature after the restore");
+}
