@@ -1,7 +1,7 @@
 //! `metronome`: run RL post-training from a config file.
 //!
 //! ```text
-//! metronome run [--config FILE] [--set key.path=value]... [--schedule S] [--periods N] [--workers N]
+//! metronome run [--config FILE]... [--set key.path=value]... [--schedule S] [--periods N] [--workers N]
 //! metronome config [--config FILE] [--set ...]     # print the resolved, validated config
 //! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
 //! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
@@ -151,9 +151,11 @@ fn print_summary(outcome: &metronome_pipeline::RunOutcome) {
 
 #[derive(Debug, Args)]
 struct ConfigArgs {
-    /// A TOML config file; the embedded default when absent.
+    /// A TOML config file laid over the embedded default; repeat it to lay several in
+    /// order (`--config base.toml --config sweep.toml`): each sets only the keys it
+    /// names.
     #[arg(long, short)]
-    config: Option<PathBuf>,
+    config: Vec<PathBuf>,
     /// Override any value: `--set trainer.schedule.lr=3e-4` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
@@ -191,7 +193,9 @@ impl ConfigArgs {
             .and_then(|n| n.to_str())
             .with_context(|| format!("--resume {}: not a run directory", dir.display()))?;
         let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        self.config.get_or_insert(stored);
+        if self.config.is_empty() {
+            self.config.push(stored);
+        }
         self.out_dir = Some(parent.to_path_buf());
         // The name first, so that a `--set run.name=...` given too still wins.
         self.overrides.insert(0, format!("run.name={name:?}"));
@@ -226,10 +230,7 @@ impl ConfigArgs {
     }
 
     fn parse(&self, overrides: &[String]) -> Result<PipelineConfig> {
-        Ok(match &self.config {
-            Some(path) => PipelineConfig::load(path, overrides)?,
-            None => PipelineConfig::embedded(overrides)?,
-        })
+        Ok(PipelineConfig::load_layers(&self.config, overrides)?)
     }
 }
 
