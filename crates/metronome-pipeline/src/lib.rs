@@ -33,6 +33,7 @@ mod runner;
 mod schedule;
 mod serve;
 mod summary;
+pub mod tensorboard;
 
 pub use app::{
     EvalPoint, RunOptions, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run,
