@@ -5,6 +5,7 @@
 //! metronome config [--config FILE] [--set ...]     # print the resolved, validated config
 //! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
 //! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
+//! metronome report RUN_DIR                         # the summary again, and report.html
 //! metronome serve [--addr A] [--api-key-file F] [--weights-dir D] [--config FILE] [--set ...]
 //! ```
 //!
@@ -121,6 +122,12 @@ enum Command {
         max_concurrent_requests: usize,
         #[command(flatten)]
         events: EventsArg,
+    },
+    /// Print a run's summary table again and write `report.html` in its directory: one
+    /// self-contained page (plots, held-out accuracy, the config) that opens offline.
+    Report {
+        /// The run directory (`runs/<name>`).
+        run: PathBuf,
     },
     /// Print the resolved configuration after overrides and validation.
     Config {
@@ -338,6 +345,14 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Report { run } => {
+            let dir = metronome_pipeline::RunDir::open(&run)?;
+            let periods = dir.read_periods()?;
+            let page = metronome_pipeline::write_html_report(&dir)?;
+            eprintln!("{}", metronome_pipeline::summary_table(&periods));
+            eprintln!("report: {}", page.display());
+            Ok(())
+        }
         Command::Config { config } => {
             print!("{}", config.load()?.to_toml()?);
             Ok(())

@@ -24,6 +24,7 @@ pub mod cluster;
 mod config;
 mod error;
 mod events;
+mod html;
 mod metrics;
 mod plots;
 mod release;
@@ -44,6 +45,7 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use events::{Event, Observer};
+pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
 pub use metrics::{METRICS, describe_metrics};
 pub use metronome_core::Secret;
 pub use metronome_rollout::http::ServerConfig;

@@ -92,6 +92,23 @@ impl RunDir {
         Ok(Self { path })
     }
 
+    /// An existing run directory (one holding `config.toml` or `metrics.jsonl`), to read.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the folder when it is not a run directory.
+    pub fn open(path: &Path) -> Result<Self> {
+        if !(path.join(CONFIG_FILE).is_file() || path.join(METRICS_FILE).is_file()) {
+            return Err(Error::Io {
+                path: path.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("is not a run directory: it holds neither {CONFIG_FILE} nor {METRICS_FILE}"),
+                ),
+            });
+        }
+        Ok(Self { path: path.to_owned() })
+    }
+
     /// The run's folder.
     #[must_use]
     pub fn path(&self) -> &Path {

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 
 use metronome_pipeline::tensorboard::{EVENTS_PREFIX, read_scalars};
-use metronome_pipeline::{Event, Observer, PipelineConfig, RunOptions};
+use metronome_pipeline::{Event, Observer, PipelineConfig, RunDir, RunOptions};
 
 fn config(out: &std::path::Path, periods: u64) -> PipelineConfig {
     let overrides: Vec<String> = [
@@ -71,6 +71,7 @@ async fn a_run_and_its_resumption_report_their_events_in_order() {
     assert_eq!(done.iter().map(|d| (d.0, d.2)).collect::<Vec<_>>(), [(0, true), (1, true)]);
 
     tensorboard_charts_the_run(&out.path().join("events"), &events);
+    the_report_page_stands_alone(&out.path().join("events"));
 
     // Given one more period, the same run resumes from its checkpoint after period 1.
     let (names, events) = events_of(config(out.path(), 3)).await;
@@ -151,4 +152,20 @@ fn tensorboard_charts_the_run(run: &std::path::Path, events: &[Event]) {
     let bits =
         |v: &[(u64, String, f32)]| v.iter().map(|s| (s.0, s.1.clone(), s.2.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&theirs), bits(&ours), "TensorBoard read other scalars than Metronome wrote");
+}
+
+/// `report.html` holds the summary, four plots (held-out accuracy among them) and the
+/// config, and fetches nothing: no script, and no link or source outside the page.
+fn the_report_page_stands_alone(run: &std::path::Path) {
+    let page = metronome_pipeline::write_html_report(&RunDir::open(run).unwrap()).unwrap();
+    let html = std::fs::read_to_string(page).unwrap();
+    assert_eq!(html.matches("<svg").count(), 4, "reward, held-out accuracy, throughput, timeline");
+    assert!(html.contains("<h2>Held-out accuracy</h2>") && html.contains("<h2>Configuration</h2>"));
+    assert!(html.contains("group_size = 2"), "the config is on the page");
+    assert!(
+        !html.contains("<script") && !html.contains("src=") && !html.contains("href="),
+        "it fetches nothing"
+    );
+    let e = RunDir::open(&run.join("checkpoints")).unwrap_err().to_string();
+    assert!(e.contains("is not a run directory"), "{e}");
 }
