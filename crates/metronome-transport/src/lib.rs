@@ -65,8 +65,6 @@
 //! snapshots are `metronome-core` host data produced by `metronome-trainer` and
 //! installed by `metronome-rollout`. Its only Metronome dependency is `metronome-core`.
 
-#[cfg(feature = "nats")]
-pub mod claims;
 pub mod conformance;
 #[cfg(any(feature = "local", feature = "nats"))]
 mod dedup;
@@ -75,6 +73,9 @@ mod error;
 pub mod local;
 #[cfg(feature = "nats")]
 pub mod nats;
+/// The prompt claim queue, a part of the NATS transport kept at its own path.
+#[cfg(feature = "nats")]
+pub use nats::claims;
 #[cfg(feature = "nats")]
 pub mod server;
 pub mod stats;
