@@ -23,7 +23,7 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use metronome_core::{AdvantageEstimator, Group, GroupScorer, Reward, RewardFn, ScoredGroup};
+use metronome_core::{AdvantageEstimator, ErrorChain, Group, GroupScorer, Reward, RewardFn, ScoredGroup};
 
 use crate::{Error, Result, metric};
 
@@ -354,7 +354,9 @@ fn watch(shared: &Arc<Shared>) {
             if state.stats.stuck <= shared.max_stuck {
                 match spawn_worker(shared, &mut state) {
                     Ok(()) => state.stats.replaced += 1,
-                    Err(e) => tracing::error!(error = %e, "reward pool could not replace a stuck worker"),
+                    Err(e) => {
+                        tracing::error!(error = %ErrorChain(&e), "reward pool could not replace a stuck worker");
+                    }
                 }
             } else {
                 tracing::warn!(stuck = state.stats.stuck, "reward pool past max_stuck_workers; it shrinks");

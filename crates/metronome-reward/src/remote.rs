@@ -19,7 +19,9 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use metronome_core::{AdvantageEstimator, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64};
+use metronome_core::{
+    AdvantageEstimator, ErrorChain, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64,
+};
 
 use crate::{Error, Result, metric};
 
@@ -93,7 +95,7 @@ impl RemoteConfig {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_millis(self.timeout_ms))
             .build()
-            .map_err(|source| Error::Remote { url: self.url.clone(), source })?;
+            .map_err(|error| Error::Remote { url: self.url.clone(), error })?;
         Ok(RemoteScorer {
             client,
             limit: Arc::new(Semaphore::new(self.max_concurrency)),
@@ -174,7 +176,7 @@ impl RemoteScorer {
         };
         let response = match self.client.post(&self.config.url).json(request).send().await {
             Ok(r) => r,
-            Err(e) => return Attempt::Retry(error_chain(&e)),
+            Err(e) => return Attempt::Retry(ErrorChain(&e).to_string()),
         };
         let status = response.status();
         if status.as_u16() == 429 || status.is_server_error() {
@@ -196,7 +198,7 @@ impl RemoteScorer {
                 }
                 Ok(Some(chunk)) => body.extend_from_slice(&chunk),
                 Ok(None) => break,
-                Err(e) => return Attempt::Retry(error_chain(&e)),
+                Err(e) => return Attempt::Retry(ErrorChain(&e).to_string()),
             }
         }
         let parsed: RemoteResponse = match serde_json::from_slice(&body) {
@@ -251,17 +253,6 @@ impl RemoteScorer {
             }
         }
     }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 #[async_trait]

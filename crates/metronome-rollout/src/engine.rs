@@ -42,8 +42,8 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use metronome_core::{
-    Completion, FinishReason, Group, GroupSink, GroupTiming, PeriodId, PolicyVersion, Prompt, RolloutEngine,
-    RolloutRequest, RunSeed, TokenId, Tokenizer, WeightSnapshot, sample_seed,
+    Completion, ErrorChain, FinishReason, Group, GroupSink, GroupTiming, PeriodId, PolicyVersion, Prompt,
+    RolloutEngine, RolloutRequest, RunSeed, TokenId, Tokenizer, WeightSnapshot, sample_seed,
 };
 use tokio::sync::mpsc;
 
@@ -777,7 +777,7 @@ impl<M: InferenceModel> Worker<M> {
                     &batch,
                     &format!("decode step returned {} rows for {} slots", rows.len(), batch.len()),
                 ),
-                Err(e) => self.fail_batch(&batch, &e.to_string()),
+                Err(e) => self.fail_batch(&batch, &ErrorChain(&e).to_string()),
             }
         }
     }

@@ -153,8 +153,9 @@ fn empty_and_non_parquet_files_are_errors() {
 
     let path = file(&dir, "text.parquet");
     std::fs::write(&path, b"question,answer\n1+1=,2\n").unwrap();
-    let err = FileDataset::open_parquet(&path, &mapping(), BadRecordPolicy::Fail).unwrap_err().to_string();
-    assert!(err.starts_with(&format!("{}: ", path.display())), "{err}");
+    let err = FileDataset::open_parquet(&path, &mapping(), BadRecordPolicy::Fail).unwrap_err();
+    assert_eq!(err.to_string(), format!("the Parquet reader failed on {}", path.display()));
+    assert!(std::error::Error::source(&err).is_some(), "the reader's error is the source");
 }
 
 #[test]

@@ -224,10 +224,11 @@ async fn restore_rejects_cursors_that_do_not_fit() {
     // An offset at the end of an epoch is the start of the next one.
     l.seek(Cursor { period: PeriodId(3), epoch: 0, offset: 10 }).unwrap();
     assert_eq!(l.cursor(), Cursor { period: PeriodId(3), epoch: 1, offset: 0 });
-    // The core trait converts the error and keeps the message.
+    // The core trait converts the error and keeps the message as its source.
     let mut source: Box<dyn PromptSource> = Box::new(l);
     let err = source.restore(Cursor { period: PeriodId(0), epoch: 0, offset: 99 }).unwrap_err();
-    assert!(err.to_string().starts_with("dataloader: cursor"), "{err}");
+    let chain = metronome_core::ErrorChain(&err).to_string();
+    assert!(chain.starts_with("dataloader: cursor"), "{chain}");
 }
 
 #[tokio::test]

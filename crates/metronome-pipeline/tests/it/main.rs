@@ -2,6 +2,7 @@
 //! engine or trainer (those are tested end to end in the workspace `tests` package).
 
 mod config;
+mod errors;
 mod mocks;
 mod rundir;
 mod schedules;

@@ -74,7 +74,7 @@ impl std::fmt::Debug for Claim {
 impl Claim {
     /// Marks the claim done (after its group is published): it is never delivered again.
     pub async fn complete(&self) -> Result<()> {
-        self.message.double_ack().await.map_err(|e| Error::Nats { op: "complete claim", source: e })
+        self.message.double_ack().await.map_err(|e| Error::Nats { op: "complete claim", error: e })
     }
 
     /// Gives the claim back at once, for another worker (graceful leave).
@@ -82,7 +82,7 @@ impl Claim {
         self.message
             .ack_with(jetstream::AckKind::Nak(None))
             .await
-            .map_err(|e| Error::Nats { op: "release claim", source: e })
+            .map_err(|e| Error::Nats { op: "release claim", error: e })
     }
 
     /// Renews the lease (the worker is still on it).
@@ -90,7 +90,7 @@ impl Claim {
         self.message
             .ack_with(jetstream::AckKind::Progress)
             .await
-            .map_err(|e| Error::Nats { op: "extend claim", source: e })
+            .map_err(|e| Error::Nats { op: "extend claim", error: e })
     }
 }
 

@@ -157,7 +157,7 @@ impl std::fmt::Debug for NatsAck {
 impl Acker for NatsAck {
     async fn ack(self: Box<Self>) -> metronome_core::Result<()> {
         // Wait for the server to confirm: only then is the group safe from redelivery.
-        self.acker.double_ack().await.map_err(|e| Error::Nats { op: "acknowledge group", source: e })?;
+        self.acker.double_ack().await.map_err(|e| Error::Nats { op: "acknowledge group", error: e })?;
         self.guard.acked();
         Ok(())
     }
@@ -168,7 +168,7 @@ impl Acker for NatsAck {
         self.acker
             .ack_with(jetstream::AckKind::Term)
             .await
-            .map_err(|e| Error::Nats { op: "terminate a rejected group", source: e })?;
+            .map_err(|e| Error::Nats { op: "terminate a rejected group", error: e })?;
         // Counted once: a copy re-sent with the same key is not delivered again.
         self.guard.acked();
         Ok(())

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use metronome_core::{
-    GroupKey, GroupReceiver, GroupSender, PolicyVersion, WeightPublisher, WeightSubscriber,
+    ErrorChain, GroupKey, GroupReceiver, GroupSender, PolicyVersion, WeightPublisher, WeightSubscriber,
 };
 use metronome_transport::nats::{NatsConfig, NatsTransport};
 use metronome_transport::testdata::{scored_group, snapshot};
@@ -262,7 +262,8 @@ async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
     // The small receiver's sender refuses an oversized group before publishing it.
     let big = scored_group(0, 99, 8, 256);
     let err = small.group_sender().await.unwrap().send(big.clone()).await.unwrap_err();
-    assert!(err.to_string().contains("exceeds the limit of 4096 bytes"), "{err}");
+    let err = ErrorChain(&err).to_string();
+    assert!(err.contains("exceeds the limit of 4096 bytes"), "{err}");
 
     // Raw publications bypass the sender's checks and its message id.
     let subject = t.config().groups.subject.clone();
@@ -609,7 +610,7 @@ async fn a_stalled_or_mismatched_upload_is_a_clear_error_and_the_previous_versio
         (subscriber, got)
     });
     let (mut subscriber, got) = half_upload(&t, 0, 3, waiter).await;
-    let err = got.unwrap_err().to_string();
+    let err = ErrorChain(&got.unwrap_err()).to_string();
     assert!(err.contains("stalled") && err.contains("500 ms"), "{err}");
     let previous = subscriber.latest().await.unwrap().unwrap();
     assert_eq!(encode_weights(&previous).unwrap(), encode_weights(&v1).unwrap());
@@ -621,7 +622,7 @@ async fn a_stalled_or_mismatched_upload_is_a_clear_error_and_the_previous_versio
         (subscriber, got)
     });
     let (mut subscriber, got) = half_upload(&t, 1, 16, waiter).await;
-    let err = got.unwrap_err().to_string();
+    let err = ErrorChain(&got.unwrap_err()).to_string();
     assert!(err.contains("checksum"), "{err}");
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
     assert_eq!(subscriber.streamed_fetches(), 0);
@@ -665,7 +666,7 @@ async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_neve
     let whole = encode_weights(&v2).unwrap();
     match got {
         Ok(s) => assert_eq!(encode_weights(&s).unwrap(), whole, "a partial snapshot"),
-        Err(e) => assert!(e.to_string().contains("stalled"), "{e}"),
+        Err(e) => assert!(ErrorChain(&e).to_string().contains("stalled"), "{e:?}"),
     }
     let now = subscriber.latest().await.unwrap().unwrap();
     let now = encode_weights(&now).unwrap();
