@@ -259,10 +259,36 @@ fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
         builder = builder.add_global_label("worker", worker);
     }
     builder.install().with_context(|| format!("serving metrics on {addr}"))?;
-    metronome_pipeline::describe_metrics();
-    metronome_pipeline::cluster::describe_cluster_metrics();
+    describe_metrics();
     eprintln!("metrics: http://{addr}/metrics");
     Ok(())
+}
+
+/// Gives the installed exporter the help text and unit of every metric a run may
+/// emit, from each crate's typed catalogue.
+fn describe_metrics() {
+    use metronome_core::{MetricKind, MetricUnit};
+    let catalogues = metronome_pipeline::STAGE_METRICS.iter().copied();
+    metrics::with_recorder(|recorder| {
+        for m in catalogues.flatten() {
+            let unit = match m.unit {
+                MetricUnit::Count => Some(metrics::Unit::Count),
+                MetricUnit::Seconds => Some(metrics::Unit::Seconds),
+                MetricUnit::Bytes => Some(metrics::Unit::Bytes),
+                // `metrics` has percent (0 to 100) but no fraction.
+                MetricUnit::Ratio => None,
+            };
+            let (name, help) = (metrics::KeyName::from_const_str(m.name), m.help.into());
+            match m.kind {
+                MetricKind::Counter => recorder.describe_counter(name, unit, help),
+                MetricKind::Gauge => recorder.describe_gauge(name, unit, help),
+                MetricKind::Histogram => recorder.describe_histogram(name, unit, help),
+            }
+        }
+    });
+    // The pipeline's own catalogues describe themselves until they are typed too.
+    metronome_pipeline::describe_metrics();
+    metronome_pipeline::cluster::describe_cluster_metrics();
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
@@ -373,7 +399,7 @@ fn real_main() -> Result<()> {
                         .with_http_listener(addr)
                         .install()
                         .with_context(|| format!("serving metrics on {addr}"))?;
-                    metronome_pipeline::describe_metrics();
+                    describe_metrics();
                     eprintln!("metrics: http://{addr}/metrics");
                 }
                 let options = metronome_pipeline::RunOptions { progress: !quiet, allow_config_change };

@@ -10,6 +10,7 @@
 //! - the data that flows between stages ([`Prompt`], [`Completion`], [`Group`],
 //!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
 //! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
+//! - the typed entry of a crate's metrics catalogue ([`Metric`]);
 //! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],
 //!   [`GroupScorer`], [`Trainer`], [`GroupSender`]/[`GroupReceiver`],
 //!   [`WeightPublisher`]/[`WeightSubscriber`]).
@@ -24,6 +25,7 @@ mod data;
 mod error;
 mod ids;
 mod layout;
+mod metric;
 mod secret;
 mod stage;
 mod text;
@@ -36,6 +38,7 @@ pub use data::{
 pub use error::{Error, ErrorChain, Result};
 pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};
+pub use metric::{Metric, MetricKind, MetricUnit};
 pub use secret::Secret;
 pub use stage::{
     AccumulateReport, Acker, ControlMessage, Cursor, Delivery, GroupReceiver, GroupScorer, GroupSender,

@@ -25,7 +25,7 @@ use tokio::sync::oneshot;
 
 use metronome_core::{AdvantageEstimator, ErrorChain, Group, GroupScorer, Reward, RewardFn, ScoredGroup};
 
-use crate::{Error, Result, metric};
+use crate::{Error, Result, metrics};
 
 /// Configuration of [`WorkerPool`] and [`PoolScorer`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -312,7 +312,7 @@ fn work(shared: &Arc<Shared>) {
         if abandoned {
             // The watchdog counted this thread as stuck and possibly replaced it.
             state.stats.stuck -= 1;
-            metric::stuck_workers(state.stats.stuck);
+            metrics::stuck_workers(state.stats.stuck);
             if state.shutdown || state.stats.live >= shared.target {
                 return;
             }
@@ -361,7 +361,7 @@ fn watch(shared: &Arc<Shared>) {
             } else {
                 tracing::warn!(stuck = state.stats.stuck, "reward pool past max_stuck_workers; it shrinks");
             }
-            metric::stuck_workers(state.stats.stuck);
+            metrics::stuck_workers(state.stats.stuck);
         }
         if state.stats.live == 0 {
             // Nobody will ever take these jobs: answer them now instead of hanging.
@@ -442,7 +442,7 @@ impl PoolScorer {
         let rewards: Vec<Reward> = outcomes.into_iter().map(|o| self.reward_of(o)).collect();
         // A stuck job still holds its clone of the group; copy it out in that case.
         let group = Arc::try_unwrap(group).unwrap_or_else(|shared| (*shared).clone());
-        metric::group_scored(rewards.len(), started.elapsed());
+        metrics::group_scored(rewards.len(), started.elapsed());
         ScoredGroup::new(group, rewards, self.config.estimator)
     }
 
@@ -473,7 +473,7 @@ impl PoolScorer {
             ),
         };
         if let Some(reason) = reason {
-            metric::failure(reason, 1);
+            metrics::failure(reason, 1);
         }
         reward
     }

@@ -23,7 +23,7 @@ use metronome_core::{
     AdvantageEstimator, ErrorChain, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64,
 };
 
-use crate::{Error, Result, metric};
+use crate::{Error, Result, metrics};
 
 /// Configuration of [`RemoteScorer`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -246,7 +246,7 @@ impl RemoteScorer {
                 }
                 Attempt::Retry(reason) => {
                     tracing::debug!(url = %self.config.url, %reason, retry, "retrying remote reward");
-                    metric::remote_retry();
+                    metrics::remote_retry();
                     tokio::time::sleep(self.backoff(retry, key)).await;
                     retry += 1;
                 }
@@ -263,7 +263,7 @@ impl GroupScorer for RemoteScorer {
         let rewards = match self.rewards(&group).await {
             Ok(rewards) => rewards,
             Err(reason) => {
-                metric::failure("remote", n as u64);
+                metrics::failure("remote", n as u64);
                 let reward = Reward::failed(
                     self.config.failure_score,
                     format!("remote scorer {}: {reason}", self.config.url),
@@ -271,7 +271,7 @@ impl GroupScorer for RemoteScorer {
                 vec![reward; n]
             }
         };
-        metric::group_scored(n, started.elapsed());
+        metrics::group_scored(n, started.elapsed());
         ScoredGroup::new(group, rewards, self.config.estimator)
     }
 }

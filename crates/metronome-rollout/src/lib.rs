@@ -49,14 +49,10 @@
 //!   [`RolloutEngine`](metronome_core::RolloutEngine) that drives any such server
 //!   (vLLM, SGLang, or ours) with timeouts, retries and a concurrency limit, and
 //!   updates its weights through a pluggable [`http::WeightUpdateHook`].
-//! - **Metrics** through the `metrics` facade, labelled by worker:
-//!   `metronome_rollout_active_slots`, `metronome_rollout_queue_depth`,
-//!   `metronome_rollout_generated_tokens_total`,
-//!   `metronome_rollout_group_duration_seconds`, and (engine-wide)
-//!   `metronome_rollout_prompts_rejected_total`: prompts that
+//! - **Metrics** through the `metrics` facade, every one in [`METRICS`] (slots and
+//!   tokens labelled by worker; rejected prompts are those
 //!   [`RolloutEngine::generate`](metronome_core::RolloutEngine::generate) turned into
-//!   rejected groups (empty, or too long for `max_seq_len`); [`Engine::worker_stats`]
-//!   gives the same counters in process.
+//!   rejected groups); [`Engine::worker_stats`] gives the same counters in process.
 //!
 //! # What it is not
 //! It does not score, pack or train: groups go to a [`GroupSink`](metronome_core::GroupSink)
@@ -74,6 +70,7 @@ mod engine;
 mod error;
 #[cfg(feature = "http")]
 pub mod http;
+mod metrics;
 pub mod sampling;
 mod stop;
 
@@ -81,6 +78,7 @@ pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
 pub use config::{Batching, EngineConfig};
 pub use engine::{CollectSink, Engine, Submission, WorkerStats};
 pub use error::{Error, Result};
+pub use metrics::METRICS;
 pub use sampling::{Sampled, Sampler, SamplingConfig, TokenRng};
 pub use stop::StopConditions;
 

@@ -37,20 +37,19 @@
 //! rewards (`metronome-reward`, `metronome-core`), or move weights
 //! (`metronome-transport`); `metronome-pipeline` wires it to them.
 //!
-//! Metrics: `metronome_trainer_steps_total`, `metronome_trainer_skipped_steps_total`,
-//! `metronome_trainer_tokens_total`, `metronome_trainer_zero_advantage_groups_total`,
-//! and histograms `metronome_trainer_accumulate_seconds` and
-//! `metronome_trainer_step_seconds`. Per-step values (loss, KL, clip fraction, …) are
-//! returned in `metronome_core::StepReport`; whoever drives the trainer (the pipeline)
-//! records them as gauges, so each gauge has one writer.
+//! Metrics: every one it emits is in [`METRICS`]. Per-step values (loss, KL, clip
+//! fraction, …) are returned in `metronome_core::StepReport`; whoever drives the
+//! trainer (the pipeline) records them as gauges, so each gauge has one writer.
 
 mod config;
 mod error;
 pub mod loss;
+mod metrics;
 pub mod optim;
 pub mod schedule;
 mod trainer;
 
 pub use config::TrainerConfig;
 pub use error::{Result, TrainerError};
+pub use metrics::METRICS;
 pub use trainer::{GrpoTrainer, PhaseTimes, SftExample, sft_batch};

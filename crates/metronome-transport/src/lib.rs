@@ -22,7 +22,7 @@
 //! a dead worker's claims go to another worker when the lease expires.
 //!
 //! Both count a group once per (period, prompt) key, keep [`Stats`] and emit the
-//! `metronome_transport_*` metrics listed in [`stats`]. The [`wire`] module defines
+//! metrics of [`METRICS`]. The [`wire`] module defines
 //! the versioned binary formats, and [`conformance`] is the test suite both
 //! transports pass and any future transport should.
 //!
@@ -71,6 +71,7 @@ mod dedup;
 mod error;
 #[cfg(feature = "local")]
 pub mod local;
+mod metrics;
 #[cfg(feature = "nats")]
 pub mod nats;
 /// The prompt claim queue, a part of the NATS transport kept at its own path.
@@ -86,6 +87,7 @@ use async_trait::async_trait;
 use metronome_core::ControlMessage;
 
 pub use error::{Error, Result};
+pub use metrics::METRICS;
 pub use stats::Stats;
 
 /// Sends the messages that frame a period (to every receiver).

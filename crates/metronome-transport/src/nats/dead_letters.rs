@@ -14,8 +14,7 @@ impl NatsTransport {
     /// (`metronome_transport_dead_letters_total`). Best effort: a failure is logged,
     /// since the message is terminated either way.
     pub(super) async fn dead_letter(&self, kind: &'static str, subject: &str, reason: &str, payload: Bytes) {
-        metrics::counter!("metronome_transport_dead_letters_total", "transport" => TRANSPORT, "kind" => kind)
-            .increment(1);
+        crate::metrics::dead_letter(TRANSPORT, kind);
         let c = &self.config.dead_letters;
         let config = stream::Config {
             name: c.stream.clone(),

@@ -165,8 +165,7 @@ impl PublisherState {
         match self.publish_retrying(Arc::clone(&snapshot)).await {
             Ok(()) => {
                 tracing::info!(version = %snapshot.version, "uploaded the newest weights again: the server had lost them");
-                metrics::counter!("metronome_transport_weights_restored_total", "transport" => TRANSPORT)
-                    .increment(1);
+                crate::metrics::weights_restored(TRANSPORT);
             }
             Err(error) => {
                 tracing::warn!(%error, version = %snapshot.version, "could not upload the newest weights again after a reconnection");

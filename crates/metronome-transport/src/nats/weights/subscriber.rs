@@ -166,8 +166,7 @@ impl NatsWeightSubscriber {
         self.counters.received(begins.bytes as usize);
         self.counters.fetched(start.elapsed());
         self.streamed += 1;
-        metrics::counter!("metronome_transport_weights_streamed_fetches_total", "transport" => TRANSPORT)
-            .increment(1);
+        crate::metrics::weights_streamed(TRANSPORT);
         Ok(snapshot)
     }
 
