@@ -13,7 +13,7 @@
 //! - the typed entry of a crate's metrics catalogue ([`Metric`]);
 //! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],
 //!   [`GroupScorer`], [`Trainer`], [`GroupSender`]/[`GroupReceiver`],
-//!   [`WeightPublisher`]/[`WeightSubscriber`]).
+//!   [`WeightPublisher`]/[`WeightSubscriber`], [`ControlSender`]/[`ControlReceiver`]).
 //!
 //! It deliberately holds no tensors, no async runtime and no I/O: third-party stage
 //! implementations should depend on this crate alone. The sibling crates implement
@@ -41,9 +41,9 @@ pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSeque
 pub use metric::{Metric, MetricKind, MetricUnit};
 pub use secret::Secret;
 pub use stage::{
-    AccumulateReport, Acker, ControlMessage, Cursor, Delivery, GroupReceiver, GroupScorer, GroupSender,
-    GroupSink, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine, RolloutRequest, StepReport,
-    Trainer, WeightPublisher, WeightSubscriber,
+    AccumulateReport, Acker, ControlMessage, ControlReceiver, ControlSender, Cursor, Delivery, GroupReceiver,
+    GroupScorer, GroupSender, GroupSink, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine,
+    RolloutRequest, StepReport, Trainer, WeightPublisher, WeightSubscriber,
 };
 pub use text::{ChatMessage, Tokenizer};
 pub use weights::{HostTensor, TensorData, WeightSnapshot};

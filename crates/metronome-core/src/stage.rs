@@ -271,3 +271,17 @@ pub enum ControlMessage {
     /// Every process should finish its work and exit.
     Shutdown,
 }
+
+/// Sends the messages that frame a period (to every receiver).
+#[async_trait]
+pub trait ControlSender: Send + Sync {
+    /// Sends `message` to every receiver.
+    async fn send(&self, message: ControlMessage) -> Result<()>;
+}
+
+/// Receives the messages that frame a period, in send order.
+#[async_trait]
+pub trait ControlReceiver: Send {
+    /// The next message, or `Ok(None)` once the channel is closed.
+    async fn recv(&mut self) -> Result<Option<ControlMessage>>;
+}

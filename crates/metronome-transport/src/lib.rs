@@ -22,9 +22,9 @@
 //! a dead worker's claims go to another worker when the lease expires.
 //!
 //! Both count a group once per (period, prompt) key, keep [`Stats`] and emit the
-//! metrics of [`METRICS`]. The [`wire`] module defines
-//! the versioned binary formats, and [`conformance`] is the test suite both
-//! transports pass and any future transport should.
+//! metrics of [`METRICS`]. The [`wire`] module defines the versioned binary formats.
+//! Both transports pass the transport suite of `metronome-testkit`
+//! (`tests/it/conformance.rs`), as any future transport should.
 //!
 //! Both features are on by default, so `cargo test -p metronome-transport` runs the
 //! NATS tests; they start a real `nats-server` (JetStream, loopback, free port) and
@@ -65,7 +65,6 @@
 //! snapshots are `metronome-core` host data produced by `metronome-trainer` and
 //! installed by `metronome-rollout`. Its only Metronome dependency is `metronome-core`.
 
-pub mod conformance;
 #[cfg(any(feature = "local", feature = "nats"))]
 mod dedup;
 mod error;
@@ -77,31 +76,12 @@ pub mod nats;
 /// The prompt claim queue, a part of the NATS transport kept at its own path.
 #[cfg(feature = "nats")]
 pub use nats::claims;
-#[cfg(feature = "nats")]
-pub mod server;
 pub mod stats;
-pub mod testdata;
 pub mod wire;
-
-use async_trait::async_trait;
-use metronome_core::ControlMessage;
 
 pub use error::{Error, Result};
 pub use metrics::METRICS;
+/// The control traits, at their old path: they are part of the contract in
+/// `metronome-core` now, so that a third-party transport depends on it alone.
+pub use metronome_core::{ControlReceiver, ControlSender};
 pub use stats::Stats;
-
-/// Sends the messages that frame a period (to every receiver).
-///
-/// Proposed for `metronome-core` beside `GroupSender`; kept here until then.
-#[async_trait]
-pub trait ControlSender: Send + Sync {
-    /// Sends `message` to every receiver.
-    async fn send(&self, message: ControlMessage) -> metronome_core::Result<()>;
-}
-
-/// Receives the messages that frame a period, in send order.
-#[async_trait]
-pub trait ControlReceiver: Send {
-    /// The next message, or `Ok(None)` once the channel is closed.
-    async fn recv(&mut self) -> metronome_core::Result<Option<ControlMessage>>;
-}

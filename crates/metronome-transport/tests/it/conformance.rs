@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use metronome_core::{ControlReceiver, ControlSender};
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
-use metronome_transport::conformance::{self, Transport};
+use metronome_testkit::conformance::transport::{self as conformance, Transport};
 #[cfg(feature = "local")]
 use metronome_transport::local;
-use metronome_transport::{ControlReceiver, ControlSender};
 
 /// Generates one test per conformance check for a transport factory expression.
 macro_rules! conformance_tests {
@@ -84,7 +84,7 @@ mod over_nats {
     use metronome_transport::nats::{NatsConfig, NatsTransport};
 
     use super::*;
-    use metronome_transport::server::NatsServer;
+    use metronome_testkit::server::NatsServer;
 
     /// One server per test; every call makes endpoints under a new name prefix.
     pub(crate) struct Nats {

@@ -11,11 +11,11 @@ use bytes::Bytes;
 use metronome_core::{
     ErrorChain, GroupKey, GroupReceiver, GroupSender, PolicyVersion, WeightPublisher, WeightSubscriber,
 };
+use metronome_testkit::data::{scored_group, snapshot};
 use metronome_transport::nats::{NatsConfig, NatsTransport};
-use metronome_transport::testdata::{scored_group, snapshot};
 use metronome_transport::wire::{encode_group, encode_weights};
 
-use metronome_transport::server::NatsServer;
+use metronome_testkit::server::NatsServer;
 
 /// Environment variables that turn this test binary into a helper process.
 const CHILD_ROLE: &str = "METRONOME_TRANSPORT_CHILD_ROLE";
@@ -229,7 +229,7 @@ async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_messages_keep_coming_across_a_server_restart() {
     use metronome_core::{ControlMessage, PeriodId};
-    use metronome_transport::{ControlReceiver, ControlSender};
+    use metronome_core::{ControlReceiver, ControlSender};
     let mut server = NatsServer::start(&[]).expect("start nats-server");
     let t = NatsTransport::connect(config(&server, "ctlrestart")).await.unwrap();
     let mut receiver = t.control_receiver().await.unwrap();
@@ -359,7 +359,7 @@ async fn a_snapshot_of_many_chunks_round_trips() {
     let mut subscriber = t.weight_subscriber().await.unwrap();
     // Several versions, so that pruning runs between fetches.
     for v in 1..=4 {
-        let s = Arc::new(metronome_transport::testdata::snapshot_of_bytes(v, 6 << 20));
+        let s = Arc::new(metronome_testkit::data::snapshot_of_bytes(v, 6 << 20));
         tokio::time::timeout(PATIENCE, publisher.publish(Arc::clone(&s))).await.unwrap().unwrap();
         let got = tokio::time::timeout(PATIENCE, subscriber.latest()).await.unwrap().unwrap().unwrap();
         assert_eq!(encode_weights(&got).unwrap(), encode_weights(&s).unwrap());
@@ -437,7 +437,7 @@ async fn weights_kept_in_memory_outlive_server_restarts_before_and_during_an_upl
     // A restart while a version uploads: the publication starts again and completes.
     let begins = format!("{}.begins", t.config().weights.announce_subject);
     let mut begins = t.client().subscribe(begins).await.unwrap();
-    let second = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 32 << 20));
+    let second = Arc::new(metronome_testkit::data::snapshot_of_bytes(2, 32 << 20));
     let publishing = {
         let second = Arc::clone(&second);
         tokio::spawn(async move {
@@ -472,7 +472,7 @@ async fn a_streamed_fetch_cut_by_a_server_restart_gets_the_version_uploaded_agai
     tokio::time::sleep(SETTLE).await;
     let begins = format!("{}.begins", t.config().weights.announce_subject);
     let mut begins = t.client().subscribe(begins).await.unwrap();
-    let second = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 32 << 20));
+    let second = Arc::new(metronome_testkit::data::snapshot_of_bytes(2, 32 << 20));
     let publishing = {
         let second = Arc::clone(&second);
         tokio::spawn(async move { publisher.publish(second).await.unwrap() })
@@ -503,7 +503,7 @@ async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically
     let cfg = streaming_config(&server, "streamed");
     let publisher = NatsTransport::connect(cfg.clone()).await.unwrap().weight_publisher().await.unwrap();
     let mut subscriber = NatsTransport::connect(cfg).await.unwrap().weight_subscriber().await.unwrap();
-    let v1 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(1, 1 << 20));
+    let v1 = Arc::new(metronome_testkit::data::snapshot_of_bytes(1, 1 << 20));
     publisher.publish(Arc::clone(&v1)).await.unwrap();
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
 
@@ -512,7 +512,7 @@ async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically
         (subscriber, got)
     });
     tokio::time::sleep(SETTLE).await;
-    let v2 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 8 << 20));
+    let v2 = Arc::new(metronome_testkit::data::snapshot_of_bytes(2, 8 << 20));
     tokio::time::timeout(PATIENCE, publisher.publish(Arc::clone(&v2))).await.unwrap().unwrap();
     let (mut subscriber, got) = tokio::time::timeout(PATIENCE, waiter).await.unwrap().unwrap();
     let got = got.unwrap();
@@ -533,7 +533,7 @@ async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically
 /// the format's checksum plus `checksum_offset`.
 async fn handmade_upload(t: &NatsTransport, checksum_offset: u64, chunks_sent: usize) -> (String, Bytes) {
     let bucket = t.config().weights.bucket.clone();
-    let encoded = encode_weights(&metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20)).unwrap();
+    let encoded = encode_weights(&metronome_testkit::data::snapshot_of_bytes(2, 1 << 20)).unwrap();
     let chunks: Vec<&[u8]> = encoded.chunks(64 * 1024).collect();
     let nuid = format!("handmade{checksum_offset}");
     let js = async_nats::jetstream::new(t.client().clone());
@@ -591,7 +591,7 @@ async fn a_subscriber_that_starts_waiting_after_an_upload_began_streams_it() {
         .await
         .expect("the upload that began before the wait was not seen")
         .unwrap();
-    let expected = metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20);
+    let expected = metronome_testkit::data::snapshot_of_bytes(2, 1 << 20);
     assert_eq!(encode_weights(&got).unwrap(), encode_weights(&expected).unwrap());
     assert_eq!(subscriber.streamed_fetches(), 1);
 }
@@ -648,7 +648,7 @@ async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_neve
     let js = async_nats::jetstream::new(t.client().clone());
     let mut objects = js.get_stream(format!("OBJ_{}", t.config().weights.bucket)).await.unwrap();
     let before = objects.info().await.unwrap().state.messages;
-    let v2 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 48 << 20));
+    let v2 = Arc::new(metronome_testkit::data::snapshot_of_bytes(2, 48 << 20));
     let upload = tokio::spawn({
         let (publisher, v2) = (Arc::clone(&publisher), Arc::clone(&v2));
         async move { publisher.publish(v2).await }

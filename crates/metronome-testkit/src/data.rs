@@ -1,4 +1,4 @@
-//! Deterministic sample data for tests, benchmarks and the conformance suite: not
+//! Deterministic sample data for tests, benchmarks and the conformance suites: not
 //! model output, but every field of the real types filled, including the awkward ones
 //! (non-ASCII text, negative zero, subnormal floats, empty strings).
 
