@@ -94,7 +94,7 @@ fn ci(root: &Path) -> Result<()> {
 }
 
 /// Test binaries already run their tests on parallel threads; one rayon and candle
-/// thread per test keeps them from oversubscribing a 2-core machine (DESIGN.md §6).
+/// thread per test keeps them from oversubscribing a 2-core machine (docs/design.md §6).
 /// A caller's explicit setting wins.
 fn test_thread_env() -> Vec<(&'static str, String)> {
     ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
@@ -107,7 +107,7 @@ fn e2e(root: &Path, args: &[String]) -> Result<()> {
     step(root, "build", &["build", "--release", "--package", "metronome-cli"])?;
     let exe = root.join("target/release/metronome");
     eprintln!("==> e2e: metronome run {}", args.join(" "));
-    // The binary sets its own thread environment (candle's pools, DESIGN.md §6) when
+    // The binary sets its own thread environment (candle's pools, docs/design.md §6) when
     // the caller has not, so nothing is set here.
     let status = Command::new(&exe)
         .arg("run")

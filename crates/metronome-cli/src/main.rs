@@ -24,7 +24,7 @@ use clap::{Args, Parser, Subcommand};
 use metronome_pipeline::{PipelineConfig, Schedule};
 
 // Training allocates and frees many tensors per step; mimalloc avoids the page-fault
-// churn of the system allocator (DESIGN.md §6). Only the binary chooses an allocator.
+// churn of the system allocator (docs/design.md §6). Only the binary chooses an allocator.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -203,7 +203,7 @@ impl ConfigArgs {
 fn main() -> ExitCode {
     // candle sizes its spinning element-wise pool from CANDLE_NUM_THREADS once, process
     // wide; left to default it takes every core and oversubscribes the stages' own
-    // pools (DESIGN.md §6). And without RAYON_NUM_THREADS, candle re-reads
+    // pools (docs/design.md §6). And without RAYON_NUM_THREADS, candle re-reads
     // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
     // here, that made a period of the default run 4x slower, in system time. The value
     // keeps what candle would compute (the cores), so `sync` still splits its matmuls.

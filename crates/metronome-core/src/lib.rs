@@ -16,8 +16,9 @@
 //!   [`WeightPublisher`]/[`WeightSubscriber`], [`ControlSender`]/[`ControlReceiver`]).
 //!
 //! It deliberately holds no tensors, no async runtime and no I/O: third-party stage
-//! implementations should depend on this crate alone. The sibling crates implement
-//! the stages (`metronome-dataloader`, `-rollout`, `-reward`, `-trainer`,
+//! implementations should depend on this crate alone, and prove themselves with the
+//! conformance suites of `metronome-testkit` (a dev-dependency). The sibling crates
+//! implement the stages (`metronome-dataloader`, `-rollout`, `-reward`, `-trainer`,
 //! `-transport`), share the network (`metronome-model`) and layouts
 //! (`metronome-masking`), and `metronome-pipeline` wires them.
 

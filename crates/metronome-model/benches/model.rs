@@ -16,7 +16,7 @@ use metronome_core::{PackedRow, Segment, Targets};
 use metronome_model::{Device, KvCache, Model, ModelConfig, Tensor};
 
 // Allocation churn was measured as a large share of candle's CPU training time
-// (DESIGN.md §6); a global allocator belongs to binaries and benches, never libraries.
+// (docs/design.md §6); a global allocator belongs to binaries and benches, never libraries.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

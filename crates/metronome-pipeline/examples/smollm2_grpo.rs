@@ -106,7 +106,7 @@ fn memory_gib(field: &str) -> Option<f64> {
 fn main() -> anyhow::Result<()> {
     // candle sizes its spinning element-wise pool once per process from
     // CANDLE_NUM_THREADS; left unset it takes every core and oversubscribes the stages'
-    // own pools (DESIGN.md §6). Setting the environment of a running process is unsafe,
+    // own pools (docs/design.md §6). Setting the environment of a running process is unsafe,
     // so re-execute with it set, as the `metronome` binary does.
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         let status = std::process::Command::new(std::env::current_exe()?)

@@ -10,7 +10,7 @@
 //! `metronome_core::Trainer`: [`GrpoTrainer::accumulate_sync`] runs forward, loss and
 //! backward on one packed micro-batch (`metronome_core::TrainBatch`) and adds the
 //! gradient; [`GrpoTrainer::step_sync`] applies the whole-batch normaliser as a scale
-//! on the accumulated gradient (DESIGN.md §4), the non-finite guard, gradient-norm
+//! on the accumulated gradient (docs/design.md §4), the non-finite guard, gradient-norm
 //! clipping and one AdamW update. Gradients are summed in f64 per parameter, so the
 //! period's groups may arrive in completion order and still give the weights of a
 //! synchronous run.
@@ -31,7 +31,7 @@
 //!   written mid-period: the accumulated gradient (f64 sums) and the step's counts go
 //!   with it, so groups already accumulated may be acknowledged and are never lost.
 //! - Compute runs on the trainer's own rayon pool (`TrainerConfig::threads`), so the
-//!   pipeline can give training and generation separate cores (DESIGN.md §6).
+//!   pipeline can give training and generation separate cores (docs/design.md §6).
 //!
 //! It does not pack groups into rows (`metronome-masking` does), score or normalise
 //! rewards (`metronome-reward`, `metronome-core`), or move weights

@@ -40,25 +40,9 @@
 //! allocates nothing (the page faults of fresh memory cost as much as the copy).
 //! Old versions are deleted while the new one uploads.
 //!
-//! What the weight path costs, measured (`cargo bench -p metronome-transport --
-//! side_by_side`, 100 MB, loopback, 2 shared cores, wall time over one plain TCP
-//! transfer of the same bytes into fresh memory, medians of 7 interleaved rounds):
-//! with the defaults (memory storage, no object store digest, streaming) a
-//! subscriber waiting for the version has it 1.47 to 1.99 times the TCP transfer
-//! after the publication starts (ten runs at load average 1.0 to 2.1), one that
-//! starts waiting only once the upload began (a cluster worker taking a claim
-//! offered during the upload) 1.63 to 2.10 times (four runs), publish then fetch
-//! took 1.9 to 2.4 times; with file storage and the SHA-256 digest 3.0 to 3.7 times
-//! either way. The floor is the broker: the bytes cross two sockets and the
-//! server copies them into its store and out again, about 2.5 times the CPU of the
-//! TCP transfer, so on 2 cores the path is CPU-bound and the overlap of publish and
-//! fetch (`weights.streaming`: the publisher announces a version before its chunks
-//! upload, a subscriber inside `wait_for` decodes the chunks as they arrive, with a
-//! stall timeout and a size and checksum check, falling back to the newest complete
-//! version) is what brings it under 2. Under heavier load (load average near 3) the
-//! same configuration measured 2.35 to 2.48 times. The server's file store costs
-//! about 100 ms of CPU more per 100 MB than its memory store, the digest 60 ms;
-//! chunks of 32 KiB, 256 KiB or 4 MiB were all slower than the default 1 MiB.
+//! What the weight path costs against a plain TCP transfer of the same bytes is in
+//! the README's benchmark section (`cargo bench -p metronome-transport --
+//! side_by_side`) and `docs/measurements.md`.
 //!
 //! This crate does not decide *when* to send: schedules, staleness limits and the
 //! period loop belong to `metronome-pipeline`. It does not know tensors either:

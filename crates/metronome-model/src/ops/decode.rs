@@ -84,7 +84,7 @@ pub(crate) fn write_decode_rows(cache: &Tensor, new: &Tensor, rows: DecodeRows<'
 /// Each row is computed alone by the same code with a fixed reduction order (dot
 /// products in eight fixed lanes, softmax and the weighted sum of values in key
 /// order), so its result is bitwise the same whichever rows share the step: decode
-/// stays batch-invariant (DESIGN.md §6). Forward only: decoding builds no graph.
+/// stays batch-invariant (docs/design.md §6). Forward only: decoding builds no graph.
 #[derive(Debug)]
 struct DecodeAttention<'a>(DecodeRows<'a>);
 

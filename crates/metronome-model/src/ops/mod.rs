@@ -4,7 +4,7 @@
 //! SwiGLU forward, access to custom-op operands).
 //!
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `RmsNorm::forward` have no
-//! backward and silently cut gradients (DESIGN.md §6), so the training
+//! backward and silently cut gradients (docs/design.md §6), so the training
 //! forward is written from fused ops with their own backward or from candle-core
 //! primitives that all have one. Decoding builds no graph: its kernels are forward
 //! only and fix their reduction order, so a row's result does not depend on the rows

@@ -13,7 +13,7 @@ pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> 
     Ok(x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })?)
 }
 
-/// Fused RMSNorm: candle-nn's fused kernel has no backward (DESIGN.md §6), and the
+/// Fused RMSNorm: candle-nn's fused kernel has no backward (docs/design.md §6), and the
 /// composed form costs seven allocating ops forward and more backward.
 #[derive(Debug, Clone, Copy)]
 struct RmsNorm {
