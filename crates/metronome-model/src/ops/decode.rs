@@ -2,9 +2,9 @@
 //! that a sequence's result is bitwise the same whoever shares its step (cache
 //! writes, attention over a slot's prefix, the decode-layout linear layer, SwiGLU).
 
-use candle_core::Tensor;
+use candle_core::{CpuStorage, Layout, Tensor};
 
-use super::{SwiGlu, contiguous_f32};
+use super::{FwdResult, SwiGlu, contiguous_f32};
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
@@ -45,10 +45,10 @@ impl candle_core::InplaceOp2 for DecodeWrite<'_> {
 
     fn cpu_fwd(
         &self,
-        s1: &mut candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
     ) -> candle_core::Result<()> {
         let new = contiguous_f32(self.name(), s2, l2)?;
         let (n, kvh, hd) = l2.shape().dims3()?;
@@ -57,7 +57,7 @@ impl candle_core::InplaceOp2 for DecodeWrite<'_> {
             candle_core::bail!("decode-write: rows {:?} do not fit cache {:?}", l2.dims(), l1.dims())
         }
         self.0.check(self.name(), n, rows)?;
-        let (Some((c0, c1)), candle_core::CpuStorage::F32(cache)) = (l1.contiguous_offsets(), s1) else {
+        let (Some((c0, c1)), CpuStorage::F32(cache)) = (l1.contiguous_offsets(), s1) else {
             candle_core::bail!("decode-write needs a contiguous f32 cache")
         };
         let cache = &mut cache[c0..c1];
@@ -109,13 +109,13 @@ impl candle_core::CustomOp3 for DecodeAttention<'_> {
 
     fn cpu_fwd(
         &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-        s3: &candle_core::CpuStorage,
-        l3: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> FwdResult {
         let (n, heads, hd) = l1.shape().dims3()?;
         let (rows, kvh, khd) = l2.shape().dims3()?;
         if l3.dims() != l2.dims() || khd != hd || kvh == 0 || heads % kvh != 0 {
@@ -134,7 +134,7 @@ impl candle_core::CustomOp3 for DecodeAttention<'_> {
         // The same scalar code, compiled for the instruction set `pulp` detects (the
         // eight-lane dot products become one AVX vector): results are unchanged.
         pulp::Arch::new().dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out: &mut out });
-        Ok((candle_core::CpuStorage::F32(out), (n, heads * hd).into()))
+        Ok((CpuStorage::F32(out), (n, heads * hd).into()))
     }
 }
 
@@ -387,11 +387,7 @@ impl candle_core::CustomOp1 for DecodeLinear<'_> {
         "decode-linear"
     }
 
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
         let w = self.0;
         let x = contiguous_f32(self.name(), s, l)?;
         let (n, k) = l.shape().dims2()?;
@@ -405,7 +401,7 @@ impl candle_core::CustomOp1 for DecodeLinear<'_> {
         }
         let mut out = vec![0f32; n * w.outputs];
         dense_rows(x, w, &mut out);
-        Ok((candle_core::CpuStorage::F32(out), (n, w.outputs).into()))
+        Ok((CpuStorage::F32(out), (n, w.outputs).into()))
     }
 }
 
@@ -547,11 +543,7 @@ impl candle_core::CustomOp1 for SwiGluStacked {
         "swiglu-stacked"
     }
 
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
         let gu = contiguous_f32(self.name(), s, l)?;
         let (n, two) = l.shape().dims2()?;
         if two % 2 != 0 {
@@ -560,7 +552,7 @@ impl candle_core::CustomOp1 for SwiGluStacked {
         let i = two / 2;
         let mut out = vec![0f32; n * i];
         pulp::Arch::new().dispatch(SwiGluRows { gu, out: &mut out, i });
-        Ok((candle_core::CpuStorage::F32(out), (n, i).into()))
+        Ok((CpuStorage::F32(out), (n, i).into()))
     }
 }
 

@@ -13,7 +13,7 @@
 mod decode;
 mod train;
 
-use candle_core::Tensor;
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
 
 pub(crate) use decode::{
     DecodeRows, DenseWeight, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
@@ -25,11 +25,14 @@ pub(crate) use train::{
 
 use crate::Result;
 
+/// What the CPU forward of a custom op returns: its output and the output's shape.
+type FwdResult = candle_core::Result<(CpuStorage, Shape)>;
+
 /// The f32 elements of a two-input custom op's operands, which must be contiguous.
 fn contiguous_f32_pair<'a>(
     op: &str,
-    (s1, l1): (&'a candle_core::CpuStorage, &candle_core::Layout),
-    (s2, l2): (&'a candle_core::CpuStorage, &candle_core::Layout),
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
 ) -> candle_core::Result<(&'a [f32], &'a [f32])> {
     let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
         candle_core::bail!("{op} needs contiguous inputs")
@@ -38,11 +41,7 @@ fn contiguous_f32_pair<'a>(
 }
 
 /// The contiguous f32 elements of one custom-op operand.
-fn contiguous_f32<'a>(
-    op: &str,
-    s: &'a candle_core::CpuStorage,
-    l: &candle_core::Layout,
-) -> candle_core::Result<&'a [f32]> {
+fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
     Ok(&s.as_slice::<f32>()?[a0..a1])
 }
@@ -63,11 +62,7 @@ impl candle_core::CustomOp1 for Rope {
         "rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
         let Some((a0, a1)) = l.contiguous_offsets() else {
             candle_core::bail!("rope needs a contiguous input")
         };
@@ -93,7 +88,7 @@ impl candle_core::CustomOp1 for Rope {
                 }
             }
         }
-        Ok((candle_core::CpuStorage::F32(out), l.shape().clone()))
+        Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -174,13 +169,7 @@ impl candle_core::CustomOp2 for SwiGlu {
         "swiglu"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
         let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         if l1.dims() != l2.dims() {
             candle_core::bail!("swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())
@@ -191,7 +180,7 @@ impl candle_core::CustomOp2 for SwiGlu {
         for ((o, &g), &u) in out[..live].iter_mut().zip(g).zip(u) {
             *o = g / (1.0 + (-g).exp()) * u;
         }
-        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 

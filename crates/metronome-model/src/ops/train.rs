@@ -2,9 +2,9 @@
 //! softmax, SwiGLU, the log-prob and entropy head) and the per-segment attention of a
 //! packed row.
 
-use candle_core::{D, Device, Tensor};
+use candle_core::{CpuStorage, D, Device, Layout, Tensor};
 
-use super::{SwiGlu, contiguous_f32, contiguous_f32_pair};
+use super::{FwdResult, SwiGlu, contiguous_f32, contiguous_f32_pair};
 use crate::Result;
 
 /// RMSNorm over the last dimension, as Hugging Face computes it:
@@ -25,13 +25,7 @@ impl candle_core::CustomOp2 for RmsNorm {
         "rms-norm"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
         let (x, w) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let d = w.len();
         if l1.dims().last() != Some(&d) {
@@ -45,7 +39,7 @@ impl candle_core::CustomOp2 for RmsNorm {
                 *o = v * r * g;
             }
         }
-        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
     fn bwd(
@@ -91,13 +85,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
         "masked-softmax"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
         let (x, mask) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let dims = l1.dims();
         let lk = dims[dims.len() - 1];
@@ -125,7 +113,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
                 *o *= inv;
             }
         }
-        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
     fn bwd(
@@ -150,13 +138,7 @@ impl candle_core::CustomOp2 for SoftmaxGrad {
         "softmax-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
         let (p, g) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         if l1.dims() != l2.dims() {
             candle_core::bail!(
@@ -171,7 +153,7 @@ impl candle_core::CustomOp2 for SoftmaxGrad {
             let dot: f32 = ps.iter().zip(gs).map(|(a, b)| a * b).sum();
             out.extend(ps.iter().zip(gs).map(|(&a, &b)| a * (b - dot)));
         }
-        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
@@ -203,12 +185,7 @@ struct TargetLogProbs {
 
 impl TargetLogProbs {
     /// The contiguous logits and their row width, checked against the targets.
-    fn rows<'a>(
-        &self,
-        op: &str,
-        s: &'a candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(&'a [f32], usize)> {
+    fn rows<'a>(&self, op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<(&'a [f32], usize)> {
         let z = contiguous_f32(op, s, l)?;
         let (n, vocab) = l.shape().dims2()?;
         if n != self.targets.len() {
@@ -243,11 +220,7 @@ impl candle_core::CustomOp1 for TargetLogProbs {
         "target-logprobs"
     }
 
-    fn cpu_fwd(
-        &self,
-        s: &candle_core::CpuStorage,
-        l: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
         let (z, vocab) = self.rows(self.name(), s, l)?;
         let n = self.targets.len();
         let mut out = vec![0f32; 2 * n];
@@ -257,7 +230,7 @@ impl candle_core::CustomOp1 for TargetLogProbs {
             out[2 * i] = logp[self.targets[i] as usize];
             out[2 * i + 1] = entropy;
         }
-        Ok((candle_core::CpuStorage::F32(out), (n, 2).into()))
+        Ok((CpuStorage::F32(out), (n, 2).into()))
     }
 
     fn bwd(&self, z: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -275,13 +248,7 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
         "target-logprobs-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
         let (z, vocab) = self.0.rows(self.name(), s1, l1)?;
         let g = contiguous_f32(self.name(), s2, l2)?;
         let n = self.0.targets.len();
@@ -298,7 +265,7 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
             }
             os[self.0.targets[i] as usize] += g_logp;
         }
-        Ok((candle_core::CpuStorage::F32(out), l1.shape().clone()))
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
 
@@ -357,13 +324,7 @@ impl candle_core::CustomOp2 for SwiGluTrain {
         "swiglu-train"
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
         SwiGlu { rows: usize::MAX }.cpu_fwd(s1, l1, s2, l2)
     }
 
@@ -393,13 +354,13 @@ impl candle_core::CustomOp3 for SwiGluGrad {
 
     fn cpu_fwd(
         &self,
-        s1: &candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-        s3: &candle_core::CpuStorage,
-        l3: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> FwdResult {
         let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let dy = contiguous_f32(self.name(), s3, l3)?;
         if l1.dims() != l2.dims() || l1.dims() != l3.dims() {
@@ -421,7 +382,7 @@ impl candle_core::CustomOp3 for SwiGluGrad {
         }
         let mut dims = vec![2];
         dims.extend_from_slice(l1.dims());
-        Ok((candle_core::CpuStorage::F32(out), dims.into()))
+        Ok((CpuStorage::F32(out), dims.into()))
     }
 }
 
