@@ -77,60 +77,26 @@ impl BatchBuilder {
     /// restart at `P`.
     #[must_use]
     pub fn shared_prompt<R: AsRef<[u32]>>(
-        mut self,
+        self,
         prompt_id: u64,
         prompt: &[u32],
         responses: &[R],
         advantages: &[f32],
     ) -> Self {
-        let p = prompt.len() as u32;
-        let row_index = self.batch.rows.len() as u32;
-        let mut row = PackedRow {
-            tokens: prompt.to_vec(),
-            positions: (0..p).collect(),
-            segments: vec![Segment { start: 0, len: p, parent: None }],
-        };
-        let group = self.open_group(prompt_id, responses.len(), advantages);
-        for (i, (response, &advantage)) in responses.iter().zip(advantages).enumerate() {
-            let response = response.as_ref();
-            let start = row.tokens.len() as u32;
-            row.tokens.extend_from_slice(response);
-            row.positions.extend((0..response.len() as u32).map(|j| p + j));
-            row.segments.push(Segment { start, len: response.len() as u32, parent: Some(0) });
-            // The last prompt position predicts the first token, then each token the next.
-            let predicted_at = (0..response.len() as u32).map(|j| if j == 0 { p - 1 } else { start + j - 1 });
-            self.push_sequence(group, i as u32, row_index, predicted_at, response, advantage);
-        }
-        self.batch.rows.push(row);
-        self
+        self.group(prompt_id, prompt, responses, advantages, true)
     }
 
     /// One group as separate causal rows `[prompt + response]`, one per response (the
     /// padded baseline the shared-prompt layout is compared with).
     #[must_use]
     pub fn separate_rows<R: AsRef<[u32]>>(
-        mut self,
+        self,
         prompt_id: u64,
         prompt: &[u32],
         responses: &[R],
         advantages: &[f32],
     ) -> Self {
-        let p = prompt.len() as u32;
-        let group = self.open_group(prompt_id, responses.len(), advantages);
-        for (i, (response, &advantage)) in responses.iter().zip(advantages).enumerate() {
-            let response = response.as_ref();
-            let row_index = self.batch.rows.len() as u32;
-            let tokens = [prompt, response].concat();
-            let len = tokens.len() as u32;
-            self.batch.rows.push(PackedRow {
-                tokens,
-                positions: (0..len).collect(),
-                segments: vec![Segment { start: 0, len, parent: None }],
-            });
-            let predicted_at = (0..response.len() as u32).map(|j| p - 1 + j);
-            self.push_sequence(group, i as u32, row_index, predicted_at, response, advantage);
-        }
-        self
+        self.group(prompt_id, prompt, responses, advantages, false)
     }
 
     /// The batch.
@@ -146,17 +112,55 @@ impl BatchBuilder {
         self.batch
     }
 
-    /// Adds the group record and returns its index.
-    fn open_group(&mut self, prompt_id: u64, responses: usize, advantages: &[f32]) -> u32 {
-        assert_eq!(responses, advantages.len(), "BatchBuilder: one advantage per response");
+    /// Adds one group, in one shared row or one row per response.
+    fn group<R: AsRef<[u32]>>(
+        mut self,
+        prompt_id: u64,
+        prompt: &[u32],
+        responses: &[R],
+        advantages: &[f32],
+        shared: bool,
+    ) -> Self {
+        assert_eq!(responses.len(), advantages.len(), "BatchBuilder: one advantage per response");
+        let group = self.batch.groups.len() as u32;
         self.batch.groups.push(TrainGroup {
             key: GroupKey { period: self.period, prompt: PromptId(prompt_id) },
-            num_sequences: responses as u32,
-            group_size: responses as u32,
+            num_sequences: responses.len() as u32,
+            group_size: responses.len() as u32,
             all_equal: advantages.iter().all(|&a| a == 0.0),
             reward_mean: 0.5,
         });
-        self.batch.groups.len() as u32 - 1
+        let p = prompt.len() as u32;
+        let row = |tokens: Vec<u32>, positions| PackedRow {
+            segments: vec![Segment { start: 0, len: tokens.len() as u32, parent: None }],
+            tokens,
+            positions,
+        };
+        let shared_index = self.batch.rows.len() as u32;
+        let mut shared_row = shared.then(|| row(prompt.to_vec(), (0..p).collect()));
+        for (i, (response, &advantage)) in responses.iter().zip(advantages).enumerate() {
+            let response = response.as_ref();
+            let len = response.len() as u32;
+            // The row of the response and where it starts in it.
+            let (row_index, start) = match &mut shared_row {
+                Some(r) => {
+                    let start = r.tokens.len() as u32;
+                    r.tokens.extend_from_slice(response);
+                    r.positions.extend((0..len).map(|j| p + j));
+                    r.segments.push(Segment { start, len, parent: Some(0) });
+                    (shared_index, start)
+                }
+                None => {
+                    self.batch.rows.push(row([prompt, response].concat(), (0..p + len).collect()));
+                    (self.batch.rows.len() as u32 - 1, p)
+                }
+            };
+            // The last prompt position predicts the first token, then each token the next.
+            let predicted_at = (0..len).map(|j| if j == 0 { p - 1 } else { start + j - 1 });
+            self.push_sequence(group, i as u32, row_index, predicted_at, response, advantage);
+        }
+        self.batch.rows.extend(shared_row);
+        self
     }
 
     /// Adds one response's sequence record and its targets.
