@@ -74,6 +74,13 @@ impl Metric {
         Self { name, kind: MetricKind::Gauge, unit: MetricUnit::Count, labels: &[], help }
     }
 
+    /// A histogram of counts or plain values (see [`Metric::seconds`] for durations),
+    /// without labels.
+    #[must_use]
+    pub const fn histogram(name: &'static str, help: &'static str) -> Self {
+        Self { name, kind: MetricKind::Histogram, unit: MetricUnit::Count, labels: &[], help }
+    }
+
     /// A histogram of durations in seconds, without labels.
     #[must_use]
     pub const fn seconds(name: &'static str, help: &'static str) -> Self {
@@ -138,6 +145,7 @@ mod tests {
             Metric::counter(m!("transport_bytes_sent_total"), "bytes").unit(MetricUnit::Bytes),
             Metric::seconds(m!("reward_group_seconds"), "time to score a group"),
             Metric::gauge(m!("rollout_active_slots"), "slots").labels(&["worker"]),
+            Metric::histogram(m!("pipeline_staleness_versions"), "versions between sampling and training"),
         ];
         for m in ok {
             assert_eq!(m.convention_error(m.name.split('_').nth(1).unwrap()), None);

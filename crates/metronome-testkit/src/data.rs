@@ -1,6 +1,7 @@
 //! Deterministic sample data for tests, benchmarks and the conformance suites: not
 //! model output, but every field of the real types filled, including the awkward ones
-//! (non-ASCII text, negative zero, subnormal floats, empty strings).
+//! (non-ASCII text, negative zero, subnormal floats, empty strings). And where the
+//! real model the examples run (SmolLM2-135M) is installed.
 
 use std::collections::BTreeMap;
 
