@@ -62,29 +62,35 @@ pub struct Metric {
 }
 
 impl Metric {
-    /// A counter of things, without labels.
+    /// A metric without labels; [`Metric::counter`], [`Metric::gauge`],
+    /// [`Metric::histogram`] and [`Metric::seconds`] name the usual kinds and units.
+    #[must_use]
+    pub const fn new(kind: MetricKind, unit: MetricUnit, name: &'static str, help: &'static str) -> Self {
+        Self { name, kind, unit, labels: &[], help }
+    }
+
+    /// A counter of things.
     #[must_use]
     pub const fn counter(name: &'static str, help: &'static str) -> Self {
-        Self { name, kind: MetricKind::Counter, unit: MetricUnit::Count, labels: &[], help }
+        Self::new(MetricKind::Counter, MetricUnit::Count, name, help)
     }
 
-    /// A gauge of a count or plain value, without labels.
+    /// A gauge of a count or plain value.
     #[must_use]
     pub const fn gauge(name: &'static str, help: &'static str) -> Self {
-        Self { name, kind: MetricKind::Gauge, unit: MetricUnit::Count, labels: &[], help }
+        Self::new(MetricKind::Gauge, MetricUnit::Count, name, help)
     }
 
-    /// A histogram of counts or plain values (see [`Metric::seconds`] for durations),
-    /// without labels.
+    /// A histogram of counts or plain values.
     #[must_use]
     pub const fn histogram(name: &'static str, help: &'static str) -> Self {
-        Self { name, kind: MetricKind::Histogram, unit: MetricUnit::Count, labels: &[], help }
+        Self::new(MetricKind::Histogram, MetricUnit::Count, name, help)
     }
 
-    /// A histogram of durations in seconds, without labels.
+    /// A histogram of durations in seconds.
     #[must_use]
     pub const fn seconds(name: &'static str, help: &'static str) -> Self {
-        Self { name, kind: MetricKind::Histogram, unit: MetricUnit::Seconds, labels: &[], help }
+        Self::new(MetricKind::Histogram, MetricUnit::Seconds, name, help)
     }
 
     /// The same metric with another unit.
