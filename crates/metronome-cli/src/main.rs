@@ -27,7 +27,7 @@ use metronome_pipeline::{PipelineConfig, Schedule};
 mod render;
 
 // Training allocates and frees many tensors per step; mimalloc avoids the page-fault
-// churn of the system allocator (DESIGN.md §6). Only the binary chooses an allocator.
+// churn of the system allocator (docs/design.md §6). Only the binary chooses an allocator.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -244,7 +244,7 @@ impl ConfigArgs {
 fn main() -> ExitCode {
     // candle sizes its spinning element-wise pool from CANDLE_NUM_THREADS once, process
     // wide; left to default it takes every core and oversubscribes the stages' own
-    // pools (DESIGN.md §6). And without RAYON_NUM_THREADS, candle re-reads
+    // pools (docs/design.md §6). And without RAYON_NUM_THREADS, candle re-reads
     // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
     // here, that made a period of the default run 4x slower, in system time. The value
     // keeps what candle would compute (the cores), so `sync` still splits its matmuls.
@@ -300,10 +300,36 @@ fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
         builder = builder.add_global_label("worker", worker);
     }
     builder.install().with_context(|| format!("serving metrics on {addr}"))?;
-    metronome_pipeline::describe_metrics();
-    metronome_pipeline::cluster::describe_cluster_metrics();
+    describe_metrics();
     eprintln!("metrics: http://{addr}/metrics");
     Ok(())
+}
+
+/// Gives the installed exporter the help text and unit of every metric a run may
+/// emit, from each crate's typed catalogue.
+fn describe_metrics() {
+    use metronome_core::{MetricKind, MetricUnit};
+    let catalogues = metronome_pipeline::STAGE_METRICS.iter().copied();
+    metrics::with_recorder(|recorder| {
+        for m in catalogues.flatten() {
+            let unit = match m.unit {
+                MetricUnit::Count => Some(metrics::Unit::Count),
+                MetricUnit::Seconds => Some(metrics::Unit::Seconds),
+                MetricUnit::Bytes => Some(metrics::Unit::Bytes),
+                // `metrics` has percent (0 to 100) but no fraction.
+                MetricUnit::Ratio => None,
+            };
+            let (name, help) = (metrics::KeyName::from_const_str(m.name), m.help.into());
+            match m.kind {
+                MetricKind::Counter => recorder.describe_counter(name, unit, help),
+                MetricKind::Gauge => recorder.describe_gauge(name, unit, help),
+                MetricKind::Histogram => recorder.describe_histogram(name, unit, help),
+            }
+        }
+    });
+    // The pipeline's own catalogues describe themselves until they are typed too.
+    metronome_pipeline::describe_metrics();
+    metronome_pipeline::cluster::describe_cluster_metrics();
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
@@ -434,7 +460,7 @@ fn real_main() -> Result<()> {
                         .with_http_listener(addr)
                         .install()
                         .with_context(|| format!("serving metrics on {addr}"))?;
-                    metronome_pipeline::describe_metrics();
+                    describe_metrics();
                     eprintln!("metrics: http://{addr}/metrics");
                 }
                 let options = metronome_pipeline::RunOptions {

@@ -460,7 +460,7 @@ impl PeriodEndHook {
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .push(EvalPoint { after_periods: done, accuracy: a });
                 }
-                Err(err) => tracing::error!("evaluation failed: {err}"),
+                Err(err) => tracing::error!("evaluation failed: {}", metronome_core::ErrorChain(&err)),
             }
         }
         self.events.scalars(done, &period_scalars(report, accuracy))?;

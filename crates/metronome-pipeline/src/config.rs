@@ -87,7 +87,7 @@ pub struct RunConfig {
     pub checkpoint_interval_s: u64,
     /// Size the stages' thread pools from the cores (`rollout.threads_per_worker`,
     /// `trainer.threads`): `sync` gives every stage all cores in turn; overlapped
-    /// schedules split them so the stages do not oversubscribe (DESIGN.md §6).
+    /// schedules split them so the stages do not oversubscribe (docs/design.md §6).
     pub auto_placement: bool,
     /// Cores to place on; 0 detects them.
     pub cores: usize,

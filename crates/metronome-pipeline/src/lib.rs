@@ -58,3 +58,14 @@ pub use runner::{
 pub use schedule::{ParseScheduleError, Schedule};
 pub use serve::serve;
 pub use summary::summary_table;
+
+/// The metrics catalogues of the stage crates this pipeline wires, for the binary to
+/// describe to its exporter (this crate's own are [`METRICS`] and
+/// [`cluster::CLUSTER_METRICS`]).
+pub const STAGE_METRICS: &[&[metronome_core::Metric]] = &[
+    metronome_dataloader::METRICS,
+    metronome_rollout::METRICS,
+    metronome_reward::METRICS,
+    metronome_trainer::METRICS,
+    metronome_transport::METRICS,
+];

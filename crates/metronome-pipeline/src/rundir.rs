@@ -337,7 +337,8 @@ mod tests {
         for bad in ["", "..", "a/b", "/abs", "."] {
             let err = RunDir::create(root.path(), bad).unwrap_err();
             assert!(matches!(err, Error::Io { .. }), "{bad:?}: {err}");
-            assert!(err.to_string().contains("plain folder name"), "{err}");
+            let chain = metronome_core::ErrorChain(&err).to_string();
+            assert!(chain.contains("plain folder name"), "{chain}");
         }
     }
 
@@ -353,7 +354,7 @@ mod tests {
 
         text.push('\n');
         fs::write(dir.metrics_path(), &text).unwrap();
-        let err = dir.read_periods().unwrap_err().to_string();
+        let err = metronome_core::ErrorChain(&dir.read_periods().unwrap_err()).to_string();
         assert!(err.contains("metrics.jsonl") && err.contains("line 2"), "{err}");
     }
 

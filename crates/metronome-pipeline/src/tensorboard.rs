@@ -254,7 +254,8 @@ mod tests {
         // A flipped bit in the last record's data fails its checksum, naming the offset.
         bytes[n - 6] ^= 1;
         std::fs::write(w.path(), &bytes).unwrap();
-        let e = read_scalars(w.path()).unwrap_err().to_string();
+        let e = read_scalars(w.path()).unwrap_err();
+        let e = metronome_core::ErrorChain(&e).to_string();
         assert!(e.contains("fails its checksum") && e.contains("tfevents"), "{e}");
     }
 }

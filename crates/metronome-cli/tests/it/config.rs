@@ -80,7 +80,7 @@ fn the_deploy_nats_config_asks_for_the_password_and_keeps_monitoring_on_loopback
     let mut local = format!("{}{}", &text[..start], &text[end..]);
     local = local.replace("/var/lib/nats/jetstream", &dir.path().join("js").display().to_string());
     std::fs::write(&conf, &local).unwrap();
-    let bin = metronome_transport::server::binary().expect("nats-server");
+    let bin = metronome_testkit::server::binary().expect("nats-server");
     let out = Command::new(bin)
         .args(["-t", "-c"])
         .arg(&conf)

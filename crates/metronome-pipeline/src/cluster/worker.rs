@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use metronome_core::{
-    ControlMessage, ControlReceiver, Group, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion,
-    PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot, WeightSubscriber,
+    ControlMessage, ControlReceiver, ErrorChain, Group, GroupScorer, GroupSender, GroupSink, PeriodId,
+    PolicyVersion, PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot, WeightSubscriber,
 };
 use metronome_transport::claims::{Claim, NatsClaimTaker};
 
@@ -136,7 +136,7 @@ impl Worker {
                 // The server may be restarting: the client reconnects, so wait and retry
                 // (leaving stays possible meanwhile).
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot take claims; retrying");
+                    tracing::warn!(error = %ErrorChain(&e), "cannot take claims; retrying");
                     tokio::time::sleep(CLAIM_WAIT).await;
                     continue;
                 }
@@ -149,7 +149,7 @@ impl Worker {
                     // failed): the claims not completed come back when their lease
                     // expires, to this worker or another, so keep working.
                     Err(e) if is_transport(&e) => {
-                        tracing::warn!(error = %e, "transport failed during period {period}; taking claims again");
+                        tracing::warn!(error = %ErrorChain(&e), "transport failed during period {period}; taking claims again");
                         tokio::time::sleep(CLAIM_WAIT).await;
                     }
                     // Anything else failed the batch (the model, a prompt it chokes on):
@@ -159,7 +159,7 @@ impl Worker {
                     // restart it.
                     Err(e) => {
                         failures += 1;
-                        tracing::warn!(error = %e, period = period.0, failures, "generation failed; the claims went back");
+                        tracing::warn!(error = %ErrorChain(&e), period = period.0, failures, "generation failed; the claims went back");
                         if failures >= 2 * self.max_deliveries {
                             return Err(e);
                         }
@@ -188,7 +188,7 @@ impl Worker {
             if claim.deliveries > self.max_deliveries {
                 if let Err(e) = self.reject_claim(&claim).await {
                     // The server may be restarting: the claim comes back after its lease.
-                    tracing::warn!(error = %e, "cannot publish a rejected claim's group; it comes back");
+                    tracing::warn!(error = %ErrorChain(&e), "cannot publish a rejected claim's group; it comes back");
                 }
                 continue;
             }
@@ -338,7 +338,7 @@ async fn keep_leases(claims: Arc<Vec<Claim>>, lease: Duration) {
         tokio::time::sleep(lease / 3).await;
         for claim in claims.iter() {
             if let Err(e) = claim.extend().await {
-                tracing::warn!(error = %e, "cannot renew a claim's lease");
+                tracing::warn!(error = %ErrorChain(&e), "cannot renew a claim's lease");
             }
         }
     }

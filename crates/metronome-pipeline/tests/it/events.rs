@@ -166,6 +166,7 @@ fn the_report_page_stands_alone(run: &std::path::Path) {
         !html.contains("<script") && !html.contains("src=") && !html.contains("href="),
         "it fetches nothing"
     );
-    let e = RunDir::open(&run.join("checkpoints")).unwrap_err().to_string();
+    let e = RunDir::open(&run.join("checkpoints")).unwrap_err();
+    let e = metronome_core::ErrorChain(&e).to_string();
     assert!(e.contains("is not a run directory"), "{e}");
 }

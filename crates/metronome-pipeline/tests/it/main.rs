@@ -3,6 +3,7 @@
 
 mod config;
 mod driver;
+mod errors;
 mod events;
 mod mocks;
 mod rundir;

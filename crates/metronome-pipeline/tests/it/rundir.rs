@@ -332,6 +332,24 @@ fn the_grafana_dashboard_charts_the_metrics_of_every_crate() {
     assert!(missing.is_empty(), "metrics without a panel in dashboards/grafana.json: {missing:?}");
 }
 
+#[test]
+fn every_metric_in_the_sources_is_in_a_typed_catalogue_that_follows_the_convention() {
+    let mut catalogued = BTreeSet::new();
+    for catalogue in metronome_pipeline::STAGE_METRICS {
+        let stage = catalogue[0].name.split('_').nth(1).unwrap();
+        for m in *catalogue {
+            assert_eq!(m.convention_error(stage), None);
+            assert!(catalogued.insert(m.name), "{} is catalogued twice", m.name);
+        }
+    }
+    let pipeline =
+        METRICS.iter().chain(metronome_pipeline::cluster::CLUSTER_METRICS).map(|&(name, _, _)| name);
+    catalogued.extend(pipeline);
+    let emitted = metric_names_in_sources();
+    let missing: Vec<_> = emitted.iter().filter(|n| !catalogued.contains(n.as_str())).collect();
+    assert!(missing.is_empty(), "metrics emitted but in no catalogue: {missing:?}");
+}
+
 /// The run directory fed by a real `Runner` (over the mock stages) through its
 /// period hook, as the binary does it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,8 +23,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metronome_core::{
-    FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed, Secret,
-    TensorData, WeightSnapshot,
+    ErrorChain, FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed,
+    Secret, TensorData, WeightSnapshot,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -279,7 +279,7 @@ async fn complete<M: InferenceModel>(
     };
     let groups = s.engine.generate_groups(sub).await.map_err(|e| ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,
-        message: format!("generation failed: {e}"),
+        message: format!("generation failed: {}", ErrorChain(&e)),
         param: None,
     })?;
 
@@ -370,8 +370,9 @@ fn prompts_of(
     max_tokens: usize,
     context: usize,
 ) -> std::result::Result<Vec<Prompt>, ApiError> {
-    let encode =
-        |t: &str| tokenizer.encode(t).map_err(|e| ApiError::bad(format!("prompt: {e}"), Some("prompt")));
+    let encode = |t: &str| {
+        tokenizer.encode(t).map_err(|e| ApiError::bad(format!("prompt: {}", ErrorChain(&e)), Some("prompt")))
+    };
     let inputs: Vec<(String, Vec<u32>)> = match req.prompt.clone() {
         None => return Err(ApiError::bad("`prompt` is missing", Some("prompt"))),
         Some(PromptInput::Text(t)) => vec![(t.clone(), encode(&t)?)],
@@ -518,10 +519,10 @@ async fn load_weights<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body
             .await
             .map_err(|_| ApiError::bad(format!("{}: cannot be read", req.path), Some("path")))?;
         let snapshot = snapshot_from_safetensors(&bytes, PolicyVersion(req.version))
-            .map_err(|e| ApiError::bad(format!("{}: {e}", req.path), Some("path")))?;
+            .map_err(|e| ApiError::bad(format!("{}: {}", req.path, ErrorChain(&e)), Some("path")))?;
         s.engine.install_weights(Arc::new(snapshot)).await.map_err(|e| ApiError {
             status: StatusCode::UNPROCESSABLE_ENTITY,
-            message: format!("installing {}: {e}", req.path),
+            message: format!("installing {}: {}", req.path, ErrorChain(&e)),
             param: Some("path"),
         })?;
         Ok::<_, ApiError>(serde_json::json!({ "version": req.version }))
