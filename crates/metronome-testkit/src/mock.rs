@@ -79,6 +79,11 @@ pub struct MockEngine {
     pub emitted: Arc<Mutex<Vec<GroupKey>>>,
     /// Prompts it cannot generate from: their groups come out rejected.
     pub reject: BTreeSet<u64>,
+    /// Prompts whose group it emits twice (a transport's redelivery, say).
+    pub twice: BTreeSet<u64>,
+    /// Emits, before the group of prompt `of`, a copy of it under the prompt id `as`,
+    /// which is no prompt of the period (another run's group, say): `(of, as)`.
+    pub stranger: Option<(u64, u64)>,
 }
 
 impl MockEngine {
@@ -92,6 +97,8 @@ impl MockEngine {
             force_version: None,
             emitted: Arc::default(),
             reject: BTreeSet::new(),
+            twice: BTreeSet::new(),
+            stranger: None,
         }
     }
 }
@@ -137,6 +144,16 @@ impl RolloutEngine for MockEngine {
                 let group =
                     Group { period: request.period, prompt, completions, timing: GroupTiming::default() };
                 self.emitted.lock().unwrap().push(group.key());
+                if let Some((of, id)) = self.stranger
+                    && group.prompt.id.0 == of
+                {
+                    let mut stranger = group.clone();
+                    stranger.prompt.id = PromptId(id);
+                    sink.emit(stranger).await?;
+                }
+                if self.twice.contains(&group.prompt.id.0) {
+                    sink.emit(group.clone()).await?;
+                }
                 sink.emit(group).await
             }
         });
@@ -256,6 +273,9 @@ pub struct MockTrainer {
     pub refuse: BTreeSet<u64>,
     /// Breaks the contract on a refused step: the version stands still.
     pub keep_version_when_refusing: bool,
+    /// Its checkpoints, in order with the acknowledgements of a
+    /// [`recording_transport`] given the same log.
+    pub events: Events,
 }
 
 impl MockTrainer {
@@ -274,6 +294,7 @@ impl MockTrainer {
             accumulations: Arc::default(),
             refuse: BTreeSet::new(),
             keep_version_when_refusing: false,
+            events: Events::default(),
         }
     }
 }
@@ -339,6 +360,63 @@ impl Trainer for MockTrainer {
             }],
         })
     }
+
+    /// Weights, gradient, tokens and version, as JSON (f64 round-trips exactly).
+    async fn save_checkpoint(&mut self, dir: &std::path::Path) -> Result<()> {
+        let state = (self.version.0, &self.weights, &self.grad, self.tokens);
+        let text = serde_json::to_string(&state).map_err(|e| Error::stage("mock trainer", e))?;
+        std::fs::create_dir_all(dir).map_err(|e| Error::stage("mock trainer", e))?;
+        std::fs::write(dir.join("mock.json"), text).map_err(|e| Error::stage("mock trainer", e))?;
+        self.events.lock().unwrap().push(Recorded::Checkpoint(self.version.0));
+        Ok(())
+    }
+
+    async fn restore_checkpoint(&mut self, dir: &std::path::Path) -> Result<()> {
+        let text =
+            std::fs::read_to_string(dir.join("mock.json")).map_err(|e| Error::stage("mock trainer", e))?;
+        let (version, weights, grad, tokens): (u64, Vec<f64>, Vec<f64>, u64) =
+            serde_json::from_str(&text).map_err(|e| Error::stage("mock trainer", e))?;
+        (self.version, self.weights, self.grad, self.tokens) =
+            (PolicyVersion(version), weights, grad, tokens);
+        Ok(())
+    }
+}
+
+/// What a [`MockTrainer`] and a [`recording_transport`] did, in order: checkpoints
+/// (by the version they hold) and the acknowledgements of groups.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Recorded {
+    /// A checkpoint of the weights of this version.
+    Checkpoint(u64),
+    /// A group acknowledged.
+    Ack(GroupKey),
+    /// A group rejected, with the reason.
+    Reject(GroupKey, String),
+}
+
+/// A shared log of [`Recorded`] events.
+pub type Events = Arc<Mutex<Vec<Recorded>>>;
+
+/// An acknowledgement that records itself.
+#[derive(Debug)]
+pub struct RecordingAck {
+    /// The group it acknowledges.
+    pub key: GroupKey,
+    /// Where it records.
+    pub events: Events,
+}
+
+#[async_trait]
+impl Acker for RecordingAck {
+    async fn ack(self: Box<Self>) -> Result<()> {
+        self.events.lock().unwrap().push(Recorded::Ack(self.key));
+        Ok(())
+    }
+
+    async fn reject(self: Box<Self>, reason: &str) -> Result<()> {
+        self.events.lock().unwrap().push(Recorded::Reject(self.key, reason.to_owned()));
+        Ok(())
+    }
 }
 
 /// The four endpoints of [`channel_transport`], named as the pipeline's `Transport`.
@@ -360,8 +438,14 @@ pub struct ChannelTransport {
 /// asks.
 #[must_use]
 pub fn channel_transport(capacity: usize) -> ChannelTransport {
+    recording_transport(capacity, None)
+}
+
+/// [`channel_transport`] whose acknowledgements are recorded in `events` (when given).
+#[must_use]
+pub fn recording_transport(capacity: usize, events: Option<Events>) -> ChannelTransport {
     struct Tx(mpsc::Sender<ScoredGroup>);
-    struct Rx(mpsc::Receiver<ScoredGroup>);
+    struct Rx(mpsc::Receiver<ScoredGroup>, Option<Events>);
     struct Pub(watch::Sender<Option<Arc<WeightSnapshot>>>);
     struct Sub(watch::Receiver<Option<Arc<WeightSnapshot>>>);
     #[async_trait]
@@ -373,7 +457,13 @@ pub fn channel_transport(capacity: usize) -> ChannelTransport {
     #[async_trait]
     impl GroupReceiver for Rx {
         async fn recv(&mut self) -> Result<Option<Delivery>> {
-            Ok(self.0.recv().await.map(|group| Delivery { group, acker: Box::new(NoAck) }))
+            Ok(self.0.recv().await.map(|group| {
+                let acker: Box<dyn Acker> = match &self.1 {
+                    Some(events) => Box::new(RecordingAck { key: group.key(), events: events.clone() }),
+                    None => Box::new(NoAck),
+                };
+                Delivery { group, acker }
+            }))
         }
     }
     #[async_trait]
@@ -406,7 +496,7 @@ pub fn channel_transport(capacity: usize) -> ChannelTransport {
     let (wtx, wrx) = watch::channel(None);
     ChannelTransport {
         sender: Arc::new(Tx(tx)),
-        receiver: Box::new(Rx(rx)),
+        receiver: Box::new(Rx(rx, events)),
         publisher: Arc::new(Pub(wtx)),
         subscriber: Box::new(Sub(wrx)),
     }

@@ -102,3 +102,38 @@ pub async fn a_refused_step_advances_the_version_and_keeps_the_weights(
     let after = snapshot(trainer).await;
     assert_eq!(after.tensors, weights.tensors, "{SUITE} conformance: a refused step changed the weights");
 }
+
+/// For a trainer that checkpoints: a checkpoint written mid-period (one micro-batch
+/// in) and restored into `fresh` (another trainer of the same configuration) continues
+/// exactly: the period's step and the next one give the same versions and weights as
+/// the trainer that wrote it. Resumed runs rely on this.
+pub async fn a_checkpoint_continues_exactly(
+    trainer: &mut dyn Trainer,
+    fresh: &mut dyn Trainer,
+    batch: Batches<'_>,
+) {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let v = trainer.version();
+    expect(SUITE, "accumulate", patiently(SUITE, "accumulate", trainer.accumulate(batch(v))).await);
+    let saved = patiently(SUITE, "save_checkpoint", trainer.save_checkpoint(dir.path())).await;
+    expect(SUITE, "save_checkpoint", saved);
+    let restored = patiently(SUITE, "restore_checkpoint", fresh.restore_checkpoint(dir.path())).await;
+    expect(SUITE, "restore_checkpoint", restored);
+    assert_eq!(fresh.version(), v, "{SUITE} conformance: a restored trainer is at another version");
+    finish_two_periods("writer", trainer, v, batch).await;
+    finish_two_periods("restored trainer", fresh, v, batch).await;
+    let (a, b) = (snapshot(trainer).await, snapshot(fresh).await);
+    assert_eq!(a, b, "{SUITE} conformance: the restored trainer's weights differ from the writer's");
+}
+
+/// Steps the period begun at `v`, then runs one more.
+async fn finish_two_periods(name: &str, t: &mut dyn Trainer, v: PolicyVersion, batch: Batches<'_>) {
+    let report = expect(SUITE, "step", patiently(SUITE, "step", t.step()).await);
+    assert_eq!(
+        report.version,
+        v.next(),
+        "{SUITE} conformance: the {name}'s step reported {}",
+        report.version
+    );
+    period(t, batch).await;
+}

@@ -63,6 +63,8 @@ fn batch(version: PolicyVersion) -> metronome_core::TrainBatch {
 async fn the_mock_trainer_passes_its_suite() {
     let mut trainer = MockTrainer::new(Arc::default());
     conformance::trainer::run_all(&mut trainer, &batch, None).await;
+    let mut fresh = MockTrainer::new(Arc::default());
+    conformance::trainer::a_checkpoint_continues_exactly(&mut trainer, &mut fresh, &batch).await;
     // Its guard refuses the steps from the versions in `refuse`.
     let mut refusing = MockTrainer::new(Arc::default());
     refusing.refuse = BTreeSet::from([0]);

@@ -38,6 +38,13 @@ async fn the_trainer_passes_the_trainer_suite() {
     let mut t = config().build(tiny_model()).unwrap();
     let refused = |v| group_batch_at(9, &[5, 6, 7], &[vec![8, 9], vec![10, 11]], &[f32::NAN, 1.0], v);
     metronome_testkit::conformance::trainer::run_all(&mut t, &period_batch, Some(&refused)).await;
+    let mut fresh = config().build(tiny_model()).unwrap();
+    metronome_testkit::conformance::trainer::a_checkpoint_continues_exactly(
+        &mut t,
+        &mut fresh,
+        &period_batch,
+    )
+    .await;
 }
 
 #[test]
