@@ -309,7 +309,7 @@ fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
 /// emit, from each crate's typed catalogue.
 fn describe_metrics() {
     use metronome_core::{MetricKind, MetricUnit};
-    let catalogues = metronome_pipeline::STAGE_METRICS.iter().copied();
+    let catalogues = metronome_pipeline::CATALOGUES.iter().copied();
     metrics::with_recorder(|recorder| {
         for m in catalogues.flatten() {
             let unit = match m.unit {
@@ -327,9 +327,6 @@ fn describe_metrics() {
             }
         }
     });
-    // The pipeline's own catalogues describe themselves until they are typed too.
-    metronome_pipeline::describe_metrics();
-    metronome_pipeline::cluster::describe_cluster_metrics();
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

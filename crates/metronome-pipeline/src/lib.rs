@@ -46,7 +46,7 @@ pub use config::{
 pub use error::{Error, Result};
 pub use events::{Event, Observer};
 pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
-pub use metrics::{METRICS, describe_metrics};
+pub use metrics::METRICS;
 pub use metronome_core::Secret;
 pub use metronome_rollout::http::ServerConfig;
 pub use release::{Release, Released};
@@ -59,10 +59,11 @@ pub use schedule::{ParseScheduleError, Schedule};
 pub use serve::serve;
 pub use summary::summary_table;
 
-/// The metrics catalogues of the stage crates this pipeline wires, for the binary to
-/// describe to its exporter (this crate's own are [`METRICS`] and
-/// [`cluster::CLUSTER_METRICS`]).
-pub const STAGE_METRICS: &[&[metronome_core::Metric]] = &[
+/// Every metrics catalogue a run's processes may emit from, this crate's own first,
+/// for the binary to describe to its exporter and for the dashboard tests.
+pub const CATALOGUES: &[&[metronome_core::Metric]] = &[
+    METRICS,
+    cluster::CLUSTER_METRICS,
     metronome_dataloader::METRICS,
     metronome_rollout::METRICS,
     metronome_reward::METRICS,

@@ -571,7 +571,7 @@ impl Driver {
             };
             let key = delivery.group.key();
             let waiting = backlog.len() + self.pending.values().map(Vec::len).sum::<usize>();
-            metrics::gauge!("metronome_pipeline_queue_depth_groups").set(waiting as f64);
+            crate::metrics::queue_depth(waiting);
             match self.admit(&mut delivery.group, period, &expected) {
                 Admission::Duplicate => {
                     report.duplicates += 1;

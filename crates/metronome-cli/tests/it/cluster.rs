@@ -610,7 +610,7 @@ fn the_dashboard_charts_every_cluster_metric() {
             exprs.push('\n');
         }
     }
-    for (name, _, _) in metronome_pipeline::cluster::CLUSTER_METRICS {
-        assert!(exprs.contains(name), "{name} has no panel in dashboards/grafana.json");
+    for m in metronome_pipeline::cluster::CLUSTER_METRICS {
+        assert!(exprs.contains(m.name), "{} has no panel in dashboards/grafana.json", m.name);
     }
 }

@@ -50,7 +50,7 @@ fn every_documented_metric_is_served_during_a_run() {
 
     let missing: Vec<&str> = metronome_pipeline::METRICS
         .iter()
-        .map(|&(name, _, _)| name)
+        .map(|m| m.name)
         .filter(|name| !page.lines().any(|l| l.starts_with(name)))
         .collect();
     assert!(missing.is_empty(), "not served: {missing:?}\n{page}");

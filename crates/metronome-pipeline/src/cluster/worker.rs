@@ -179,9 +179,8 @@ impl Worker {
         if claims.is_empty() {
             return Vec::new();
         }
-        metrics::counter!("metronome_cluster_claims_taken_total").increment(claims.len() as u64);
         let redelivered = claims.iter().filter(|c| c.deliveries > 1).count() as u64;
-        metrics::counter!("metronome_cluster_claim_redeliveries_total").increment(redelivered);
+        crate::metrics::claims_taken(claims.len(), redelivered);
         self.outcome.redelivered_claims += redelivered;
         let mut batches: Vec<Batch> = Vec::new();
         for claim in claims {
@@ -239,14 +238,13 @@ impl Worker {
             for claim in claims.iter() {
                 claim.complete().await.map_err(err("transport"))?;
             }
-            metrics::counter!("metronome_cluster_claims_obsolete_total").increment(claims.len() as u64);
+            crate::metrics::claims_obsolete(claims.len());
             return Ok(());
         }
         if self.installed != Some(version) {
             self.engine.install_weights(weights).await?;
             self.installed = Some(version);
-            metrics::histogram!("metronome_cluster_weight_fetch_seconds")
-                .record(start.elapsed().as_secs_f64());
+            crate::metrics::weights_fetched(start.elapsed().as_secs_f64());
             self.observer.emit(&Event::WeightsInstalled {
                 worker: self.id.clone(),
                 version: version.0,
@@ -298,7 +296,7 @@ impl Worker {
                 for claim in claims {
                     claim.release().await.map_err(err("transport"))?;
                 }
-                metrics::counter!("metronome_cluster_claims_released_total").increment(claims.len() as u64);
+                crate::metrics::claims_released(claims.len());
                 Ok(None)
             }
         }
@@ -313,7 +311,7 @@ impl Worker {
             deliveries = claim.deliveries,
             "every worker that took this claim failed on it; publishing its group as rejected"
         );
-        metrics::counter!("metronome_cluster_claims_rejected_total").increment(1);
+        crate::metrics::claim_rejected();
         let group = Group::rejected(claim.period, claim.prompt.clone(), self.group_size, claim.version);
         let scored = self.scorer.score(group).await?;
         self.sender.send(scored).await?;
@@ -359,12 +357,11 @@ impl<S: GroupSink> GroupSink for CompleteClaims<S> {
         let tokens: u64 = group.completions.iter().map(|c| c.tokens.len() as u64).sum();
         let prompt = group.prompt.id;
         self.inner.emit(group).await?;
-        if let Some(&i) = self.claims.get(&prompt) {
-            self.all[i].complete().await?;
-            metrics::counter!("metronome_cluster_claims_completed_total").increment(1);
+        let claim = self.claims.get(&prompt).map(|&i| &self.all[i]);
+        if let Some(claim) = claim {
+            claim.complete().await?;
         }
-        metrics::counter!("metronome_cluster_worker_groups_total").increment(1);
-        metrics::counter!("metronome_cluster_worker_tokens_total").increment(tokens);
+        crate::metrics::group_published(tokens, claim.is_some());
         let mut done = self.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         done.0 += 1;
         done.1 += tokens;
