@@ -49,8 +49,9 @@ pub use worker::{WorkerOutcome, run_worker};
 pub use crate::metrics::CLUSTER_METRICS;
 
 /// The NATS settings of a config that selects `transport.kind = "nats"`, with every
-/// stream, subject, consumer and bucket name left at its default scoped to the run
-/// (`run.name`), so that runs sharing a server never see each other's messages.
+/// stream, subject, consumer and bucket name it leaves unset derived from the run
+/// (`run.name`, unless `transport.prefix` is set), so that runs sharing a server
+/// never see each other's messages.
 fn nats_config(config: &PipelineConfig, role: &str) -> Result<NatsConfig> {
     let mut nats = match &config.transport {
         TransportConfig::Nats(nats) => (**nats).clone(),
@@ -72,36 +73,10 @@ fn nats_config(config: &PipelineConfig, role: &str) -> Result<NatsConfig> {
             ),
         });
     };
-    let defaults = NatsConfig::default();
-    let scoped = NatsConfig::with_prefix(Vec::new(), &format!("metronome-{}", scope_name(name)));
-    let pairs = [
-        (&mut nats.groups.stream, &defaults.groups.stream, &scoped.groups.stream),
-        (&mut nats.groups.subject, &defaults.groups.subject, &scoped.groups.subject),
-        (&mut nats.groups.consumer, &defaults.groups.consumer, &scoped.groups.consumer),
-        (&mut nats.weights.bucket, &defaults.weights.bucket, &scoped.weights.bucket),
-        (
-            &mut nats.weights.announce_stream,
-            &defaults.weights.announce_stream,
-            &scoped.weights.announce_stream,
-        ),
-        (
-            &mut nats.weights.announce_subject,
-            &defaults.weights.announce_subject,
-            &scoped.weights.announce_subject,
-        ),
-        (&mut nats.control.stream, &defaults.control.stream, &scoped.control.stream),
-        (&mut nats.control.subject, &defaults.control.subject, &scoped.control.subject),
-        (&mut nats.claims.stream, &defaults.claims.stream, &scoped.claims.stream),
-        (&mut nats.claims.subject, &defaults.claims.subject, &scoped.claims.subject),
-        (&mut nats.claims.consumer, &defaults.claims.consumer, &scoped.claims.consumer),
-        (&mut nats.dead_letters.stream, &defaults.dead_letters.stream, &scoped.dead_letters.stream),
-        (&mut nats.dead_letters.subject, &defaults.dead_letters.subject, &scoped.dead_letters.subject),
-    ];
-    for (value, default, run_scoped) in pairs {
-        if *value == *default {
-            value.clone_from(run_scoped);
-        }
-    }
+    // A prefix or a name the config sets is the user's; what it leaves unset is
+    // derived from the run's name.
+    nats.prefix.get_or_insert_with(|| format!("metronome-{}", scope_name(name)));
+    let nats = nats.resolved();
     Ok(nats)
 }
 
@@ -164,13 +139,26 @@ mod tests {
     }
 
     #[test]
-    fn default_names_are_scoped_to_the_run_and_custom_ones_kept() {
-        let c = config(&["transport.kind=nats", "run.name=exp_7", "transport.claims.stream=MINE"]);
+    fn unset_names_are_scoped_to_the_run_and_set_ones_kept() {
+        // A name set to what used to be the default is a name set: it is kept.
+        let c = config(&[
+            "transport.kind=nats",
+            "run.name=exp_7",
+            "transport.claims.stream=MINE",
+            "transport.groups.stream=\"METRONOME_GROUPS\"",
+        ]);
         let nats = nats_config(&c, "trainer").unwrap();
-        assert_eq!(nats.groups.stream, "METRONOME_EXP_7_GROUPS");
+        assert_eq!(nats.groups.stream, "METRONOME_GROUPS");
         assert_eq!(nats.weights.bucket, "metronome-exp_7-weights");
         assert_eq!(nats.claims.subject, "metronome-exp_7.claims");
         assert_eq!(nats.claims.stream, "MINE");
+        // A prefix the config sets is used instead of the run's name.
+        let c = config(&["transport.kind=nats", "run.name=exp_7", "transport.prefix=\"team-a\""]);
+        let nats = nats_config(&c, "trainer").unwrap();
+        assert_eq!(
+            (nats.groups.stream.as_str(), nats.claims.subject.as_str()),
+            ("TEAM_A_GROUPS", "team-a.claims")
+        );
     }
 
     #[test]

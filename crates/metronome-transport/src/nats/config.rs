@@ -15,6 +15,12 @@ use serde::{Deserialize, Serialize};
 pub struct NatsConfig {
     /// Server URLs; the client picks among them and fails over on reconnect.
     pub urls: Vec<String>,
+    /// What every stream, subject, consumer and bucket name not set below is derived
+    /// from (`<PREFIX>_GROUPS`, `<prefix>.claims`, `<prefix>-weights`, …), so that
+    /// several runs can share one server; `metronome` when absent (the multi-process
+    /// roles use `metronome-<run.name>`). A name set below is kept as it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
     /// Credentials.
     pub auth: NatsAuth,
     /// TLS settings.
@@ -47,6 +53,7 @@ impl Default for NatsConfig {
     fn default() -> Self {
         Self {
             urls: vec!["nats://127.0.0.1:4222".to_owned()],
+            prefix: None,
             auth: NatsAuth::None,
             tls: TlsConfig::default(),
             reconnect: ReconnectConfig::default(),
@@ -65,43 +72,38 @@ impl Default for NatsConfig {
 
 impl NatsConfig {
     /// The default config with every stream, subject, consumer and bucket name
-    /// prefixed by `prefix`, so that several runs can share one server.
+    /// derived from `prefix` (and filled in), so that several runs can share one server.
     #[must_use]
     pub fn with_prefix(urls: Vec<String>, prefix: &str) -> Self {
+        Self { urls, prefix: Some(prefix.to_owned()), ..Self::default() }.resolved()
+    }
+
+    /// The config with every name left empty derived from `prefix` (`metronome` when
+    /// unset); names set explicitly are kept. The transport connects with this.
+    #[must_use]
+    pub fn resolved(mut self) -> Self {
+        let prefix = self.prefix.clone().unwrap_or_else(|| "metronome".to_owned());
         let upper = prefix.to_uppercase().replace(['.', '-', ' '], "_");
         let lower = prefix.to_lowercase().replace(['.', ' '], "_");
-        Self {
-            urls,
-            groups: GroupStreamConfig {
-                stream: format!("{upper}_GROUPS"),
-                subject: format!("{lower}.groups"),
-                consumer: format!("{lower}-trainer"),
-                ..GroupStreamConfig::default()
-            },
-            weights: WeightStoreConfig {
-                bucket: format!("{lower}-weights"),
-                announce_stream: format!("{upper}_WEIGHTS"),
-                announce_subject: format!("{lower}.weights"),
-                ..WeightStoreConfig::default()
-            },
-            control: ControlConfig {
-                stream: format!("{upper}_CONTROL"),
-                subject: format!("{lower}.control"),
-                ..ControlConfig::default()
-            },
-            claims: ClaimQueueConfig {
-                stream: format!("{upper}_CLAIMS"),
-                subject: format!("{lower}.claims"),
-                consumer: format!("{lower}-workers"),
-                ..ClaimQueueConfig::default()
-            },
-            dead_letters: DeadLetterConfig {
-                stream: format!("{upper}_DEAD"),
-                subject: format!("{lower}.dead"),
-                ..DeadLetterConfig::default()
-            },
-            ..Self::default()
-        }
+        let fill = |name: &mut String, derived: String| {
+            if name.is_empty() {
+                *name = derived;
+            }
+        };
+        fill(&mut self.groups.stream, format!("{upper}_GROUPS"));
+        fill(&mut self.groups.subject, format!("{lower}.groups"));
+        fill(&mut self.groups.consumer, format!("{lower}-trainer"));
+        fill(&mut self.weights.bucket, format!("{lower}-weights"));
+        fill(&mut self.weights.announce_stream, format!("{upper}_WEIGHTS"));
+        fill(&mut self.weights.announce_subject, format!("{lower}.weights"));
+        fill(&mut self.control.stream, format!("{upper}_CONTROL"));
+        fill(&mut self.control.subject, format!("{lower}.control"));
+        fill(&mut self.claims.stream, format!("{upper}_CLAIMS"));
+        fill(&mut self.claims.subject, format!("{lower}.claims"));
+        fill(&mut self.claims.consumer, format!("{lower}-workers"));
+        fill(&mut self.dead_letters.stream, format!("{upper}_DEAD"));
+        fill(&mut self.dead_letters.subject, format!("{lower}.dead"));
+        self
     }
 }
 
@@ -200,11 +202,14 @@ impl From<Storage> for stream::StorageType {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GroupStreamConfig {
-    /// Stream name.
+    /// Stream name; derived from [`NatsConfig::prefix`] when empty.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub stream: String,
     /// Subject groups are published on.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub subject: String,
     /// Durable consumer name of the trainer.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub consumer: String,
     /// Unacknowledged groups are redelivered after this many milliseconds; longer
     /// than the trainer may take to accumulate one group.
@@ -229,9 +234,9 @@ pub struct GroupStreamConfig {
 impl Default for GroupStreamConfig {
     fn default() -> Self {
         Self {
-            stream: "METRONOME_GROUPS".to_owned(),
-            subject: "metronome.groups".to_owned(),
-            consumer: "metronome-trainer".to_owned(),
+            stream: String::new(),
+            subject: String::new(),
+            consumer: String::new(),
             ack_wait_ms: 300_000,
             max_pending: 4_096,
             max_ack_pending: 4_096,
@@ -247,10 +252,13 @@ impl Default for GroupStreamConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct WeightStoreConfig {
     /// Object store bucket.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub bucket: String,
     /// Stream holding the last announcement.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub announce_stream: String,
     /// Subject of announcements.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub announce_subject: String,
     /// How many of the newest versions stay in the store.
     pub keep_versions: u64,
@@ -288,9 +296,9 @@ pub struct WeightStoreConfig {
 impl Default for WeightStoreConfig {
     fn default() -> Self {
         Self {
-            bucket: "metronome-weights".to_owned(),
-            announce_stream: "METRONOME_WEIGHTS".to_owned(),
-            announce_subject: "metronome.weights".to_owned(),
+            bucket: String::new(),
+            announce_stream: String::new(),
+            announce_subject: String::new(),
             keep_versions: 2,
             chunk_bytes: 1 << 20,
             storage: Storage::Memory,
@@ -305,9 +313,11 @@ impl Default for WeightStoreConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ControlConfig {
-    /// Stream name.
+    /// Stream name; derived from [`NatsConfig::prefix`] when empty.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub stream: String,
     /// Subject.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub subject: String,
     /// A new receiver first gets the last message sent before it subscribed (so a
     /// worker joining mid-period learns the period), instead of only newer ones.
@@ -318,12 +328,7 @@ pub struct ControlConfig {
 
 impl Default for ControlConfig {
     fn default() -> Self {
-        Self {
-            stream: "METRONOME_CONTROL".to_owned(),
-            subject: "metronome.control".to_owned(),
-            replay_last: false,
-            storage: Storage::File,
-        }
+        Self { stream: String::new(), subject: String::new(), replay_last: false, storage: Storage::File }
     }
 }
 
@@ -336,9 +341,11 @@ impl Default for ControlConfig {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DeadLetterConfig {
-    /// Stream name.
+    /// Stream name; derived from [`NatsConfig::prefix`] when empty.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub stream: String,
     /// Subject prefix.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub subject: String,
     /// The newest this many dead letters are kept.
     pub max_messages: i64,
@@ -346,11 +353,7 @@ pub struct DeadLetterConfig {
 
 impl Default for DeadLetterConfig {
     fn default() -> Self {
-        Self {
-            stream: "METRONOME_DEAD".to_owned(),
-            subject: "metronome.dead".to_owned(),
-            max_messages: 10_000,
-        }
+        Self { stream: String::new(), subject: String::new(), max_messages: 10_000 }
     }
 }
 
@@ -359,10 +362,13 @@ impl Default for DeadLetterConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct ClaimQueueConfig {
     /// Stream name (a work queue: a completed claim is removed).
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub stream: String,
     /// Subject claims are offered on.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub subject: String,
     /// Durable consumer shared by every worker.
+    #[serde(skip_serializing_if = "String::is_empty")]
     pub consumer: String,
     /// Lease: a claim neither completed nor extended for this many milliseconds goes
     /// to another worker.
@@ -380,9 +386,9 @@ pub struct ClaimQueueConfig {
 impl Default for ClaimQueueConfig {
     fn default() -> Self {
         Self {
-            stream: "METRONOME_CLAIMS".to_owned(),
-            subject: "metronome.claims".to_owned(),
-            consumer: "metronome-workers".to_owned(),
+            stream: String::new(),
+            subject: String::new(),
+            consumer: String::new(),
             lease_ms: 30_000,
             duplicate_window_ms: 600_000,
             max_deliveries: 5,
@@ -417,7 +423,13 @@ mod tests {
         assert!(c.tls.required);
         assert_eq!(c.groups.stream, "RUN7_GROUPS");
         assert_eq!(c.groups.max_pending, 16);
-        assert_eq!(c.groups.subject, "metronome.groups");
+        // Unset names derive from the prefix when the transport connects.
+        assert_eq!(c.groups.subject, "");
+        let c = c.resolved();
+        assert_eq!(
+            (c.groups.stream.as_str(), c.groups.subject.as_str()),
+            ("RUN7_GROUPS", "metronome.groups")
+        );
         assert!(serde_json::from_str::<NatsConfig>(r#"{"url": "x"}"#).is_err(), "unknown fields are refused");
     }
 

@@ -26,7 +26,7 @@ pub struct NatsTransport {
 impl NatsTransport {
     /// Connects with `config`.
     pub async fn connect(config: NatsConfig) -> Result<Self> {
-        let config = Arc::new(config);
+        let config = Arc::new(config.resolved());
         if config.urls.is_empty() {
             return Err(Error::Config { field: "urls", reason: "no server URL given".into() });
         }
