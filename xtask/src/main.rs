@@ -82,6 +82,14 @@ fn ci(root: &Path) -> Result<()> {
     require_tool("machete", "cargo-machete")?;
     step(root, "machete", &["machete", "--with-metadata", "--skip-target-dir"])?;
     step(root, "clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    // The binary without its optional backends (`nats`, `http`), as a user who needs
+    // only the in-process pipeline builds it: the gates must keep compiling. Cheap:
+    // it reuses the checked dependencies above.
+    step(
+        root,
+        "clippy (no nats, no http)",
+        &["clippy", "-p", "metronome-cli", "--no-default-features", "--", "-D", "warnings"],
+    )?;
     // The `cuda` feature compiles on a machine without a GPU; its tests run on one
     // (`cargo xtask gpu bundle`).
     if std::env::var_os("METRONOME_SKIP_CUDA_CHECK").is_some() {

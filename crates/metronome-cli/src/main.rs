@@ -68,6 +68,7 @@ enum Command {
     /// The trainer of a multi-process run (needs `transport.kind = "nats"`): publishes
     /// weights, offers each period's prompts as claims, trains the groups workers send.
     /// Restarted with the same `run.name`, it resumes from its last period checkpoint.
+    #[cfg(feature = "nats")]
     Trainer {
         #[command(flatten)]
         config: ConfigArgs,
@@ -86,6 +87,7 @@ enum Command {
     /// A rollout worker of a multi-process run: takes prompt claims, generates with the
     /// weights they name, publishes groups. Leaves on the trainer's shutdown, SIGTERM or
     /// Ctrl-C after finishing the claims in hand.
+    #[cfg(feature = "nats")]
     RolloutWorker {
         #[command(flatten)]
         config: ConfigArgs,
@@ -101,6 +103,7 @@ enum Command {
     /// Serve the config's model through its rollout engine with the OpenAI-compatible
     /// completions API (`/v1/completions`, `/v1/models`,
     /// `/metronome/v1/load_weights`) until SIGTERM or Ctrl-C.
+    #[cfg(feature = "http")]
     Serve {
         #[command(flatten)]
         config: ConfigArgs,
@@ -288,6 +291,7 @@ fn main() -> ExitCode {
 }
 
 /// Installs the Prometheus exporter with the process's labels.
+#[cfg(feature = "nats")]
 fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
     if addr == "off" {
         return Ok(());
@@ -330,6 +334,7 @@ fn describe_metrics() {
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
+#[cfg(any(feature = "nats", feature = "http"))]
 async fn stop_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -350,6 +355,7 @@ async fn stop_signal() {
 
 /// Runs `work` on a fresh runtime and then shuts the runtime down without waiting
 /// for stray background work: a finished role exits promptly.
+#[cfg(any(feature = "nats", feature = "http"))]
 fn run_role<F: std::future::Future<Output = Result<()>>>(work: impl FnOnce() -> F) -> Result<()> {
     let runtime = runtime()?;
     let result = runtime.block_on(work());
@@ -357,6 +363,7 @@ fn run_role<F: std::future::Future<Output = Result<()>>>(work: impl FnOnce() -> 
     result
 }
 
+#[cfg(any(feature = "nats", feature = "http"))]
 fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -380,6 +387,7 @@ fn real_main() -> Result<()> {
             print!("{}", config.load()?.to_toml()?);
             Ok(())
         }
+        #[cfg(feature = "http")]
         Command::Serve {
             config,
             addr,
@@ -413,6 +421,7 @@ fn real_main() -> Result<()> {
                 anyhow::Ok(())
             })
         }
+        #[cfg(feature = "nats")]
         Command::Trainer { config, allow_config_change, metrics_addr, quiet, events } => {
             let config = config.load()?;
             let options =
@@ -423,6 +432,7 @@ fn real_main() -> Result<()> {
                 anyhow::Ok(())
             })
         }
+        #[cfg(feature = "nats")]
         Command::RolloutWorker { config, worker_id, metrics_addr, events } => {
             let config = config.load()?;
             let observer = events.observer(false)?;

@@ -60,7 +60,8 @@ pub enum TransportConfig {
     InProcess,
     /// NATS JetStream: URLs, credentials, TLS, stream and subject names, the claim
     /// lease (`transport.claims.lease_ms`). Every field of
-    /// `metronome_transport::nats::NatsConfig`.
+    /// `metronome_transport::nats::NatsConfig`. Only with the `nats` feature.
+    #[cfg(feature = "nats")]
     Nats(Box<metronome_transport::nats::NatsConfig>),
 }
 
@@ -431,6 +432,7 @@ impl PipelineConfig {
                 ),
             );
         }
+        #[cfg(feature = "nats")]
         if let TransportConfig::Nats(nats) = &self.transport {
             // The trainer holds a period's groups unacknowledged until its checkpoint.
             for (key, limit) in [

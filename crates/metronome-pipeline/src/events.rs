@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cluster::WorkerOutcome;
 use crate::report::PeriodReport;
 
 /// One thing a run reports. Serialised with its name in the field `event`, e.g.
@@ -98,6 +97,21 @@ pub enum Event {
         /// The address it listens on.
         addr: String,
     },
+}
+
+/// What a worker did before it left.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerOutcome {
+    /// Groups it published.
+    pub groups: u64,
+    /// Tokens it generated.
+    pub tokens: u64,
+    /// Claims it took that another worker had held before (lease expired or released).
+    pub redelivered_claims: u64,
+    /// The weights versions it installed, in order.
+    pub versions: Vec<u64>,
+    /// The periods it contributed groups to.
+    pub periods: Vec<u64>,
 }
 
 /// Receives a run's [`Event`]s; cheap to clone. Built from any

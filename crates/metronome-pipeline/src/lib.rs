@@ -20,6 +20,7 @@
 
 mod app;
 mod checkpoint;
+#[cfg(feature = "nats")]
 pub mod cluster;
 mod config;
 mod error;
@@ -32,6 +33,7 @@ mod report;
 mod rundir;
 mod runner;
 mod schedule;
+#[cfg(feature = "http")]
 mod serve;
 mod summary;
 pub mod tensorboard;
@@ -44,10 +46,11 @@ pub use config::{
     TransportConfig,
 };
 pub use error::{Error, Result};
-pub use events::{Event, Observer};
+pub use events::{Event, Observer, WorkerOutcome};
 pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
-pub use metrics::METRICS;
+pub use metrics::{CLUSTER_METRICS, METRICS};
 pub use metronome_core::Secret;
+#[cfg(feature = "http")]
 pub use metronome_rollout::http::ServerConfig;
 pub use release::{Release, Released};
 pub use report::{Clock, Interval, PeriodReport, StageKind};
@@ -56,6 +59,7 @@ pub use runner::{
     Checkpointing, Packer, Parts, PeriodEnd, PeriodHook, RunEnd, Runner, RunnerOptions, Stages, Transport,
 };
 pub use schedule::{ParseScheduleError, Schedule};
+#[cfg(feature = "http")]
 pub use serve::serve;
 pub use summary::summary_table;
 
@@ -63,7 +67,7 @@ pub use summary::summary_table;
 /// for the binary to describe to its exporter and for the dashboard tests.
 pub const CATALOGUES: &[&[metronome_core::Metric]] = &[
     METRICS,
-    cluster::CLUSTER_METRICS,
+    metrics::CLUSTER_METRICS,
     metronome_dataloader::METRICS,
     metronome_rollout::METRICS,
     metronome_reward::METRICS,

@@ -200,43 +200,51 @@ pub(crate) fn queue_depth(groups: usize) {
 }
 
 /// The multi-process trainer offered a period's claims.
+#[cfg(feature = "nats")]
 pub(crate) fn claims_offered(period: u64, claims: usize) {
     gauge!(PERIOD.name).set(period as f64);
     counter!(CLAIMS_OFFERED.name).increment(claims as u64);
 }
 
 /// The multi-process trainer resumed from a checkpoint.
+#[cfg(feature = "nats")]
 pub(crate) fn trainer_resumed() {
     counter!(TRAINER_RESUMES.name).increment(1);
 }
 
 /// A worker took claims, `redelivered` of them held by another worker before.
+#[cfg(feature = "nats")]
 pub(crate) fn claims_taken(claims: usize, redelivered: u64) {
     counter!(CLAIMS_TAKEN.name).increment(claims as u64);
     counter!(CLAIM_REDELIVERIES.name).increment(redelivered);
 }
 
 /// A worker completed claims of a period already stepped, without generating.
+#[cfg(feature = "nats")]
 pub(crate) fn claims_obsolete(claims: usize) {
     counter!(CLAIMS_OBSOLETE.name).increment(claims as u64);
 }
 
 /// A worker gave claims back as it left.
+#[cfg(feature = "nats")]
 pub(crate) fn claims_released(claims: usize) {
     counter!(CLAIMS_RELEASED.name).increment(claims as u64);
 }
 
 /// A worker published a claim every worker failed on as a rejected group.
+#[cfg(feature = "nats")]
 pub(crate) fn claim_rejected() {
     counter!(CLAIMS_REJECTED.name).increment(1);
 }
 
 /// A worker fetched and installed weights in `seconds`.
+#[cfg(feature = "nats")]
 pub(crate) fn weights_fetched(seconds: f64) {
     histogram!(WEIGHT_FETCH.name).record(seconds);
 }
 
 /// A worker published a group of `tokens` tokens, completing its claim if it had one.
+#[cfg(feature = "nats")]
 pub(crate) fn group_published(tokens: u64, completed_claim: bool) {
     if completed_claim {
         counter!(CLAIMS_COMPLETED.name).increment(1);

@@ -49,6 +49,7 @@ pub(crate) fn prompt_rejected() {
     metrics::counter!(PROMPTS_REJECTED.name).increment(1);
 }
 
+#[cfg(feature = "http")]
 pub(crate) fn http_retry() {
     metrics::counter!(HTTP_RETRIES.name).increment(1);
 }

@@ -44,7 +44,9 @@ use crate::config::{PipelineConfig, TransportConfig};
 use crate::error::{Error, Result};
 
 pub use trainer::run_trainer;
-pub use worker::{WorkerOutcome, run_worker};
+pub use worker::run_worker;
+
+pub use crate::events::WorkerOutcome;
 
 pub use crate::metrics::CLUSTER_METRICS;
 

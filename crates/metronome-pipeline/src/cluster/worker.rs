@@ -20,23 +20,8 @@ use super::StopFlag;
 use crate::app::{err, group_scorer, load_model};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
-use crate::events::{Event, Observer};
+use crate::events::{Event, Observer, WorkerOutcome};
 use crate::release::ScoreAndSend;
-
-/// What a worker did before it left.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct WorkerOutcome {
-    /// Groups it published.
-    pub groups: u64,
-    /// Tokens it generated.
-    pub tokens: u64,
-    /// Claims it took that another worker had held before (lease expired or released).
-    pub redelivered_claims: u64,
-    /// The weights versions it installed, in order.
-    pub versions: Vec<u64>,
-    /// The periods it contributed groups to.
-    pub periods: Vec<u64>,
-}
 
 /// How long one wait for a claim lasts before the worker checks whether to stop.
 const CLAIM_WAIT: Duration = Duration::from_millis(500);
