@@ -4,6 +4,7 @@
 mod config;
 mod driver;
 mod events;
+mod lora;
 mod mocks;
 mod rundir;
 mod schedules;
