@@ -24,7 +24,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, Var};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -246,6 +247,60 @@ fn uniform_vec(seed: u64, n: usize, bound: f32) -> Vec<f32> {
             (2.0 * u - 1.0) * bound
         })
         .collect()
+}
+
+/// `x·Wᵀ` for a frozen weight `W` (`[out, in]`) whose backward gives the gradient of
+/// `x` only. candle's matmul backward computes the gradient of both operands even
+/// when one is detached: a frozen base would still pay a weight-gradient product per
+/// projection and hold an `[out, in]` gradient of every layer until the step (on
+/// SmolLM2-135M's shape that was ~1 GB of the LoRA step's peak memory). The forward
+/// is the same storage matmul `Tensor::matmul` runs, so the values are bitwise those
+/// of [`crate::ops::linear`].
+struct FrozenMatmul;
+
+impl CustomOp2 for FrozenMatmul {
+    fn name(&self) -> &'static str {
+        "frozen-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = lx.shape().dims2()?;
+        let (n, k2) = lw.shape().dims2()?;
+        if k != k2 {
+            candle_core::bail!("frozen matmul: input of width {k} for a weight of width {k2}");
+        }
+        Ok((x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?, (m, n).into()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(grad.matmul(w)?), None))
+    }
+}
+
+/// `x·Wᵀ + b` for frozen `W` and `b` (detached): on the CPU through [`FrozenMatmul`],
+/// so the backward skips the weight's gradient; elsewhere (no kernel for it yet) the
+/// plain product, whose backward also computes the unused weight gradient.
+pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return crate::ops::linear(x, w, b);
+    }
+    let y = x.contiguous()?.apply_op2(w, FrozenMatmul)?;
+    Ok(match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
 }
 
 impl Model {
@@ -544,6 +599,30 @@ mod tests {
         let var = a.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>() / a.len() as f64;
         // U(-b, b) has variance b²/3.
         assert!(mean.abs() < 0.01 && (var - 0.25 / 3.0).abs() < 0.003, "{mean} {var}");
+    }
+
+    /// The frozen product equals the plain one bitwise, forward and in the input's
+    /// gradient, and gives the weight none (a `Var` here, which a plain product would
+    /// give one).
+    #[test]
+    fn frozen_linear_is_linear_without_the_weight_gradient() {
+        let dev = candle_core::Device::Cpu;
+        let t = |seed: u64, shape: (usize, usize)| {
+            let v = uniform_vec(seed, shape.0 * shape.1, 1.0);
+            Tensor::from_vec(v, shape, &dev).unwrap()
+        };
+        let x = Var::from_tensor(&t(1, (37, 96))).unwrap();
+        let w = Var::from_tensor(&t(2, (80, 96))).unwrap();
+        let b = t(3, (1, 80)).squeeze(0).unwrap();
+        let up = t(4, (37, 80));
+        let plain = crate::ops::linear(x.as_tensor(), w.as_tensor(), Some(&b)).unwrap();
+        let frozen = frozen_linear(x.as_tensor(), w.as_tensor(), Some(&b)).unwrap();
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&plain), bits(&frozen));
+        let gp = (plain * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let gf = (frozen * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(bits(gp.get(x.as_tensor()).unwrap()), bits(gf.get(x.as_tensor()).unwrap()));
+        assert!(gp.get(w.as_tensor()).is_some() && gf.get(w.as_tensor()).is_none());
     }
 
     #[test]

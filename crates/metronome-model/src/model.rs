@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::lora::Projection;
+use crate::lora::{Projection, frozen_linear};
 use crate::ops::{DenseWeight, RopeTables, SegmentPlan, attention, linear, rope_tables, segment_plans};
 use crate::{Error, Kernels, Result};
 
@@ -530,9 +530,11 @@ impl Model {
         for (li, l) in m.layers.iter().enumerate() {
             let w = |v: &Var| Self::w(v, grad);
             let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
-            // A projection, plus its adapter's low-rank term when it has one.
+            // A projection, plus its adapter's low-rank term when it has one (the
+            // frozen base then through `frozen_linear`, which skips its gradient).
+            let base = self.base_linear();
             let proj = |p: Projection, x: &Tensor, bias: &Option<Var>| -> Result<Tensor> {
-                self.add_adapter(li, p, x, linear(x, &w(p.weight(l)), wo(bias).as_ref())?)
+                self.add_adapter(li, p, x, base(x, &w(p.weight(l)), wo(bias).as_ref())?)
             };
             let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
             let q = proj(Projection::Q, &a, &l.q_bias)?.reshape((n, h, hd))?;
@@ -571,6 +573,12 @@ impl Model {
             x = (x + proj(Projection::Down, &gu, &None)?)?;
         }
         ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
+    }
+
+    /// The product with a base weight: [`frozen_linear`] under adapters (the base is
+    /// frozen, and candle's matmul would compute its gradient anyway), else [`linear`].
+    fn base_linear(&self) -> fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> {
+        if self.lora.is_some() { frozen_linear } else { linear }
     }
 
     /// Whether the base weights record a graph: on a trainable handle without
@@ -618,7 +626,7 @@ impl Model {
         let grad = self.base_grad();
         let hidden = self.hidden_states(batch, grad)?;
         let picked = hidden.index_select(&batch.index, 0)?;
-        let logits = linear(&picked, &self.lm_head(grad), None)?;
+        let logits = self.base_linear()(&picked, &self.lm_head(grad), None)?;
         let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
         let both = self.kernels.target_logprobs_entropy(&logits, batch.targets.clone(), inv_temperature)?;
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
@@ -642,7 +650,7 @@ impl Model {
             .collect();
         let batch = self.prepare_batch(&rows, &Targets::default())?;
         let hidden = self.hidden_states(&batch, self.base_grad())?;
-        let logits = linear(&hidden, &self.lm_head(self.base_grad()), None)?;
+        let logits = self.base_linear()(&hidden, &self.lm_head(self.base_grad()), None)?;
         Ok(logits.reshape((b, s, self.inner.cfg.vocab_size))?)
     }
 

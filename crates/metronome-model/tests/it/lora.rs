@@ -87,6 +87,15 @@ fn only_adapters_get_gradients() {
     for (name, var) in adapted.parameters() {
         assert!(grads.get(var.as_tensor()).is_none(), "base weight {name} got a gradient");
     }
+    // Nor was one computed for the frozen base under another id (candle's plain
+    // matmul computes one for a detached weight too): no gradient has the shape of a
+    // base matrix.
+    let matrices: Vec<Vec<usize>> =
+        adapted.parameters().iter().map(|(_, v)| v.dims().to_vec()).filter(|d| d.len() == 2).collect();
+    for id in grads.get_ids() {
+        let dims = grads.get_id(*id).unwrap().dims().to_vec();
+        assert!(!matrices.contains(&dims), "a gradient of a base weight's shape {dims:?}");
+    }
     let check = |grads: &candle_core::backprop::GradStore, a_zero: bool| {
         for (name, var) in adapted.adapter_parameters() {
             let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{name} has no gradient"));
