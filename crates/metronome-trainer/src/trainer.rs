@@ -266,8 +266,8 @@ impl GrpoTrainer {
         Self::with_reference(cfg, policy, reference)
     }
 
+    /// The trainer around `policy` and `reference` as given; `cfg` is validated.
     fn with_reference(cfg: TrainerConfig, policy: Model, reference: Option<Model>) -> Result<Self> {
-        cfg.validate()?;
         if !policy.is_trainable() {
             return Err(TrainerError::invalid(
                 "policy model",
@@ -762,6 +762,12 @@ impl GrpoTrainer {
             self.policy.save_hf(&dir.join("policy"))?;
             if let Some(r) = &self.reference {
                 r.save_hf(&dir.join("reference"))?;
+            }
+            // Adapters left by an earlier LoRA checkpoint in this directory would be
+            // read as this one's.
+            let stale = dir.join(ADAPTER_DIR);
+            if stale.exists() {
+                std::fs::remove_dir_all(&stale).map_err(|e| TrainerError::checkpoint(&stale, e))?;
             }
         }
         let state: HashMap<String, Tensor> = self.optimizer.state(&self.params)?.into_iter().collect();

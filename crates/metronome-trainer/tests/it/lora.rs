@@ -179,11 +179,14 @@ fn lora_errors_name_the_key_or_the_file() {
     other.lora = Some(LoraConfig { rank: 2, alpha: 8.0, ..LoraConfig::default() });
     let err = other.resume(dir.path(), &Device::Cpu).unwrap_err().to_string();
     assert!(err.starts_with("config key `lora.rank` is 2, the checkpoint's adapters have 4"), "{err}");
-    // A full fine-tuning checkpoint resumed with LoRA.
+    // A full fine-tuning checkpoint resumed with LoRA; written over a LoRA one, it
+    // leaves no adapters behind to be read as its own.
     let full = tempfile::tempdir().unwrap();
+    t.save_checkpoint(full.path()).unwrap();
     plain.build(tiny_model()).unwrap().save_checkpoint(full.path()).unwrap();
     let err = cfg.resume(full.path(), &Device::Cpu).unwrap_err().to_string();
     assert!(err.contains("adapter") && err.contains("is missing"), "{err}");
+    plain.resume(full.path(), &Device::Cpu).unwrap();
     // A rank above a projection of the tiny model (k_proj: 128 -> 64).
     let mut big = cfg.clone();
     big.lora = Some(LoraConfig { rank: 65, ..LoraConfig::default() });
