@@ -19,6 +19,12 @@
 //!   [`Model::save_hf`]), GGUF in ([`Model::load_gguf`], dequantised to f32), and
 //!   host snapshots for publishing weights ([`Model::snapshot`],
 //!   [`Model::from_snapshot`], [`Model::load_snapshot`]).
+//! - Low-rank adapters (LoRA; Hu et al. 2021, arXiv 2106.09685) on the attention and
+//!   MLP projections of a model handle ([`Model::with_lora`], [`LoraConfig`]): only
+//!   they record gradients, [`Model::base`] is the same weights without them, and
+//!   snapshots, `save_hf` and frozen copies hold the merged `W + (alpha / r)·B·A`.
+//!   [`Model::save_lora_adapter`] and [`Model::with_lora_adapter`] write and read
+//!   PEFT's adapter format (`fixtures/check_lora.py` loads it with `peft`).
 //! - Tokenizers implementing `metronome_core::Tokenizer`: [`CharTokenizer`],
 //!   [`HfTokenizer`] (`tokenizer.json`) and [`GgufTokenizer`], with chat templates
 //!   rendered by `minijinja`.
