@@ -29,6 +29,10 @@ pub(crate) const MODEL_USERS: &[&str] = &["metronome-rollout", "metronome-traine
 /// Widening this list is a design decision; say why in ARCHITECTURE.md.
 pub(crate) const CORE_ALLOWED: &[&str] = &["async-trait", "serde", "thiserror"];
 
+/// The test kit: a dev-dependency only, and built on `metronome-core` alone so that
+/// third-party stages can run its suites.
+pub(crate) const TESTKIT: &str = "metronome-testkit";
+
 /// One broken invariant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Violation {
@@ -85,6 +89,15 @@ pub(crate) fn check_metadata(meta: &Value) -> Vec<Violation> {
 }
 
 fn broken_rule(package: &str, dep: &str) -> Option<&'static str> {
+    if dep == TESTKIT {
+        return Some("metronome-testkit is for tests: depend on it as a dev-dependency only");
+    }
+    if package == TESTKIT && dep.starts_with("metronome-") && dep != "metronome-core" {
+        return Some(
+            "metronome-testkit depends on metronome-core alone, so a third-party stage can \
+             run its suites without Metronome's other crates",
+        );
+    }
     if package == "metronome-core" && !CORE_ALLOWED.contains(&dep) {
         return Some(
             "metronome-core is the contract and holds no tensors, runtime or I/O; \
@@ -138,6 +151,9 @@ mod tests {
             ("metronome-reward", &[("metronome-model", None), ("metronome-masking", Some("dev"))]),
             ("metronome-model", &[("metronome-core", None), ("candle-core", None)]),
             ("metronome-pipeline", &[("metronome-trainer", None), ("metronome-rollout", None)]),
+            ("metronome-transport", &[("metronome-testkit", Some("dev"))]),
+            ("metronome-rollout", &[("metronome-testkit", None)]),
+            ("metronome-testkit", &[("metronome-core", None), ("metronome-transport", None)]),
         ]);
         let got: Vec<(String, String)> =
             check_metadata(&m).into_iter().map(|v| (v.package, v.dependency)).collect();
@@ -147,6 +163,8 @@ mod tests {
                 ("metronome-core".into(), "tokio".into()),
                 ("metronome-trainer".into(), "metronome-masking".into()),
                 ("metronome-reward".into(), "metronome-model".into()),
+                ("metronome-rollout".into(), "metronome-testkit".into()),
+                ("metronome-testkit".into(), "metronome-transport".into()),
             ]
         );
     }

@@ -1,8 +1,9 @@
 //! `cargo xtask`: Metronome's project automation, one small binary.
 //!
 //! - `cargo xtask ci`: everything CI checks, cheapest first: formatting, dependency
-//!   invariants, clippy with warnings denied (also of the `cuda` build, with a CUDA
-//!   toolkit assembled from PyPI), `cargo deny`, then the test suite.
+//!   invariants, unused dependencies (`cargo machete`), clippy with warnings denied
+//!   (also of the `cuda` build, with a CUDA toolkit assembled from PyPI), `cargo
+//!   deny`, then the test suite.
 //! - `cargo xtask deps`: the dependency invariants of ARCHITECTURE.md.
 //! - `cargo xtask soak`: the fault-injection tests at length.
 //! - `cargo xtask gpu check | bundle`: the CUDA build without a GPU (see `gpu.rs`).
@@ -18,8 +19,9 @@ mod gpu;
 const USAGE: &str = "usage: cargo xtask <task>
 
 tasks:
-  ci     formatting, dependency invariants, clippy (-D warnings; also of the cuda build,
-         unless METRONOME_SKIP_CUDA_CHECK is set), cargo deny, tests
+  ci     formatting, dependency invariants, unused dependencies (cargo machete), clippy
+         (-D warnings; also of the cuda build, unless METRONOME_SKIP_CUDA_CHECK is set),
+         cargo deny, tests
   e2e    build in release and run the embedded default end to end; extra arguments go to
          `metronome run` (e.g. --schedule sync|periodic|stale:2 --workers N --periods N)
   bench  criterion benchmarks: `cargo xtask bench [CRATE ...]` (all when none given),
@@ -75,6 +77,10 @@ fn check_deps(manifest: &Path) -> Result<()> {
 fn ci(root: &Path) -> Result<()> {
     step(root, "fmt", &["fmt", "--all", "--", "--check"])?;
     check_deps(&root.join("Cargo.toml"))?;
+    // Declared-but-unused dependencies. `--with-metadata` because every member
+    // inherits its dependencies from the workspace, which the plain scan skips.
+    require_tool("machete", "cargo-machete")?;
+    step(root, "machete", &["machete", "--with-metadata", "--skip-target-dir"])?;
     step(root, "clippy", &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
     // The `cuda` feature compiles on a machine without a GPU; its tests run on one
     // (`cargo xtask gpu bundle`).
@@ -83,18 +89,23 @@ fn ci(root: &Path) -> Result<()> {
     } else {
         gpu::check(root)?;
     }
-    if Command::new(cargo()).args(["deny", "--version"]).output().is_ok_and(|o| o.status.success()) {
-        step(root, "deny", &["deny", "check", "bans", "licenses", "sources"])?;
-    } else {
-        bail!("cargo-deny is not installed: run `cargo install cargo-deny --locked` (.ci/run does this)");
-    }
+    require_tool("deny", "cargo-deny")?;
+    step(root, "deny", &["deny", "check", "bans", "licenses", "sources"])?;
     step(root, "test", &["test", "--workspace", "--all-targets"])?;
     // Doc tests are a separate harness; examples in docs must keep compiling.
     step(root, "doctest", &["test", "--workspace", "--doc"])
 }
 
+/// Fails, saying how to install it, unless `cargo <subcommand>` (from `package`) runs.
+fn require_tool(subcommand: &str, package: &str) -> Result<()> {
+    if Command::new(cargo()).args([subcommand, "--version"]).output().is_ok_and(|o| o.status.success()) {
+        return Ok(());
+    }
+    bail!("{package} is not installed: run `cargo install {package} --locked` (.ci/run does this)")
+}
+
 /// Test binaries already run their tests on parallel threads; one rayon and candle
-/// thread per test keeps them from oversubscribing a 2-core machine (DESIGN.md §6).
+/// thread per test keeps them from oversubscribing a 2-core machine (docs/design.md §6).
 /// A caller's explicit setting wins.
 fn test_thread_env() -> Vec<(&'static str, String)> {
     ["RAYON_NUM_THREADS", "CANDLE_NUM_THREADS"]
@@ -107,7 +118,7 @@ fn e2e(root: &Path, args: &[String]) -> Result<()> {
     step(root, "build", &["build", "--release", "--package", "metronome-cli"])?;
     let exe = root.join("target/release/metronome");
     eprintln!("==> e2e: metronome run {}", args.join(" "));
-    // The binary sets its own thread environment (candle's pools, DESIGN.md §6) when
+    // The binary sets its own thread environment (candle's pools, docs/design.md §6) when
     // the caller has not, so nothing is set here.
     let status = Command::new(&exe)
         .arg("run")

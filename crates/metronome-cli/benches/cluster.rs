@@ -104,7 +104,7 @@ fn main() {
         base.publication_s * 1e3
     );
     for &n in counts {
-        let server = metronome_transport::server::NatsServer::start(&[]).expect("start nats-server");
+        let server = metronome_testkit::server::NatsServer::start(&[]).expect("start nats-server");
         let mut sets = workload.clone();
         sets.extend(["transport.kind=nats".to_owned(), format!(r#"transport.urls=["{}"]"#, server.url())]);
         let dir = out.path().join(format!("workers-{n}"));

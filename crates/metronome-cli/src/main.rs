@@ -1,10 +1,11 @@
 //! `metronome`: run RL post-training from a config file.
 //!
 //! ```text
-//! metronome run [--config FILE] [--set key.path=value]... [--schedule S] [--periods N] [--workers N]
+//! metronome run [--config FILE]... [--set key.path=value]... [--schedule S] [--periods N] [--workers N]
 //! metronome config [--config FILE] [--set ...]     # print the resolved, validated config
 //! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
 //! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
+//! metronome report RUN_DIR                         # the summary again, and report.html
 //! metronome serve [--addr A] [--api-key-file F] [--weights-dir D] [--config FILE] [--set ...]
 //! ```
 //!
@@ -26,7 +27,7 @@ use metronome_pipeline::{PipelineConfig, Schedule};
 mod render;
 
 // Training allocates and frees many tensors per step; mimalloc avoids the page-fault
-// churn of the system allocator (DESIGN.md §6). Only the binary chooses an allocator.
+// churn of the system allocator (docs/design.md §6). Only the binary chooses an allocator.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -122,6 +123,12 @@ enum Command {
         #[command(flatten)]
         events: EventsArg,
     },
+    /// Print a run's summary table again and write `report.html` in its directory: one
+    /// self-contained page (plots, held-out accuracy, the config) that opens offline.
+    Report {
+        /// The run directory (`runs/<name>`).
+        run: PathBuf,
+    },
     /// Print the resolved configuration after overrides and validation.
     Config {
         #[command(flatten)]
@@ -151,9 +158,11 @@ fn print_summary(outcome: &metronome_pipeline::RunOutcome) {
 
 #[derive(Debug, Args)]
 struct ConfigArgs {
-    /// A TOML config file; the embedded default when absent.
+    /// A TOML config file laid over the embedded default; repeat it to lay several in
+    /// order (`--config base.toml --config sweep.toml`): each sets only the keys it
+    /// names.
     #[arg(long, short)]
-    config: Option<PathBuf>,
+    config: Vec<PathBuf>,
     /// Override any value: `--set trainer.schedule.lr=3e-4` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
@@ -191,7 +200,9 @@ impl ConfigArgs {
             .and_then(|n| n.to_str())
             .with_context(|| format!("--resume {}: not a run directory", dir.display()))?;
         let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        self.config.get_or_insert(stored);
+        if self.config.is_empty() {
+            self.config.push(stored);
+        }
         self.out_dir = Some(parent.to_path_buf());
         // The name first, so that a `--set run.name=...` given too still wins.
         self.overrides.insert(0, format!("run.name={name:?}"));
@@ -226,17 +237,14 @@ impl ConfigArgs {
     }
 
     fn parse(&self, overrides: &[String]) -> Result<PipelineConfig> {
-        Ok(match &self.config {
-            Some(path) => PipelineConfig::load(path, overrides)?,
-            None => PipelineConfig::embedded(overrides)?,
-        })
+        Ok(PipelineConfig::load_layers(&self.config, overrides)?)
     }
 }
 
 fn main() -> ExitCode {
     // candle sizes its spinning element-wise pool from CANDLE_NUM_THREADS once, process
     // wide; left to default it takes every core and oversubscribes the stages' own
-    // pools (DESIGN.md §6). And without RAYON_NUM_THREADS, candle re-reads
+    // pools (docs/design.md §6). And without RAYON_NUM_THREADS, candle re-reads
     // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
     // here, that made a period of the default run 4x slower, in system time. The value
     // keeps what candle would compute (the cores), so `sync` still splits its matmuls.
@@ -292,10 +300,33 @@ fn serve_metrics(addr: &str, role: &str, worker: Option<&str>) -> Result<()> {
         builder = builder.add_global_label("worker", worker);
     }
     builder.install().with_context(|| format!("serving metrics on {addr}"))?;
-    metronome_pipeline::describe_metrics();
-    metronome_pipeline::cluster::describe_cluster_metrics();
+    describe_metrics();
     eprintln!("metrics: http://{addr}/metrics");
     Ok(())
+}
+
+/// Gives the installed exporter the help text and unit of every metric a run may
+/// emit, from each crate's typed catalogue.
+fn describe_metrics() {
+    use metronome_core::{MetricKind, MetricUnit};
+    let catalogues = metronome_pipeline::CATALOGUES.iter().copied();
+    metrics::with_recorder(|recorder| {
+        for m in catalogues.flatten() {
+            let unit = match m.unit {
+                MetricUnit::Count => Some(metrics::Unit::Count),
+                MetricUnit::Seconds => Some(metrics::Unit::Seconds),
+                MetricUnit::Bytes => Some(metrics::Unit::Bytes),
+                // `metrics` has percent (0 to 100) but no fraction.
+                MetricUnit::Ratio => None,
+            };
+            let (name, help) = (metrics::KeyName::from_const_str(m.name), m.help.into());
+            match m.kind {
+                MetricKind::Counter => recorder.describe_counter(name, unit, help),
+                MetricKind::Gauge => recorder.describe_gauge(name, unit, help),
+                MetricKind::Histogram => recorder.describe_histogram(name, unit, help),
+            }
+        }
+    });
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
@@ -337,6 +368,14 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 fn real_main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Report { run } => {
+            let dir = metronome_pipeline::RunDir::open(&run)?;
+            let periods = dir.read_periods()?;
+            let page = metronome_pipeline::write_html_report(&dir)?;
+            eprintln!("{}", metronome_pipeline::summary_table(&periods));
+            eprintln!("report: {}", page.display());
+            Ok(())
+        }
         Command::Config { config } => {
             print!("{}", config.load()?.to_toml()?);
             Ok(())
@@ -418,7 +457,7 @@ fn real_main() -> Result<()> {
                         .with_http_listener(addr)
                         .install()
                         .with_context(|| format!("serving metrics on {addr}"))?;
-                    metronome_pipeline::describe_metrics();
+                    describe_metrics();
                     eprintln!("metrics: http://{addr}/metrics");
                 }
                 let options = metronome_pipeline::RunOptions {

@@ -3,7 +3,9 @@
 /// Errors crossing a stage boundary.
 ///
 /// Stage crates keep their own error enums and convert at the boundary, usually
-/// through [`Error::stage`], so that the source chain is preserved.
+/// through [`Error::stage`], so that the source chain is preserved. As in every
+/// Metronome error, a message never repeats its source: `{e}` is this error's own
+/// message, and the whole chain is `{e:#}` of an `anyhow::Error` or [`ErrorChain`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -19,8 +21,8 @@ pub enum Error {
     /// The other side of a channel or connection has gone away.
     #[error("{0} is closed")]
     Closed(String),
-    /// A stage failed; `stage` names it.
-    #[error("{stage}: {source}")]
+    /// A stage failed; `stage` names it, `source` says how.
+    #[error("{stage}")]
     Stage {
         /// The failing stage, e.g. `rollout` or `transport`.
         stage: &'static str,
@@ -42,6 +44,31 @@ impl Error {
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
         Self::Stage { stage, source: source.into() }
+    }
+}
+
+/// Displays an error and its sources on one line, `error: source: source…`, as
+/// `anyhow` does with `{:#}`: for libraries that log an error or put it into a
+/// message of their own, since an error's `Display` is its own message only.
+///
+/// ```
+/// # use metronome_core::{Error, ErrorChain};
+/// let e = Error::stage("rollout", std::io::Error::other("worker 0 is gone"));
+/// assert_eq!(e.to_string(), "rollout");
+/// assert_eq!(ErrorChain(&e).to_string(), "rollout: worker 0 is gone");
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct ErrorChain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
     }
 }
 

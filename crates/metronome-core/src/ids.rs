@@ -77,7 +77,7 @@ const SAMPLE_DOMAIN: u64 = 0x6d65_7472_6f6e_6f6d; // "metronom"
 const STREAM_DOMAIN: u64 = 0x7374_7265_616d_2121; // "stream!!"
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
-/// The seed of one sampled response: the randomness rule of DESIGN.md §4.
+/// The seed of one sampled response: the randomness rule of docs/design.md §4.
 ///
 /// It depends on the run seed, the policy version that samples, the prompt and the
 /// sample index within the group, and on nothing else: not the worker, the slot, the

@@ -10,13 +10,15 @@
 //! - the data that flows between stages ([`Prompt`], [`Completion`], [`Group`],
 //!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
 //! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
+//! - the typed entry of a crate's metrics catalogue ([`Metric`]);
 //! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],
 //!   [`GroupScorer`], [`Trainer`], [`GroupSender`]/[`GroupReceiver`],
 //!   [`WeightPublisher`]/[`WeightSubscriber`], [`ControlSender`]/[`ControlReceiver`]).
 //!
 //! It deliberately holds no tensors, no async runtime and no I/O: third-party stage
-//! implementations should depend on this crate alone. The sibling crates implement
-//! the stages (`metronome-dataloader`, `-rollout`, `-reward`, `-trainer`,
+//! implementations should depend on this crate alone, and prove themselves with the
+//! conformance suites of `metronome-testkit` (a dev-dependency). The sibling crates
+//! implement the stages (`metronome-dataloader`, `-rollout`, `-reward`, `-trainer`,
 //! `-transport`), share the network (`metronome-model`) and layouts
 //! (`metronome-masking`), and `metronome-pipeline` wires them.
 
@@ -24,6 +26,7 @@ mod data;
 mod error;
 mod ids;
 mod layout;
+mod metric;
 mod secret;
 mod stage;
 mod text;
@@ -33,9 +36,10 @@ pub use data::{
     ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, FinishReason, Group, GroupKey, GroupStats,
     GroupTiming, Prompt, Reward, ScoredGroup, TokenId,
 };
-pub use error::{Error, Result};
+pub use error::{Error, ErrorChain, Result};
 pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};
+pub use metric::{Metric, MetricKind, MetricUnit};
 pub use secret::Secret;
 pub use stage::{
     AccumulateReport, Acker, ControlMessage, ControlReceiver, ControlSender, Cursor, Delivery, GroupReceiver,

@@ -11,7 +11,7 @@ use metronome_core::PromptId;
 #[non_exhaustive]
 pub enum Error {
     /// A file could not be opened or read.
-    #[error("cannot read {}: {source}", path.display())]
+    #[error("cannot read {}", path.display())]
     Io {
         /// The file.
         path: PathBuf,
@@ -76,7 +76,7 @@ pub enum Error {
     },
     /// The Parquet reader failed on a file (not a Parquet file, corrupt pages,
     /// unsupported compression).
-    #[error("{}: {source}", path.display())]
+    #[error("the Parquet reader failed on {}", path.display())]
     Parquet {
         /// The file.
         path: PathBuf,

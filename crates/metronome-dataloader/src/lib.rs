@@ -37,11 +37,7 @@
 //!   [`BadRecordPolicy`] skips and counts bad records instead; over-long prompts are
 //!   skipped (counted, ids logged) or rejected per [`OverlongPolicy`].
 //!
-//! Metrics (through the `metrics` facade): `metronome_dataloader_batches_released_total`,
-//! `_prompts_released_total`, `_prompt_tokens_total`, `_prompts_skipped_total{reason}`,
-//! `_records_loaded_total{format}`, `_records_skipped_total{format}`, the
-//! `_epoch` gauge and the `_batch_wait_seconds` histogram (how long `next_batch`
-//! waited; near zero when prefetching keeps up).
+//! Metrics (through the `metrics` facade): every one it emits is in [`METRICS`].
 //!
 //! It is not a tokenizer (those live in `metronome-model`, behind the core trait), nor
 //! a reward: verifiers in `metronome-reward` read `Prompt::reference` and
@@ -54,6 +50,7 @@ mod dataset;
 mod error;
 mod file;
 mod loader;
+mod metrics;
 mod plan;
 mod render;
 mod rng;
@@ -64,6 +61,7 @@ pub use dataset::{Dataset, PromptContent, Record};
 pub use error::{Error, Location, Result};
 pub use file::{BadRecordPolicy, FieldMapping, FileDataset, FileFormat, LoadReport};
 pub use loader::{LoaderStats, PromptLoader};
+pub use metrics::METRICS;
 pub use plan::ReleaseConfig;
 pub use render::{OverlongPolicy, PromptConfig};
 pub use rng::{SHUFFLE_STREAM, epoch_order};

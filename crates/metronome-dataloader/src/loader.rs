@@ -180,8 +180,7 @@ impl PromptLoader {
             // the receiver is spent, so do not await it.
             Err(TryRecvError::Closed) => return Err(lost()),
         };
-        metrics::histogram!("metronome_dataloader_batch_wait_seconds")
-            .record(started.elapsed().as_secs_f64());
+        crate::metrics::batch_waited(started.elapsed());
         let planned = planned?;
         self.account(&planned);
         self.cursor = planned.next;
@@ -244,24 +243,20 @@ impl PromptLoader {
         let skipped = planned.too_long.len() as u64;
         self.stats.skipped_too_long += skipped;
         if skipped > 0 {
-            metrics::counter!("metronome_dataloader_prompts_skipped_total", "reason" => "too_long")
-                .increment(skipped);
+            crate::metrics::prompts_skipped("too_long", skipped);
         }
         if planned.cut_short {
             self.stats.cut_short += 1;
-            metrics::counter!("metronome_dataloader_batches_cut_short_total").increment(1);
+            crate::metrics::batch_cut_short();
         }
         if let Some(batch) = &planned.batch {
             let tokens: u64 = batch.prompts.iter().map(|p| p.tokens.len() as u64).sum();
             self.stats.batches += 1;
             self.stats.prompts += batch.prompts.len() as u64;
             self.stats.tokens += tokens;
-            metrics::counter!("metronome_dataloader_batches_released_total").increment(1);
-            metrics::counter!("metronome_dataloader_prompts_released_total")
-                .increment(batch.prompts.len() as u64);
-            metrics::counter!("metronome_dataloader_prompt_tokens_total").increment(tokens);
+            crate::metrics::batch_released(batch.prompts.len() as u64, tokens);
         }
-        metrics::gauge!("metronome_dataloader_epoch").set(planned.next.epoch as f64);
+        crate::metrics::epoch(planned.next.epoch);
     }
 }
 

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use metronome_core::{ChatMessage, Prompt, PromptId, Tokenizer};
+use metronome_core::{ChatMessage, ErrorChain, Prompt, PromptId, Tokenizer};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{PromptContent, Record};
@@ -107,10 +107,13 @@ impl Renderer {
                 messages.extend(conversation);
                 self.tokenizer
                     .apply_chat_template(&messages, true)
-                    .map_err(|e| failed(format!("chat template failed: {e}")))?
+                    .map_err(|e| failed(format!("chat template failed: {}", ErrorChain(&e))))?
             }
         };
-        let tokens = self.tokenizer.encode(&text).map_err(|e| failed(format!("tokenizer failed: {e}")))?;
+        let tokens = self
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| failed(format!("tokenizer failed: {}", ErrorChain(&e))))?;
         if let Some(max) = self.config.max_tokens
             && tokens.len() > max
         {

@@ -67,8 +67,10 @@
 //! [`MaskingError`] naming the group, never a panic.
 //!
 //! Siblings: `metronome-core` defines the layout vocabulary produced here;
-//! `metronome-model` runs attention over it; `metronome-trainer` packs each period's
-//! groups with this crate and computes the GRPO loss from the targets.
+//! `metronome-model` runs attention over it; `metronome-pipeline` packs each period's
+//! groups with this crate as they arrive and hands the micro-batches to
+//! `metronome-trainer`, which computes the GRPO loss from the targets (the trainer
+//! does not depend on this crate).
 
 mod account;
 mod build;

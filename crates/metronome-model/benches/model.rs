@@ -16,7 +16,7 @@ use metronome_core::{PackedRow, Segment, Targets};
 use metronome_model::{Device, KvCache, Model, ModelConfig, Tensor};
 
 // Allocation churn was measured as a large share of candle's CPU training time
-// (DESIGN.md §6); a global allocator belongs to binaries and benches, never libraries.
+// (docs/design.md §6); a global allocator belongs to binaries and benches, never libraries.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -196,17 +196,7 @@ fn summary() {
 /// bench re-runs itself with the variable set (the same belongs in a trainer's
 /// environment). An explicit value in the environment is left alone.
 fn reexec_with_allocator_env() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
-        return;
-    }
-    let Ok(exe) = std::env::current_exe() else { return };
-    let status = std::process::Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .env("MIMALLOC_PURGE_DELAY", "-1")
-        .status();
-    if let Ok(status) = status {
-        std::process::exit(status.code().unwrap_or(1));
-    }
+    metronome_testkit::bench::rerun_with_env("MIMALLOC_PURGE_DELAY", "-1");
 }
 
 fn main() {

@@ -13,6 +13,8 @@ with 16 tokens. Not part of CI.
 """
 
 import argparse
+import json
+import pathlib
 import time
 
 import torch
@@ -24,20 +26,9 @@ DECODE_STEPS = 32
 
 
 def tiny():
-    return LlamaConfig(
-        vocab_size=99,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
-    )
+    # `ModelConfig::tiny()`'s shape, shared with the other PyTorch scripts.
+    shape = json.loads((pathlib.Path(__file__).parent / "llama_shapes.json").read_text())["tiny"]
+    return LlamaConfig(**shape, attn_implementation="eager")
 
 
 def train_step(model, ids):

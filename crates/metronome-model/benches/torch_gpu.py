@@ -14,6 +14,8 @@ peaks of the GPU (8192^3, median of ten) for the utilisation figures.
 """
 
 import argparse
+import json
+import pathlib
 import statistics
 import time
 
@@ -25,20 +27,9 @@ NEW_TOKENS = 128
 
 
 def smollm2_135m():
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
+    # SmolLM2-135M's shape (`--shape smollm2-135m` of `examples/throughput.rs`).
+    shape = json.loads((pathlib.Path(__file__).parent / "llama_shapes.json").read_text())["smollm2_135m"]
+    return LlamaConfig(**shape, attn_implementation="eager")
 
 
 def timed(fn, warmup=2, reps=5):

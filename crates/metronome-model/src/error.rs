@@ -8,7 +8,7 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum Error {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("cannot read or write {}", path.display())]
     Io {
         /// The file.
         path: PathBuf,

@@ -36,7 +36,7 @@ use crate::{Error, Result};
 /// rows (zero rows pad the rest). candle's CPU matmul picks different kernels for
 /// small `M` (a gemv path at one row, a "horizontal" kernel when `m·n ≤ 256`), and
 /// those round differently; with a fixed minimum every batch size takes the same
-/// kernel, so a slot's logits do not depend on who else decodes with it (DESIGN.md
+/// kernel, so a slot's logits do not depend on who else decodes with it (docs/design.md
 /// §6). Frozen models need no padding (see the module docs).
 pub const DECODE_MIN_ROWS: usize = 16;
 

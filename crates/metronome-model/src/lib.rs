@@ -10,8 +10,9 @@
 //!   [`Model::prepare_batch`] and [`Model::score`] split it so that several models
 //!   (a policy and its reference) share one layout of a micro-batch, and score at a
 //!   sampling temperature (`logits / T`, the distribution the rollout engine samples).
-//!   It is written from differentiable candle-core primitives, because candle-nn's
-//!   fused softmax and RMSNorm have no backward.
+//!   Its element-wise ops have a backward everywhere (candle-nn's fused softmax and
+//!   RMSNorm have none: docs/design.md §6), and attention follows the segments of a
+//!   row instead of building a `[T, T]` mask.
 //! - [`KvCache`], [`Model::prefill`] and [`Model::decode_step`] are the rollout engine's
 //!   incremental decoding over independent slots; a decode step is batch-invariant
 //!   (a slot's logits are bitwise the same in any batch).
@@ -32,9 +33,7 @@
 //! Numerics: logits match Hugging Face `transformers` within 1e-4 on the committed
 //! tiny Llama and Qwen2 fixtures (`fixtures/make_fixtures.py` wrote them once; the tests
 //! need no Python), and a checkpoint written by [`Model::save_hf`] loads in
-//! `transformers` with equal logits (`fixtures/check_checkpoint.py`). RMSNorm, rotary
-//! embeddings and the masked attention softmax are fused candle custom ops with their
-//! own backward, tested against the composed forms.
+//! `transformers` with equal logits (`fixtures/check_checkpoint.py`).
 //!
 //! Devices: everything above runs on any candle device. [`DeviceSpec`] names one in
 //! configs (`"cpu"`, `"cuda:N"`; GPUs need the `cuda` feature). On the CPU the
@@ -43,19 +42,16 @@
 //! every backend implements forward and backward ([`Kernels::Portable`]), tested
 //! against the fused ones on the CPU (log-probs and entropies within 1e-5, gradients
 //! within 1e-4, relative to the larger of 1 and their largest magnitude), so CI
-//! checks the GPU's arithmetic without a GPU. Attention runs per segment of a packed
-//! row on every device: no `[T, T]` mask of a row is built.
+//! checks the GPU's arithmetic without a GPU.
 //!
-//! Batch invariance: [`Model::decode_step`] runs attention per slot over its own cache
-//! (no padding) and pads linear-layer inputs to [`DECODE_MIN_ROWS`] rows, so candle's
-//! matmul takes the same kernel for every batch size. At batch 1 that padding costs
-//! several times the single-row path on large matrices; a cache that serves one
-//! conversation may opt out with [`KvCache::set_batch_invariant`].
-//!
-//! Performance: candle's CPU matmul runs at about half speed when dependencies are
-//! built with debug assertions (the default `dev` profile, even at `opt-level = 3`);
-//! `cargo bench` uses the release settings. See `benches/model.rs` and the opt-in
-//! `benches/torch_compare.py`.
+//! Batch invariance: a decode step's logits for a slot are bitwise the same whoever
+//! shares the step. Attention runs per slot over its own cache in a fixed order. A
+//! model that never trains ([`Model::frozen_copy`]) runs its linear layers through a
+//! decode-layout copy whose kernel computes every output in input order; a trainable
+//! one pads linear-layer inputs to [`DECODE_MIN_ROWS`] rows so that candle's matmul
+//! takes the same kernel for every batch size (a cache that serves one conversation
+//! may opt out with [`KvCache::set_batch_invariant`]). `src/kv_cache.rs` says
+//! how, and the README's benchmark section what it costs.
 //!
 //! It is not a sampler (the rollout engine in `metronome-rollout` owns sampling,
 //! continuous batching and seeds), not a loss or optimiser (`metronome-trainer`), and
@@ -63,7 +59,7 @@
 //! `metronome-core` only among the workspace crates.
 //!
 //! Threads: candle's CPU kernels use the current rayon pool and a process-wide
-//! barrier pool; run generation and training on their own pools (DESIGN.md §6).
+//! barrier pool; run generation and training on their own pools (docs/design.md §6).
 
 mod config;
 mod device;

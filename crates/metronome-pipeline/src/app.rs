@@ -27,6 +27,7 @@ use crate::report::PeriodReport;
 use crate::rundir::RunDir;
 use crate::runner::{Checkpointing, PeriodEnd, Runner, Stages, Transport};
 use crate::schedule::Schedule;
+use crate::tensorboard::{EventWriter, period_scalars};
 
 /// Held-out accuracy at one point of the run.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -293,6 +294,8 @@ pub(crate) struct Session {
     /// The period a checkpoint there resumes at.
     pub(crate) resume_at: Option<u64>,
     observer: Observer,
+    /// The run's TensorBoard event file (one per process start).
+    events: Mutex<EventWriter>,
 }
 
 /// A session's trainer and evaluation, ready for the runner.
@@ -333,7 +336,8 @@ impl Session {
             state.next_period
         });
         dir.resume_record(resume_at.unwrap_or(0))?;
-        Ok(Self { dir, checkpoints, resume_at, observer: options.observer.clone() })
+        let events = Mutex::new(EventWriter::create(dir.path())?);
+        Ok(Self { dir, checkpoints, resume_at, observer: options.observer.clone(), events })
     }
 
     /// The trainer around `model`: warm-started and evaluated for a fresh run; as it
@@ -361,6 +365,8 @@ impl Session {
             let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
             let accuracy = e.accuracy(initial).await?;
             self.observer.emit(&Event::Evaluated { how: config.eval.describe(), accuracy });
+            let mut events = self.events.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            events.scalars(0, &[("eval/heldout_accuracy", accuracy)])?;
             evals.push(EvalPoint { after_periods: 0, accuracy });
         }
         let trainer = new_trainer(config, model)?;
@@ -381,6 +387,7 @@ impl Session {
         let shared_evals = Arc::new(Mutex::new(Vec::new()));
         let mut hook = PeriodEndHook {
             dir: self.dir.clone(),
+            events: self.events.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner),
             evaluator,
             evals: shared_evals.clone(),
             observer: self.observer.clone(),
@@ -431,6 +438,7 @@ fn check_resumable(config: &PipelineConfig, dir: &RunDir, allow: bool) -> Result
 /// (The runner checkpoints after it.)
 struct PeriodEndHook {
     dir: RunDir,
+    events: EventWriter,
     evaluator: Option<Evaluator>,
     evals: Arc<Mutex<Vec<EvalPoint>>>,
     observer: Observer,
@@ -458,9 +466,10 @@ impl PeriodEndHook {
                         .unwrap_or_else(std::sync::PoisonError::into_inner)
                         .push(EvalPoint { after_periods: done, accuracy: a });
                 }
-                Err(err) => tracing::error!("evaluation failed: {err}"),
+                Err(err) => tracing::error!("evaluation failed: {}", metronome_core::ErrorChain(&err)),
             }
         }
+        self.events.scalars(done, &period_scalars(report, accuracy))?;
         self.observer.emit(&Event::PeriodDone { report: Box::new(report.clone()), accuracy });
         Ok(())
     }

@@ -87,7 +87,7 @@ pub struct RunConfig {
     pub checkpoint_interval_s: u64,
     /// Size the stages' thread pools from the cores (`rollout.threads_per_worker`,
     /// `trainer.threads`): `sync` gives every stage all cores in turn; overlapped
-    /// schedules split them so the stages do not oversubscribe (DESIGN.md §6).
+    /// schedules split them so the stages do not oversubscribe (docs/design.md §6).
     pub auto_placement: bool,
     /// Cores to place on; 0 detects them.
     pub cores: usize,
@@ -229,36 +229,37 @@ impl Default for SftConfig {
 }
 
 impl PipelineConfig {
-    /// Parses a TOML document, applies `overrides` (`key.path=value`; the value is read
-    /// as TOML, else as a string), and validates the result.
+    /// Parses a whole TOML document, applies `overrides` (`key.path=value`; the value
+    /// is read as TOML, else as a string), and validates the result. Missing keys take
+    /// the types' defaults; [`PipelineConfig::load_layers`] layers a partial file over
+    /// the embedded default instead.
     pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
-        let mut doc: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config {
-            key: origin.to_owned(),
-            reason: format!("is not valid TOML: {}", e.message()),
-        })?;
-        for o in overrides {
-            apply_override(&mut doc, o)?;
-        }
-        resolve_secrets("", &mut doc)?;
-        // The path of the value at fault, whether it came from the file or a `--set`.
-        let config: Self = serde_path_to_error::deserialize(toml::Value::Table(doc)).map_err(|e| {
-            let path = e.path().to_string();
-            Error::Config {
-                key: if path.is_empty() || path == "." { origin.to_owned() } else { path },
-                reason: format!("{} (in {origin})", e.inner().message()),
-            }
-        })?;
-        config.validate()?;
-        Ok(config)
+        let mut layers = Layers::default();
+        layers.add(origin, text)?;
+        layers.build(overrides)
     }
 
-    /// Reads and parses a config file.
+    /// The embedded default, then each file of `paths` over it in order (a file may
+    /// be partial: it sets only the keys it names; a table naming another `kind`
+    /// replaces the table), then `overrides`. An error names the key and the file
+    /// (or `--set`) that gave the value at fault.
+    pub fn load_layers(paths: &[PathBuf], overrides: &[String]) -> Result<Self> {
+        let mut layers = Layers::default();
+        layers.add("the embedded default config", DEFAULT_CONFIG)?;
+        for path in paths {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+                key: path.display().to_string(),
+                reason: format!("cannot be read: {e}"),
+            })?;
+            layers.add(&path.display().to_string(), &text)?;
+        }
+        layers.build(overrides)
+    }
+
+    /// A config file layered over the embedded default (see
+    /// [`PipelineConfig::load_layers`]).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
-            key: path.display().to_string(),
-            reason: format!("cannot be read: {e}"),
-        })?;
-        Self::parse(&text, &path.display().to_string(), overrides)
+        Self::load_layers(&[path.to_owned()], overrides)
     }
 
     /// The embedded default with `overrides`.
@@ -577,6 +578,93 @@ impl PipelineConfig {
     }
 }
 
+/// A config document built from layers, remembering which layer set each key, so
+/// that an error names the file (or `--set`) the value at fault came from.
+#[derive(Default)]
+struct Layers {
+    doc: toml::Table,
+    /// Dotted key (of a value, or of a table a layer replaced whole) -> its layer.
+    origins: std::collections::BTreeMap<String, String>,
+}
+
+impl Layers {
+    /// Parses `text` and lays it over what is there.
+    fn add(&mut self, origin: &str, text: &str) -> Result<()> {
+        let layer: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config {
+            key: origin.to_owned(),
+            reason: format!("is not valid TOML: {}", e.message()),
+        })?;
+        merge("", &mut self.doc, layer, origin, &mut self.origins);
+        Ok(())
+    }
+
+    /// Applies the overrides, reads the credentials, and deserialises and validates.
+    fn build(mut self, overrides: &[String]) -> Result<PipelineConfig> {
+        for o in overrides {
+            let key = apply_override(&mut self.doc, o)?;
+            set_origin(&mut self.origins, key, format!("--set {o}"));
+        }
+        resolve_secrets("", &mut self.doc)?;
+        let config: PipelineConfig =
+            serde_path_to_error::deserialize(toml::Value::Table(self.doc)).map_err(|e| {
+                let path = e.path().to_string();
+                let key = if path.is_empty() || path == "." { None } else { Some(path) };
+                let origin = key.as_deref().and_then(|k| origin_of(&self.origins, k));
+                let origin = origin.or_else(|| self.origins.values().next().cloned()).unwrap_or_default();
+                Error::Config {
+                    key: key.unwrap_or_else(|| origin.clone()),
+                    reason: format!("{} (in {origin})", e.inner().message()),
+                }
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The layer that set `key`, or the closest table above it that a layer set.
+fn origin_of(origins: &std::collections::BTreeMap<String, String>, key: &str) -> Option<String> {
+    let mut key = key;
+    loop {
+        if let Some(origin) = origins.get(key) {
+            return Some(origin.clone());
+        }
+        key = &key[..key.rfind(['.', '['])?];
+    }
+}
+
+/// Lays `layer` over `base`: tables merge key by key, anything else replaces. A table
+/// whose `kind` differs from the base's (another scorer, model source, transport)
+/// replaces the base's whole, so no key of the other kind is left behind.
+fn merge(
+    prefix: &str,
+    base: &mut toml::Table,
+    layer: toml::Table,
+    origin: &str,
+    origins: &mut std::collections::BTreeMap<String, String>,
+) {
+    for (k, v) in layer {
+        let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(old)), toml::Value::Table(new))
+                if new.get("kind").is_none_or(|kind| old.get("kind") == Some(kind)) =>
+            {
+                merge(&key, old, new, origin, origins);
+            }
+            (_, v) => {
+                set_origin(origins, key, origin.to_owned());
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+/// Records that `origin` set `key`, and so everything below it.
+fn set_origin(origins: &mut std::collections::BTreeMap<String, String>, key: String, origin: String) {
+    let (dot, bracket) = (format!("{key}."), format!("{key}["));
+    origins.retain(|k, _| !(k == &key || k.starts_with(&dot) || k.starts_with(&bracket)));
+    origins.insert(key, origin);
+}
+
 /// Keys whose values are credentials ([`metronome_core::Secret`]).
 const SECRET_KEYS: &[&str] = &["password", "token", "api_key"];
 
@@ -622,8 +710,9 @@ fn flatten(prefix: &str, value: &toml::Value, out: &mut std::collections::BTreeM
     }
 }
 
-/// Applies `key.path=value` to the document, creating tables on the way.
-fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
+/// Applies `key.path=value` to the document, creating tables on the way; the key
+/// path, trimmed.
+fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<String> {
     let bad = |reason: String| Error::Config { key: assignment.to_owned(), reason };
     let (path, raw) = assignment.split_once('=').ok_or_else(|| bad("expected `key.path=value`".into()))?;
     let keys: Vec<&str> = path.trim().split('.').collect();
@@ -644,5 +733,5 @@ fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<()> {
             entry.as_table_mut().ok_or_else(|| bad(format!("`{}` is not a table", keys[..=i].join("."))))?;
     }
     table.insert((*last).to_owned(), value);
-    Ok(())
+    Ok(keys.join("."))
 }

@@ -20,7 +20,7 @@ pub enum Error {
         expected: usize,
     },
     /// The generation side failed; its error is the source.
-    #[error("generation failed in period {period}: {source}")]
+    #[error("generation failed in period {period}")]
     Generation {
         /// The period being generated.
         period: PeriodId,
@@ -68,7 +68,7 @@ pub enum Error {
     #[error("the {0} task stopped unexpectedly")]
     TaskLost(&'static str),
     /// Reading or writing a file of the run directory failed; `path` names the file.
-    #[error("cannot write or read `{}`: {source}", path.display())]
+    #[error("cannot write or read `{}`", path.display())]
     Io {
         /// The file or directory at fault.
         path: std::path::PathBuf,

@@ -24,6 +24,7 @@ pub mod cluster;
 mod config;
 mod error;
 mod events;
+mod html;
 mod metrics;
 mod plots;
 mod release;
@@ -33,6 +34,7 @@ mod runner;
 mod schedule;
 mod serve;
 mod summary;
+pub mod tensorboard;
 
 pub use app::{
     EvalPoint, RunOptions, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run,
@@ -43,7 +45,8 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use events::{Event, Observer};
-pub use metrics::{METRICS, describe_metrics};
+pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
+pub use metrics::METRICS;
 pub use metronome_core::Secret;
 pub use metronome_rollout::http::ServerConfig;
 pub use release::{Release, Released};
@@ -55,3 +58,15 @@ pub use runner::{
 pub use schedule::{ParseScheduleError, Schedule};
 pub use serve::serve;
 pub use summary::summary_table;
+
+/// Every metrics catalogue a run's processes may emit from, this crate's own first,
+/// for the binary to describe to its exporter and for the dashboard tests.
+pub const CATALOGUES: &[&[metronome_core::Metric]] = &[
+    METRICS,
+    cluster::CLUSTER_METRICS,
+    metronome_dataloader::METRICS,
+    metronome_rollout::METRICS,
+    metronome_reward::METRICS,
+    metronome_trainer::METRICS,
+    metronome_transport::METRICS,
+];

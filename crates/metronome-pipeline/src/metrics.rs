@@ -1,111 +1,246 @@
-//! The pipeline's metrics, emitted through the `metrics` facade once per group or
-//! period (never per token). The binary installs the Prometheus exporter.
+//! The pipeline's metrics: the typed catalogues [`METRICS`] (every run) and
+//! [`CLUSTER_METRICS`] (the multi-process roles), and the functions that emit them
+//! through the `metrics` facade, once per group or period (never per token). Nothing
+//! else in the crate emits. The binary installs the exporter and describes these
+//! with the stage crates' catalogues (`crate::CATALOGUES`).
 
-use metrics::{Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics::{counter, gauge, histogram};
+use metronome_core::{Metric, MetricUnit};
 
 use crate::report::PeriodReport;
 
-/// Every metric the pipeline emits: (name, kind, unit, help). The Grafana dashboard
-/// and the scrape test are held to this list.
-pub const METRICS: &[(&str, &str, &str)] = &[
-    ("metronome_pipeline_periods_total", "counter", "periods completed"),
-    ("metronome_pipeline_period_seconds", "histogram", "wall time of a period"),
-    ("metronome_pipeline_generation_busy_seconds", "histogram", "generation busy time per period"),
-    ("metronome_pipeline_training_busy_seconds", "histogram", "training busy time per period"),
-    ("metronome_pipeline_generation_utilisation_ratio", "gauge", "generation busy time / period time"),
-    ("metronome_pipeline_training_utilisation_ratio", "gauge", "training busy time / period time"),
-    ("metronome_pipeline_weight_publication_seconds", "histogram", "time to publish and install weights"),
-    ("metronome_pipeline_queue_depth_groups", "gauge", "groups received but not yet trained"),
-    ("metronome_pipeline_staleness_versions", "histogram", "policy versions between sampling and training"),
-    ("metronome_pipeline_groups_total", "counter", "groups trained"),
-    ("metronome_pipeline_stale_groups_dropped_total", "counter", "groups dropped beyond the staleness bound"),
-    ("metronome_pipeline_duplicate_groups_total", "counter", "redelivered groups ignored"),
-    (
-        "metronome_pipeline_rejected_groups_total",
-        "counter",
-        "groups not trained: prompt rejected by the engine, or a poison message (see the log)",
-    ),
-    (
-        "metronome_pipeline_filtered_groups_total",
-        "counter",
-        "groups generated but not trained by dynamic sampling (all rewards equal, or the period was full)",
-    ),
-    (
-        "metronome_pipeline_refused_steps_total",
-        "counter",
-        "steps whose update the trainer refused (non-finite loss or gradient); the weights stayed",
-    ),
-    ("metronome_pipeline_generated_tokens_total", "counter", "tokens generated"),
-    (
-        "metronome_pipeline_generation_tokens_per_second",
-        "gauge",
-        "generated tokens per generation-busy second",
-    ),
-    ("metronome_pipeline_training_tokens_per_second", "gauge", "trained tokens per training-busy second"),
-    ("metronome_pipeline_reward_mean", "gauge", "mean reward of the period"),
-    ("metronome_pipeline_accuracy_ratio", "gauge", "mean of the `correct` reward part of the period"),
-    ("metronome_trainer_loss", "gauge", "total loss of the step"),
-    ("metronome_trainer_kl", "gauge", "mean KL to the reference"),
-    ("metronome_trainer_clip_fraction_ratio", "gauge", "fraction of clipped token ratios"),
-    ("metronome_trainer_entropy", "gauge", "mean policy entropy"),
-    ("metronome_trainer_grad_norm", "gauge", "gradient norm before clipping"),
-    ("metronome_trainer_learning_rate", "gauge", "learning rate of the step"),
-    ("metronome_trainer_policy_version", "gauge", "version of the trainer's weights"),
+const PERIODS: Metric = Metric::counter("metronome_pipeline_periods_total", "periods completed");
+const PERIOD_SECONDS: Metric = Metric::seconds("metronome_pipeline_period_seconds", "wall time of a period");
+const GENERATION_BUSY: Metric =
+    Metric::seconds("metronome_pipeline_generation_busy_seconds", "generation busy time per period");
+const TRAINING_BUSY: Metric =
+    Metric::seconds("metronome_pipeline_training_busy_seconds", "training busy time per period");
+const GENERATION_UTILISATION: Metric =
+    Metric::gauge("metronome_pipeline_generation_utilisation_ratio", "generation busy time / period time")
+        .unit(MetricUnit::Ratio);
+const TRAINING_UTILISATION: Metric =
+    Metric::gauge("metronome_pipeline_training_utilisation_ratio", "training busy time / period time")
+        .unit(MetricUnit::Ratio);
+const PUBLICATION_SECONDS: Metric =
+    Metric::seconds("metronome_pipeline_weight_publication_seconds", "time to publish and install weights");
+const QUEUE_DEPTH: Metric =
+    Metric::gauge("metronome_pipeline_queue_depth_groups", "groups received but not yet trained");
+const STALENESS: Metric = Metric::histogram(
+    "metronome_pipeline_staleness_versions",
+    "policy versions between sampling and training",
+);
+const GROUPS: Metric = Metric::counter("metronome_pipeline_groups_total", "groups trained");
+const DROPPED_STALE: Metric = Metric::counter(
+    "metronome_pipeline_stale_groups_dropped_total",
+    "groups dropped beyond the staleness bound",
+);
+const DUPLICATES: Metric =
+    Metric::counter("metronome_pipeline_duplicate_groups_total", "redelivered groups ignored");
+const REJECTED: Metric = Metric::counter(
+    "metronome_pipeline_rejected_groups_total",
+    "groups not trained: prompt rejected by the engine, or a poison message (see the log)",
+);
+const FILTERED: Metric = Metric::counter(
+    "metronome_pipeline_filtered_groups_total",
+    "groups generated but not trained by dynamic sampling (all rewards equal, or the period was full)",
+);
+const REFUSED_STEPS: Metric = Metric::counter(
+    "metronome_pipeline_refused_steps_total",
+    "steps whose update the trainer refused (non-finite loss or gradient); the weights stayed",
+);
+const GENERATED_TOKENS: Metric =
+    Metric::counter("metronome_pipeline_generated_tokens_total", "tokens generated");
+const GENERATION_TOKENS_PER_SECOND: Metric = Metric::gauge(
+    "metronome_pipeline_generation_tokens_per_second",
+    "generated tokens per generation-busy second",
+);
+const TRAINING_TOKENS_PER_SECOND: Metric =
+    Metric::gauge("metronome_pipeline_training_tokens_per_second", "trained tokens per training-busy second");
+const REWARD_MEAN: Metric = Metric::gauge("metronome_pipeline_reward_mean", "mean reward of the period");
+const ACCURACY: Metric =
+    Metric::gauge("metronome_pipeline_accuracy_ratio", "mean of the `correct` reward part of the period")
+        .unit(MetricUnit::Ratio);
+// The trainer's per-step values come back in its `StepReport`; the pipeline, which
+// drives it, is their one writer.
+const LOSS: Metric = Metric::gauge("metronome_trainer_loss", "total loss of the step");
+const KL: Metric = Metric::gauge("metronome_trainer_kl", "mean KL to the reference");
+const CLIP_FRACTION: Metric =
+    Metric::gauge("metronome_trainer_clip_fraction_ratio", "fraction of clipped token ratios")
+        .unit(MetricUnit::Ratio);
+const ENTROPY: Metric = Metric::gauge("metronome_trainer_entropy", "mean policy entropy");
+const GRAD_NORM: Metric = Metric::gauge("metronome_trainer_grad_norm", "gradient norm before clipping");
+const LEARNING_RATE: Metric = Metric::gauge("metronome_trainer_learning_rate", "learning rate of the step");
+const POLICY_VERSION: Metric =
+    Metric::gauge("metronome_trainer_policy_version", "version of the trainer's weights");
+
+/// Every metric a run emits (the scrape and dashboard tests hold the binary to it).
+pub const METRICS: &[Metric] = &[
+    PERIODS,
+    PERIOD_SECONDS,
+    GENERATION_BUSY,
+    TRAINING_BUSY,
+    GENERATION_UTILISATION,
+    TRAINING_UTILISATION,
+    PUBLICATION_SECONDS,
+    QUEUE_DEPTH,
+    STALENESS,
+    GROUPS,
+    DROPPED_STALE,
+    DUPLICATES,
+    REJECTED,
+    FILTERED,
+    REFUSED_STEPS,
+    GENERATED_TOKENS,
+    GENERATION_TOKENS_PER_SECOND,
+    TRAINING_TOKENS_PER_SECOND,
+    REWARD_MEAN,
+    ACCURACY,
+    LOSS,
+    KL,
+    CLIP_FRACTION,
+    ENTROPY,
+    GRAD_NORM,
+    LEARNING_RATE,
+    POLICY_VERSION,
 ];
 
-/// Registers help texts and units with the installed recorder.
-pub fn describe_metrics() {
-    for &(name, kind, help) in METRICS {
-        let unit = if name.ends_with("_seconds") { Some(Unit::Seconds) } else { None };
-        match (kind, unit) {
-            ("counter", _) => describe_counter!(name, help),
-            ("gauge", Some(u)) => describe_gauge!(name, u, help),
-            ("gauge", None) => describe_gauge!(name, help),
-            (_, Some(u)) => describe_histogram!(name, u, help),
-            (_, None) => describe_histogram!(name, help),
-        }
-    }
-}
+const CLAIMS_OFFERED: Metric =
+    Metric::counter("metronome_cluster_claims_offered_total", "prompt claims offered by the trainer");
+const CLAIMS_TAKEN: Metric =
+    Metric::counter("metronome_cluster_claims_taken_total", "claims taken by this worker");
+const CLAIMS_COMPLETED: Metric =
+    Metric::counter("metronome_cluster_claims_completed_total", "claims completed (group published)");
+const CLAIM_REDELIVERIES: Metric = Metric::counter(
+    "metronome_cluster_claim_redeliveries_total",
+    "claims taken again after a lease expired or a worker released them",
+);
+const CLAIMS_OBSOLETE: Metric =
+    Metric::counter("metronome_cluster_claims_obsolete_total", "claims for a period already stepped");
+const CLAIMS_RELEASED: Metric = Metric::counter(
+    "metronome_cluster_claims_released_total",
+    "claims given back by a worker leaving while it waited",
+);
+const CLAIMS_REJECTED: Metric = Metric::counter(
+    "metronome_cluster_claims_rejected_total",
+    "claims every worker failed on, published as rejected groups (transport.claims.max_deliveries)",
+);
+const WORKER_GROUPS: Metric =
+    Metric::counter("metronome_cluster_worker_groups_total", "groups published by this worker");
+const WORKER_TOKENS: Metric =
+    Metric::counter("metronome_cluster_worker_tokens_total", "tokens generated by this worker");
+const WEIGHT_FETCH: Metric = Metric::seconds(
+    "metronome_cluster_weight_fetch_seconds",
+    "time for a worker to fetch and install weights",
+);
+const TRAINER_RESUMES: Metric =
+    Metric::counter("metronome_cluster_trainer_resumes_total", "trainer restarts from a checkpoint");
+const PERIOD: Metric = Metric::gauge("metronome_cluster_period", "the period in progress");
+
+/// The metrics of the multi-process roles. They carry no labels of their own: the
+/// binary serves each process's with the global labels `role` and `worker`.
+pub const CLUSTER_METRICS: &[Metric] = &[
+    CLAIMS_OFFERED,
+    CLAIMS_TAKEN,
+    CLAIMS_COMPLETED,
+    CLAIM_REDELIVERIES,
+    CLAIMS_OBSOLETE,
+    CLAIMS_RELEASED,
+    CLAIMS_REJECTED,
+    WORKER_GROUPS,
+    WORKER_TOKENS,
+    WEIGHT_FETCH,
+    TRAINER_RESUMES,
+    PERIOD,
+];
 
 /// Emits one period's numbers.
 pub(crate) fn record_period(report: &PeriodReport) {
-    counter!("metronome_pipeline_periods_total").increment(1);
-    histogram!("metronome_pipeline_period_seconds").record(report.period_s);
-    histogram!("metronome_pipeline_generation_busy_seconds").record(report.generation_s);
-    histogram!("metronome_pipeline_training_busy_seconds").record(report.training_s);
-    histogram!("metronome_pipeline_weight_publication_seconds").record(report.publication_s);
+    counter!(PERIODS.name).increment(1);
+    histogram!(PERIOD_SECONDS.name).record(report.period_s);
+    histogram!(GENERATION_BUSY.name).record(report.generation_s);
+    histogram!(TRAINING_BUSY.name).record(report.training_s);
+    histogram!(PUBLICATION_SECONDS.name).record(report.publication_s);
     if report.period_s > 0.0 {
-        gauge!("metronome_pipeline_generation_utilisation_ratio").set(report.generation_s / report.period_s);
-        gauge!("metronome_pipeline_training_utilisation_ratio").set(report.training_s / report.period_s);
+        gauge!(GENERATION_UTILISATION.name).set(report.generation_s / report.period_s);
+        gauge!(TRAINING_UTILISATION.name).set(report.training_s / report.period_s);
     }
     for &s in &report.staleness {
-        histogram!("metronome_pipeline_staleness_versions").record(s as f64);
+        histogram!(STALENESS.name).record(s as f64);
     }
-    counter!("metronome_pipeline_groups_total").increment(report.groups as u64);
-    counter!("metronome_pipeline_stale_groups_dropped_total").increment(report.dropped_stale as u64);
-    counter!("metronome_pipeline_duplicate_groups_total").increment(report.duplicates as u64);
-    counter!("metronome_pipeline_rejected_groups_total").increment(report.rejected as u64);
-    counter!("metronome_pipeline_filtered_groups_total").increment(report.filtered as u64);
-    counter!("metronome_pipeline_refused_steps_total").increment(u64::from(!report.step.applied));
-    counter!("metronome_pipeline_generated_tokens_total").increment(report.generated_tokens);
+    counter!(GROUPS.name).increment(report.groups as u64);
+    counter!(DROPPED_STALE.name).increment(report.dropped_stale as u64);
+    counter!(DUPLICATES.name).increment(report.duplicates as u64);
+    counter!(REJECTED.name).increment(report.rejected as u64);
+    counter!(FILTERED.name).increment(report.filtered as u64);
+    counter!(REFUSED_STEPS.name).increment(u64::from(!report.step.applied));
+    counter!(GENERATED_TOKENS.name).increment(report.generated_tokens);
     if report.generation_s > 0.0 {
-        gauge!("metronome_pipeline_generation_tokens_per_second")
-            .set(report.generated_tokens as f64 / report.generation_s);
+        gauge!(GENERATION_TOKENS_PER_SECOND.name).set(report.generated_tokens as f64 / report.generation_s);
     }
     if report.training_s > 0.0 {
-        gauge!("metronome_pipeline_training_tokens_per_second")
-            .set(report.step.tokens as f64 / report.training_s);
+        gauge!(TRAINING_TOKENS_PER_SECOND.name).set(report.step.tokens as f64 / report.training_s);
     }
-    gauge!("metronome_pipeline_reward_mean").set(report.reward_mean);
+    gauge!(REWARD_MEAN.name).set(report.reward_mean);
     if let Some(acc) = report.accuracy {
-        gauge!("metronome_pipeline_accuracy_ratio").set(acc);
+        gauge!(ACCURACY.name).set(acc);
     }
     let step = &report.step;
-    gauge!("metronome_trainer_loss").set(step.loss);
-    gauge!("metronome_trainer_kl").set(step.kl);
-    gauge!("metronome_trainer_clip_fraction_ratio").set(step.clip_fraction);
-    gauge!("metronome_trainer_entropy").set(step.entropy);
-    gauge!("metronome_trainer_grad_norm").set(step.grad_norm);
-    gauge!("metronome_trainer_learning_rate").set(step.learning_rate);
-    gauge!("metronome_trainer_policy_version").set(step.version.0 as f64);
+    gauge!(LOSS.name).set(step.loss);
+    gauge!(KL.name).set(step.kl);
+    gauge!(CLIP_FRACTION.name).set(step.clip_fraction);
+    gauge!(ENTROPY.name).set(step.entropy);
+    gauge!(GRAD_NORM.name).set(step.grad_norm);
+    gauge!(LEARNING_RATE.name).set(step.learning_rate);
+    gauge!(POLICY_VERSION.name).set(step.version.0 as f64);
+}
+
+/// Groups received and not yet trained (a later period's, or the period's backlog).
+pub(crate) fn queue_depth(groups: usize) {
+    gauge!(QUEUE_DEPTH.name).set(groups as f64);
+}
+
+/// The multi-process trainer offered a period's claims.
+pub(crate) fn claims_offered(period: u64, claims: usize) {
+    gauge!(PERIOD.name).set(period as f64);
+    counter!(CLAIMS_OFFERED.name).increment(claims as u64);
+}
+
+/// The multi-process trainer resumed from a checkpoint.
+pub(crate) fn trainer_resumed() {
+    counter!(TRAINER_RESUMES.name).increment(1);
+}
+
+/// A worker took claims, `redelivered` of them held by another worker before.
+pub(crate) fn claims_taken(claims: usize, redelivered: u64) {
+    counter!(CLAIMS_TAKEN.name).increment(claims as u64);
+    counter!(CLAIM_REDELIVERIES.name).increment(redelivered);
+}
+
+/// A worker completed claims of a period already stepped, without generating.
+pub(crate) fn claims_obsolete(claims: usize) {
+    counter!(CLAIMS_OBSOLETE.name).increment(claims as u64);
+}
+
+/// A worker gave claims back as it left.
+pub(crate) fn claims_released(claims: usize) {
+    counter!(CLAIMS_RELEASED.name).increment(claims as u64);
+}
+
+/// A worker published a claim every worker failed on as a rejected group.
+pub(crate) fn claim_rejected() {
+    counter!(CLAIMS_REJECTED.name).increment(1);
+}
+
+/// A worker fetched and installed weights in `seconds`.
+pub(crate) fn weights_fetched(seconds: f64) {
+    histogram!(WEIGHT_FETCH.name).record(seconds);
+}
+
+/// A worker published a group of `tokens` tokens, completing its claim if it had one.
+pub(crate) fn group_published(tokens: u64, completed_claim: bool) {
+    if completed_claim {
+        counter!(CLAIMS_COMPLETED.name).increment(1);
+    }
+    counter!(WORKER_GROUPS.name).increment(1);
+    counter!(WORKER_TOKENS.name).increment(tokens);
 }

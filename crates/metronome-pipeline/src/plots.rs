@@ -32,7 +32,7 @@ pub(crate) fn reward_svg(reports: &[PeriodReport]) -> Drawn {
     // Accuracy lives in [0, 1]; rewards usually do too, but a shaped reward may not.
     let (lo, hi) = bounds(reward.iter().chain(&accuracy).map(|p| p.1), 0.0, 1.0);
     let series = [("reward mean", GENERATION, reward), ("accuracy", TRAINING, accuracy)];
-    lines_svg("Reward and accuracy per period", "reward / accuracy", reports, (lo, hi), &series)
+    lines_svg("Reward and accuracy per period", "reward / accuracy", period_range(reports), (lo, hi), &series)
 }
 
 /// Generation and training tokens per busy second, per period.
@@ -42,7 +42,16 @@ pub(crate) fn throughput_svg(reports: &[PeriodReport]) -> Drawn {
     let training = points(reports, |r| per_second(r.step.tokens, r.training_s));
     let (_, hi) = bounds(generation.iter().chain(&training).map(|p| p.1), 0.0, 1.0);
     let series = [("generation tokens/s", GENERATION, generation), ("training tokens/s", TRAINING, training)];
-    lines_svg("Throughput per period", "tokens per busy second", reports, (0.0, hi), &series)
+    lines_svg("Throughput per period", "tokens per busy second", period_range(reports), (0.0, hi), &series)
+}
+
+/// Held-out accuracy against the periods trained before it (0: after the warm start).
+pub(crate) fn heldout_svg(evals: &[(u64, f64)]) -> Drawn {
+    let points: Vec<(f64, f64)> =
+        evals.iter().filter(|e| e.1.is_finite()).map(|&(after, a)| (after as f64, a)).collect();
+    let last = evals.iter().map(|e| e.0).max().unwrap_or(0) as f64;
+    let series = [("held-out accuracy", TRAINING, points)];
+    lines_svg("Held-out accuracy", "accuracy after the period", (-0.5, last + 0.5), (0.0, 1.0), &series)
 }
 
 /// Periods as x and a finite y where `y` has one.
@@ -71,18 +80,12 @@ fn period_label(x: &f64) -> String {
 
 type Series = (&'static str, RGBColor, Vec<(f64, f64)>);
 
-fn lines_svg(
-    caption: &str,
-    y_desc: &str,
-    reports: &[PeriodReport],
-    y: (f64, f64),
-    series: &[Series],
-) -> Drawn {
+fn lines_svg(caption: &str, y_desc: &str, x: (f64, f64), y: (f64, f64), series: &[Series]) -> Drawn {
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
         root.fill(&WHITE).map_err(text)?;
-        let (x0, x1) = period_range(reports);
+        let (x0, x1) = x;
         let mut chart = ChartBuilder::on(&root)
             .caption(caption, ("sans-serif", 22))
             .margin(16)

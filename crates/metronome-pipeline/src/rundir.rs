@@ -92,6 +92,23 @@ impl RunDir {
         Ok(Self { path })
     }
 
+    /// An existing run directory (one holding `config.toml` or `metrics.jsonl`), to read.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the folder when it is not a run directory.
+    pub fn open(path: &Path) -> Result<Self> {
+        if !(path.join(CONFIG_FILE).is_file() || path.join(METRICS_FILE).is_file()) {
+            return Err(Error::Io {
+                path: path.to_owned(),
+                source: io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("is not a run directory: it holds neither {CONFIG_FILE} nor {METRICS_FILE}"),
+                ),
+            });
+        }
+        Ok(Self { path: path.to_owned() })
+    }
+
     /// The run's folder.
     #[must_use]
     pub fn path(&self) -> &Path {
@@ -320,7 +337,8 @@ mod tests {
         for bad in ["", "..", "a/b", "/abs", "."] {
             let err = RunDir::create(root.path(), bad).unwrap_err();
             assert!(matches!(err, Error::Io { .. }), "{bad:?}: {err}");
-            assert!(err.to_string().contains("plain folder name"), "{err}");
+            let chain = metronome_core::ErrorChain(&err).to_string();
+            assert!(chain.contains("plain folder name"), "{chain}");
         }
     }
 
@@ -336,7 +354,7 @@ mod tests {
 
         text.push('\n');
         fs::write(dir.metrics_path(), &text).unwrap();
-        let err = dir.read_periods().unwrap_err().to_string();
+        let err = metronome_core::ErrorChain(&dir.read_periods().unwrap_err()).to_string();
         assert!(err.contains("metrics.jsonl") && err.contains("line 2"), "{err}");
     }
 

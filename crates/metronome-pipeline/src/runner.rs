@@ -24,9 +24,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metronome_core::{
-    Acker, AdvantageEstimator, Cursor, Delivery, GroupKey, GroupReceiver, GroupScorer, GroupSender, NoAck,
-    PeriodId, PromptSource, RolloutEngine, ScoredGroup, StepReport, TrainBatch, Trainer, WeightPublisher,
-    WeightSnapshot, WeightSubscriber,
+    Acker, AdvantageEstimator, Cursor, Delivery, ErrorChain, GroupKey, GroupReceiver, GroupScorer,
+    GroupSender, NoAck, PeriodId, PromptSource, RolloutEngine, ScoredGroup, StepReport, TrainBatch, Trainer,
+    WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 
 use crate::checkpoint::{Checkpoints, RunState};
@@ -571,7 +571,7 @@ impl Driver {
             };
             let key = delivery.group.key();
             let waiting = backlog.len() + self.pending.values().map(Vec::len).sum::<usize>();
-            metrics::gauge!("metronome_pipeline_queue_depth_groups").set(waiting as f64);
+            crate::metrics::queue_depth(waiting);
             match self.admit(&mut delivery.group, period, &expected) {
                 Admission::Duplicate => {
                     report.duplicates += 1;
@@ -789,7 +789,9 @@ fn tokens(group: &ScoredGroup) -> u64 {
 /// into valid micro-batches (a poison message; checked before any is accumulated, so
 /// a group is trained whole or not at all).
 fn trainable(packer: &dyn Packer, group: &ScoredGroup) -> std::result::Result<Vec<TrainBatch>, String> {
-    let batches = packer.pack(std::slice::from_ref(group)).map_err(|e| format!("it does not pack: {e}"))?;
+    let batches = packer
+        .pack(std::slice::from_ref(group))
+        .map_err(|e| format!("it does not pack: {}", ErrorChain(&e)))?;
     for batch in &batches {
         batch.validate().map_err(|e| format!("it packs into an invalid micro-batch: {e}"))?;
     }

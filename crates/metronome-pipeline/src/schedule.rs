@@ -1,4 +1,4 @@
-//! The schedules a run can use (DESIGN.md §2).
+//! The schedules a run can use (docs/design.md §2).
 
 use std::fmt;
 use std::str::FromStr;

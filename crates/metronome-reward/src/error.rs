@@ -17,16 +17,16 @@ pub enum Error {
         reason: String,
     },
     /// The worker pool could not start its threads.
-    #[error("reward worker pool could not start a thread: {0}")]
+    #[error("reward worker pool could not start a thread")]
     Spawn(#[source] std::io::Error),
-    /// The remote scorer could not be built.
-    #[error("remote scorer at {url}: {source}")]
+    /// The remote scorer could not be built. The HTTP client's error ends the chain:
+    /// it is printed with its own sources, which hold the actual cause.
+    #[error("remote scorer at {url}: {}", metronome_core::ErrorChain(error))]
     Remote {
         /// The scorer's URL.
         url: String,
         /// The HTTP client's error.
-        #[source]
-        source: reqwest::Error,
+        error: reqwest::Error,
     },
 }
 

@@ -23,9 +23,9 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
-use metronome_core::{AdvantageEstimator, Group, GroupScorer, Reward, RewardFn, ScoredGroup};
+use metronome_core::{AdvantageEstimator, ErrorChain, Group, GroupScorer, Reward, RewardFn, ScoredGroup};
 
-use crate::{Error, Result, metric};
+use crate::{Error, Result, metrics};
 
 /// Configuration of [`WorkerPool`] and [`PoolScorer`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -304,7 +304,7 @@ fn work(shared: &Arc<Shared>) {
         if abandoned {
             // The watchdog counted this thread as stuck and possibly replaced it.
             state.stats.stuck -= 1;
-            metric::stuck_workers(state.stats.stuck);
+            metrics::stuck_workers(state.stats.stuck);
             if state.shutdown || state.stats.live >= shared.target {
                 return;
             }
@@ -346,12 +346,14 @@ fn watch(shared: &Arc<Shared>) {
             if state.stats.stuck <= shared.max_stuck {
                 match spawn_worker(shared, &mut state) {
                     Ok(()) => state.stats.replaced += 1,
-                    Err(e) => tracing::error!(error = %e, "reward pool could not replace a stuck worker"),
+                    Err(e) => {
+                        tracing::error!(error = %ErrorChain(&e), "reward pool could not replace a stuck worker");
+                    }
                 }
             } else {
                 tracing::warn!(stuck = state.stats.stuck, "reward pool past max_stuck_workers; it shrinks");
             }
-            metric::stuck_workers(state.stats.stuck);
+            metrics::stuck_workers(state.stats.stuck);
         }
         if state.stats.live == 0 {
             // Nobody will ever take these jobs: answer them now instead of hanging.
@@ -443,7 +445,7 @@ impl PoolScorer {
         let rewards: Vec<Reward> = outcomes.into_iter().map(|o| self.reward_of(o)).collect();
         // A stuck job still holds its clone of the group; copy it out in that case.
         let group = Arc::try_unwrap(group).unwrap_or_else(|shared| (*shared).clone());
-        metric::group_scored(rewards.len(), started.elapsed());
+        metrics::group_scored(rewards.len(), started.elapsed());
         ScoredGroup::new(group, rewards, self.estimator)
     }
 
@@ -474,7 +476,7 @@ impl PoolScorer {
             ),
         };
         if let Some(reason) = reason {
-            metric::failure(reason, 1);
+            metrics::failure(reason, 1);
         }
         reward
     }

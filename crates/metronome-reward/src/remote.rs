@@ -19,9 +19,11 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use metronome_core::{AdvantageEstimator, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64};
+use metronome_core::{
+    AdvantageEstimator, ErrorChain, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64,
+};
 
-use crate::{Error, Result, metric};
+use crate::{Error, Result, metrics};
 
 /// Configuration of [`RemoteScorer`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -90,7 +92,7 @@ impl RemoteConfig {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_millis(self.timeout_ms))
             .build()
-            .map_err(|source| Error::Remote { url: self.url.clone(), source })?;
+            .map_err(|error| Error::Remote { url: self.url.clone(), error })?;
         Ok(RemoteScorer {
             client,
             limit: Arc::new(Semaphore::new(self.max_concurrency)),
@@ -181,7 +183,7 @@ impl RemoteScorer {
         };
         let response = match self.client.post(&self.config.url).json(request).send().await {
             Ok(r) => r,
-            Err(e) => return Attempt::Retry(error_chain(&e)),
+            Err(e) => return Attempt::Retry(ErrorChain(&e).to_string()),
         };
         let status = response.status();
         if status.as_u16() == 429 || status.is_server_error() {
@@ -203,7 +205,7 @@ impl RemoteScorer {
                 }
                 Ok(Some(chunk)) => body.extend_from_slice(&chunk),
                 Ok(None) => break,
-                Err(e) => return Attempt::Retry(error_chain(&e)),
+                Err(e) => return Attempt::Retry(ErrorChain(&e).to_string()),
             }
         }
         let parsed: RemoteResponse = match serde_json::from_slice(&body) {
@@ -251,24 +253,13 @@ impl RemoteScorer {
                 }
                 Attempt::Retry(reason) => {
                     tracing::debug!(url = %self.config.url, %reason, retry, "retrying remote reward");
-                    metric::remote_retry();
+                    metrics::remote_retry();
                     tokio::time::sleep(self.backoff(retry, key)).await;
                     retry += 1;
                 }
             }
         }
     }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 #[async_trait]
@@ -279,7 +270,7 @@ impl GroupScorer for RemoteScorer {
         let rewards = match self.rewards(&group).await {
             Ok(rewards) => rewards,
             Err(reason) => {
-                metric::failure("remote", n as u64);
+                metrics::failure("remote", n as u64);
                 let reward = Reward::failed(
                     self.config.failure_score,
                     format!("remote scorer {}: {reason}", self.config.url),
@@ -287,7 +278,7 @@ impl GroupScorer for RemoteScorer {
                 vec![reward; n]
             }
         };
-        metric::group_scored(n, started.elapsed());
+        metrics::group_scored(n, started.elapsed());
         ScoredGroup::new(group, rewards, self.estimator)
     }
 }

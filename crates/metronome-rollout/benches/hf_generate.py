@@ -21,6 +21,8 @@ Needs `pip install torch transformers`. Not run by CI.
 """
 
 import argparse
+import json
+import pathlib
 import time
 
 import torch
@@ -39,22 +41,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=99,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    # `ModelConfig::tiny()`'s shape, as the model crate's PyTorch scripts build it.
+    shapes = pathlib.Path(__file__).resolve().parents[2] / "metronome-model" / "benches" / "llama_shapes.json"
+    shape = json.loads(shapes.read_text())["tiny"]
+    cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(cfg).eval()
     prompt_len = 12
     print(f"torch {torch.__version__}, threads {args.threads}")

@@ -312,17 +312,7 @@ criterion_group!(benches, fixed_length, long_tail);
 /// fresh pages in the kernel (about 4% of a 64-slot run, measured). mimalloc reads its
 /// options at start-up, and setting one in-process needs `unsafe`.
 fn reexec_with_allocator_env() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
-        return;
-    }
-    let Ok(exe) = std::env::current_exe() else { return };
-    let status = std::process::Command::new(exe)
-        .args(std::env::args_os().skip(1))
-        .env("MIMALLOC_PURGE_DELAY", "-1")
-        .status();
-    if let Ok(status) = status {
-        std::process::exit(status.code().unwrap_or(1));
-    }
+    metronome_testkit::bench::rerun_with_env("MIMALLOC_PURGE_DELAY", "-1");
 }
 
 fn main() {

@@ -42,8 +42,8 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use metronome_core::{
-    Completion, FinishReason, Group, GroupSink, GroupTiming, PeriodId, PolicyVersion, Prompt, RolloutEngine,
-    RolloutRequest, RunSeed, TokenId, Tokenizer, WeightSnapshot, sample_seed,
+    Completion, ErrorChain, FinishReason, Group, GroupSink, GroupTiming, PeriodId, PolicyVersion, Prompt,
+    RolloutEngine, RolloutRequest, RunSeed, TokenId, Tokenizer, WeightSnapshot, sample_seed,
 };
 use tokio::sync::mpsc;
 
@@ -384,7 +384,7 @@ impl<M: InferenceModel> Engine<M> {
                     q.pending.push_back(Job { request: Arc::clone(&request), prompt, sample_index });
                 }
             }
-            metrics::gauge!("metronome_rollout_queue_depth").set(q.pending.len() as f64);
+            crate::metrics::queue_depth(q.pending.len());
         }
         self.shared.wake.notify_all();
         // Keep the prompts for the groups; the workers hold the request itself. When
@@ -411,8 +411,7 @@ impl<M: InferenceModel> Engine<M> {
                         remaining -= 1;
                         let finished_s = start.elapsed().as_secs_f64();
                         let started_s = g.started_s.unwrap_or(finished_s);
-                        metrics::histogram!("metronome_rollout_group_duration_seconds")
-                            .record(finished_s - started_s);
+                        crate::metrics::group_done(finished_s - started_s);
                         let group = Group {
                             period: sub.period,
                             prompt: request_prompts[prompt].clone(),
@@ -462,7 +461,7 @@ impl<M: InferenceModel> RolloutEngine for Engine<M> {
                 Ok(()) => prompts.push(prompt),
                 Err(e) => {
                     tracing::warn!(period = request.period.0, error = %e, "rejected a prompt");
-                    metrics::counter!("metronome_rollout_prompts_rejected_total").increment(1);
+                    crate::metrics::prompt_rejected();
                     sink.emit(Group::rejected(request.period, prompt, request.group_size, version)).await?;
                 }
             }
@@ -607,7 +606,7 @@ impl<M: InferenceModel> Worker<M> {
             sampler: Sampler::new(),
             max_seq_len,
             unflushed_tokens: 0,
-            tokens_total: metrics::counter!("metronome_rollout_generated_tokens_total", "worker" => index.to_string()),
+            tokens_total: crate::metrics::generated_tokens(index),
         }
     }
 
@@ -620,7 +619,7 @@ impl<M: InferenceModel> Worker<M> {
     }
 
     fn run(mut self) {
-        let active_gauge = metrics::gauge!("metronome_rollout_active_slots", "worker" => self.label.clone());
+        let active_gauge = crate::metrics::active_slots(&self.label);
         while let Some(jobs) = self.admit() {
             self.start(jobs);
             self.step();
@@ -672,7 +671,7 @@ impl<M: InferenceModel> Worker<M> {
                 }
             }
             if !jobs.is_empty() {
-                metrics::gauge!("metronome_rollout_queue_depth").set(q.pending.len() as f64);
+                crate::metrics::queue_depth(q.pending.len());
             }
         }
         Some(jobs)
@@ -794,7 +793,7 @@ impl<M: InferenceModel> Worker<M> {
                     &batch,
                     &format!("decode step returned {} rows for {} slots", rows.len(), batch.len()),
                 ),
-                Err(e) => self.fail_batch(&batch, &e.to_string()),
+                Err(e) => self.fail_batch(&batch, &ErrorChain(&e).to_string()),
             }
         }
     }

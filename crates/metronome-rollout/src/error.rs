@@ -26,7 +26,7 @@ pub enum Error {
     #[error("model: {0}")]
     Model(String),
     /// A tokenizer failed to decode generated tokens.
-    #[error("tokenizer: {0}")]
+    #[error("tokenizer")]
     Tokenizer(#[from] metronome_core::Error),
     /// The engine was shut down, or the request was cancelled, while work was pending.
     #[error("engine is shut down")]
@@ -56,7 +56,7 @@ pub enum Error {
         reason: String,
     },
     /// Reading or writing a file failed.
-    #[error("{path}: {source}")]
+    #[error("cannot read or write {path}")]
     Io {
         /// The file.
         path: String,
@@ -72,9 +72,9 @@ impl Error {
         Self::Config { field, reason: reason.into() }
     }
 
-    /// An [`Error::Model`] from any displayable model error.
-    pub(crate) fn model(e: impl std::fmt::Display) -> Self {
-        Self::Model(e.to_string())
+    /// An [`Error::Model`] from a model error (with its sources) or a message.
+    pub(crate) fn model(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Model(metronome_core::ErrorChain(&*e.into()).to_string())
     }
 }
 

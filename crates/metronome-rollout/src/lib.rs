@@ -15,22 +15,11 @@
 //!     discarded, until the batch ends;
 //!   - [`Batching::Static`] is a stronger, row-skipping baseline: finished rows leave
 //!     the forward, so a batch's tail costs only its live rows.
-//!
-//!   Measured with `benches/rollout.rs` (one thread, 16 slots, 64 responses of
-//!   long-tailed length, a frozen copy of the tiny model; three runs, medians of nine
-//!   paired rounds each): continuous batching is 2.75-2.81x padded static (the issue's
-//!   1.5x target's baseline; no round below 2.67x) and 1.24-1.27x row-skipping static.
-//!   With a decode step of about 48 us fixed plus 17 us per row, skipping finished rows
-//!   recovers most of what padding wastes; what is left is the fixed cost of the
-//!   600 steps static batching runs against continuous batching's 252.
 //! - **Give it a frozen model** (`Model::frozen_copy`, or `Model::from_snapshot` with
 //!   `trainable == false`, as [`SnapshotLoader`] builds them): a frozen model decodes
 //!   from its own decode-layout copy of the linear layers with a batch-invariant SIMD
-//!   kernel that needs no padding rows. Measured with `benches/rollout.rs` on the tiny
-//!   model, one thread each side: about 6x the tokens/s of a shared training model at
-//!   one slot and 1.1-1.2x at 64 slots; against Hugging Face `transformers` `generate`,
-//!   2.5-2.75x at 64 slots (medians of paired rounds in three runs, no round below
-//!   2.29x) and 5-6x at 16.
+//!   kernel that needs no padding rows, several times faster at few slots. What each
+//!   mode costs is in the README's benchmark section (`benches/rollout.rs`).
 //! - **Reproducible sampling** ([`sampling`]): temperature, top-k, top-p, min-p,
 //!   repetition penalty, greedy at temperature 0, stop tokens and stop strings. A
 //!   response's seed is `metronome_core::sample_seed(run, version, prompt,
@@ -49,14 +38,10 @@
 //!   [`RolloutEngine`](metronome_core::RolloutEngine) that drives any such server
 //!   (vLLM, SGLang, or ours) with timeouts, retries and a concurrency limit, and
 //!   updates its weights through a pluggable [`http::WeightUpdateHook`].
-//! - **Metrics** through the `metrics` facade, labelled by worker:
-//!   `metronome_rollout_active_slots`, `metronome_rollout_queue_depth`,
-//!   `metronome_rollout_generated_tokens_total`,
-//!   `metronome_rollout_group_duration_seconds`, and (engine-wide)
-//!   `metronome_rollout_prompts_rejected_total`: prompts that
+//! - **Metrics** through the `metrics` facade, every one in [`METRICS`] (slots and
+//!   tokens labelled by worker; rejected prompts are those
 //!   [`RolloutEngine::generate`](metronome_core::RolloutEngine::generate) turned into
-//!   rejected groups (empty, or too long for `max_seq_len`); [`Engine::worker_stats`]
-//!   gives the same counters in process.
+//!   rejected groups); [`Engine::worker_stats`] gives the same counters in process.
 //!
 //! # What it is not
 //! It does not score, pack or train: groups go to a [`GroupSink`](metronome_core::GroupSink)
@@ -74,6 +59,7 @@ mod engine;
 mod error;
 #[cfg(feature = "http")]
 pub mod http;
+mod metrics;
 pub mod sampling;
 mod stop;
 
@@ -81,6 +67,7 @@ pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
 pub use config::{Batching, EngineConfig};
 pub use engine::{CollectSink, Engine, Submission, WorkerStats};
 pub use error::{Error, Result};
+pub use metrics::METRICS;
 pub use sampling::{Sampled, Sampler, SamplingConfig, TokenRng};
 pub use stop::StopConditions;
 

@@ -24,15 +24,23 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use metronome_core::TrainBatch;
 use metronome_model::{Device, LoraConfig, Model, ModelConfig};
+use metronome_testkit::BatchBuilder;
 use metronome_trainer::TrainerConfig;
 use serde::{Deserialize, Serialize};
 
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-mod common;
-use common::micro_batch;
+/// One group, as the trainer bench's first: a 48-token prompt and G = 4 responses of
+/// 16..31 tokens in the shared-prompt layout, advantages ±1.
+fn one_group() -> TrainBatch {
+    let prompt: Vec<u32> = (0..48).map(|i| 3 + (i * 7) % 90).collect();
+    let responses: Vec<Vec<u32>> =
+        (0..4u32).map(|r| (0..16 + 5 * r).map(|j| 3 + (j * 13 + r * 7) % 90).collect()).collect();
+    BatchBuilder::new().shared_prompt(0, &prompt, &responses, &[1.0, -1.0, 1.0, -1.0]).build()
+}
 
 /// Set in a child process: the JSON of the [`Job`] to run.
 const JOB_ENV: &str = "METRONOME_LORA_BENCH_JOB";
@@ -91,7 +99,7 @@ fn run_job(job: &Job) -> Result<Measured> {
     };
     // Adapters are new memory; full fine-tuning trains weights that exist anyway.
     let state_bytes = trainable * (8 + 4 + 4 + if job.lora.is_some() { 4 } else { 0 });
-    let batch = micro_batch(0, 1, true);
+    let batch = one_group();
     let (mut step, mut forward, mut backward, mut optimizer) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..=job.steps {

@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use metronome_model::{Device, Model, ModelConfig};
+use metronome_testkit::BatchBuilder;
 use metronome_trainer::loss::{LossInputs, grpo_loss};
 use metronome_trainer::optim::{AdamW, GradAccumulator, clip_grad_norm};
 use metronome_trainer::{GrpoTrainer, TrainerConfig};
@@ -38,8 +39,31 @@ use metronome_trainer::{GrpoTrainer, TrainerConfig};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-mod common;
-use common::micro_batch;
+const G: u32 = 4;
+const PROMPT: u32 = 48;
+
+fn response(g: u32, r: u32) -> Vec<u32> {
+    (0..16 + (r * 5 + g) % 17).map(|j| 3 + (j * 13 + r * 7 + g * 17) % 90).collect()
+}
+
+fn prompt(g: u32) -> Vec<u32> {
+    (0..PROMPT).map(|i| 3 + (i * 7 + g * 11) % 90).collect()
+}
+
+/// `groups` groups from `first` on, each a shared-prompt tree in one row or one row
+/// per response; advantages ±1.
+fn micro_batch(first: u32, groups: u32, shared: bool) -> TrainBatch {
+    let advantages: Vec<f32> = (0..G).map(|r| if r % 2 == 0 { 1.0 } else { -1.0 }).collect();
+    let add = |b: BatchBuilder, g: u32| {
+        let responses: Vec<Vec<u32>> = (0..G).map(|r| response(g, r)).collect();
+        if shared {
+            b.shared_prompt(u64::from(g), &prompt(g), &responses, &advantages)
+        } else {
+            b.separate_rows(u64::from(g), &prompt(g), &responses, &advantages)
+        }
+    };
+    (first..first + groups).fold(BatchBuilder::new(), add).build()
+}
 
 fn trainer() -> GrpoTrainer {
     let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).expect("tiny model");

@@ -4,67 +4,28 @@
 //! ```text
 //! cargo run -p metronome-trainer --example grpo_step
 //! ```
-//! In a run, `metronome-masking` packs scored groups into the [`TrainBatch`] built by
-//! hand below, and `metronome-pipeline` drives the trainer through the async
+//! In a run, `metronome-masking` packs scored groups into the [`TrainBatch`] made
+//! below with the test kit's `BatchBuilder`, and `metronome-pipeline` drives the trainer through the async
 //! `metronome_core::Trainer` trait; the synchronous methods used here are the same code.
 
-use metronome_core::{
-    GroupKey, PackedRow, PeriodId, PolicyVersion, PromptId, Segment, TrainBatch, TrainGroup, TrainSequence,
-};
+use metronome_core::{PolicyVersion, TrainBatch};
 use metronome_model::{Device, Model, ModelConfig};
+use metronome_testkit::BatchBuilder;
 use metronome_trainer::{GrpoTrainer, TrainerConfig, schedule::LrSchedule};
 
 /// One group in the shared-prompt layout: the prompt once (positions `0..P`), then
 /// each response as a child segment whose positions restart at `P`. Target `j` of a
 /// response is predicted at the position before it; the last prompt position predicts
-/// every response's first token.
+/// every response's first token. The behaviour log-probs are what the rollout engine
+/// recorded; with one step per period the trainer uses its own stop-gradient
+/// log-probs as the old policy instead.
 fn group_batch(
     prompt: &[u32],
     responses: &[&[u32]],
     advantages: &[f32],
     version: PolicyVersion,
-) -> anyhow::Result<TrainBatch> {
-    let p = prompt.len() as u32;
-    let mut row = PackedRow {
-        tokens: prompt.to_vec(),
-        positions: (0..p).collect(),
-        segments: vec![Segment { start: 0, len: p, parent: None }],
-    };
-    let mut batch = TrainBatch::default();
-    for (i, (resp, &adv)) in responses.iter().zip(advantages).enumerate() {
-        let start = row.tokens.len() as u32;
-        row.tokens.extend_from_slice(resp);
-        row.positions.extend((0..resp.len() as u32).map(|j| p + j));
-        row.segments.push(Segment { start, len: resp.len() as u32, parent: Some(0) });
-        for (j, &tok) in resp.iter().enumerate() {
-            let t = &mut batch.targets;
-            t.row.push(0);
-            t.position.push(if j == 0 { p - 1 } else { start + j as u32 - 1 });
-            t.token.push(tok);
-            t.sequence.push(i as u32);
-            t.advantage.push(adv);
-            // What the rollout engine recorded; with one step per period the trainer
-            // uses its own stop-gradient log-probs as the old policy instead.
-            t.behaviour_logprob.push(-4.6);
-        }
-        batch.sequences.push(TrainSequence {
-            group: 0,
-            sample_index: i as u32,
-            version,
-            advantage: adv,
-            num_targets: resp.len() as u32,
-        });
-    }
-    batch.rows.push(row);
-    batch.groups.push(TrainGroup {
-        key: GroupKey { period: PeriodId(0), prompt: PromptId(0) },
-        num_sequences: responses.len() as u32,
-        group_size: responses.len() as u32,
-        all_equal: false,
-        reward_mean: 0.5,
-    });
-    batch.validate()?;
-    Ok(batch)
+) -> TrainBatch {
+    BatchBuilder::new().version(version).shared_prompt(0, prompt, responses, advantages).build()
 }
 
 /// Summed log-probability of each response under `model`.
@@ -90,7 +51,7 @@ fn main() -> anyhow::Result<()> {
     let (prompt, responses): (&[u32], &[&[u32]]) =
         (&[20, 21, 22, 23], &[&[30, 31, 32], &[40, 41, 42], &[50, 51], &[60, 61]]);
     let advantages = [1.0, -1.0, 1.0, -1.0];
-    let batch = group_batch(prompt, responses, &advantages, trainer.version())?;
+    let batch = group_batch(prompt, responses, &advantages, trainer.version());
     let before = response_logprobs(trainer.policy(), &batch)?;
 
     for _ in 0..3 {
@@ -98,7 +59,7 @@ fn main() -> anyhow::Result<()> {
         // take exactly one optimiser step: the period boundary.
         // Every sample carries the policy version that generated it; on-policy
         // training needs it to equal the trainer's (stale samples need `loss.tis_cap`).
-        let batch = group_batch(prompt, responses, &advantages, trainer.version())?;
+        let batch = group_batch(prompt, responses, &advantages, trainer.version());
         let acc = trainer.accumulate_sync(&batch)?;
         // The loss prints as ~0: at ratio 1 the surrogate is minus the mean advantage,
         // zero for a group-normalised group, while its gradient is not.

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum TrainerError {
     /// A tensor operation failed (shape mismatch, device, dtype).
-    #[error("tensor operation failed: {0}")]
+    #[error("tensor operation failed")]
     Tensor(#[from] candle_core::Error),
     /// A configuration value is out of range; `key` is its dotted path.
     #[error("config key `{key}` {reason}")]

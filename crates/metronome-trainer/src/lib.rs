@@ -15,7 +15,7 @@
 //! [`GrpoTrainer::accumulate_sync`] runs forward, loss and backward on one packed
 //! micro-batch (`metronome_core::TrainBatch`) and adds the gradient;
 //! [`GrpoTrainer::step_sync`] applies the whole-batch normaliser as a scale on the
-//! accumulated gradient (DESIGN.md §4), the non-finite guard, gradient-norm clipping
+//! accumulated gradient (docs/design.md §4), the non-finite guard, gradient-norm clipping
 //! and one AdamW update. Gradients are summed in f64 per parameter, so the period's
 //! groups may arrive in completion order and still give the weights of a synchronous
 //! run.
@@ -48,27 +48,26 @@
 //!   written mid-period: the accumulated gradient (f64 sums) and the step's counts go
 //!   with it, so groups already accumulated may be acknowledged and are never lost.
 //! - Compute runs on the trainer's own rayon pool (`TrainerConfig::threads`), so the
-//!   pipeline can give training and generation separate cores (DESIGN.md §6).
+//!   pipeline can give training and generation separate cores (docs/design.md §6).
 //!
 //! It does not pack groups into rows (`metronome-masking` does), score or normalise
 //! rewards (`metronome-reward`, `metronome-core`), or move weights
 //! (`metronome-transport`); `metronome-pipeline` wires it to them and checks that the
 //! sampling settings give behaviour log-probs the trainer can match.
 //!
-//! Metrics: `metronome_trainer_steps_total`, `metronome_trainer_skipped_steps_total`,
-//! `metronome_trainer_tokens_total`, `metronome_trainer_zero_advantage_groups_total`,
-//! and histograms `metronome_trainer_accumulate_seconds` and
-//! `metronome_trainer_step_seconds`. Per-step values (loss, KL, clip fraction, …) are
-//! returned in `metronome_core::StepReport`; whoever drives the trainer (the pipeline)
-//! records them as gauges, so each gauge has one writer.
+//! Metrics: every one it emits is in [`METRICS`]. Per-step values (loss, KL, clip
+//! fraction, …) are returned in `metronome_core::StepReport`; whoever drives the
+//! trainer (the pipeline) records them as gauges, so each gauge has one writer.
 
 mod config;
 mod error;
 pub mod loss;
+mod metrics;
 pub mod optim;
 pub mod schedule;
 mod trainer;
 
 pub use config::TrainerConfig;
 pub use error::{Result, TrainerError};
+pub use metrics::METRICS;
 pub use trainer::{GrpoTrainer, PhaseTimes, SftExample, sft_batch};

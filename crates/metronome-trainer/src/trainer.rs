@@ -490,7 +490,7 @@ impl GrpoTrainer {
         // One layout of the micro-batch for both forwards, and one scheduling of them:
         // the two are independent until the loss, so on a pool of two or more threads
         // they run side by side (whole forwards in parallel keep the cores busier than
-        // splitting each small op across them, DESIGN.md §6); on one thread they run
+        // splitting each small op across them, docs/design.md §6); on one thread they run
         // in turn. The reference builds no graph (it is frozen).
         let batch = self.policy.prepare_batch(rows, &p.targets)?;
         let temperature = self.temperature;
@@ -556,11 +556,9 @@ impl GrpoTrainer {
         let start = Instant::now();
         let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
         self.mode = Some(Mode::Rl);
-        metrics::histogram!("metronome_trainer_accumulate_seconds").record(start.elapsed().as_secs_f64());
         self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
         self.sums.add(&sums);
-        metrics::counter!("metronome_trainer_tokens_total").increment(sums.tokens);
-        metrics::counter!("metronome_trainer_zero_advantage_groups_total").increment(sums.zero_groups);
+        crate::metrics::accumulated(start.elapsed(), sums.tokens, sums.zero_groups);
         Ok(AccumulateReport { tokens: sums.tokens, loss_sum: sums.loss })
     }
 
@@ -620,8 +618,7 @@ impl GrpoTrainer {
         self.seen_groups.clear();
         self.version = self.version.next();
         let report = StepReport { version: self.version, ..report };
-        metrics::counter!("metronome_trainer_steps_total").increment(1);
-        metrics::histogram!("metronome_trainer_step_seconds").record(start.elapsed().as_secs_f64());
+        crate::metrics::stepped(start.elapsed());
         Ok(report)
     }
 
@@ -660,7 +657,7 @@ impl GrpoTrainer {
             if !norm.is_finite() || !report.loss.is_finite() {
                 report.applied = false;
                 self.skipped_steps += 1;
-                metrics::counter!("metronome_trainer_skipped_steps_total").increment(1);
+                crate::metrics::step_refused();
                 return Ok(());
             }
             if let Some(max) = self.cfg.max_grad_norm {

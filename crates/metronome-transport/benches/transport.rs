@@ -16,7 +16,7 @@
 //! - `groups/*` (criterion): small groups (G = 4, 32 tokens) sent, received and
 //!   acknowledged, in process and over NATS.
 //!
-//! Starts its own `nats-server` (`metronome_transport::server`).
+//! Starts its own `nats-server` (`metronome_testkit::server`).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
+use metronome_testkit::data::{scored_group, snapshot_of_bytes};
+use metronome_testkit::server;
 use metronome_transport::nats::{NatsConfig, NatsTransport, Storage};
-use metronome_transport::server;
-use metronome_transport::testdata::{scored_group, snapshot_of_bytes};
 use metronome_transport::wire::{WeightsDecoder, decode_weights, encode_weights, encode_weights_chunks};
 
 const SNAPSHOT_BYTES: usize = 100 << 20;

@@ -14,8 +14,8 @@ use anyhow::Context;
 use metronome_core::{
     HostTensor, PolicyVersion, TensorData, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
+use metronome_testkit::server::NatsServer;
 use metronome_transport::nats::{NatsConfig, NatsTransport};
-use metronome_transport::server::NatsServer;
 
 /// Weights as the trainer's `snapshot()` returns them: named host tensors.
 fn snapshot(version: u64) -> WeightSnapshot {

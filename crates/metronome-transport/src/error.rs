@@ -126,14 +126,15 @@ pub enum Error {
     /// The other side went away.
     #[error("{0} is closed")]
     Closed(&'static str),
-    /// A NATS operation failed.
-    #[error("nats {op} failed: {source}")]
+    /// A NATS operation failed. The client's error ends the chain: it is printed
+    /// with its own sources (`authorization violation`, `connection refused`), since
+    /// retry loops, dead letters and the binary show this error on one line.
+    #[error("nats {op} failed: {}", metronome_core::ErrorChain(&**error))]
     Nats {
         /// The operation (`connect`, `publish group`, `fetch weights` ...).
         op: &'static str,
         /// The client's error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+        error: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
 }
 
@@ -174,7 +175,7 @@ impl Error {
 
     #[cfg(feature = "nats")]
     pub(crate) fn nats(op: &'static str, source: impl std::error::Error + Send + Sync + 'static) -> Self {
-        Self::Nats { op, source: Box::new(source) }
+        Self::Nats { op, error: Box::new(source) }
     }
 }
 

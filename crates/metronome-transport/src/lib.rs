@@ -22,9 +22,9 @@
 //! a dead worker's claims go to another worker when the lease expires.
 //!
 //! Both count a group once per (period, prompt) key, keep [`Stats`] and emit the
-//! `metronome_transport_*` metrics listed in [`stats`]. The [`wire`] module defines
-//! the versioned binary formats, and [`conformance`] is the test suite both
-//! transports pass and any future transport should.
+//! metrics of [`METRICS`]. The [`wire`] module defines the versioned binary formats.
+//! Both transports pass the transport suite of `metronome-testkit`
+//! (`tests/it/conformance.rs`), as any future transport should.
 //!
 //! Both features are on by default, so `cargo test -p metronome-transport` runs the
 //! NATS tests; they start a real `nats-server` (JetStream, loopback, free port) and
@@ -40,48 +40,32 @@
 //! allocates nothing (the page faults of fresh memory cost as much as the copy).
 //! Old versions are deleted while the new one uploads.
 //!
-//! What the weight path costs, measured (`cargo bench -p metronome-transport --
-//! side_by_side`, 100 MB, loopback, 2 shared cores, wall time over one plain TCP
-//! transfer of the same bytes into fresh memory, medians of 7 interleaved rounds):
-//! with the defaults (memory storage, no object store digest, streaming) a
-//! subscriber waiting for the version has it 1.47 to 1.99 times the TCP transfer
-//! after the publication starts (ten runs at load average 1.0 to 2.1), one that
-//! starts waiting only once the upload began (a cluster worker taking a claim
-//! offered during the upload) 1.63 to 2.10 times (four runs), publish then fetch
-//! took 1.9 to 2.4 times; with file storage and the SHA-256 digest 3.0 to 3.7 times
-//! either way. The floor is the broker: the bytes cross two sockets and the
-//! server copies them into its store and out again, about 2.5 times the CPU of the
-//! TCP transfer, so on 2 cores the path is CPU-bound and the overlap of publish and
-//! fetch (`weights.streaming`: the publisher announces a version before its chunks
-//! upload, a subscriber inside `wait_for` decodes the chunks as they arrive, with a
-//! stall timeout and a size and checksum check, falling back to the newest complete
-//! version) is what brings it under 2. Under heavier load (load average near 3) the
-//! same configuration measured 2.35 to 2.48 times. The server's file store costs
-//! about 100 ms of CPU more per 100 MB than its memory store, the digest 60 ms;
-//! chunks of 32 KiB, 256 KiB or 4 MiB were all slower than the default 1 MiB.
+//! What the weight path costs against a plain TCP transfer of the same bytes is in
+//! the README's benchmark section (`cargo bench -p metronome-transport --
+//! side_by_side`) and `docs/measurements.md`.
 //!
 //! This crate does not decide *when* to send: schedules, staleness limits and the
 //! period loop belong to `metronome-pipeline`. It does not know tensors either:
 //! snapshots are `metronome-core` host data produced by `metronome-trainer` and
 //! installed by `metronome-rollout`. Its only Metronome dependency is `metronome-core`.
 
-#[cfg(feature = "nats")]
-pub mod claims;
-pub mod conformance;
 #[cfg(any(feature = "local", feature = "nats"))]
 mod dedup;
 mod error;
 #[cfg(feature = "local")]
 pub mod local;
+mod metrics;
 #[cfg(feature = "nats")]
 pub mod nats;
+/// The prompt claim queue, a part of the NATS transport kept at its own path.
 #[cfg(feature = "nats")]
-pub mod server;
+pub use nats::claims;
 pub mod stats;
-pub mod testdata;
 pub mod wire;
 
 pub use error::{Error, Result};
-// The control traits are part of the stage contract; re-exported where they were.
+pub use metrics::METRICS;
+/// The control traits, at their old path: they are part of the contract in
+/// `metronome-core` now, so that a third-party transport depends on it alone.
 pub use metronome_core::{ControlReceiver, ControlSender};
 pub use stats::Stats;

@@ -1,22 +1,5 @@
-//! Counters every transport keeps: emitted through the `metrics` facade and kept in
-//! memory so that callers (and tests) can read them without a recorder.
-//!
-//! Metric names (labels: `transport` = `local`|`nats`, `kind` = `group`|`weights`|`control`,
-//! `reason` = [`crate::Error::reason`]; all bounded):
-//! - `metronome_transport_messages_sent_total`, `metronome_transport_bytes_sent_total`
-//! - `metronome_transport_messages_received_total`, `metronome_transport_bytes_received_total`
-//! - `metronome_transport_redeliveries_total`: deliveries the server marked as repeated
-//! - `metronome_transport_duplicates_total`: groups dropped because their key was already seen
-//! - `metronome_transport_rejected_total`: malformed or oversized messages, by reason
-//! - `metronome_transport_dead_letters_total`: poison messages kept on the NATS
-//!   dead-letter stream, by kind (`group`, `claim`)
-//! - `metronome_transport_publish_latency_seconds`: send until the transport confirmed it
-//! - `metronome_transport_weight_fetch_seconds`: fetching and decoding one snapshot
-//!
-//! The NATS weight path adds `metronome_transport_weights_streamed_fetches_total`
-//! (versions decoded while they uploaded) and
-//! `metronome_transport_weights_restored_total` (versions uploaded again after a
-//! restarted server had lost them).
+//! Counters every transport keeps: emitted as the metrics of [`crate::METRICS`] and
+//! kept in memory so that callers (and tests) can read them without a recorder.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -90,32 +73,24 @@ impl Counters {
     pub(crate) fn sent(&self, bytes: usize, latency: Duration) {
         self.messages_sent.fetch_add(1, Ordering::Relaxed);
         self.bytes_sent.fetch_add(bytes as u64, Ordering::Relaxed);
-        let labels = [("transport", self.transport), ("kind", self.kind)];
-        metrics::counter!("metronome_transport_messages_sent_total", &labels).increment(1);
-        metrics::counter!("metronome_transport_bytes_sent_total", &labels).increment(bytes as u64);
-        metrics::histogram!("metronome_transport_publish_latency_seconds", &labels)
-            .record(latency.as_secs_f64());
+        crate::metrics::sent(self.transport, self.kind, bytes, latency);
     }
 
     pub(crate) fn received(&self, bytes: usize) {
         self.messages_received.fetch_add(1, Ordering::Relaxed);
         self.bytes_received.fetch_add(bytes as u64, Ordering::Relaxed);
-        let labels = [("transport", self.transport), ("kind", self.kind)];
-        metrics::counter!("metronome_transport_messages_received_total", &labels).increment(1);
-        metrics::counter!("metronome_transport_bytes_received_total", &labels).increment(bytes as u64);
+        crate::metrics::received(self.transport, self.kind, bytes);
     }
 
     #[cfg_attr(not(feature = "nats"), allow(dead_code, reason = "only the NATS transport redelivers"))]
     pub(crate) fn redelivered(&self) {
         self.redeliveries.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("metronome_transport_redeliveries_total", "transport" => self.transport, "kind" => self.kind)
-            .increment(1);
+        crate::metrics::redelivered(self.transport, self.kind);
     }
 
     pub(crate) fn duplicate(&self) {
         self.duplicates.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("metronome_transport_duplicates_total", "transport" => self.transport, "kind" => self.kind)
-            .increment(1);
+        crate::metrics::duplicate(self.transport, self.kind);
     }
 
     #[cfg_attr(not(feature = "nats"), allow(dead_code, reason = "the in-process transport never decodes"))]
@@ -126,17 +101,12 @@ impl Counters {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .entry(reason)
             .or_default() += 1;
-        metrics::counter!(
-            "metronome_transport_rejected_total",
-            "transport" => self.transport, "kind" => self.kind, "reason" => reason
-        )
-        .increment(1);
+        crate::metrics::rejected(self.transport, self.kind, reason);
     }
 
     #[cfg_attr(not(feature = "nats"), allow(dead_code, reason = "only the NATS transport fetches"))]
     pub(crate) fn fetched(&self, elapsed: Duration) {
-        metrics::histogram!("metronome_transport_weight_fetch_seconds", "transport" => self.transport)
-            .record(elapsed.as_secs_f64());
+        crate::metrics::weights_fetched(self.transport, elapsed);
     }
 
     pub(crate) fn snapshot(&self) -> Stats {

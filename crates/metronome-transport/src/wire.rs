@@ -947,7 +947,7 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testdata::{scored_group, snapshot};
+    use metronome_testkit::data::{scored_group, snapshot};
 
     #[test]
     fn group_round_trips_bit_exactly() {

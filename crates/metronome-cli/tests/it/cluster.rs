@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metronome_pipeline::cluster::WorkerOutcome;
-use metronome_transport::server::{NatsServer, free_port};
+use metronome_testkit::server::{NatsServer, free_port};
 use serde_json::Value;
 
 /// How long any one step may take before the test gives up (a hang, not a timing).
@@ -509,7 +509,7 @@ fn a_poison_group_is_dead_lettered_and_the_run_ends_with_the_same_weights() {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
         let t = metronome_transport::nats::NatsTransport::connect(run_transport(&server)).await.unwrap();
-        let poison = metronome_transport::testdata::scored_group(periods - 1, 999_999, 4, 3);
+        let poison = metronome_testkit::data::scored_group(periods - 1, 999_999, 4, 3);
         t.group_sender().await.unwrap().send(poison).await.unwrap();
     });
     trainer.finish_ok();
@@ -610,7 +610,7 @@ fn the_dashboard_charts_every_cluster_metric() {
             exprs.push('\n');
         }
     }
-    for (name, _, _) in metronome_pipeline::cluster::CLUSTER_METRICS {
-        assert!(exprs.contains(name), "{name} has no panel in dashboards/grafana.json");
+    for m in metronome_pipeline::cluster::CLUSTER_METRICS {
+        assert!(exprs.contains(m.name), "{} has no panel in dashboards/grafana.json", m.name);
     }
 }

@@ -80,7 +80,7 @@ fn the_deploy_nats_config_asks_for_the_password_and_keeps_monitoring_on_loopback
     let mut local = format!("{}{}", &text[..start], &text[end..]);
     local = local.replace("/var/lib/nats/jetstream", &dir.path().join("js").display().to_string());
     std::fs::write(&conf, &local).unwrap();
-    let bin = metronome_transport::server::binary().expect("nats-server");
+    let bin = metronome_testkit::server::binary().expect("nats-server");
     let out = Command::new(bin)
         .args(["-t", "-c"])
         .arg(&conf)
@@ -90,4 +90,27 @@ fn the_deploy_nats_config_asks_for_the_password_and_keeps_monitoring_on_loopback
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "{said}");
     assert!(local.contains("authorization {") && local.contains("$METRONOME_NATS_PASSWORD"), "{local}");
+}
+
+#[test]
+fn config_files_layer_in_order_over_the_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let (base, sweep) = (dir.path().join("base.toml"), dir.path().join("sweep.toml"));
+    std::fs::write(&base, "[run]\nperiods = 7\n[trainer.schedule]\nlr = 1e-4\n").unwrap();
+    std::fs::write(&sweep, "[trainer.schedule]\nlr = 5e-4\n").unwrap();
+    let (ok, toml, err) = resolved(&[
+        "--config",
+        base.to_str().unwrap(),
+        "--config",
+        sweep.to_str().unwrap(),
+        "--set",
+        "run.seed=11",
+    ]);
+    assert!(ok, "{err}");
+    let c: toml::Table = toml.parse().unwrap();
+    assert_eq!(c["run"]["periods"].as_integer(), Some(7));
+    assert_eq!(c["run"]["seed"].as_integer(), Some(11));
+    assert_eq!(c["trainer"]["schedule"]["lr"].as_float(), Some(5e-4));
+    // The embedded default fills what no file names.
+    assert_eq!(c["data"]["release"]["batch_size"].as_integer(), Some(128));
 }

@@ -17,7 +17,7 @@ pub(crate) fn scrape(port: u16) -> Option<String> {
 
 #[test]
 fn every_documented_metric_is_served_during_a_run() {
-    let port = metronome_transport::server::free_port().expect("a free port");
+    let port = metronome_testkit::server::free_port().expect("a free port");
     let out = tempfile::tempdir().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_metronome"))
         .args(["run", "--quiet", "--periods", "4", "--metrics-addr", &format!("127.0.0.1:{port}")])
@@ -50,7 +50,7 @@ fn every_documented_metric_is_served_during_a_run() {
 
     let missing: Vec<&str> = metronome_pipeline::METRICS
         .iter()
-        .map(|&(name, _, _)| name)
+        .map(|m| m.name)
         .filter(|name| !page.lines().any(|l| l.starts_with(name)))
         .collect();
     assert!(missing.is_empty(), "not served: {missing:?}\n{page}");

@@ -30,7 +30,7 @@ fn serve_answers_with_its_key_only_and_stops_on_sigterm() {
     let out = tempfile::tempdir().unwrap();
     let key = out.path().join("key");
     std::fs::write(&key, "s3rve-key\n").unwrap();
-    let port = metronome_transport::server::free_port().unwrap();
+    let port = metronome_testkit::server::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");
     let mut server = Proc::spawn_plain(
         "serve",

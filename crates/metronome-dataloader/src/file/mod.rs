@@ -133,8 +133,7 @@ impl Collector {
 
     fn finish(self, path: PathBuf, files: Vec<PathBuf>, format: FileFormat) -> Result<FileDataset> {
         if self.report.skipped > 0 {
-            metrics::counter!("metronome_dataloader_records_skipped_total", "format" => format.label())
-                .increment(self.report.skipped);
+            crate::metrics::records_skipped(format.label(), self.report.skipped);
             tracing::warn!(
                 target: "metronome_dataloader",
                 "{}: skipped {} bad records, kept {}",
@@ -146,8 +145,7 @@ impl Collector {
         if self.records.is_empty() {
             return Err(Error::NoUsableRecords { path, skipped: self.report.skipped });
         }
-        metrics::counter!("metronome_dataloader_records_loaded_total", "format" => format.label())
-            .increment(self.report.kept);
+        crate::metrics::records_loaded(format.label(), self.report.kept);
         Ok(FileDataset { path, files, records: self.records, locations: self.locations, report: self.report })
     }
 }

@@ -91,29 +91,15 @@ async fn unbounded_epochs_keep_going() {
     }
 }
 
+/// The `PromptSource` contract: restored at every period, by a fresh loader (whose
+/// first prefetch is for period 0 and must be discarded) or by the same one rewound,
+/// the loader releases what the uninterrupted run did, across epoch boundaries.
 #[tokio::test]
-async fn resuming_at_every_period_reproduces_the_uninterrupted_run() {
-    let config = release(7, Some(3));
-    let full = drain(&mut loader(Numbered::dataset(40), 11, config.clone()), usize::MAX).await;
-    let mut cursors = Vec::new();
-    let mut l = loader(Numbered::dataset(40), 11, config.clone());
-    loop {
-        cursors.push(l.cursor());
-        if l.next().await.unwrap().is_none() {
-            break;
-        }
-    }
-    for (k, cursor) in cursors.iter().enumerate() {
-        // A fresh process: a new loader (its first prefetch is for period 0 and must be
-        // discarded), restored through the trait object the pipeline holds.
-        let mut source: Box<dyn PromptSource> = Box::new(loader(Numbered::dataset(40), 11, config.clone()));
-        source.restore(*cursor).unwrap();
-        let mut rest = Vec::new();
-        while let Some(batch) = source.next_batch().await.unwrap() {
-            rest.push(batch);
-        }
-        assert_eq!(rest, full[k..], "resumed at period {k} from {cursor:?}");
-    }
+async fn the_loader_passes_the_prompt_source_suite() {
+    // 40 prompts in batches of 7 for 3 epochs: 18 batches, some crossing epochs.
+    let mut make =
+        || -> Box<dyn PromptSource> { Box::new(loader(Numbered::dataset(40), 11, release(7, Some(3)))) };
+    metronome_testkit::conformance::source::run_all(&mut make, 20).await;
 }
 
 #[tokio::test]
@@ -224,10 +210,11 @@ async fn restore_rejects_cursors_that_do_not_fit() {
     // An offset at the end of an epoch is the start of the next one.
     l.seek(Cursor { period: PeriodId(3), epoch: 0, offset: 10 }).unwrap();
     assert_eq!(l.cursor(), Cursor { period: PeriodId(3), epoch: 1, offset: 0 });
-    // The core trait converts the error and keeps the message.
+    // The core trait converts the error and keeps the message as its source.
     let mut source: Box<dyn PromptSource> = Box::new(l);
     let err = source.restore(Cursor { period: PeriodId(0), epoch: 0, offset: 99 }).unwrap_err();
-    assert!(err.to_string().starts_with("dataloader: cursor"), "{err}");
+    let chain = metronome_core::ErrorChain(&err).to_string();
+    assert!(chain.starts_with("dataloader: cursor"), "{chain}");
 }
 
 #[tokio::test]

@@ -141,5 +141,7 @@ fn a_rejected_group_leaves_the_packer_unchanged() {
 #[test]
 fn converts_to_the_core_error_at_the_stage_boundary() {
     let e: metronome_core::Error = MaskingError::EmptyPrompt { group: common::key(1) }.into();
-    assert_eq!(e.to_string(), "masking: group (period 7, prompt 1) has a zero-length prompt");
+    assert_eq!(e.to_string(), "masking");
+    let chain = metronome_core::ErrorChain(&e).to_string();
+    assert_eq!(chain, "masking: group (period 7, prompt 1) has a zero-length prompt");
 }

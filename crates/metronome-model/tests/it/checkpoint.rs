@@ -2,6 +2,7 @@
 
 use metronome_core::PolicyVersion;
 use metronome_model::{Architecture, Device, Model, ModelConfig, Tensor};
+use metronome_testkit::damage::{Damage, check_damaged, positions};
 
 use crate::common::{fixture, full_logits, tokens};
 
@@ -139,20 +140,6 @@ fn candle_core_save(ts: &std::collections::HashMap<String, Tensor>, path: &std::
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
-/// Positions to cut or corrupt a file of `len` bytes at: every byte of the first
-/// `head`, then `spread` points over the rest, from a fixed seed.
-fn positions(len: usize, head: usize, spread: usize) -> Vec<usize> {
-    let mut state = 0x00c0_ffee_u64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let z = (state ^ (state >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        (z ^ (z >> 29)) as usize
-    };
-    let mut out: Vec<usize> = (0..len.min(head)).collect();
-    out.extend((0..spread).map(|_| next() % len.max(1)));
-    out
-}
-
 #[test]
 fn truncated_or_corrupted_hf_checkpoints_are_errors_never_panics() {
     let src = crate::common::fixture("tiny_llama");
@@ -163,27 +150,12 @@ fn truncated_or_corrupted_hf_checkpoints_are_errors_never_panics() {
         for name in ["config.json", "model.safetensors"] {
             std::fs::copy(src.join(name), dir.path().join(name)).unwrap();
         }
-        for at in positions(bytes.len(), 400, 64) {
-            for mutation in 0..3 {
-                let mut b = bytes.clone();
-                match mutation {
-                    0 => b.truncate(at),
-                    1 => b[at] ^= 0xff,
-                    _ => b[at] = b'9',
-                }
-                std::fs::write(dir.path().join(file), &b).unwrap();
-                let outcome = std::panic::catch_unwind(|| Model::load_hf(dir.path(), &Device::Cpu).map(drop));
-                match outcome {
-                    Ok(Ok(())) => assert!(mutation > 0, "{file} cut at byte {at} loaded"),
-                    Ok(Err(e)) => {
-                        let e = e.to_string();
-                        assert!(e.contains(file) || e.contains("tensor `"), "{file} at {at}: {e}");
-                    }
-                    Err(_) => panic!("loading panicked on {file}, mutation {mutation} at byte {at}"),
-                }
-                tried += 1;
-            }
-        }
+        let damages = [Damage::Cut, Damage::Flip(0xff), Damage::Set(b'9')];
+        let at = positions(bytes.len(), 400, 64, 0x00c0_ffee);
+        // Bad tensor data is named by its tensor.
+        tried += check_damaged(&dir.path().join(file), &bytes, &at, &damages, &[file, "tensor `"], || {
+            Model::load_hf(dir.path(), &Device::Cpu).map(drop)
+        });
     }
     eprintln!("{tried} truncated or corrupted files, every one an error or a load");
     assert!(tried > 1000);

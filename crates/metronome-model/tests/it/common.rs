@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-use metronome_core::{PackedRow, Segment, Targets};
+use metronome_core::{PackedRow, Targets};
 use metronome_model::{Model, Tensor};
+use metronome_testkit::BatchBuilder;
 
 pub(crate) fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
@@ -39,46 +40,13 @@ pub(crate) fn tokens(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
 /// One group in the shared-prompt layout: the prompt once, then every response with
 /// positions restarting at the prompt length; targets are all response tokens.
 pub(crate) fn shared_prompt_row(prompt: &[u32], responses: &[Vec<u32>]) -> (PackedRow, Targets) {
-    let p = prompt.len() as u32;
-    let mut row = PackedRow {
-        tokens: prompt.to_vec(),
-        positions: (0..p).collect(),
-        segments: vec![Segment { start: 0, len: p, parent: None }],
-    };
-    let mut targets = Targets::default();
-    for r in responses {
-        let start = row.tokens.len() as u32;
-        row.tokens.extend(r);
-        row.positions.extend((0..r.len() as u32).map(|i| p + i));
-        row.segments.push(Segment { start, len: r.len() as u32, parent: Some(0) });
-        for (j, &t) in r.iter().enumerate() {
-            targets.row.push(0);
-            targets.position.push(if j == 0 { p - 1 } else { start + j as u32 - 1 });
-            targets.token.push(t);
-        }
-    }
-    (row, targets)
+    let batch = BatchBuilder::new().shared_prompt(0, prompt, responses, &vec![0.0; responses.len()]).build();
+    let row = batch.rows.into_iter().next().expect("one row per group");
+    (row, batch.targets)
 }
 
 /// The same responses as separate causal rows `[prompt + response]`.
 pub(crate) fn separate_rows(prompt: &[u32], responses: &[Vec<u32>]) -> (Vec<PackedRow>, Targets) {
-    let p = prompt.len() as u32;
-    let mut rows = Vec::new();
-    let mut targets = Targets::default();
-    for (i, r) in responses.iter().enumerate() {
-        let mut t = prompt.to_vec();
-        t.extend(r);
-        let n = t.len() as u32;
-        rows.push(PackedRow {
-            tokens: t,
-            positions: (0..n).collect(),
-            segments: vec![Segment { start: 0, len: n, parent: None }],
-        });
-        for (j, &tok) in r.iter().enumerate() {
-            targets.row.push(i as u32);
-            targets.position.push(p - 1 + j as u32);
-            targets.token.push(tok);
-        }
-    }
-    (rows, targets)
+    let batch = BatchBuilder::new().separate_rows(0, prompt, responses, &vec![0.0; responses.len()]).build();
+    (batch.rows, batch.targets)
 }

@@ -6,6 +6,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use metronome_core::{ChatMessage, Tokenizer};
 use metronome_model::{Device, HfTokenizer, Model, Tensor, hf_to_gguf_name, permute_for_gguf};
+use metronome_testkit::damage::{Damage, check_damaged, positions};
 
 use crate::common::{expected, fixture, max_abs_diff};
 
@@ -135,20 +136,6 @@ fn bad_gguf_files_are_errors() {
     assert!(e.contains("missing.gguf"), "{e}");
 }
 
-/// Positions to cut or corrupt a file of `len` bytes at: every byte of the first 512
-/// (header and metadata), then `spread` points over the rest, from a fixed seed.
-fn positions(len: usize, spread: usize) -> Vec<usize> {
-    let mut state = 0x5eed_u64;
-    let mut next = move || {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let z = (state ^ (state >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        (z ^ (z >> 29)) as usize
-    };
-    let mut out: Vec<usize> = (0..len.min(512)).collect();
-    out.extend((0..spread).map(|_| next() % len));
-    out
-}
-
 #[test]
 fn truncated_or_corrupted_gguf_files_are_errors_never_panics() {
     let dir = tempfile::tempdir().unwrap();
@@ -156,26 +143,12 @@ fn truncated_or_corrupted_gguf_files_are_errors_never_panics() {
     write_gguf(&good, GgmlDType::F32);
     let bytes = std::fs::read(&good).unwrap();
     let bad = dir.path().join("bad.gguf");
-    let mut tried = 0;
-    for at in positions(bytes.len(), 64) {
-        for mutation in 0..3 {
-            let mut b = bytes.clone();
-            match mutation {
-                0 => b.truncate(at),
-                1 => b[at] ^= 0xff,
-                // A length or count field read as a huge number.
-                _ => b[at] = 0x7f,
-            }
-            std::fs::write(&bad, &b).unwrap();
-            let outcome = std::panic::catch_unwind(|| Model::load_gguf(&bad, &Device::Cpu).map(drop));
-            match outcome {
-                Ok(Ok(())) => assert!(mutation > 0, "a file cut at byte {at} loaded"),
-                Ok(Err(e)) => assert!(e.to_string().contains("bad.gguf"), "cut/flip at {at}: {e}"),
-                Err(_) => panic!("the GGUF loader panicked on mutation {mutation} at byte {at}"),
-            }
-            tried += 1;
-        }
-    }
+    // A length or count field set to 0x7f reads as a huge number.
+    let damages = [Damage::Cut, Damage::Flip(0xff), Damage::Set(0x7f)];
+    let at = positions(bytes.len(), 512, 64, 0x5eed);
+    let tried = check_damaged(&bad, &bytes, &at, &damages, &["bad.gguf"], || {
+        Model::load_gguf(&bad, &Device::Cpu).map(drop)
+    });
     eprintln!("{tried} truncated or corrupted files, every one an error or a load");
     assert!(tried > 1000);
 }

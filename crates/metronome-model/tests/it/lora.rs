@@ -4,6 +4,8 @@
 use metronome_core::PolicyVersion;
 use metronome_model::{Device, KvCache, LoraConfig, Model, ModelConfig, Projection, Tensor};
 
+use metronome_testkit::damage::{Damage, check_damaged, positions};
+
 use crate::common::{fixture, full_logits, max_abs_diff, shared_prompt_row, tokens};
 
 /// Tolerance of merged against adapted logits, relative to the larger of 1 and the
@@ -185,28 +187,11 @@ fn bad_adapter_files_are_errors_naming_the_file_never_panics() {
     let mut tried = 0;
     for file in ["adapter_config.json", "adapter_model.safetensors"] {
         let bytes = std::fs::read(good.path().join(file)).unwrap();
-        let positions = (0..bytes.len().min(160)).chain((160..bytes.len()).step_by(bytes.len() / 40 + 1));
-        for at in positions {
-            for mutation in 0..2 {
-                let mut b = bytes.clone();
-                if mutation == 0 {
-                    b.truncate(at);
-                } else {
-                    b[at] ^= 0x5a;
-                }
-                std::fs::write(good.path().join(file), &b).unwrap();
-                let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    base.with_lora_adapter(good.path()).map(drop)
-                }));
-                match outcome {
-                    Ok(Ok(())) => assert!(mutation > 0, "{file} cut at byte {at} loaded"),
-                    Ok(Err(e)) => assert!(e.to_string().contains(file), "{file} at {at}: {e}"),
-                    Err(_) => panic!("loading panicked on {file}, mutation {mutation} at byte {at}"),
-                }
-                tried += 1;
-            }
-        }
-        std::fs::write(good.path().join(file), &bytes).unwrap();
+        let damages = [Damage::Cut, Damage::Flip(0x5a), Damage::Set(b'9')];
+        let at = positions(bytes.len(), 160, 64, 0x10ba);
+        tried += check_damaged(&good.path().join(file), &bytes, &at, &damages, &[file], || {
+            base.with_lora_adapter(good.path()).map(drop)
+        });
     }
     eprintln!("{tried} truncated or corrupted adapter files, every one an error or a load");
     // Weights of other adapters under this config: a tensor missing, of the wrong

@@ -42,7 +42,7 @@ pub async fn run_trainer(mut config: PipelineConfig, options: RunOptions) -> Res
     let restarted = config.run.out_dir.join(&name).join(crate::rundir::CONFIG_FILE).is_file();
     let session = Session::open(&config, "cluster", &options)?;
     if session.resume_at.is_some() {
-        metrics::counter!("metronome_cluster_trainer_resumes_total").increment(1);
+        crate::metrics::trainer_resumed();
     } else if !restarted {
         refuse_leftovers(&transport, &name).await?;
     }
@@ -94,12 +94,11 @@ impl Release for ClaimRelease {
 
     async fn release(&mut self, period: PeriodId, weights: &Arc<WeightSnapshot>) -> Result<Option<Released>> {
         let source = self.source.as_mut().ok_or_else(not_started)?;
-        metrics::gauge!("metronome_cluster_period").set(period.0 as f64);
         let Some(batch) = next_batch(source.as_mut(), period).await? else { return Ok(None) };
         let version = weights.version;
         // Offered again after a restart, the server drops them as duplicates.
         self.offerer.offer(period, version, &batch.prompts).await.map_err(err("transport"))?;
-        metrics::counter!("metronome_cluster_claims_offered_total").increment(batch.prompts.len() as u64);
+        crate::metrics::claims_offered(period.0, batch.prompts.len());
         let prompts: Vec<_> = batch.prompts.iter().map(|p| p.id).collect();
         self.control.send(ControlMessage::PeriodStart { period, version, prompts: prompts.clone() }).await?;
         Ok(Some(Released { prompts, resume: source.cursor(), groups: Vec::new() }))

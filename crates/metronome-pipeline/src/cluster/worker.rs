@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use metronome_core::{
-    ControlMessage, ControlReceiver, Group, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion,
-    PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot, WeightSubscriber,
+    ControlMessage, ControlReceiver, ErrorChain, Group, GroupScorer, GroupSender, GroupSink, PeriodId,
+    PolicyVersion, PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot, WeightSubscriber,
 };
 use metronome_transport::claims::{Claim, NatsClaimTaker};
 
@@ -136,7 +136,7 @@ impl Worker {
                 // The server may be restarting: the client reconnects, so wait and retry
                 // (leaving stays possible meanwhile).
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot take claims; retrying");
+                    tracing::warn!(error = %ErrorChain(&e), "cannot take claims; retrying");
                     tokio::time::sleep(CLAIM_WAIT).await;
                     continue;
                 }
@@ -149,7 +149,7 @@ impl Worker {
                     // failed): the claims not completed come back when their lease
                     // expires, to this worker or another, so keep working.
                     Err(e) if is_transport(&e) => {
-                        tracing::warn!(error = %e, "transport failed during period {period}; taking claims again");
+                        tracing::warn!(error = %ErrorChain(&e), "transport failed during period {period}; taking claims again");
                         tokio::time::sleep(CLAIM_WAIT).await;
                     }
                     // Anything else failed the batch (the model, a prompt it chokes on):
@@ -159,7 +159,7 @@ impl Worker {
                     // restart it.
                     Err(e) => {
                         failures += 1;
-                        tracing::warn!(error = %e, period = period.0, failures, "generation failed; the claims went back");
+                        tracing::warn!(error = %ErrorChain(&e), period = period.0, failures, "generation failed; the claims went back");
                         if failures >= 2 * self.max_deliveries {
                             return Err(e);
                         }
@@ -179,16 +179,15 @@ impl Worker {
         if claims.is_empty() {
             return Vec::new();
         }
-        metrics::counter!("metronome_cluster_claims_taken_total").increment(claims.len() as u64);
         let redelivered = claims.iter().filter(|c| c.deliveries > 1).count() as u64;
-        metrics::counter!("metronome_cluster_claim_redeliveries_total").increment(redelivered);
+        crate::metrics::claims_taken(claims.len(), redelivered);
         self.outcome.redelivered_claims += redelivered;
         let mut batches: Vec<Batch> = Vec::new();
         for claim in claims {
             if claim.deliveries > self.max_deliveries {
                 if let Err(e) = self.reject_claim(&claim).await {
                     // The server may be restarting: the claim comes back after its lease.
-                    tracing::warn!(error = %e, "cannot publish a rejected claim's group; it comes back");
+                    tracing::warn!(error = %ErrorChain(&e), "cannot publish a rejected claim's group; it comes back");
                 }
                 continue;
             }
@@ -239,14 +238,13 @@ impl Worker {
             for claim in claims.iter() {
                 claim.complete().await.map_err(err("transport"))?;
             }
-            metrics::counter!("metronome_cluster_claims_obsolete_total").increment(claims.len() as u64);
+            crate::metrics::claims_obsolete(claims.len());
             return Ok(());
         }
         if self.installed != Some(version) {
             self.engine.install_weights(weights).await?;
             self.installed = Some(version);
-            metrics::histogram!("metronome_cluster_weight_fetch_seconds")
-                .record(start.elapsed().as_secs_f64());
+            crate::metrics::weights_fetched(start.elapsed().as_secs_f64());
             self.observer.emit(&Event::WeightsInstalled {
                 worker: self.id.clone(),
                 version: version.0,
@@ -298,7 +296,7 @@ impl Worker {
                 for claim in claims {
                     claim.release().await.map_err(err("transport"))?;
                 }
-                metrics::counter!("metronome_cluster_claims_released_total").increment(claims.len() as u64);
+                crate::metrics::claims_released(claims.len());
                 Ok(None)
             }
         }
@@ -313,7 +311,7 @@ impl Worker {
             deliveries = claim.deliveries,
             "every worker that took this claim failed on it; publishing its group as rejected"
         );
-        metrics::counter!("metronome_cluster_claims_rejected_total").increment(1);
+        crate::metrics::claim_rejected();
         let group = Group::rejected(claim.period, claim.prompt.clone(), self.group_size, claim.version);
         let scored = self.scorer.score(group).await?;
         self.sender.send(scored).await?;
@@ -338,7 +336,7 @@ async fn keep_leases(claims: Arc<Vec<Claim>>, lease: Duration) {
         tokio::time::sleep(lease / 3).await;
         for claim in claims.iter() {
             if let Err(e) = claim.extend().await {
-                tracing::warn!(error = %e, "cannot renew a claim's lease");
+                tracing::warn!(error = %ErrorChain(&e), "cannot renew a claim's lease");
             }
         }
     }
@@ -359,12 +357,11 @@ impl<S: GroupSink> GroupSink for CompleteClaims<S> {
         let tokens: u64 = group.completions.iter().map(|c| c.tokens.len() as u64).sum();
         let prompt = group.prompt.id;
         self.inner.emit(group).await?;
-        if let Some(&i) = self.claims.get(&prompt) {
-            self.all[i].complete().await?;
-            metrics::counter!("metronome_cluster_claims_completed_total").increment(1);
+        let claim = self.claims.get(&prompt).map(|&i| &self.all[i]);
+        if let Some(claim) = claim {
+            claim.complete().await?;
         }
-        metrics::counter!("metronome_cluster_worker_groups_total").increment(1);
-        metrics::counter!("metronome_cluster_worker_tokens_total").increment(tokens);
+        crate::metrics::group_published(tokens, claim.is_some());
         let mut done = self.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         done.0 += 1;
         done.1 += tokens;

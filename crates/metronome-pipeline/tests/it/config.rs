@@ -86,7 +86,7 @@ fn wrong_types_are_named() {
     assert_eq!(
         e,
         "invalid configuration `run.periods`: invalid type: string \"ten\", expected u64 \
-         (in the embedded default config)"
+         (in --set run.periods=\"ten\")"
     );
     let e = err(&["trainer.loss.kl_coef=[1]"]);
     assert!(e.starts_with("invalid configuration `trainer.loss.kl_coef`: invalid type"), "{e}");
@@ -96,6 +96,43 @@ fn wrong_types_are_named() {
     assert!(e.starts_with("invalid configuration `transport`") && e.contains("`-5`"), "{e}");
     let e = err(&["run.schedule=\"sometimes\""]);
     assert!(e.contains("sometimes"), "{e}");
+}
+
+#[test]
+fn partial_files_are_laid_over_the_default_in_order_and_errors_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let base = file("base.toml", "[run]\nperiods = 7\nseed = 3\n\n[trainer.schedule]\nlr = 1e-4\n");
+    // Another kind of prompt source replaces the table: none of the arithmetic keys
+    // of the default stay behind.
+    let sweep = file(
+        "sweep.toml",
+        "[run]\nseed = 4\n\n[data.source]\nkind = \"countdown\"\n\n[trainer.schedule]\nwarmup_steps = 2\n",
+    );
+    let c = PipelineConfig::load_layers(&[base.clone(), sweep.clone()], &["run.periods=9".into()]).unwrap();
+    assert_eq!((c.run.periods, c.run.seed), (9, 4), "later layers and --set win");
+    assert_eq!(
+        (c.trainer.schedule.lr, c.trainer.schedule.warmup_steps),
+        (1e-4, 2),
+        "tables merge key by key"
+    );
+    assert_eq!(c.data.release.batch_size, 128, "what no layer names keeps the default's value");
+    assert!(matches!(c.data.source, metronome_dataloader::SourceConfig::Countdown(_)), "{:?}", c.data.source);
+    // A type error names the key and the file that gave the value.
+    let bad = file("bad.toml", "[rollout]\nmax_num_seqs = \"many\"\n");
+    let e = PipelineConfig::load_layers(&[base.clone(), bad.clone()], &[]).unwrap_err().to_string();
+    assert!(e.starts_with("invalid configuration `rollout.max_num_seqs`"), "{e}");
+    assert!(e.contains(&format!("(in {})", bad.display())), "{e}");
+    let e = PipelineConfig::load_layers(&[bad, base], &[]).unwrap_err().to_string();
+    assert!(e.contains("bad.toml"), "a later file that does not set the key leaves it to the earlier: {e}");
+    // Unknown keys still fail, naming the key.
+    let typo = file("typo.toml", "[run]\nperiodz = 3\n");
+    let e = PipelineConfig::load_layers(&[typo], &[]).unwrap_err().to_string();
+    assert!(e.contains("periodz") && e.contains("typo.toml"), "{e}");
 }
 
 #[test]

@@ -99,14 +99,15 @@ async fn groups_are_acknowledged_only_once_a_checkpoint_contains_them() {
         let events = events.lock().unwrap().clone();
         let checkpoints: Vec<u64> = events
             .iter()
-            .filter_map(|e| if let Event::Checkpoint(v) = e { Some(*v) } else { None })
+            .filter_map(|e| if let Recorded::Checkpoint(v) = e { Some(*v) } else { None })
             .collect();
         assert_eq!(checkpoints, [2, 4, 5], "{schedule}: every 2 periods and after the last");
         let mut acked = 0;
         for (i, event) in events.iter().enumerate() {
-            let Event::Ack(key) = event else { continue };
+            let Recorded::Ack(key) = event else { continue };
             acked += 1;
-            let covered = events[..i].iter().any(|e| matches!(e, Event::Checkpoint(v) if *v > key.period.0));
+            let covered =
+                events[..i].iter().any(|e| matches!(e, Recorded::Checkpoint(v) if *v > key.period.0));
             assert!(covered, "{schedule}: {key} acknowledged before a checkpoint contained it: {events:?}");
         }
         assert_eq!(acked, 5 * 6, "{schedule}: every group acknowledged once");
@@ -167,7 +168,7 @@ async fn strangers_duplicates_and_unusable_rewards_are_dealt_with_and_every_peri
                 .lock()
                 .unwrap()
                 .iter()
-                .filter_map(|e| if let Event::Reject(k, r) = e { Some((*k, r.clone())) } else { None })
+                .filter_map(|e| if let Recorded::Reject(k, r) = e { Some((*k, r.clone())) } else { None })
                 .collect();
             let key = |p| GroupKey { period: PeriodId(0), prompt: PromptId(p) };
             assert_eq!(rejected.len(), 2, "{schedule}: {rejected:?}");

@@ -3,6 +3,7 @@
 
 mod config;
 mod driver;
+mod errors;
 mod events;
 mod lora;
 mod mocks;

@@ -260,8 +260,13 @@ fn the_grafana_dashboard_parses_and_charts_every_pipeline_metric() {
     let dashboard: serde_json::Value =
         serde_json::from_str(DASHBOARD).expect("dashboards/grafana.json parses");
     let charted = dashboard_metrics(&dashboard);
-    for (name, kind, _) in METRICS {
-        assert!(charted.contains(*name), "{name} ({kind}) has no panel in dashboards/grafana.json");
+    for m in METRICS {
+        assert!(
+            charted.contains(m.name),
+            "{} ({:?}) has no panel in dashboards/grafana.json",
+            m.name,
+            m.kind
+        );
     }
     // A Prometheus data-source variable that every panel uses, so the dashboard imports anywhere.
     let variables = dashboard["templating"]["list"].as_array().unwrap();
@@ -276,10 +281,8 @@ fn the_grafana_dashboard_parses_and_charts_every_pipeline_metric() {
     // Counters are charted as rates, never as raw totals that only grow.
     let exprs = DASHBOARD.matches("\"expr\"").count();
     assert!(exprs >= METRICS.len());
-    for (name, kind, _) in METRICS {
-        if *kind == "counter" {
-            assert!(DASHBOARD.contains(&format!("rate({name}")), "{name} is charted without rate()");
-        }
+    for m in METRICS.iter().filter(|m| m.kind == metronome_core::MetricKind::Counter) {
+        assert!(DASHBOARD.contains(&format!("rate({}", m.name)), "{} is charted without rate()", m.name);
     }
 }
 
@@ -330,6 +333,21 @@ fn the_grafana_dashboard_charts_the_metrics_of_every_crate() {
     }
     let missing: Vec<_> = emitted.difference(&charted).collect();
     assert!(missing.is_empty(), "metrics without a panel in dashboards/grafana.json: {missing:?}");
+}
+
+#[test]
+fn every_metric_in_the_sources_is_in_a_typed_catalogue_that_follows_the_convention() {
+    let mut catalogued = BTreeSet::new();
+    // The pipeline's catalogue holds the trainer's per-step gauges (it records them):
+    // each entry is held to the convention of the stage its name gives.
+    for m in metronome_pipeline::CATALOGUES.iter().copied().flatten() {
+        let stage = m.name.split('_').nth(1).unwrap();
+        assert_eq!(m.convention_error(stage), None);
+        assert!(catalogued.insert(m.name), "{} is catalogued twice", m.name);
+    }
+    let emitted = metric_names_in_sources();
+    let missing: Vec<_> = emitted.iter().filter(|n| !catalogued.contains(n.as_str())).collect();
+    assert!(missing.is_empty(), "metrics emitted but in no catalogue: {missing:?}");
 }
 
 /// The run directory fed by a real `Runner` (over the mock stages) through its

@@ -155,6 +155,20 @@ fn scores_come_back_in_completion_order_with_group_statistics() {
     assert_eq!(g.advantages, [0.0, 0.0, 0.0]);
 }
 
+/// The `GroupScorer` contract, on the composite the default run uses: a right, a
+/// wrong and an unparsable answer, then the same answer G times.
+#[test]
+fn the_pool_passes_the_group_scorer_suite() {
+    let reward = metronome_reward::Composite::of("correct", 1.0, metronome_reward::MathVerifier::new())
+        .unwrap()
+        .with("format", 0.1, metronome_reward::FormatReward::think_answer())
+        .unwrap();
+    let pool = PoolScorer::new(reward, PoolConfig { workers: 2, ..PoolConfig::default() }).unwrap();
+    let texts = ["<think>2+2</think><answer>4</answer>", r"\boxed{5}", "no idea"];
+    let sample = group(prompt(Some("4"), &[]), &texts);
+    runtime().block_on(metronome_testkit::conformance::scorer::run_all(&pool, sample));
+}
+
 #[test]
 fn scorer_reported_failures_are_counted_and_kept() {
     let pool = PoolScorer::new(metronome_reward::MathVerifier::new(), PoolConfig::default()).unwrap();

@@ -9,81 +9,27 @@ use proptest::prelude::*;
 
 use crate::common::{completion, prompt};
 
-/// Text built from the pieces the math parsers react to, so that random strings
-/// actually reach the deep code paths.
-fn math_text() -> impl Strategy<Value = String> {
-    let pieces = prop::sample::select(vec![
-        "\\boxed{",
-        "\\fbox{",
-        "{",
-        "}",
-        "\\frac",
-        "\\dfrac",
-        "\\text{",
-        "\\left",
-        "\\right",
-        "1",
-        "23",
-        "0",
-        ",",
-        ".",
-        "-",
-        "+",
-        "%",
-        "\\%",
-        "$",
-        "e",
-        "/",
-        "####",
-        "<answer>",
-        "</answer>",
-        "the answer is ",
-        "Answer:",
-        " ",
-        "\n",
-        "=",
-        "x",
-        "cm",
-        "^\\circ",
-        "\u{2212}",
-        "é",
-        "{,}",
-        "\\,",
-    ]);
-    prop::collection::vec(pieces, 0..300).prop_map(|v| v.concat())
+/// Text built from pieces: the whitespace-separated words of `words`, then `others`
+/// (the pieces that hold whitespace), so that random strings reach deep code paths.
+fn text_of(words: &'static str, others: &[&'static str], max_pieces: usize) -> impl Strategy<Value = String> {
+    let pieces: Vec<&'static str> = words.split_whitespace().chain(others.iter().copied()).collect();
+    prop::collection::vec(prop::sample::select(pieces), 0..max_pieces).prop_map(|v| v.concat())
 }
 
+/// Text built from the pieces the math parsers react to.
+fn math_text() -> impl Strategy<Value = String> {
+    let words = r"\boxed{ \fbox{ { } \frac \dfrac \text{ \left \right 1 23 0 , . - + % \% $ e / #### <answer>
+        </answer> Answer: = x cm ^\circ − é {,} \,";
+    text_of(words, &["the answer is ", " ", "\n"], 300)
+}
+
+/// Text built from the pieces the countdown checker reacts to.
 fn countdown_text() -> impl Strategy<Value = String> {
-    let pieces = prop::sample::select(vec![
-        "(",
-        ")",
-        "[",
-        "]",
-        "+",
-        "-",
-        "*",
-        "/",
-        "x",
-        "×",
-        "÷",
-        "1",
-        "2",
-        "3",
-        "25",
-        "100",
-        "0",
-        " ",
-        "<answer>",
-        "</answer>",
-        "=",
-        "\n",
-        ".",
-        "9999999999999",
-        "\\boxed{",
-        "}",
-        "{",
-    ]);
-    prop::collection::vec(pieces, 0..400).prop_map(|v| v.concat())
+    text_of(
+        r"( ) [ ] + - * / x × ÷ 1 2 3 25 100 0 <answer> </answer> = . 9999999999999 \boxed{ } {",
+        &[" ", "\n"],
+        400,
+    )
 }
 
 /// The linear bound on math parsing: a constant per byte of searched text plus a

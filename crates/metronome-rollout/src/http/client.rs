@@ -240,7 +240,7 @@ impl OpenAiEngine {
                 return Err(err);
             }
             tracing::warn!(%url, attempt, error = %err, "completion request failed, retrying");
-            metrics::counter!("metronome_rollout_http_retries_total").increment(1);
+            crate::metrics::http_retry();
             tokio::time::sleep(Duration::from_millis(self.config.retry_backoff_ms << attempt.min(16))).await;
             attempt += 1;
         }
@@ -324,8 +324,7 @@ impl RolloutEngine for OpenAiEngine {
             .collect();
         while let Some(group) = pending.next().await {
             let group = group?;
-            metrics::histogram!("metronome_rollout_group_duration_seconds")
-                .record(group.timing.finished_s - group.timing.started_s);
+            crate::metrics::group_done(group.timing.finished_s - group.timing.started_s);
             sink.emit(group).await?;
         }
         Ok(())

@@ -23,8 +23,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metronome_core::{
-    FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed, Secret,
-    TensorData, WeightSnapshot,
+    ErrorChain, FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed,
+    Secret, TensorData, WeightSnapshot,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -260,7 +260,61 @@ async fn complete<M: InferenceModel>(
 ) -> std::result::Result<CompletionResponse, ApiError> {
     let req: CompletionRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("request body is not a valid completion request: {e}"), None))?;
-    let limits = &s.config;
+    let (n, max_tokens) = check_options(&req, &s.config)?;
+    let tokenizer = Arc::clone(s.engine.tokenizer());
+    let prompts = prompts_of(&req, tokenizer.as_ref(), &s.config, max_tokens, s.engine.max_seq_len())?;
+    let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids());
+    sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
+    let seed = req
+        .seed
+        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
+    let index_of: HashMap<u64, usize> = prompts.iter().enumerate().map(|(i, p)| (p.id.0, i)).collect();
+    let prompt_tokens = prompts.iter().map(|p| p.tokens.len()).sum();
+    let sub = Submission {
+        period: PeriodId(0),
+        prompts,
+        group_size: n,
+        sampling: sampling.clone(),
+        seed: RunSeed(seed),
+    };
+    let groups = s.engine.generate_groups(sub).await.map_err(|e| ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        message: format!("generation failed: {}", ErrorChain(&e)),
+        param: None,
+    })?;
+
+    let mut choices = Vec::with_capacity(index_of.len() * n as usize);
+    let mut version = PolicyVersion(0);
+    let mut completion_tokens = 0;
+    for group in &groups {
+        let i = index_of[&group.prompt.id.0] as u32;
+        for c in &group.completions {
+            version = version.max(c.version);
+            completion_tokens += c.tokens.len();
+            choices.push(choice(&req, c, i * n + c.sample_index, tokenizer.as_ref(), &sampling));
+        }
+    }
+    choices.sort_by_key(|c| c.index);
+    Ok(CompletionResponse {
+        id: format!("cmpl-{seed:016x}-{}", unix_now()),
+        object: "text_completion".into(),
+        created: unix_now(),
+        model: s.config.model_name.clone(),
+        system_fingerprint: Some(format!("metronome-v{version}")),
+        choices,
+        usage: Some(Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }),
+    })
+}
+
+/// Checks the request's options against the server's limits; `n` and `max_tokens`.
+fn check_options(
+    req: &CompletionRequest,
+    limits: &ServerConfig,
+) -> std::result::Result<(u32, usize), ApiError> {
     if req.model != limits.model_name {
         return Err(ApiError {
             status: StatusCode::NOT_FOUND,
@@ -297,9 +351,28 @@ async fn complete<M: InferenceModel>(
             Some("stop_token_ids"),
         ));
     }
-    let tokenizer = Arc::clone(s.engine.tokenizer());
-    let encode =
-        |t: &str| tokenizer.encode(t).map_err(|e| ApiError::bad(format!("prompt: {e}"), Some("prompt")));
+    let max_tokens = req.max_tokens.unwrap_or(16);
+    if max_tokens == 0 || max_tokens > limits.max_tokens {
+        return Err(ApiError::bad(
+            format!("`max_tokens` is {max_tokens} (expected 1 to {})", limits.max_tokens),
+            Some("max_tokens"),
+        ));
+    }
+    Ok((n, max_tokens))
+}
+
+/// The request's prompts, tokenised and checked: within the server's count, the
+/// vocabulary and, with `max_tokens` new ones, the engine's `context`.
+fn prompts_of(
+    req: &CompletionRequest,
+    tokenizer: &dyn metronome_core::Tokenizer,
+    limits: &ServerConfig,
+    max_tokens: usize,
+    context: usize,
+) -> std::result::Result<Vec<Prompt>, ApiError> {
+    let encode = |t: &str| {
+        tokenizer.encode(t).map_err(|e| ApiError::bad(format!("prompt: {}", ErrorChain(&e)), Some("prompt")))
+    };
     let inputs: Vec<(String, Vec<u32>)> = match req.prompt.clone() {
         None => return Err(ApiError::bad("`prompt` is missing", Some("prompt"))),
         Some(PromptInput::Text(t)) => vec![(t.clone(), encode(&t)?)],
@@ -318,14 +391,6 @@ async fn complete<M: InferenceModel>(
             Some("prompt"),
         ));
     }
-    let max_tokens = req.max_tokens.unwrap_or(16);
-    if max_tokens == 0 || max_tokens > limits.max_tokens {
-        return Err(ApiError::bad(
-            format!("`max_tokens` is {max_tokens} (expected 1 to {})", limits.max_tokens),
-            Some("max_tokens"),
-        ));
-    }
-    let context = s.engine.max_seq_len();
     let vocab = tokenizer.vocab_size();
     for (i, (_, tokens)) in inputs.iter().enumerate() {
         if tokens.is_empty() {
@@ -361,107 +426,56 @@ async fn complete<M: InferenceModel>(
     if ids.iter().collect::<HashSet<_>>().len() != ids.len() {
         return Err(ApiError::bad("`prompt_ids` has duplicates", Some("prompt_ids")));
     }
-    let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids());
-    sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
-    let seed = req
-        .seed
-        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
-    let prompts: Vec<Prompt> = inputs
-        .iter()
-        .zip(&ids)
-        .map(|((text, tokens), &id)| Prompt {
-            id: PromptId(id),
-            text: text.clone(),
-            tokens: tokens.clone(),
-            ..Prompt::default()
-        })
-        .collect();
-    let prompt_tokens = prompts.iter().map(|p| p.tokens.len()).sum();
-    let sub = Submission {
-        period: PeriodId(0),
-        prompts,
-        group_size: n,
-        sampling: sampling.clone(),
-        seed: RunSeed(seed),
-    };
-    let groups = s.engine.generate_groups(sub).await.map_err(|e| ApiError {
-        status: StatusCode::INTERNAL_SERVER_ERROR,
-        message: format!("generation failed: {e}"),
-        param: None,
-    })?;
+    Ok(inputs
+        .into_iter()
+        .zip(ids)
+        .map(|((text, tokens), id)| Prompt { id: PromptId(id), text, tokens, ..Prompt::default() })
+        .collect())
+}
 
-    let index_of: HashMap<u64, usize> = ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
-    let mut choices = Vec::with_capacity(inputs.len() * n as usize);
-    let mut version = PolicyVersion(0);
-    let mut completion_tokens = 0;
-    for group in &groups {
-        let i = index_of[&group.prompt.id.0];
-        for c in &group.completions {
-            version = version.max(c.version);
-            completion_tokens += c.tokens.len();
-            let logprobs = req.logprobs.map(|_| {
-                let as_ids = req.return_tokens_as_token_ids.unwrap_or(false);
-                let tokens: Vec<String> = c
-                    .tokens
-                    .iter()
-                    .map(|&t| {
-                        if as_ids {
-                            format!("token_id:{t}")
-                        } else {
-                            tokenizer.decode(&[t]).unwrap_or_default()
-                        }
-                    })
-                    .collect();
-                let mut offset = 0;
-                let text_offset = tokens
-                    .iter()
-                    .map(|t| {
-                        let o = offset;
-                        offset += if as_ids { 0 } else { t.len() };
-                        o
-                    })
-                    .collect();
-                LogProbs { tokens, token_logprobs: c.logprobs.clone(), top_logprobs: None, text_offset }
-            });
-            let (finish_reason, stop_reason) = match c.finish_reason {
-                FinishReason::Stop => ("stop", c.tokens.last().map(|&t| serde_json::json!(t))),
-                FinishReason::StopString => {
-                    let full = tokenizer.decode(&c.tokens).unwrap_or_default();
-                    let hit = sampling
-                        .stop_strings
-                        .iter()
-                        .filter_map(|s| full.find(s.as_str()).map(|at| (at, s)))
-                        .min();
-                    ("stop", hit.map(|(_, s)| serde_json::json!(s)))
-                }
-                // The server checks the context before it submits, so a prompt is
-                // never rejected here; no room left is "length" in the API's terms.
-                FinishReason::Length | FinishReason::PromptRejected => ("length", None),
-                FinishReason::Aborted => ("abort", None),
-            };
-            choices.push(Choice {
-                index: i as u32 * n + c.sample_index,
-                text: c.text.clone(),
-                logprobs,
-                finish_reason: Some(finish_reason.into()),
-                stop_reason,
-            });
+/// One completion as an API choice at `index`: its text, log-probs when asked for,
+/// and why it finished.
+fn choice(
+    req: &CompletionRequest,
+    c: &metronome_core::Completion,
+    index: u32,
+    tokenizer: &dyn metronome_core::Tokenizer,
+    sampling: &SamplingConfig,
+) -> Choice {
+    let logprobs = req.logprobs.map(|_| {
+        let as_ids = req.return_tokens_as_token_ids.unwrap_or(false);
+        let tokens: Vec<String> =
+            c.tokens
+                .iter()
+                .map(|&t| {
+                    if as_ids { format!("token_id:{t}") } else { tokenizer.decode(&[t]).unwrap_or_default() }
+                })
+                .collect();
+        let mut offset = 0;
+        let text_offset = tokens
+            .iter()
+            .map(|t| {
+                let o = offset;
+                offset += if as_ids { 0 } else { t.len() };
+                o
+            })
+            .collect();
+        LogProbs { tokens, token_logprobs: c.logprobs.clone(), top_logprobs: None, text_offset }
+    });
+    let (finish_reason, stop_reason) = match c.finish_reason {
+        FinishReason::Stop => ("stop", c.tokens.last().map(|&t| serde_json::json!(t))),
+        FinishReason::StopString => {
+            let full = tokenizer.decode(&c.tokens).unwrap_or_default();
+            let hit =
+                sampling.stop_strings.iter().filter_map(|s| full.find(s.as_str()).map(|at| (at, s))).min();
+            ("stop", hit.map(|(_, s)| serde_json::json!(s)))
         }
-    }
-    choices.sort_by_key(|c| c.index);
-    Ok(CompletionResponse {
-        id: format!("cmpl-{seed:016x}-{}", unix_now()),
-        object: "text_completion".into(),
-        created: unix_now(),
-        model: s.config.model_name.clone(),
-        system_fingerprint: Some(format!("metronome-v{version}")),
-        choices,
-        usage: Some(Usage {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }),
-    })
+        // The server checks the context before it submits, so a prompt is never
+        // rejected here; no room left is "length" in the API's terms.
+        FinishReason::Length | FinishReason::PromptRejected => ("length", None),
+        FinishReason::Aborted => ("abort", None),
+    };
+    Choice { index, text: c.text.clone(), logprobs, finish_reason: Some(finish_reason.into()), stop_reason }
 }
 
 /// The request's sampling; unset fields take OpenAI's defaults (temperature 1, top-p 1).
@@ -505,10 +519,10 @@ async fn load_weights<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body
             .await
             .map_err(|_| ApiError::bad(format!("{}: cannot be read", req.path), Some("path")))?;
         let snapshot = snapshot_from_safetensors(&bytes, PolicyVersion(req.version))
-            .map_err(|e| ApiError::bad(format!("{}: {e}", req.path), Some("path")))?;
+            .map_err(|e| ApiError::bad(format!("{}: {}", req.path, ErrorChain(&e)), Some("path")))?;
         s.engine.install_weights(Arc::new(snapshot)).await.map_err(|e| ApiError {
             status: StatusCode::UNPROCESSABLE_ENTITY,
-            message: format!("installing {}: {e}", req.path),
+            message: format!("installing {}: {}", req.path, ErrorChain(&e)),
             param: Some("path"),
         })?;
         Ok::<_, ApiError>(serde_json::json!({ "version": req.version }))

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 
+use metronome_core::ErrorChain;
 use metronome_core::{PeriodId, PolicyVersion, RolloutEngine, RolloutRequest};
 use metronome_rollout::http::{
     CompletionResponse, ErrorBody, ModelList, NoWeightUpdate, OpenAiClientConfig, OpenAiEngine,
@@ -150,7 +151,8 @@ async fn client_reports_server_errors_and_unreachable_servers() {
     };
     let client = OpenAiEngine::new(config, PolicyVersion(0), NoWeightUpdate).unwrap();
     let request = RolloutRequest { period: PeriodId(0), prompts: prompts(1), group_size: 1 };
-    let err = client.generate(request.clone(), &CollectSink::default()).await.unwrap_err().to_string();
+    let err =
+        ErrorChain(&client.generate(request.clone(), &CollectSink::default()).await.unwrap_err()).to_string();
     assert!(err.contains("404") && err.contains("does not exist"), "{err}");
 
     // Nothing listens on this port (bound, then dropped): retried, then reported.
@@ -164,7 +166,7 @@ async fn client_reports_server_errors_and_unreachable_servers() {
         ..OpenAiClientConfig::default()
     };
     let client = OpenAiEngine::new(config, PolicyVersion(0), NoWeightUpdate).unwrap();
-    let err = client.generate(request, &CollectSink::default()).await.unwrap_err().to_string();
+    let err = ErrorChain(&client.generate(request, &CollectSink::default()).await.unwrap_err()).to_string();
     assert!(err.contains("http"), "{err}");
 }
 

@@ -2,6 +2,7 @@
 //! `RolloutEngine` contract (the pipeline's path), and an error through `submit`
 //! (the server's path, which answers its client).
 
+use metronome_core::ErrorChain;
 use metronome_core::{FinishReason, PeriodId, Prompt, PromptId, RolloutEngine, RolloutRequest, RunSeed};
 use metronome_rollout::{CollectSink, Submission};
 
@@ -49,6 +50,6 @@ async fn bad_prompts_become_rejected_groups_and_the_rest_generate_as_without_the
         sampling: sampling(6),
         seed: RunSeed(42),
     };
-    let err = e.generate_groups(sub).await.unwrap_err().to_string();
+    let err = ErrorChain(&e.generate_groups(sub).await.unwrap_err()).to_string();
     assert!(err.contains("prompt 7") && err.contains("max_seq_len 128"), "{err}");
 }

@@ -1,5 +1,6 @@
 //! Stop tokens, stop strings and the token budget end sequences with the right reason.
 
+use metronome_core::ErrorChain;
 use metronome_core::{FinishReason, PeriodId, RunSeed, Tokenizer};
 use metronome_model::CharTokenizer;
 use metronome_rollout::{SamplingConfig, Submission};
@@ -86,15 +87,15 @@ async fn bad_submissions_are_errors_not_hangs() {
     let mut long = prompts(1);
     long[0].tokens = vec![5; 200];
     let sub = Submission { prompts: long, group_size: 2, sampling: sampling(4), ..Submission::default() };
-    let err = e.generate_groups(sub).await.unwrap_err().to_string();
+    let err = ErrorChain(&e.generate_groups(sub).await.unwrap_err()).to_string();
     assert!(err.contains("prompt 100") && err.contains("max_seq_len 128"), "{err}");
     let mut empty = prompts(1);
     empty[0].tokens.clear();
     let sub = Submission { prompts: empty, group_size: 2, sampling: sampling(4), ..Submission::default() };
-    assert!(e.generate_groups(sub).await.unwrap_err().to_string().contains("has no tokens"));
+    assert!(ErrorChain(&e.generate_groups(sub).await.unwrap_err()).to_string().contains("has no tokens"));
     let sub =
         Submission { prompts: prompts(1), group_size: 0, sampling: sampling(4), ..Submission::default() };
-    assert!(e.generate_groups(sub).await.unwrap_err().to_string().contains("group_size"));
+    assert!(ErrorChain(&e.generate_groups(sub).await.unwrap_err()).to_string().contains("group_size"));
     // A token outside the vocabulary fails in the model and is reported, not panicked on.
     let mut bad = prompts(1);
     bad[0].tokens = vec![5, 5000];

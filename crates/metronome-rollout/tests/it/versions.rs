@@ -30,6 +30,18 @@ async fn installed_weights_are_used_and_recorded() {
     assert_ne!(signature(&v0), signature(&v1));
 }
 
+/// The `RolloutEngine` contract on the real engine, two workers sharing the queue:
+/// every group once with G responses of the installed version, the group of a prompt
+/// too long for `max_seq_len` (rejected) included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_passes_the_rollout_engine_suite() {
+    let e = engine(2, 3, sampling(8));
+    let mut prompts = prompts(5);
+    prompts[2].tokens = vec![5; 200];
+    let weights = tiny_model(99).snapshot(PolicyVersion(1)).unwrap();
+    metronome_testkit::conformance::engine::run_all(&e, weights, &prompts, 3).await;
+}
+
 /// Installs version 1 from inside the sink when the first group arrives, while the
 /// rest of the batch is still generating.
 struct InstallOnFirst<'a> {

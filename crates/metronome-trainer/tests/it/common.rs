@@ -1,16 +1,18 @@
 //! Hand-built shared-prompt batches and a tiny model.
 
-use metronome_core::{
-    GroupKey, PackedRow, PeriodId, PolicyVersion, PromptId, Segment, TrainBatch, TrainGroup, TrainSequence,
-};
+use metronome_core::{PolicyVersion, TrainBatch};
 use metronome_model::{Device, Model, ModelConfig};
+use metronome_testkit::BatchBuilder;
 use metronome_trainer::TrainerConfig;
 use metronome_trainer::loss::{Aggregation, KlEstimator};
 
-/// One group in the shared-prompt layout: the prompt once (positions `0..P`), then one
-/// child segment per response with positions restarting at `P`. The last prompt
-/// position predicts every first response token; response position `j` predicts
-/// token `j + 1` of its response.
+/// A builder of groups sampled by `version`, with a plausible behaviour log-prob
+/// (uniform over the tiny vocabulary).
+fn builder(version: PolicyVersion) -> BatchBuilder {
+    BatchBuilder::new().version(version).behaviour_logprob(-(99f32.ln()))
+}
+
+/// One group in the shared-prompt layout (see [`BatchBuilder::shared_prompt`]).
 pub(crate) fn group_batch(
     prompt_id: u64,
     prompt: &[u32],
@@ -27,71 +29,14 @@ pub(crate) fn group_batch_at(
     advantages: &[f32],
     version: PolicyVersion,
 ) -> TrainBatch {
-    let p = prompt.len() as u32;
-    let mut row = PackedRow {
-        tokens: prompt.to_vec(),
-        positions: (0..p).collect(),
-        segments: vec![Segment { start: 0, len: p, parent: None }],
-    };
-    let mut batch = TrainBatch::default();
-    for (i, (resp, &adv)) in responses.iter().zip(advantages).enumerate() {
-        let start = row.tokens.len() as u32;
-        row.tokens.extend_from_slice(resp);
-        row.positions.extend((0..resp.len() as u32).map(|j| p + j));
-        row.segments.push(Segment { start, len: resp.len() as u32, parent: Some(0) });
-        for (j, &tok) in resp.iter().enumerate() {
-            let t = &mut batch.targets;
-            t.row.push(0);
-            t.position.push(if j == 0 { p - 1 } else { start + j as u32 - 1 });
-            t.token.push(tok);
-            t.sequence.push(i as u32);
-            t.advantage.push(adv);
-            // A plausible behaviour log-prob (uniform over the tiny vocabulary).
-            t.behaviour_logprob.push(-(99f32.ln()));
-        }
-        batch.sequences.push(TrainSequence {
-            group: 0,
-            sample_index: i as u32,
-            version,
-            advantage: adv,
-            num_targets: resp.len() as u32,
-        });
-    }
-    batch.rows.push(row);
-    batch.groups.push(TrainGroup {
-        key: GroupKey { period: PeriodId(0), prompt: PromptId(prompt_id) },
-        num_sequences: responses.len() as u32,
-        group_size: responses.len() as u32,
-        all_equal: advantages.iter().all(|&a| a == 0.0),
-        reward_mean: 0.5,
-    });
-    batch.validate().unwrap();
-    batch
+    builder(version).shared_prompt(prompt_id, prompt, responses, advantages).build()
 }
 
-/// Concatenates micro-batches into one (rows, sequences and groups re-indexed).
-pub(crate) fn merge(batches: &[TrainBatch]) -> TrainBatch {
-    let mut out = TrainBatch::default();
-    for b in batches {
-        let (r0, s0, g0) = (out.rows.len() as u32, out.sequences.len() as u32, out.groups.len() as u32);
-        out.rows.extend(b.rows.iter().cloned());
-        out.groups.extend(b.groups.iter().copied());
-        out.sequences.extend(b.sequences.iter().map(|s| TrainSequence { group: s.group + g0, ..*s }));
-        let t = &b.targets;
-        let o = &mut out.targets;
-        o.row.extend(t.row.iter().map(|r| r + r0));
-        o.position.extend_from_slice(&t.position);
-        o.token.extend_from_slice(&t.token);
-        o.sequence.extend(t.sequence.iter().map(|s| s + s0));
-        o.advantage.extend_from_slice(&t.advantage);
-        o.behaviour_logprob.extend_from_slice(&t.behaviour_logprob);
-    }
-    out.validate().unwrap();
-    out
-}
+/// A group of a period: its prompt id, prompt, responses and advantages.
+type GroupSpec = (u64, Vec<u32>, Vec<Vec<u32>>, [f32; 4]);
 
 /// Four groups of four responses with distinct prompts, lengths and advantages.
-pub(crate) fn period_groups() -> Vec<TrainBatch> {
+fn period_specs() -> Vec<GroupSpec> {
     (0..4u32)
         .map(|g| {
             let prompt: Vec<u32> = (0..5 + g).map(|i| 3 + (i * 7 + g * 11) % 90).collect();
@@ -99,9 +44,25 @@ pub(crate) fn period_groups() -> Vec<TrainBatch> {
                 .map(|r| (0..3 + (r + g) % 4).map(|j| 3 + (j * 13 + r * 5 + g * 17) % 90).collect())
                 .collect();
             let advantages = [1.0, -1.0, 0.5, -0.5].map(|a| a * (1.0 + g as f32 / 4.0));
-            group_batch(u64::from(g), &prompt, &responses, &advantages)
+            (u64::from(g), prompt, responses, advantages)
         })
         .collect()
+}
+
+/// The groups of [`period_specs`], one micro-batch each.
+pub(crate) fn period_groups() -> Vec<TrainBatch> {
+    period_specs()
+        .iter()
+        .map(|(id, prompt, responses, adv)| group_batch(*id, prompt, responses, adv))
+        .collect()
+}
+
+/// The groups of [`period_specs`] in one micro-batch, sampled by `version`.
+pub(crate) fn period_batch(version: PolicyVersion) -> TrainBatch {
+    let fold = |b: BatchBuilder, (id, prompt, responses, adv): &GroupSpec| {
+        b.shared_prompt(*id, prompt, responses, adv)
+    };
+    period_specs().iter().fold(builder(version), fold).build()
 }
 
 pub(crate) fn tiny_model() -> Model {

@@ -2,7 +2,9 @@
 
 use metronome_core::PolicyVersion;
 
-use crate::common::{config, flat_weights, group_batch, group_batch_at, period_groups, stamped, tiny_model};
+use crate::common::{
+    config, flat_weights, group_batch, group_batch_at, period_batch, period_groups, stamped, tiny_model,
+};
 
 #[test]
 fn non_finite_loss_skips_the_step_and_the_run_goes_on() {
@@ -27,6 +29,22 @@ fn non_finite_loss_skips_the_step_and_the_run_goes_on() {
     assert!(r.applied && r.grad_norm.is_finite());
     assert_eq!(r.version, PolicyVersion(2));
     assert_ne!(flat_weights(t.policy()), before);
+}
+
+/// The `Trainer` contract: one version per step, applied or refused (a non-finite
+/// advantage), and snapshots that are copies of the current weights.
+#[tokio::test]
+async fn the_trainer_passes_the_trainer_suite() {
+    let mut t = config().build(tiny_model()).unwrap();
+    let refused = |v| group_batch_at(9, &[5, 6, 7], &[vec![8, 9], vec![10, 11]], &[f32::NAN, 1.0], v);
+    metronome_testkit::conformance::trainer::run_all(&mut t, &period_batch, Some(&refused)).await;
+    let mut fresh = config().build(tiny_model()).unwrap();
+    metronome_testkit::conformance::trainer::a_checkpoint_continues_exactly(
+        &mut t,
+        &mut fresh,
+        &period_batch,
+    )
+    .await;
 }
 
 #[test]

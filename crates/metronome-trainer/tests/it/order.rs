@@ -5,7 +5,7 @@ use metronome_trainer::loss::Aggregation;
 use metronome_model::Device;
 
 use crate::common::{
-    config, flat_weights, max_abs_diff, merge, period_groups, tiny_model, two_periods, two_periods_on,
+    config, flat_weights, max_abs_diff, period_batch, period_groups, tiny_model, two_periods, two_periods_on,
 };
 
 #[test]
@@ -40,7 +40,7 @@ fn streamed_token_mean_equals_the_whole_batch_computation() {
     cfg.loss.aggregation = Aggregation::TokenMean;
     // Whole batch: every group in one micro-batch, one forward, one normaliser.
     let mut whole = cfg.build(tiny_model()).unwrap();
-    let total = whole.accumulate_sync(&merge(&groups)).unwrap();
+    let total = whole.accumulate_sync(&period_batch(whole.version())).unwrap();
     // Streaming: one group per micro-batch; the token total is known only at the end.
     let mut streamed = cfg.build(tiny_model()).unwrap();
     let mut tokens = 0;

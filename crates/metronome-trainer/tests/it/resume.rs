@@ -1,20 +1,22 @@
 //! Checkpoint and resume give bit-identical steps.
 
+use metronome_core::TrainBatch;
 use metronome_model::Device;
+use metronome_testkit::damage::{Damage, check_damaged};
 use metronome_trainer::schedule::Decay;
+use metronome_trainer::{GrpoTrainer, TrainerConfig};
 
 use crate::common::{config, flat_weights, period_groups, stamped, tiny_model};
 
 #[test]
 fn three_plus_three_steps_equal_resumed_three() {
     let groups = period_groups();
-    let mut cfg = config();
-    cfg.loss.kl_coef = 0.05;
+    let mut cfg = kl_config();
     cfg.schedule.warmup_steps = 2;
     cfg.schedule.decay = Decay::Cosine { total_steps: 10, min_ratio: 0.1 };
     cfg.max_grad_norm = Some(0.5);
     let dir = tempfile::tempdir().unwrap();
-    let period = |t: &mut metronome_trainer::GrpoTrainer, k: usize| {
+    let period = |t: &mut GrpoTrainer, k: usize| {
         // Vary the order per period, as completion order would.
         for i in 0..groups.len() {
             let v = t.version();
@@ -44,21 +46,32 @@ fn three_plus_three_steps_equal_resumed_three() {
     assert!(wa.iter().zip(&wb).all(|(x, y)| x.to_bits() == y.to_bits()), "weights differ after resume");
 }
 
+/// A trainer (KL term on, so the reference model is saved too) after one full period
+/// and half of the next: what a checkpoint mid-period holds.
+fn mid_period(cfg: &TrainerConfig, groups: &[TrainBatch]) -> GrpoTrainer {
+    let mut t = cfg.build(tiny_model()).unwrap();
+    for g in groups {
+        t.accumulate_sync(g).unwrap();
+    }
+    t.step_sync().unwrap();
+    for g in &groups[..2] {
+        t.accumulate_sync(&stamped(g, t.version())).unwrap();
+    }
+    t
+}
+
+fn kl_config() -> TrainerConfig {
+    let mut cfg = config();
+    cfg.loss.kl_coef = 0.05;
+    cfg
+}
+
 #[test]
 fn a_checkpoint_mid_period_resumes_to_the_same_weights() {
     let groups = period_groups();
-    let mut cfg = config();
-    cfg.loss.kl_coef = 0.05;
+    let cfg = kl_config();
     let dir = tempfile::tempdir().unwrap();
-    let mut a = cfg.build(tiny_model()).unwrap();
-    // One full period, then half of the next before the checkpoint.
-    for g in &groups {
-        a.accumulate_sync(g).unwrap();
-    }
-    a.step_sync().unwrap();
-    for g in &groups[..2] {
-        a.accumulate_sync(&stamped(g, a.version())).unwrap();
-    }
+    let mut a = mid_period(&cfg, &groups);
     a.save_checkpoint(dir.path()).unwrap();
     let mut b = cfg.resume(dir.path(), &Device::Cpu).unwrap();
     for t in [&mut a, &mut b] {
@@ -88,47 +101,22 @@ fn missing_checkpoint_files_are_named() {
 
 #[test]
 fn truncated_or_corrupted_checkpoint_files_are_errors_never_panics() {
-    let groups = period_groups();
-    let mut cfg = config();
-    cfg.loss.kl_coef = 0.05;
+    let cfg = kl_config();
     let good = tempfile::tempdir().unwrap();
-    let mut t = cfg.build(tiny_model()).unwrap();
-    for g in &groups {
-        t.accumulate_sync(g).unwrap();
-    }
-    t.step_sync().unwrap();
     // Mid-period, so that the accumulator files hold something.
-    for g in &groups[..2] {
-        t.accumulate_sync(&stamped(g, t.version())).unwrap();
-    }
-    t.save_checkpoint(good.path()).unwrap();
+    mid_period(&cfg, &period_groups()).save_checkpoint(good.path()).unwrap();
     let files =
         ["trainer_state.json", "optimizer.safetensors", "accumulator.safetensors", "accumulator.json"];
     let mut tried = 0;
     for file in files {
         let bytes = std::fs::read(good.path().join(file)).unwrap();
         // Every byte of the first 128 (headers, JSON), then 40 points over the rest.
-        let positions = (0..bytes.len().min(128)).chain((128..bytes.len()).step_by(bytes.len() / 40 + 1));
-        for at in positions {
-            for mutation in 0..2 {
-                let dir = good.path();
-                let mut b = bytes.clone();
-                if mutation == 0 {
-                    b.truncate(at);
-                } else {
-                    b[at] ^= 0x5a;
-                }
-                std::fs::write(dir.join(file), &b).unwrap();
-                let outcome = std::panic::catch_unwind(|| cfg.resume(dir, &Device::Cpu).map(drop));
-                match outcome {
-                    Ok(Ok(())) => assert!(mutation > 0, "{file} cut at byte {at} resumed"),
-                    Ok(Err(e)) => assert!(e.to_string().contains(file), "{file} at {at}: {e}"),
-                    Err(_) => panic!("resume panicked on {file}, mutation {mutation} at byte {at}"),
-                }
-                tried += 1;
-            }
-        }
-        std::fs::write(good.path().join(file), &bytes).unwrap();
+        let at: Vec<usize> =
+            (0..bytes.len().min(128)).chain((128..bytes.len()).step_by(bytes.len() / 40 + 1)).collect();
+        let damages = [Damage::Cut, Damage::Flip(0x5a)];
+        tried += check_damaged(&good.path().join(file), &bytes, &at, &damages, &[file], || {
+            cfg.resume(good.path(), &Device::Cpu).map(drop)
+        });
     }
     eprintln!("{tried} truncated or corrupted files, every one an error or a load");
     assert!(tried > 1000, "{tried}");

@@ -1,8 +1,8 @@
 //! The wire formats against truncated, corrupted, wrong-version and oversized input:
 //! every case is a clear error, never a panic.
 
+use metronome_testkit::data::{scored_group, snapshot};
 use metronome_transport::Error;
-use metronome_transport::testdata::{scored_group, snapshot};
 use metronome_transport::wire::{
     HEADER_LEN, check_size, decode_control, decode_group, decode_weights, encode_control, encode_group,
     encode_weights,

@@ -3,44 +3,32 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use metronome_core::{ControlReceiver, ControlSender};
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher, WeightSubscriber};
-use metronome_transport::conformance::{self, Transport};
+use metronome_testkit::conformance::transport::{self as conformance, Transport};
 #[cfg(feature = "local")]
 use metronome_transport::local;
-use metronome_transport::{ControlReceiver, ControlSender};
 
-/// Generates one test per conformance check for a transport factory expression.
+/// Generates one test per named conformance check for a transport factory expression.
 macro_rules! conformance_tests {
     ($make:expr) => {
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn groups_round_trip() {
-            conformance::groups_round_trip(&$make).await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn duplicate_keys_count_once() {
-            conformance::duplicate_keys_count_once(&$make).await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn acknowledged_key_is_not_delivered_again() {
-            conformance::acknowledged_key_is_not_delivered_again(&$make).await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn concurrent_senders_lose_nothing() {
-            conformance::concurrent_senders_lose_nothing(&$make).await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn weights_newest_wins() {
-            conformance::weights_newest_wins(&$make).await;
-        }
-
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn control_in_order() {
-            conformance::control_in_order(&$make).await;
-        }
+        conformance_tests!(
+            $make;
+            groups_round_trip,
+            duplicate_keys_count_once,
+            acknowledged_key_is_not_delivered_again,
+            concurrent_senders_lose_nothing,
+            weights_newest_wins,
+            control_in_order
+        );
+    };
+    ($make:expr; $($check:ident),*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                conformance::$check(&$make).await;
+            }
+        )*
     };
 }
 
@@ -84,7 +72,7 @@ mod over_nats {
     use metronome_transport::nats::{NatsConfig, NatsTransport};
 
     use super::*;
-    use metronome_transport::server::NatsServer;
+    use metronome_testkit::server::NatsServer;
 
     /// One server per test; every call makes endpoints under a new name prefix.
     pub(crate) struct Nats {

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 use metronome_core::{GroupReceiver, GroupSender, WeightPublisher};
+use metronome_testkit::data::{scored_group, snapshot};
 use metronome_transport::local;
-use metronome_transport::testdata::{scored_group, snapshot};
 
 #[tokio::test]
 async fn a_full_channel_makes_the_sender_wait() {

@@ -9,13 +9,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use metronome_core::{
-    GroupKey, GroupReceiver, GroupSender, PolicyVersion, WeightPublisher, WeightSubscriber,
+    ErrorChain, GroupKey, GroupReceiver, GroupSender, PolicyVersion, WeightPublisher, WeightSnapshot,
+    WeightSubscriber,
 };
-use metronome_transport::nats::{NatsConfig, NatsTransport};
-use metronome_transport::testdata::{scored_group, snapshot};
+use metronome_testkit::data::{scored_group, snapshot, snapshot_of_bytes};
+use metronome_transport::nats::{NatsConfig, NatsTransport, NatsWeightSubscriber};
 use metronome_transport::wire::{encode_group, encode_weights};
 
-use metronome_transport::server::NatsServer;
+use metronome_testkit::server::NatsServer;
 
 /// Environment variables that turn this test binary into a helper process.
 const CHILD_ROLE: &str = "METRONOME_TRANSPORT_CHILD_ROLE";
@@ -127,6 +128,18 @@ fn wait_for_line(child: &mut ChildGuard, prefix: &str) -> String {
     }
 }
 
+/// A subscriber's `wait_for(min)` on a task of its own, handing the subscriber back
+/// with the outcome.
+fn wait_in_background(
+    mut subscriber: NatsWeightSubscriber,
+    min: PolicyVersion,
+) -> tokio::task::JoinHandle<(NatsWeightSubscriber, metronome_core::Result<Arc<WeightSnapshot>>)> {
+    tokio::spawn(async move {
+        let got = subscriber.wait_for(min).await;
+        (subscriber, got)
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn weights_published_by_one_process_are_fetched_bit_identically_by_another() {
     let server = NatsServer::start(&[]).expect("start nats-server");
@@ -229,7 +242,7 @@ async fn a_server_restart_mid_stream_loses_nothing_acknowledged_as_published() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_messages_keep_coming_across_a_server_restart() {
     use metronome_core::{ControlMessage, PeriodId};
-    use metronome_transport::{ControlReceiver, ControlSender};
+    use metronome_core::{ControlReceiver, ControlSender};
     let mut server = NatsServer::start(&[]).expect("start nats-server");
     let t = NatsTransport::connect(config(&server, "ctlrestart")).await.unwrap();
     let mut receiver = t.control_receiver().await.unwrap();
@@ -262,7 +275,8 @@ async fn malformed_oversized_and_duplicate_messages_are_rejected_and_counted() {
     // The small receiver's sender refuses an oversized group before publishing it.
     let big = scored_group(0, 99, 8, 256);
     let err = small.group_sender().await.unwrap().send(big.clone()).await.unwrap_err();
-    assert!(err.to_string().contains("exceeds the limit of 4096 bytes"), "{err}");
+    let err = ErrorChain(&err).to_string();
+    assert!(err.contains("exceeds the limit of 4096 bytes"), "{err}");
 
     // Raw publications bypass the sender's checks and its message id.
     let subject = t.config().groups.subject.clone();
@@ -358,7 +372,7 @@ async fn a_snapshot_of_many_chunks_round_trips() {
     let mut subscriber = t.weight_subscriber().await.unwrap();
     // Several versions, so that pruning runs between fetches.
     for v in 1..=4 {
-        let s = Arc::new(metronome_transport::testdata::snapshot_of_bytes(v, 6 << 20));
+        let s = Arc::new(snapshot_of_bytes(v, 6 << 20));
         tokio::time::timeout(PATIENCE, publisher.publish(Arc::clone(&s))).await.unwrap().unwrap();
         let got = tokio::time::timeout(PATIENCE, subscriber.latest()).await.unwrap().unwrap().unwrap();
         assert_eq!(encode_weights(&got).unwrap(), encode_weights(&s).unwrap());
@@ -436,7 +450,7 @@ async fn weights_kept_in_memory_outlive_server_restarts_before_and_during_an_upl
     // A restart while a version uploads: the publication starts again and completes.
     let begins = format!("{}.begins", t.config().weights.announce_subject);
     let mut begins = t.client().subscribe(begins).await.unwrap();
-    let second = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 32 << 20));
+    let second = Arc::new(snapshot_of_bytes(2, 32 << 20));
     let publishing = {
         let second = Arc::clone(&second);
         tokio::spawn(async move {
@@ -464,14 +478,11 @@ async fn a_streamed_fetch_cut_by_a_server_restart_gets_the_version_uploaded_agai
     publisher.publish(Arc::new(snapshot(1, 300))).await.unwrap();
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
 
-    let waiter = tokio::spawn(async move {
-        let got = subscriber.wait_for(PolicyVersion(2)).await;
-        (subscriber, got)
-    });
+    let waiter = wait_in_background(subscriber, PolicyVersion(2));
     tokio::time::sleep(SETTLE).await;
     let begins = format!("{}.begins", t.config().weights.announce_subject);
     let mut begins = t.client().subscribe(begins).await.unwrap();
-    let second = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 32 << 20));
+    let second = Arc::new(snapshot_of_bytes(2, 32 << 20));
     let publishing = {
         let second = Arc::clone(&second);
         tokio::spawn(async move { publisher.publish(second).await.unwrap() })
@@ -502,16 +513,13 @@ async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically
     let cfg = streaming_config(&server, "streamed");
     let publisher = NatsTransport::connect(cfg.clone()).await.unwrap().weight_publisher().await.unwrap();
     let mut subscriber = NatsTransport::connect(cfg).await.unwrap().weight_subscriber().await.unwrap();
-    let v1 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(1, 1 << 20));
+    let v1 = Arc::new(snapshot_of_bytes(1, 1 << 20));
     publisher.publish(Arc::clone(&v1)).await.unwrap();
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
 
-    let waiter = tokio::spawn(async move {
-        let got = subscriber.wait_for(PolicyVersion(2)).await;
-        (subscriber, got)
-    });
+    let waiter = wait_in_background(subscriber, PolicyVersion(2));
     tokio::time::sleep(SETTLE).await;
-    let v2 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 8 << 20));
+    let v2 = Arc::new(snapshot_of_bytes(2, 8 << 20));
     tokio::time::timeout(PATIENCE, publisher.publish(Arc::clone(&v2))).await.unwrap().unwrap();
     let (mut subscriber, got) = tokio::time::timeout(PATIENCE, waiter).await.unwrap().unwrap();
     let got = got.unwrap();
@@ -532,7 +540,7 @@ async fn a_waiting_subscriber_streams_a_version_while_it_uploads_bit_identically
 /// the format's checksum plus `checksum_offset`.
 async fn handmade_upload(t: &NatsTransport, checksum_offset: u64, chunks_sent: usize) -> (String, Bytes) {
     let bucket = t.config().weights.bucket.clone();
-    let encoded = encode_weights(&metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20)).unwrap();
+    let encoded = encode_weights(&snapshot_of_bytes(2, 1 << 20)).unwrap();
     let chunks: Vec<&[u8]> = encoded.chunks(64 * 1024).collect();
     let nuid = format!("handmade{checksum_offset}");
     let js = async_nats::jetstream::new(t.client().clone());
@@ -590,7 +598,7 @@ async fn a_subscriber_that_starts_waiting_after_an_upload_began_streams_it() {
         .await
         .expect("the upload that began before the wait was not seen")
         .unwrap();
-    let expected = metronome_transport::testdata::snapshot_of_bytes(2, 1 << 20);
+    let expected = snapshot_of_bytes(2, 1 << 20);
     assert_eq!(encode_weights(&got).unwrap(), encode_weights(&expected).unwrap());
     assert_eq!(subscriber.streamed_fetches(), 1);
 }
@@ -603,25 +611,19 @@ async fn a_stalled_or_mismatched_upload_is_a_clear_error_and_the_previous_versio
     t.weight_publisher().await.unwrap().publish(Arc::clone(&v1)).await.unwrap();
 
     // Stalled: 3 of 16 chunks, then nothing.
-    let mut subscriber = t.weight_subscriber().await.unwrap();
-    let waiter = tokio::spawn(async move {
-        let got = subscriber.wait_for(PolicyVersion(2)).await;
-        (subscriber, got)
-    });
+    let subscriber = t.weight_subscriber().await.unwrap();
+    let waiter = wait_in_background(subscriber, PolicyVersion(2));
     let (mut subscriber, got) = half_upload(&t, 0, 3, waiter).await;
-    let err = got.unwrap_err().to_string();
+    let err = ErrorChain(&got.unwrap_err()).to_string();
     assert!(err.contains("stalled") && err.contains("500 ms"), "{err}");
     let previous = subscriber.latest().await.unwrap().unwrap();
     assert_eq!(encode_weights(&previous).unwrap(), encode_weights(&v1).unwrap());
     assert_eq!(subscriber.stats().rejected.get("stalled"), Some(&1));
 
     // Every chunk, but not the checksum the begins announcement promised.
-    let waiter = tokio::spawn(async move {
-        let got = subscriber.wait_for(PolicyVersion(2)).await;
-        (subscriber, got)
-    });
+    let waiter = wait_in_background(subscriber, PolicyVersion(2));
     let (mut subscriber, got) = half_upload(&t, 1, 16, waiter).await;
-    let err = got.unwrap_err().to_string();
+    let err = ErrorChain(&got.unwrap_err()).to_string();
     assert!(err.contains("checksum"), "{err}");
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
     assert_eq!(subscriber.streamed_fetches(), 0);
@@ -639,15 +641,12 @@ async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_neve
     publisher.publish(Arc::clone(&v1)).await.unwrap();
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(1));
 
-    let waiter = tokio::spawn(async move {
-        let got = subscriber.wait_for(PolicyVersion(2)).await;
-        (subscriber, got)
-    });
+    let waiter = wait_in_background(subscriber, PolicyVersion(2));
     tokio::time::sleep(SETTLE).await;
     let js = async_nats::jetstream::new(t.client().clone());
     let mut objects = js.get_stream(format!("OBJ_{}", t.config().weights.bucket)).await.unwrap();
     let before = objects.info().await.unwrap().state.messages;
-    let v2 = Arc::new(metronome_transport::testdata::snapshot_of_bytes(2, 48 << 20));
+    let v2 = Arc::new(snapshot_of_bytes(2, 48 << 20));
     let upload = tokio::spawn({
         let (publisher, v2) = (Arc::clone(&publisher), Arc::clone(&v2));
         async move { publisher.publish(v2).await }
@@ -665,7 +664,7 @@ async fn a_publisher_aborted_mid_upload_leaves_an_error_or_a_whole_snapshot_neve
     let whole = encode_weights(&v2).unwrap();
     match got {
         Ok(s) => assert_eq!(encode_weights(&s).unwrap(), whole, "a partial snapshot"),
-        Err(e) => assert!(e.to_string().contains("stalled"), "{e}"),
+        Err(e) => assert!(ErrorChain(&e).to_string().contains("stalled"), "{e:?}"),
     }
     let now = subscriber.latest().await.unwrap().unwrap();
     let now = encode_weights(&now).unwrap();

@@ -23,7 +23,8 @@ use futures::StreamExt;
 use metronome_core::{PeriodId, PolicyVersion, Prompt};
 use serde::{Deserialize, Serialize};
 
-use crate::nats::{NatsTransport, Storage, durable_consumer, ensure_stream};
+pub use super::config::ClaimQueueConfig;
+use super::connection::{NatsTransport, durable_consumer, ensure_stream};
 use crate::stats::Counters;
 use crate::{Error, Result, Stats};
 
@@ -35,43 +36,6 @@ const REST_WAIT: Duration = Duration::from_millis(50);
 
 /// The format version of a claim message; a reader refuses others.
 pub const CLAIM_FORMAT_VERSION: u16 = 1;
-
-/// The claim queue's stream and the workers' shared consumer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ClaimQueueConfig {
-    /// Stream name (a work queue: a completed claim is removed).
-    pub stream: String,
-    /// Subject claims are offered on.
-    pub subject: String,
-    /// Durable consumer shared by every worker.
-    pub consumer: String,
-    /// Lease: a claim neither completed nor extended for this many milliseconds goes
-    /// to another worker.
-    pub lease_ms: u64,
-    /// Window in which offering the same (period, prompt) again adds nothing, in milliseconds.
-    pub duplicate_window_ms: u64,
-    /// A claim delivered more often than this (every worker that took it failed on
-    /// it, or died) is poison: the worker that takes it next publishes its group as
-    /// rejected instead of generating.
-    pub max_deliveries: u64,
-    /// Storage.
-    pub storage: Storage,
-}
-
-impl Default for ClaimQueueConfig {
-    fn default() -> Self {
-        Self {
-            stream: "METRONOME_CLAIMS".to_owned(),
-            subject: "metronome.claims".to_owned(),
-            consumer: "metronome-workers".to_owned(),
-            lease_ms: 30_000,
-            duplicate_window_ms: 600_000,
-            max_deliveries: 5,
-            storage: Storage::File,
-        }
-    }
-}
 
 /// The body of a claim message.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -110,7 +74,7 @@ impl std::fmt::Debug for Claim {
 impl Claim {
     /// Marks the claim done (after its group is published): it is never delivered again.
     pub async fn complete(&self) -> Result<()> {
-        self.message.double_ack().await.map_err(|e| Error::Nats { op: "complete claim", source: e })
+        self.message.double_ack().await.map_err(|e| Error::Nats { op: "complete claim", error: e })
     }
 
     /// Gives the claim back at once, for another worker (graceful leave).
@@ -118,7 +82,7 @@ impl Claim {
         self.message
             .ack_with(jetstream::AckKind::Nak(None))
             .await
-            .map_err(|e| Error::Nats { op: "release claim", source: e })
+            .map_err(|e| Error::Nats { op: "release claim", error: e })
     }
 
     /// Renews the lease (the worker is still on it).
@@ -126,7 +90,7 @@ impl Claim {
         self.message
             .ack_with(jetstream::AckKind::Progress)
             .await
-            .map_err(|e| Error::Nats { op: "extend claim", source: e })
+            .map_err(|e| Error::Nats { op: "extend claim", error: e })
     }
 }
 
@@ -162,7 +126,7 @@ fn decode_claim(bytes: &[u8]) -> Result<ClaimBody> {
 }
 
 impl NatsTransport {
-    pub(crate) async fn claim_stream(&self) -> Result<stream::Stream> {
+    pub(super) async fn claim_stream(&self) -> Result<stream::Stream> {
         let c = &self.config().claims;
         let config = stream::Config {
             name: c.stream.clone(),

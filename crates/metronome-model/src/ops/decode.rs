@@ -1,0 +1,800 @@
+//! The decode kernels: forward only, each row computed alone in a fixed order so
+//! that a sequence's result is bitwise the same whoever shares its step (cache
+//! writes, attention over a slot's prefix, the decode-layout linear layer, SwiGLU).
+
+use candle_core::{CpuStorage, Layout, Tensor};
+
+use super::{FwdResult, SwiGlu, contiguous_f32};
+use crate::Result;
+
+/// Where each token row of a cached forward (a decode step, or prompts being
+/// prefilled) lives in one layer's key/value cache: row `i`'s slot starts at cache row
+/// `base[i]`, its key and value go to cache row `base[i] + len[i] - 1`, and it attends
+/// to the `len[i]` cached positions up to and including its own.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DecodeRows<'a> {
+    pub(crate) base: &'a [usize],
+    pub(crate) len: &'a [usize],
+}
+
+impl DecodeRows<'_> {
+    /// Checks that `n` rows are described and that each fits a cache of `cache_rows` rows.
+    pub(crate) fn check(&self, op: &str, n: usize, cache_rows: usize) -> candle_core::Result<()> {
+        if self.base.len() != n || self.len.len() != n {
+            candle_core::bail!("{op}: {} row placements for {n} rows", self.base.len().min(self.len.len()))
+        }
+        for (i, (&b, &l)) in self.base.iter().zip(self.len).enumerate() {
+            if l == 0 || b + l > cache_rows {
+                candle_core::bail!("{op}: row {i} spans cache rows {b}..{} of {cache_rows}", b + l)
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes a decode step's new keys (or values) `[n, kv_heads, head_dim]` into a
+/// layer's cache `[rows, kv_heads, head_dim]` at the rows [`DecodeRows`] names: one
+/// scatter instead of a `slice_set` per row.
+#[derive(Debug)]
+struct DecodeWrite<'a>(DecodeRows<'a>);
+
+impl candle_core::InplaceOp2 for DecodeWrite<'_> {
+    fn name(&self) -> &'static str {
+        "decode-write"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let new = contiguous_f32(self.name(), s2, l2)?;
+        let (n, kvh, hd) = l2.shape().dims3()?;
+        let (rows, ckvh, chd) = l1.shape().dims3()?;
+        if (ckvh, chd) != (kvh, hd) {
+            candle_core::bail!("decode-write: rows {:?} do not fit cache {:?}", l2.dims(), l1.dims())
+        }
+        self.0.check(self.name(), n, rows)?;
+        let (Some((c0, c1)), CpuStorage::F32(cache)) = (l1.contiguous_offsets(), s1) else {
+            candle_core::bail!("decode-write needs a contiguous f32 cache")
+        };
+        let cache = &mut cache[c0..c1];
+        let width = kvh * hd;
+        for (i, src) in new.chunks_exact(width).enumerate() {
+            let at = (self.0.base[i] + self.0.len[i] - 1) * width;
+            cache[at..at + width].copy_from_slice(src);
+        }
+        Ok(())
+    }
+}
+
+/// Writes `new: [n, kv_heads, head_dim]` into `cache` at the rows `rows` names (see
+/// [`DecodeWrite`]).
+pub(crate) fn write_decode_rows(cache: &Tensor, new: &Tensor, rows: DecodeRows<'_>) -> Result<()> {
+    Ok(cache.inplace_op2(&new.contiguous()?, &DecodeWrite(rows))?)
+}
+
+/// Grouped-query attention of every row of a decode step over its own cached prefix,
+/// read directly from a layer's cache: one op per layer instead of about ten candle
+/// ops per row (each a few µs of dispatch and allocation), which dominated decode
+/// steps of many slots.
+///
+/// Each row is computed alone by the same code with a fixed reduction order (dot
+/// products in eight fixed lanes, softmax and the weighted sum of values in key
+/// order), so its result is bitwise the same whichever rows share the step: decode
+/// stays batch-invariant (docs/design.md §6). Forward only: decoding builds no graph.
+#[derive(Debug)]
+struct DecodeAttention<'a>(DecodeRows<'a>);
+
+/// `a · b` summed in eight fixed lanes (vectorisable, and the same order every call).
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let mut acc = [0f32; 8];
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+impl candle_core::CustomOp3 for DecodeAttention<'_> {
+    fn name(&self) -> &'static str {
+        "decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> FwdResult {
+        let (n, heads, hd) = l1.shape().dims3()?;
+        let (rows, kvh, khd) = l2.shape().dims3()?;
+        if l3.dims() != l2.dims() || khd != hd || kvh == 0 || heads % kvh != 0 {
+            candle_core::bail!(
+                "decode-attention: queries {:?} do not fit keys {:?} and values {:?}",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )
+        }
+        self.0.check(self.name(), n, rows)?;
+        let q = contiguous_f32(self.name(), s1, l1)?;
+        let k = contiguous_f32(self.name(), s2, l2)?;
+        let v = contiguous_f32(self.name(), s3, l3)?;
+        let mut out = vec![0f32; n * heads * hd];
+        // The same scalar code, compiled for the instruction set `pulp` detects (the
+        // eight-lane dot products become one AVX vector): results are unchanged.
+        pulp::Arch::new().dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out: &mut out });
+        Ok((CpuStorage::F32(out), (n, heads * hd).into()))
+    }
+}
+
+/// The loops of [`DecodeAttention`], run under [`pulp::Arch::dispatch`].
+struct AttentionRows<'a> {
+    rows: DecodeRows<'a>,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    heads: usize,
+    kvh: usize,
+    hd: usize,
+    out: &'a mut [f32],
+}
+
+impl pulp::WithSimd for AttentionRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let l = S::F32_LANES;
+        if !self.hd.is_multiple_of(l) {
+            return attention_rows_scalar(self);
+        }
+        let nv = self.hd / l;
+        let load = |s: &[f32]| -> S::f32s { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&s[..l])) };
+        let dot = |qh: &[f32], kr: &[f32]| {
+            let mut acc = simd.splat_f32s(0.0);
+            for c in 0..nv {
+                acc = simd.mul_add_e_f32s(load(&qh[c * l..]), load(&kr[c * l..]), acc);
+            }
+            simd.reduce_sum_f32s(acc)
+        };
+        // Head by head, the accumulators of one head held in registers across the keys.
+        let weigh = |probs: &[f32], values: &[f32], width: usize, off: usize, og: &mut [f32]| {
+            let len = probs.len() / (og.len() / (nv * l));
+            for (ps, oh) in probs.chunks_exact(len).zip(og.chunks_exact_mut(nv * l)) {
+                match nv {
+                    1 => weighted_values::<S, 1>(simd, ps, values, width, off, oh),
+                    2 => weighted_values::<S, 2>(simd, ps, values, width, off, oh),
+                    4 => weighted_values::<S, 4>(simd, ps, values, width, off, oh),
+                    8 => weighted_values::<S, 8>(simd, ps, values, width, off, oh),
+                    _ => {
+                        for c in 0..nv {
+                            let mut acc = simd.splat_f32s(0.0);
+                            for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
+                                acc = simd.mul_add_e_f32s(simd.splat_f32s(p), load(&vr[off + c * l..]), acc);
+                            }
+                            oh[c * l..(c + 1) * l]
+                                .copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&acc)));
+                        }
+                    }
+                }
+            }
+        };
+        attention_rows_with(self, dot, weigh);
+    }
+}
+
+/// The loops of [`DecodeAttention`] around its two inner products: `dot(q_head,
+/// key)`, and `weigh(probs, values, width, offset, out_heads)`, which writes the
+/// probability-weighted sums of the values (accumulated in key order) for the query
+/// heads that share one key/value head (`probs` holds a row of keys per head). Per
+/// row and key/value head those query heads are handled together, so each cached key
+/// is loaded once for all of them. Inlined into [`AttentionRows`]'s dispatch, so the
+/// closures compile with the instruction set `pulp` detected.
+#[inline(always)]
+fn attention_rows_with(
+    a: AttentionRows<'_>,
+    dot: impl Fn(&[f32], &[f32]) -> f32,
+    weigh: impl Fn(&[f32], &[f32], usize, usize, &mut [f32]),
+) {
+    let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = a;
+    let n = rows.base.len();
+    let rep = heads / kvh;
+    let width = kvh * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut probs = Vec::new();
+    for i in 0..n {
+        let (base, len) = (rows.base[i], rows.len[i]);
+        let keys = &k[base * width..(base + len) * width];
+        let values = &v[base * width..(base + len) * width];
+        probs.clear();
+        probs.resize(rep * len, 0f32);
+        for g in 0..kvh {
+            let off = g * hd;
+            let heads_at = (i * heads + g * rep) * hd;
+            let qg = &q[heads_at..heads_at + rep * hd];
+            for (j, kr) in keys.chunks_exact(width).enumerate() {
+                let kr = &kr[off..off + hd];
+                for (r, qh) in qg.chunks_exact(hd).enumerate() {
+                    probs[r * len + j] = dot(qh, kr) * scale;
+                }
+            }
+            softmax_rows(&mut probs, len);
+            weigh(&probs, values, width, off, &mut out[heads_at..heads_at + rep * hd]);
+        }
+    }
+}
+
+/// Softmax of each `len`-long row of `probs` in place: exponentials that vectorise,
+/// their sum in key order.
+#[inline(always)]
+fn softmax_rows(probs: &mut [f32], len: usize) {
+    for ps in probs.chunks_exact_mut(len) {
+        let max = ps.iter().fold(f32::NEG_INFINITY, |m, &p| m.max(p));
+        for p in ps.iter_mut() {
+            *p = exp_vectorisable(*p - max);
+        }
+        let mut sum = 0f32;
+        for &p in ps.iter() {
+            sum += p;
+        }
+        let inv = 1.0 / sum;
+        for p in ps.iter_mut() {
+            *p *= inv;
+        }
+    }
+}
+
+/// `oh = Σ_j ps[j] · value_j` for one head of `NV` SIMD vectors, the accumulators held
+/// in registers across the keys (one fused multiply-add chain per lane, in key order).
+#[inline(always)]
+fn weighted_values<S: pulp::Simd, const NV: usize>(
+    simd: S,
+    ps: &[f32],
+    values: &[f32],
+    width: usize,
+    off: usize,
+    oh: &mut [f32],
+) {
+    let l = S::F32_LANES;
+    let mut acc = [simd.splat_f32s(0.0); NV];
+    for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
+        let p = simd.splat_f32s(p);
+        let vr = &vr[off..off + NV * l];
+        for (c, a) in acc.iter_mut().enumerate() {
+            *a = simd.mul_add_e_f32s(
+                p,
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&vr[c * l..(c + 1) * l])),
+                *a,
+            );
+        }
+    }
+    for (c, a) in acc.iter().enumerate() {
+        oh[c * l..(c + 1) * l].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(a)));
+    }
+}
+
+/// The attention loops in plain scalar code, for head sizes that are not a whole number
+/// of SIMD vectors (inlined into the dispatch, so `exp_vectorisable`'s fused
+/// multiply-adds are instructions, not library calls).
+#[inline(always)]
+fn attention_rows_scalar(a: AttentionRows<'_>) {
+    let hd = a.hd;
+    // Key by key, each cached value loaded once for all the heads that share it.
+    attention_rows_with(a, dot, |probs, values, width, off, og| {
+        let len = probs.len() / (og.len() / hd);
+        og.fill(0.0);
+        for (j, vr) in values.chunks_exact(width).enumerate() {
+            let vr = &vr[off..off + hd];
+            for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
+                let p = probs[r * len + j];
+                for (o, &x) in oh.iter_mut().zip(vr) {
+                    *o += p * x;
+                }
+            }
+        }
+    });
+}
+
+/// Attention of a decode step's queries `q: [n, heads, head_dim]` over each row's
+/// cached prefix in `keys`, `values: [rows, kv_heads, head_dim]` (see
+/// [`DecodeAttention`]). Returns `[n, heads * head_dim]`, as [`super::attention`] does.
+pub(crate) fn decode_attention(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    rows: DecodeRows<'_>,
+) -> Result<Tensor> {
+    Ok(q.contiguous()?.apply_op3_no_bwd(keys, values, &DecodeAttention(rows))?)
+}
+
+/// `silu(gate) * up` for the first `rows` rows of `[n, d]` inputs, zero after, without
+/// an autograd graph (see [`SwiGlu`]).
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor, rows: usize) -> Result<Tensor> {
+    Ok(gate.contiguous()?.apply_op2_no_bwd(&up.contiguous()?, &SwiGlu { rows })?)
+}
+
+/// A linear layer laid out for decoding: `[in, out]` row-major (the transpose of the
+/// training layout `[out, in]`), with its bias. Kept only by models that never train
+/// (see `Model::frozen_copy`), next to the training weights.
+pub(crate) struct DenseWeight {
+    /// `[inputs, outputs]` row-major.
+    data: Vec<f32>,
+    bias: Option<Vec<f32>>,
+    inputs: usize,
+    outputs: usize,
+}
+
+impl std::fmt::Debug for DenseWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DenseWeight")
+            .field("inputs", &self.inputs)
+            .field("outputs", &self.outputs)
+            .field("bias", &self.bias.is_some())
+            .finish()
+    }
+}
+
+impl DenseWeight {
+    /// The decode layout of training weights `ws` stacked along their output
+    /// dimension (`[out_i, in]` each, e.g. the query, key and value projections, read
+    /// by one product), with their biases stacked the same way (all or none).
+    pub(crate) fn stacked(ws: &[&Tensor], biases: &[&Tensor]) -> Result<Self> {
+        let w = if ws.len() == 1 { ws[0].clone() } else { Tensor::cat(ws, 0)? };
+        let (outputs, inputs) = w.dims2()?;
+        let data = w.t()?.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let bias = match biases {
+            [] => None,
+            [b] => Some(b.flatten_all()?.to_vec1::<f32>()?),
+            bs => Some(Tensor::cat(bs, 0)?.to_vec1::<f32>()?),
+        };
+        if bias.as_ref().is_some_and(|b| b.len() != outputs) {
+            return Err(crate::Error::invalid("decode weights", "biases do not match the stacked outputs"));
+        }
+        Ok(Self { data, bias, inputs, outputs })
+    }
+
+    /// `x @ w (+ b)` for `x: [n, inputs]` (see [`DecodeLinear`]).
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.contiguous()?.apply_op1_no_bwd(&DecodeLinear(self))?)
+    }
+}
+
+/// `x @ w (+ b)` for the rows of a decode step or prefill, on weights in decode layout.
+///
+/// candle's matmul on `x @ wᵀ` repacked the transposed weights on every call and chose
+/// its kernel by the number of rows, so decoding padded every linear input to
+/// `DECODE_MIN_ROWS` rows to stay batch-invariant. Here every output element is one
+/// fused multiply-add chain over the inputs in index order, then `+ b`, whichever rows
+/// and tile it is computed with: a row's result is bitwise independent of the batch at
+/// any batch size, without padding. Rows are split across the current rayon pool when
+/// it has more than one thread (the split does not change any result).
+#[derive(Debug)]
+struct DecodeLinear<'a>(&'a DenseWeight);
+
+impl candle_core::CustomOp1 for DecodeLinear<'_> {
+    fn name(&self) -> &'static str {
+        "decode-linear"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        let w = self.0;
+        let x = contiguous_f32(self.name(), s, l)?;
+        let (n, k) = l.shape().dims2()?;
+        if k != w.inputs {
+            candle_core::bail!(
+                "decode-linear: input {:?} does not fit a {}x{} weight",
+                l.dims(),
+                w.inputs,
+                w.outputs
+            )
+        }
+        let mut out = vec![0f32; n * w.outputs];
+        dense_rows(x, w, &mut out);
+        Ok((CpuStorage::F32(out), (n, w.outputs).into()))
+    }
+}
+
+/// Rows per parallel task when a linear layer's rows are split across threads.
+const DENSE_ROWS_PER_TASK: usize = 32;
+
+/// `out = x @ w (+ b)` row by row (see [`DecodeLinear`]); `x` holds whole rows.
+pub(crate) fn dense_rows(x: &[f32], w: &DenseWeight, out: &mut [f32]) {
+    let (k, m) = (w.inputs, w.outputs);
+    let n = x.len().checked_div(k).unwrap_or(0);
+    if n >= 2 * DENSE_ROWS_PER_TASK && rayon::current_num_threads() > 1 {
+        use rayon::prelude::*;
+        x.par_chunks(DENSE_ROWS_PER_TASK * k)
+            .zip(out.par_chunks_mut(DENSE_ROWS_PER_TASK * m))
+            .for_each(|(x, out)| pulp::Arch::new().dispatch(DenseKernel { x, w, out }));
+    } else {
+        pulp::Arch::new().dispatch(DenseKernel { x, w, out });
+    }
+}
+
+/// One thread's share of [`dense_rows`], generic over the SIMD instruction set that
+/// `pulp` picks at run time.
+struct DenseKernel<'a> {
+    x: &'a [f32],
+    w: &'a DenseWeight,
+    out: &'a mut [f32],
+}
+
+/// Rows of one register tile.
+const TILE_ROWS: usize = 4;
+/// SIMD vectors of output columns of one register tile: 4 rows x 3 vectors is twelve
+/// independent accumulators, enough to hide the latency of fused multiply-adds.
+const TILE_VECTORS: usize = 3;
+
+impl pulp::WithSimd for DenseKernel<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, simd: S) {
+        let DenseKernel { x, w, out } = self;
+        let m = w.outputs;
+        let l = S::F32_LANES;
+        // Column panels outside, rows inside: a panel of the weight (`inputs x 3`
+        // vectors, 12 KiB at 128 inputs) stays in L1 while every row tile passes over
+        // it, instead of the whole weight streaming through once per row tile.
+        let mut c = 0;
+        while c + TILE_VECTORS * l <= m {
+            dense_panel::<S, TILE_VECTORS, true>(simd, x, w, c, out);
+            c += TILE_VECTORS * l;
+        }
+        while c + l <= m {
+            dense_panel::<S, 1, true>(simd, x, w, c, out);
+            c += l;
+        }
+        if c < m {
+            dense_panel::<S, 1, false>(simd, x, w, c, out);
+        }
+    }
+}
+
+/// Every row of [`DenseKernel`] times one panel of output columns: tiles of
+/// [`TILE_ROWS`] rows, then single rows.
+#[inline(always)]
+fn dense_panel<S: pulp::Simd, const V: usize, const FULL: bool>(
+    simd: S,
+    x: &[f32],
+    w: &DenseWeight,
+    c: usize,
+    out: &mut [f32],
+) {
+    let (k, m) = (w.inputs, w.outputs);
+    let n = x.len().checked_div(k).unwrap_or(0);
+    let tiled = n / TILE_ROWS * TILE_ROWS;
+    for r in (0..tiled).step_by(TILE_ROWS) {
+        let xs: [&[f32]; TILE_ROWS] = std::array::from_fn(|i| &x[(r + i) * k..(r + i + 1) * k]);
+        dense_tile::<S, TILE_ROWS, V, FULL>(simd, &xs, w, c, &mut out[r * m..]);
+    }
+    for r in tiled..n {
+        dense_tile::<S, 1, V, FULL>(simd, &[&x[r * k..(r + 1) * k]], w, c, &mut out[r * m..]);
+    }
+}
+
+/// One register tile: rows `xs` times output columns `c..c + V` vectors (`FULL`), or
+/// the last, partial vector of columns (`!FULL`, `V == 1`, masked loads and stores
+/// computing the same chain per element).
+#[inline(always)]
+fn dense_tile<S: pulp::Simd, const R: usize, const V: usize, const FULL: bool>(
+    simd: S,
+    xs: &[&[f32]; R],
+    w: &DenseWeight,
+    c: usize,
+    out: &mut [f32],
+) {
+    let m = w.outputs;
+    let l = S::F32_LANES;
+    let width = if FULL { V * l } else { m - c };
+    let load = |s: &[f32]| -> S::f32s {
+        if FULL {
+            bytemuck::pod_read_unaligned(bytemuck::cast_slice(&s[..l]))
+        } else {
+            simd.partial_load_f32s(s)
+        }
+    };
+    let mut acc = [[simd.splat_f32s(0.0); V]; R];
+    for (p, wrow) in w.data.chunks_exact(m).enumerate() {
+        let wrow = &wrow[c..c + width];
+        let wv: [S::f32s; V] = std::array::from_fn(|v| load(&wrow[v * l..]));
+        for r in 0..R {
+            let xv = simd.splat_f32s(xs[r][p]);
+            for v in 0..V {
+                acc[r][v] = simd.mul_add_e_f32s(xv, wv[v], acc[r][v]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let o = &mut out[r * m + c..r * m + c + width];
+        for (v, &a) in acc.iter().enumerate() {
+            let y = match &w.bias {
+                Some(b) => simd.add_f32s(a, load(&b[c + v * l..c + width])),
+                None => a,
+            };
+            if FULL {
+                o[v * l..(v + 1) * l].copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&y)));
+            } else {
+                simd.partial_store_f32s(o, y);
+            }
+        }
+    }
+}
+
+/// `silu(gate) * up` from one `[n, 2 * intermediate]` tensor holding each row's gate
+/// then its up projection (the product of a stacked gate/up [`DenseWeight`]), to
+/// `[n, intermediate]`; forward only, computed as [`SwiGlu`] computes it.
+#[derive(Debug, Clone, Copy)]
+struct SwiGluStacked;
+
+impl candle_core::CustomOp1 for SwiGluStacked {
+    fn name(&self) -> &'static str {
+        "swiglu-stacked"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        let gu = contiguous_f32(self.name(), s, l)?;
+        let (n, two) = l.shape().dims2()?;
+        if two % 2 != 0 {
+            candle_core::bail!("swiglu-stacked: {two} columns do not split into gate and up")
+        }
+        let i = two / 2;
+        let mut out = vec![0f32; n * i];
+        pulp::Arch::new().dispatch(SwiGluRows { gu, out: &mut out, i });
+        Ok((CpuStorage::F32(out), (n, i).into()))
+    }
+}
+
+/// The loop of [`SwiGluStacked`], compiled for the instruction set `pulp` detects
+/// (with [`exp_vectorisable`], it runs eight lanes at a time under AVX2).
+struct SwiGluRows<'a> {
+    gu: &'a [f32],
+    out: &'a mut [f32],
+    i: usize,
+}
+
+impl pulp::WithSimd for SwiGluRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) {
+        let SwiGluRows { gu, out, i } = self;
+        for (o, row) in out.chunks_exact_mut(i.max(1)).zip(gu.chunks_exact(2 * i.max(1))) {
+            let (g, u) = row.split_at(i);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g / (1.0 + exp_vectorisable(-g)) * u;
+            }
+        }
+    }
+}
+
+/// `e^x` in f32 within about 2 ulp (Cephes' `expf`: `x = n·ln 2 + r`, a degree-6
+/// polynomial for `e^r`, `2^n` built in the exponent bits), written without branches or
+/// library calls so that loops over it vectorise; libm's `expf` is a call per element
+/// and made up a tenth of a decode step at 64 rows. Inputs are clamped to
+/// `[-87.3, 88.3]` (results from about `1e-38` to `2e38`, never zero or infinite).
+#[inline(always)]
+pub(crate) fn exp_vectorisable(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.3, 88.3);
+    let n = (x * LOG2E + 0.5).floor();
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5); // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
+    let y = (p * r).mul_add(r, r) + 1.0;
+    y * f32::from_bits(((n as i32).wrapping_add(127) << 23) as u32)
+}
+
+/// `silu(gate) * up` of a stacked `[n, 2 * intermediate]` gate/up product (see
+/// [`SwiGluStacked`]).
+pub(crate) fn swiglu_stacked(gate_up: &Tensor) -> Result<Tensor> {
+    Ok(gate_up.contiguous()?.apply_op1_no_bwd(&SwiGluStacked)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::super::{linear, noise};
+    use super::*;
+    use crate::Kernels;
+    use crate::ops::attention;
+
+    /// Deterministic values in `[-1, 1)`.
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| (metronome_core::mix64(seed * 1_000_003 + i) >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            .collect()
+    }
+
+    /// A `[out, in]` training-layout weight, its decode-layout copy, and a bias.
+    fn dense(inputs: usize, outputs: usize, bias: bool) -> (Tensor, Option<Tensor>, DenseWeight) {
+        let w = Tensor::from_vec(values(1, outputs * inputs), (outputs, inputs), &Device::Cpu).unwrap();
+        let b = bias.then(|| Tensor::from_vec(values(2, outputs), outputs, &Device::Cpu).unwrap());
+        let d = DenseWeight::stacked(&[&w], &b.iter().collect::<Vec<_>>()).unwrap();
+        (w, b, d)
+    }
+
+    #[test]
+    fn decode_linear_matches_candle_linear() {
+        // Widths with and without a partial SIMD vector, tile tails of 1-3 rows.
+        for (inputs, outputs, n, bias) in
+            [(128, 256, 64, true), (128, 99, 7, false), (384, 128, 5, false), (3, 5, 1, true)]
+        {
+            let (w, b, d) = dense(inputs, outputs, bias);
+            let x = Tensor::from_vec(values(3, n * inputs), (n, inputs), &Device::Cpu).unwrap();
+            let want = linear(&x, &w, b.as_ref()).unwrap().to_vec2::<f32>().unwrap();
+            let got = d.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!((g - w).abs() < 1e-4, "{inputs}x{outputs} n={n}: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn decode_linear_rows_do_not_depend_on_the_batch() {
+        let (_, _, d) = dense(128, 99, true);
+        let xs = values(4, 70 * 128);
+        let x = Tensor::from_vec(xs.clone(), (70, 128), &Device::Cpu).unwrap();
+        let all = d.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        // Each row alone, and the batch split across two threads (the parallel path).
+        for r in [0, 3, 4, 69] {
+            let one = Tensor::from_vec(xs[r * 128..(r + 1) * 128].to_vec(), (1, 128), &Device::Cpu).unwrap();
+            assert_eq!(d.forward(&one).unwrap().to_vec2::<f32>().unwrap()[0], all[r], "row {r}");
+        }
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let split = pool.install(|| d.forward(&x).unwrap().to_vec2::<f32>().unwrap());
+        assert_eq!(split, all);
+        assert!(d.forward(&Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap()).is_err());
+    }
+
+    #[test]
+    fn stacked_swiglu_matches_the_two_input_form() {
+        let g = Tensor::from_vec(values(5, 3 * 6), (3, 6), &Device::Cpu).unwrap();
+        let u = Tensor::from_vec(values(6, 3 * 6), (3, 6), &Device::Cpu).unwrap();
+        let want = swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap();
+        let got = swiglu_stacked(&Tensor::cat(&[&g, &u], 1).unwrap()).unwrap().to_vec2::<f32>().unwrap();
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1e-3), "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn vectorisable_exp_is_within_a_few_ulp() {
+        let mut worst = 0f64;
+        for i in -8700..8830 {
+            let x = i as f32 / 100.0 + 0.003;
+            let (got, want) = (f64::from(exp_vectorisable(x)), f64::from(x).exp());
+            worst = worst.max((got - want).abs() / want);
+        }
+        assert!(worst < 3e-7, "max relative error {worst}");
+        assert!(exp_vectorisable(-1e4) > 0.0 && exp_vectorisable(1e4).is_finite());
+        assert_eq!(exp_vectorisable(0.0), 1.0);
+    }
+
+    #[test]
+    fn decode_attention_matches_reference_on_ragged_rows() {
+        // Head sizes of 4 and 8 SIMD vectors (registers held across keys), of 5 (the
+        // general loop) and of a fraction of one (the scalar loops).
+        for kernels in [Kernels::Fused, Kernels::Portable] {
+            for hd in [32, 64, 40, 6] {
+                decode_attention_matches_reference(kernels, hd);
+            }
+        }
+    }
+
+    fn decode_attention_matches_reference(kernels: Kernels, hd: usize) {
+        let dev = Device::Cpu;
+        // 4 query heads over 2 key/value heads.
+        let (heads, kvh, slots, max_len) = (4, 2, 6, 50);
+        let shape = (slots * max_len, kvh, hd);
+        let keys = Tensor::from_vec(noise(1, slots * max_len * kvh * hd), shape, &dev).unwrap();
+        let values = Tensor::from_vec(noise(2, slots * max_len * kvh * hd), shape, &dev).unwrap();
+        // Ragged lengths, slots out of order, one row of length 1 and one filling its slot.
+        let slot_of = [4usize, 0, 5, 2, 1];
+        let len = [17usize, 1, 50, 33, 8];
+        let base: Vec<usize> = slot_of.iter().map(|s| s * max_len).collect();
+        let rows = DecodeRows { base: &base, len: &len };
+        let n = slot_of.len();
+        let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
+        let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        let new_v = Tensor::from_vec(noise(5, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        kernels.write_decode_rows(&keys, &new_k, rows).unwrap();
+        kernels.write_decode_rows(&values, &new_v, rows).unwrap();
+        let fused = kernels.decode_attention(&q, &keys, &values, rows).unwrap();
+        assert_eq!(fused.dims(), [n, heads * hd]);
+        for i in 0..n {
+            let last = base[i] + len[i] - 1;
+            let written = keys.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(written, new_k.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let written = values.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(written, new_v.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let reference = attention(
+                Kernels::Fused,
+                &q.narrow(0, i, 1).unwrap(),
+                &keys.narrow(0, base[i], len[i]).unwrap(),
+                &values.narrow(0, base[i], len[i]).unwrap(),
+                None,
+            )
+            .unwrap();
+            let got = fused.narrow(0, i, 1).unwrap();
+            let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-5, "{kernels:?}, head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
+        }
+        if kernels == Kernels::Portable {
+            return; // batch-invariant only within 1e-5 (padding changes its reduction length)
+        }
+        // Each row alone gives bitwise the batch's result.
+        let all = fused.to_vec2::<f32>().unwrap();
+        for i in 0..n {
+            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i] };
+            let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
+        }
+    }
+
+    #[test]
+    fn fused_swiglu_matches_composed_ops() {
+        let dev = Device::Cpu;
+        let g = Tensor::from_vec(noise(7, 3 * 37), (3, 37), &dev).unwrap();
+        let u = Tensor::from_vec(noise(8, 3 * 37), (3, 37), &dev).unwrap();
+        let composed = Kernels::Portable.swiglu(&g, &u, 3).unwrap();
+        let d = (swiglu(&g, &u, 3).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
+        let two = swiglu(&g, &u, 2).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(two[1], swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap()[1]);
+        assert!(two[2].iter().all(|&x| x == 0.0), "rows past `rows` are zero");
+        assert!(swiglu(&g, &u.narrow(1, 0, 36).unwrap(), 3).is_err());
+    }
+
+    #[test]
+    fn decode_ops_reject_rows_outside_the_cache() {
+        for k in [Kernels::Fused, Kernels::Portable] {
+            decode_ops_reject_rows_outside_the_cache_with(k);
+        }
+    }
+
+    fn decode_ops_reject_rows_outside_the_cache_with(kernels: Kernels) {
+        let dev = Device::Cpu;
+        let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
+        let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
+        let new = Tensor::zeros((1, 1, 4), candle_core::DType::F32, &dev).unwrap();
+        let past_end = DecodeRows { base: &[4], len: &[5] };
+        let empty = DecodeRows { base: &[0], len: &[0] };
+        let two = DecodeRows { base: &[0, 1], len: &[1, 1] };
+        for rows in [past_end, empty, two] {
+            assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
+            assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
+        }
+        if kernels == Kernels::Portable {
+            return;
+        }
+        let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
+        let ok = DecodeRows { base: &[0], len: &[1] };
+        let err = decode_attention(
+            &wrong_heads,
+            &cache.repeat((1, 2, 1)).unwrap(),
+            &cache.repeat((1, 2, 1)).unwrap(),
+            ok,
+        );
+        assert!(err.unwrap_err().to_string().contains("decode-attention"));
+    }
+}

@@ -1,0 +1,197 @@
+//! The network's kernels on candle: the training kernels (differentiable, fused with
+//! their own backward) in `train`, the decode kernels (forward only, batch-invariant)
+//! in `decode`, and what both use here (rotary embeddings, the plain linear layer, the
+//! SwiGLU forward, access to custom-op operands).
+//!
+//! candle-nn's fused `softmax_last_dim`, `rms_norm` and `RmsNorm::forward` have no
+//! backward and silently cut gradients (docs/design.md §6), so the training
+//! forward is written from fused ops with their own backward or from candle-core
+//! primitives that all have one. Decoding builds no graph: its kernels are forward
+//! only and fix their reduction order, so a row's result does not depend on the rows
+//! that share its step.
+
+mod decode;
+mod train;
+
+use candle_core::{CpuStorage, Layout, Shape, Tensor};
+
+pub(crate) use decode::{
+    DecodeRows, DenseWeight, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
+};
+pub(crate) use train::{
+    SegmentPlan, attention, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
+    target_logprobs_entropy,
+};
+
+use crate::Result;
+
+/// What the CPU forward of a custom op returns: its output and the output's shape.
+type FwdResult = candle_core::Result<(CpuStorage, Shape)>;
+
+/// The f32 elements of a two-input custom op's operands, which must be contiguous.
+fn contiguous_f32_pair<'a>(
+    op: &str,
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
+) -> candle_core::Result<(&'a [f32], &'a [f32])> {
+    let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+        candle_core::bail!("{op} needs contiguous inputs")
+    };
+    Ok((&s1.as_slice::<f32>()?[a0..a1], &s2.as_slice::<f32>()?[b0..b1]))
+}
+
+/// The contiguous f32 elements of one custom-op operand.
+fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
+    let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
+    Ok(&s.as_slice::<f32>()?[a0..a1])
+}
+
+/// Rotary embedding as one op: rotates `[n, heads, head_dim]` by per-position
+/// angles (rotate-half convention); its backward is the inverse rotation.
+#[derive(Debug, Clone)]
+struct Rope {
+    /// `[n, head_dim / 2]` each.
+    cos: std::sync::Arc<Vec<f32>>,
+    sin: std::sync::Arc<Vec<f32>>,
+    /// Rotate by the negated angles (the backward).
+    inverse: bool,
+}
+
+impl candle_core::CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        let Some((a0, a1)) = l.contiguous_offsets() else {
+            candle_core::bail!("rope needs a contiguous input")
+        };
+        let x = &s.as_slice::<f32>()?[a0..a1];
+        let (n, heads, hd) = l.shape().dims3()?;
+        let half = hd / 2;
+        if self.cos.len() != n * half {
+            candle_core::bail!("rope: tables for {} positions, input has {n}", self.cos.len() / half.max(1))
+        }
+        let sign = if self.inverse { -1.0f32 } else { 1.0 };
+        let mut out = vec![0f32; x.len()];
+        for p in 0..n {
+            let c = &self.cos[p * half..(p + 1) * half];
+            let sn = &self.sin[p * half..(p + 1) * half];
+            for h in 0..heads {
+                let base = (p * heads + h) * hd;
+                let (x1, x2) = x[base..base + hd].split_at(half);
+                let (o1, o2) = out[base..base + hd].split_at_mut(half);
+                for i in 0..half {
+                    let s = sign * sn[i];
+                    o1[i] = x1[i] * c[i] - x2[i] * s;
+                    o2[i] = x2[i] * c[i] + x1[i] * s;
+                }
+            }
+        }
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let inv = Rope { inverse: !self.inverse, ..self.clone() };
+        Ok(Some(g.contiguous()?.apply_op1(inv)?))
+    }
+}
+
+/// `x @ wᵀ (+ b)` for `x: [n, in]`, `w: [out, in]`.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.matmul(&w.t()?)?;
+    Ok(match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+/// Rotary tables for explicit positions: `cos` and `sin`, each `[n, head_dim / 2]`,
+/// computed in f32 the way `transformers` does (`inv_freq = 1 / theta^(2i/d)`, then
+/// `position * inv_freq`), so positions that restart mid-row rotate exactly as
+/// separately decoded sequences would.
+pub(crate) fn rope_tables(positions: &[u32], head_dim: usize, theta: f64) -> RopeTables {
+    let half = head_dim / 2;
+    let theta = theta as f32;
+    let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+    let mut cos = Vec::with_capacity(positions.len() * half);
+    let mut sin = Vec::with_capacity(positions.len() * half);
+    for &p in positions {
+        for &f in &inv_freq {
+            let a = p as f32 * f;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    RopeTables { cos: std::sync::Arc::new(cos), sin: std::sync::Arc::new(sin), device: Default::default() }
+}
+
+/// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each, and their copy on
+/// a device once the portable kernels ask for it (`portable.rs`).
+#[derive(Debug, Clone)]
+pub(crate) struct RopeTables {
+    cos: std::sync::Arc<Vec<f32>>,
+    sin: std::sync::Arc<Vec<f32>>,
+    device: crate::portable::DeviceTables,
+}
+
+impl RopeTables {
+    pub(crate) fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    pub(crate) fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
+    pub(crate) fn device_tables(&self) -> &crate::portable::DeviceTables {
+        &self.device
+    }
+}
+
+/// Applies rotary embeddings to `x: [n, heads, head_dim]` (Hugging Face's
+/// rotate-half convention) with tables from [`rope_tables`].
+pub(crate) fn apply_rope(x: &Tensor, t: &RopeTables) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op1(Rope { cos: t.cos.clone(), sin: t.sin.clone(), inverse: false })?)
+}
+
+/// `silu(gate) * up` in one pass, forward only: the SwiGLU of the decode path, where
+/// the separate candle ops would allocate and walk two `[n, intermediate]` buffers.
+/// SiLU is computed as candle computes it, `x / (1 + exp(-x))`. Only the first `rows`
+/// rows are computed; the rest (padding rows of a decode step) are zero.
+#[derive(Debug, Clone, Copy)]
+struct SwiGlu {
+    rows: usize,
+}
+
+impl candle_core::CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        if l1.dims() != l2.dims() {
+            candle_core::bail!("swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())
+        }
+        let cols = l1.dims().last().copied().unwrap_or(1);
+        let live = self.rows.saturating_mul(cols).min(g.len());
+        let mut out = vec![0f32; g.len()];
+        for ((o, &g), &u) in out[..live].iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// `n` pseudo-random values in `[-2, 2)`, for the kernels' tests.
+#[cfg(test)]
+fn noise(seed: u64, n: usize) -> Vec<f32> {
+    (0..n as u64).map(|i| (metronome_core::mix64(seed << 32 | i) % 4096) as f32 / 1024.0 - 2.0).collect()
+}
+
+/// The largest absolute difference between two tensors of one shape, for the kernels' tests.
+#[cfg(test)]
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}

@@ -1,0 +1,641 @@
+//! The training kernels: fused ops with their own backward (RMSNorm, the masked
+//! softmax, SwiGLU, the log-prob and entropy head) and the per-segment attention of a
+//! packed row.
+
+use candle_core::{CpuStorage, D, Device, Layout, Tensor};
+
+use super::{FwdResult, SwiGlu, contiguous_f32, contiguous_f32_pair};
+use crate::Result;
+
+/// RMSNorm over the last dimension, as Hugging Face computes it:
+/// `w * x / sqrt(mean(x²) + eps)`, in one pass forward, with its backward.
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(x.contiguous()?.apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })?)
+}
+
+/// Fused RMSNorm: candle-nn's fused kernel has no backward (docs/design.md §6), and the
+/// composed form costs seven allocating ops forward and more backward.
+#[derive(Debug, Clone, Copy)]
+struct RmsNorm {
+    eps: f32,
+}
+
+impl candle_core::CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        let (x, w) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        let d = w.len();
+        if l1.dims().last() != Some(&d) {
+            candle_core::bail!("rms-norm: weight of {d} does not fit input {:?}", l1.dims())
+        }
+        let mut out = vec![0f32; x.len()];
+        for (xs, os) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let r = 1.0 / (ms + self.eps).sqrt();
+            for ((o, &v), &g) in os.iter_mut().zip(xs).zip(w) {
+                *o = v * r * g;
+            }
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // With r = 1/rms(x) and x̂ = x·r: dw = Σ_rows g·x̂, dx = r·(g·w − x̂·mean(g·w·x̂)).
+        let r = (x.sqr()?.mean_keepdim(D::Minus1)? + f64::from(self.eps))?.sqrt()?.recip()?;
+        let xhat = x.broadcast_mul(&r)?;
+        let d = w.elem_count();
+        let rows = xhat.elem_count() / d;
+        let dw = (g * &xhat)?.reshape((rows, d))?.sum(0)?;
+        let gw = g.broadcast_mul(w)?;
+        let dot = (&gw * &xhat)?.mean_keepdim(D::Minus1)?;
+        let dx = (gw - xhat.broadcast_mul(&dot)?)?.broadcast_mul(&r)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// Softmax over the last dimension. The max is subtracted for stability and
+/// detached: softmax is shift-invariant, so its gradient through the max is zero.
+pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    Ok(e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?)
+}
+
+/// `softmax(scores + mask)` over the last dimension in one pass, with its backward.
+///
+/// The attention probabilities are the largest activations of the training forward;
+/// as separate candle ops (add, max, sub, exp, sum, div) each would allocate and walk
+/// a fresh `[heads, q, k]` buffer forward and again backward. `scores` is
+/// `[.., lq, lk]`, `mask` is `[lq, lk]` and broadcast over the leading dimensions;
+/// only `scores` receives a gradient.
+#[derive(Debug, Clone, Copy)]
+struct MaskedSoftmax;
+
+impl candle_core::CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        let (x, mask) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        let dims = l1.dims();
+        let lk = dims[dims.len() - 1];
+        let lq = dims[dims.len() - 2];
+        if l2.dims() != [lq, lk] {
+            candle_core::bail!("masked-softmax: mask {:?} does not fit scores {:?}", l2.dims(), dims)
+        }
+        // Filled row by row rather than zeroed first: this is the largest buffer of the
+        // forward, and zeroing it was a visible share of the step's `memset`.
+        let mut out = Vec::with_capacity(x.len());
+        for (r, xs) in x.chunks_exact(lk).enumerate() {
+            let ms = &mask[(r % lq) * lk..(r % lq + 1) * lk];
+            let at = out.len();
+            out.extend(xs.iter().zip(ms).map(|(&a, &m)| a + m));
+            let os = &mut out[at..];
+            let max = os.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for o in os.iter_mut() {
+                // Masked entries are exactly zero: skip their `exp` (half of a causal block).
+                *o = if *o == f32::NEG_INFINITY { 0.0 } else { (*o - max).exp() };
+                sum += *o;
+            }
+            let inv = 1.0 / sum;
+            for o in os.iter_mut() {
+                *o *= inv;
+            }
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        _mask: &Tensor,
+        p: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(p.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxGrad)?), None))
+    }
+}
+
+/// The backward of a softmax over the last dimension in one pass: from the
+/// probabilities `p` and the output gradient `g`, `p · (g − Σ g·p)` per row (as candle
+/// ops: a product, a sum, a broadcast subtraction and a product, each allocating).
+#[derive(Debug, Clone, Copy)]
+struct SoftmaxGrad;
+
+impl candle_core::CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "softmax-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        let (p, g) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        if l1.dims() != l2.dims() {
+            candle_core::bail!(
+                "softmax-grad: probabilities {:?} and gradient {:?} differ",
+                l1.dims(),
+                l2.dims()
+            )
+        }
+        let lk = l1.dims().last().copied().unwrap_or(1).max(1);
+        let mut out = Vec::with_capacity(p.len());
+        for (ps, gs) in p.chunks_exact(lk).zip(g.chunks_exact(lk)) {
+            let dot: f32 = ps.iter().zip(gs).map(|(a, b)| a * b).sum();
+            out.extend(ps.iter().zip(gs).map(|(&a, &b)| a * (b - dot)));
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// `softmax(scores + mask)` over the last dimension; see [`MaskedSoftmax`].
+pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    Ok(scores.contiguous()?.apply_op2(&mask.contiguous()?, MaskedSoftmax)?)
+}
+
+/// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
+#[cfg(test)]
+fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let z = x.broadcast_sub(&max)?;
+    let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(z.broadcast_sub(&lse)?)
+}
+
+/// For each row of `logits: [n, vocab]`, the log-prob of its target token and the
+/// entropy of its distribution at a sampling temperature, as `[n, 2]`, with its
+/// backward.
+///
+/// As candle ops this is a scale, a log-softmax (six ops), a gather, and exp, product,
+/// sum and negation for the entropy, each with a backward that allocates
+/// `[n, vocab]` again. With `z = logits / T`, `p = softmax(z)`, `H = −Σ p log p` and
+/// `t` the target: `d log p_t / d z_j = [j = t] − p_j` and
+/// `d H / d z_j = −p_j (log p_j + H)`, and `d z / d logits = 1 / T`.
+#[derive(Debug, Clone)]
+struct TargetLogProbs {
+    targets: std::sync::Arc<Vec<u32>>,
+    /// `1 / T`, multiplied into the logits as the rollout engine's sampler does (so
+    /// both round alike); exactly 1 skips the product.
+    inv_temperature: f32,
+}
+
+impl TargetLogProbs {
+    /// The contiguous logits and their row width, checked against the targets.
+    fn rows<'a>(&self, op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<(&'a [f32], usize)> {
+        let z = contiguous_f32(op, s, l)?;
+        let (n, vocab) = l.shape().dims2()?;
+        if n != self.targets.len() {
+            candle_core::bail!("{op}: {n} rows of logits for {} targets", self.targets.len())
+        }
+        if let Some((i, t)) = self.targets.iter().enumerate().find(|(_, t)| **t as usize >= vocab) {
+            candle_core::bail!("{op}: target {i} is token {t}, outside the vocabulary of {vocab}")
+        }
+        Ok((z, vocab.max(1)))
+    }
+
+    /// The row `z / T` (in `scratch`), or `z` itself at `T = 1`.
+    fn scale<'a>(&self, z: &'a [f32], scratch: &'a mut [f32]) -> &'a [f32] {
+        if self.inv_temperature == 1.0 {
+            return z;
+        }
+        for (o, &v) in scratch.iter_mut().zip(z) {
+            *o = v * self.inv_temperature;
+        }
+        scratch
+    }
+}
+
+/// Writes `log softmax(z)` into `out` and returns the entropy of the distribution.
+fn log_softmax_row(z: &[f32], out: &mut [f32]) -> f32 {
+    let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for (o, &v) in out.iter_mut().zip(z) {
+        *o = v - max;
+        sum += o.exp();
+    }
+    let lse = sum.ln();
+    let mut entropy = 0f32;
+    for o in out.iter_mut() {
+        *o -= lse;
+        entropy -= o.exp() * *o;
+    }
+    entropy
+}
+
+impl candle_core::CustomOp1 for TargetLogProbs {
+    fn name(&self) -> &'static str {
+        "target-logprobs"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        let (z, vocab) = self.rows(self.name(), s, l)?;
+        let n = self.targets.len();
+        let mut out = vec![0f32; 2 * n];
+        let mut logp = vec![0f32; vocab];
+        let mut scaled = vec![0f32; if self.inv_temperature == 1.0 { 0 } else { vocab }];
+        for (i, zs) in z.chunks_exact(vocab).enumerate() {
+            let entropy = log_softmax_row(self.scale(zs, &mut scaled), &mut logp);
+            out[2 * i] = logp[self.targets[i] as usize];
+            out[2 * i + 1] = entropy;
+        }
+        Ok((CpuStorage::F32(out), (n, 2).into()))
+    }
+
+    fn bwd(&self, z: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(z.apply_op2_no_bwd(&g.contiguous()?, &TargetLogProbsGrad(self.clone()))?))
+    }
+}
+
+/// The backward of [`TargetLogProbs`]: from the logits and the `[n, 2]` gradient of
+/// (log-prob, entropy), the `[n, vocab]` gradient of the logits.
+#[derive(Debug, Clone)]
+struct TargetLogProbsGrad(TargetLogProbs);
+
+impl candle_core::CustomOp2 for TargetLogProbsGrad {
+    fn name(&self) -> &'static str {
+        "target-logprobs-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        let (z, vocab) = self.0.rows(self.name(), s1, l1)?;
+        let g = contiguous_f32(self.name(), s2, l2)?;
+        let n = self.0.targets.len();
+        if l2.dims() != [n, 2] {
+            candle_core::bail!("{}: gradient {:?} for {n} targets", self.name(), l2.dims())
+        }
+        let mut out = vec![0f32; z.len()];
+        let inv = self.0.inv_temperature;
+        let mut scaled = vec![0f32; if inv == 1.0 { 0 } else { vocab }];
+        for (i, (zs, os)) in z.chunks_exact(vocab).zip(out.chunks_exact_mut(vocab)).enumerate() {
+            let entropy = log_softmax_row(self.0.scale(zs, &mut scaled), os);
+            let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
+            for o in os.iter_mut() {
+                let p = o.exp();
+                *o = -p * (g_logp + g_entropy * (*o + entropy));
+            }
+            os[self.0.targets[i] as usize] += g_logp;
+            if inv != 1.0 {
+                os.iter_mut().for_each(|o| *o *= inv);
+            }
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// Log-probs of `targets` under `logits / T: [n, vocab]` and the entropies of the rows,
+/// as `[n, 2]` (see [`TargetLogProbs`]); `inv_temperature` is `1 / T`.
+pub(crate) fn target_logprobs_entropy(
+    logits: &Tensor,
+    targets: Vec<u32>,
+    inv_temperature: f32,
+) -> Result<Tensor> {
+    let op = TargetLogProbs { targets: std::sync::Arc::new(targets), inv_temperature };
+    Ok(logits.contiguous()?.apply_op1(op)?)
+}
+
+/// Scaled dot-product attention of one sequence with grouped-query heads.
+///
+/// `q: [lq, heads, hd]`, `k`, `v: [lk, kv_heads, hd]`, `mask`: additive `[lq, lk]`
+/// (`None` when every query sees every key). Returns `[lq, heads * hd]`. Query heads
+/// are grouped by their key/value head instead of repeating keys and values.
+pub(crate) fn attention(
+    kernels: crate::Kernels,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (lq, heads, hd) = q.dims3()?;
+    let (lk, kv_heads, _) = k.dims3()?;
+    let rep = heads / kv_heads;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let k = k.transpose(0, 1)?;
+    let v = v.transpose(0, 1)?;
+    // candle's CPU matmul takes any strides; cuBLAS wants each operand contiguous in
+    // its last two dimensions (or their transpose), so the GPU copies these two.
+    let (k, v) = if kernels == crate::Kernels::Fused { (k, v) } else { (k.contiguous()?, v.contiguous()?) };
+    let probs = match mask {
+        Some(m) => {
+            // Scaling the queries is cheaper than scaling the `[.., lq, lk]` scores.
+            let q = (q * scale)?.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
+            let scores = q.matmul(&k.t()?)?.reshape((kv_heads, rep, lq, lk))?;
+            kernels.masked_softmax(&scores, m)?.reshape((kv_heads, rep * lq, lk))?
+        }
+        None => {
+            let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
+            softmax_last_dim(&(q.matmul(&k.t()?)? * scale)?)?
+        }
+    };
+    let out = probs.matmul(&v)?; // [kv, rep * lq, hd]
+    Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
+}
+
+/// `silu(gate) * up` with its backward, for training: as candle ops the SiLU and the
+/// product each allocate and walk an `[n, intermediate]` buffer forward, and their
+/// backwards take several more (SiLU's alone is five ops); here the forward is one
+/// pass and the backward one pass writing both gradients.
+#[derive(Debug, Clone, Copy)]
+struct SwiGluTrain;
+
+impl candle_core::CustomOp2 for SwiGluTrain {
+    fn name(&self) -> &'static str {
+        "swiglu-train"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        SwiGlu { rows: usize::MAX }.cpu_fwd(s1, l1, s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // Both gradients in one pass, stacked as `[2, ..]`; each half is a contiguous view.
+        let both = gate.apply_op3_no_bwd(up, &grad.contiguous()?, &SwiGluGrad)?;
+        Ok((Some(both.get(0)?), Some(both.get(1)?)))
+    }
+}
+
+/// The backward of [`SwiGluTrain`]: from `gate`, `up` and the output gradient `dy`,
+/// `[d gate, d up]` stacked on a new leading dimension. With `s = sigmoid(gate)`:
+/// `d up = dy · gate · s` and `d gate = dy · up · s · (1 + gate · (1 − s))`.
+#[derive(Debug, Clone, Copy)]
+struct SwiGluGrad;
+
+impl candle_core::CustomOp3 for SwiGluGrad {
+    fn name(&self) -> &'static str {
+        "swiglu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> FwdResult {
+        let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
+        let dy = contiguous_f32(self.name(), s3, l3)?;
+        if l1.dims() != l2.dims() || l1.dims() != l3.dims() {
+            candle_core::bail!(
+                "swiglu-grad: gate {:?}, up {:?} and gradient {:?} differ in shape",
+                l1.dims(),
+                l2.dims(),
+                l3.dims()
+            )
+        }
+        let n = g.len();
+        let mut out = vec![0f32; 2 * n];
+        let (dg, du) = out.split_at_mut(n);
+        for i in 0..n {
+            let (x, d) = (g[i], dy[i]);
+            let s = 1.0 / (1.0 + (-x).exp());
+            du[i] = d * x * s;
+            dg[i] = d * u[i] * s * (1.0 + x * (1.0 - s));
+        }
+        let mut dims = vec![2];
+        dims.extend_from_slice(l1.dims());
+        Ok((CpuStorage::F32(out), dims.into()))
+    }
+}
+
+/// `silu(gate) * up` for training, differentiable in both inputs (see [`SwiGluTrain`]).
+pub(crate) fn swiglu_train(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok(gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGluTrain)?)
+}
+
+/// How one segment of a packed row attends: its queries against every key of its
+/// ancestors and its own causal prefix. Attending per segment costs the pairs the
+/// segment tree allows, where one `[len, len]` mask per row would cost the row's
+/// square: for a shared-prompt row of G responses that is up to G times less.
+#[derive(Debug)]
+pub(crate) struct SegmentPlan {
+    /// First query position in the row.
+    pub(crate) start: usize,
+    /// Number of queries.
+    pub(crate) len: usize,
+    /// Key ranges `(start, len)` in the row: the ancestors, root first, then the segment.
+    pub(crate) keys: Vec<(usize, usize)>,
+    /// `[len, keys]` additive mask: 0 on the ancestors and the causal prefix, `-inf` after.
+    pub(crate) mask: Tensor,
+}
+
+/// One [`SegmentPlan`] per segment of `row`, in row order.
+pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) -> Result<Vec<SegmentPlan>> {
+    let mut plans = Vec::with_capacity(row.segments.len());
+    for seg in &row.segments {
+        let mut keys = Vec::new();
+        let mut parent = seg.parent;
+        while let Some(a) = parent {
+            let ancestor = row.segments[a as usize];
+            keys.push((ancestor.start as usize, ancestor.len as usize));
+            parent = ancestor.parent;
+        }
+        keys.reverse();
+        let visible: usize = keys.iter().map(|k| k.1).sum();
+        let (start, len) = (seg.start as usize, seg.len as usize);
+        keys.push((start, len));
+        let width = visible + len;
+        let mut mask = vec![f32::NEG_INFINITY; len * width];
+        for i in 0..len {
+            mask[i * width..i * width + visible + i + 1].fill(0.0);
+        }
+        plans.push(SegmentPlan { start, len, keys, mask: Tensor::from_vec(mask, (len, width), device)? });
+    }
+    Ok(plans)
+}
+
+#[cfg(test)]
+mod tests {
+    use metronome_core::{PackedRow, Segment};
+
+    use super::super::{apply_rope, max_diff, noise, rope_tables};
+    use super::*;
+    use crate::Kernels;
+
+    #[test]
+    fn segment_plans_cover_exactly_what_can_attend_allows() {
+        let row = PackedRow {
+            tokens: vec![0; 11],
+            positions: vec![0; 11],
+            segments: vec![
+                Segment { start: 0, len: 3, parent: None },
+                Segment { start: 3, len: 2, parent: Some(0) },
+                Segment { start: 5, len: 2, parent: Some(1) },
+                Segment { start: 7, len: 2, parent: Some(0) },
+                Segment { start: 9, len: 2, parent: None },
+            ],
+        };
+        let mut allowed = vec![vec![false; row.len()]; row.len()];
+        for plan in segment_plans(&row, &Device::Cpu).unwrap() {
+            let key_positions: Vec<usize> = plan.keys.iter().flat_map(|&(s, l)| s..s + l).collect();
+            let mask = plan.mask.to_vec2::<f32>().unwrap();
+            for i in 0..plan.len {
+                for (j, &k) in key_positions.iter().enumerate() {
+                    allowed[plan.start + i][k] |= mask[i][j] == 0.0;
+                }
+            }
+        }
+        for (q, line) in allowed.iter().enumerate() {
+            for (k, &a) in line.iter().enumerate() {
+                assert_eq!(a, row.can_attend(q, k), "query {q} key {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn masked_softmax_matches_composed_ops_and_gradient() {
+        let dev = Device::Cpu;
+        let x = candle_core::Var::from_tensor(
+            &Tensor::new(
+                &[[[0.3f32, -1.0, 2.0], [1.5, 0.2, -0.7]], [[0.0, 0.1, 0.2], [3.0, -2.0, 1.0]]],
+                &dev,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let mask = Tensor::new(&[[0f32, f32::NEG_INFINITY, 0.0], [0.0, 0.0, 0.0]], &dev).unwrap();
+        let w = Tensor::new(&[1f32, -2.0, 0.5], &dev).unwrap();
+        let fused = masked_softmax(x.as_tensor(), &mask).unwrap();
+        let composed = Kernels::Portable.masked_softmax(x.as_tensor(), &mask).unwrap();
+        assert!(max_diff(&fused, &composed) < 1e-6);
+        let gf = fused.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gc = composed.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(gf.get(x.as_tensor()).unwrap(), gc.get(x.as_tensor()).unwrap()) < 1e-6);
+    }
+
+    #[test]
+    fn fused_rms_norm_and_rope_match_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let xs: Vec<f32> = (0..48).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+        let x = candle_core::Var::from_tensor(&Tensor::from_vec(xs, (3, 2, 8), &dev).unwrap()).unwrap();
+        let w = candle_core::Var::from_tensor(
+            &Tensor::new(&[0.5f32, 1.0, 1.5, 2.0, -1.0, 0.3, 0.7, 1.1], &dev).unwrap(),
+        )
+        .unwrap();
+        let probe =
+            Tensor::from_vec((0..48).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>(), (3, 2, 8), &dev)
+                .unwrap();
+        let t = rope_tables(&[0, 5, 2], 8, 10_000.0);
+        let run = |fused: bool| {
+            let y = if fused {
+                rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            } else {
+                Kernels::Portable.rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            };
+            let y = if fused { apply_rope(&y, &t).unwrap() } else { Kernels::Portable.rope(&y, &t).unwrap() };
+            let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            (y, g.get(x.as_tensor()).unwrap().clone(), g.get(w.as_tensor()).unwrap().clone())
+        };
+        let (yf, gxf, gwf) = run(true);
+        let (yc, gxc, gwc) = run(false);
+        assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
+        assert!(max_diff(&gxf, &gxc) < 1e-5, "dx {}", max_diff(&gxf, &gxc));
+        assert!(max_diff(&gwf, &gwc) < 1e-5, "dw {}", max_diff(&gwf, &gwc));
+    }
+
+    #[test]
+    fn fused_training_swiglu_matches_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let var = |seed, shape: (usize, usize)| {
+            let t = Tensor::from_vec(noise(seed, shape.0 * shape.1), shape, &dev).unwrap();
+            candle_core::Var::from_tensor(&(t * 3.0).unwrap()).unwrap()
+        };
+        let (g, u) = (var(11, (5, 37)), var(12, (5, 37)));
+        let probe = Tensor::from_vec(noise(13, 5 * 37), (5, 37), &dev).unwrap();
+        let run = |fused: bool| {
+            let y = if fused {
+                swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
+            } else {
+                Kernels::Portable.swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
+            };
+            let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            (y, grads.get(g.as_tensor()).unwrap().clone(), grads.get(u.as_tensor()).unwrap().clone())
+        };
+        let (yf, dgf, duf) = run(true);
+        let (yc, dgc, duc) = run(false);
+        assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
+        assert!(max_diff(&dgf, &dgc) < 1e-5, "d gate {}", max_diff(&dgf, &dgc));
+        assert!(max_diff(&duf, &duc) < 1e-5, "d up {}", max_diff(&duf, &duc));
+        assert!(swiglu_train(g.as_tensor(), &u.as_tensor().narrow(1, 0, 36).unwrap()).is_err());
+    }
+
+    #[test]
+    fn fused_target_logprobs_match_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let (n, vocab) = (6, 41);
+        let z = Tensor::from_vec(noise(21, n * vocab), (n, vocab), &dev).unwrap();
+        let z = candle_core::Var::from_tensor(&(z * 2.5).unwrap()).unwrap();
+        let targets: Vec<u32> = vec![0, 40, 7, 7, 19, 3];
+        let (wl, we) = (
+            Tensor::from_vec(noise(22, n), n, &dev).unwrap(),
+            Tensor::from_vec(noise(23, n), n, &dev).unwrap(),
+        );
+        let split = |both: &Tensor| {
+            (
+                both.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
+                both.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
+            )
+        };
+        let loss =
+            |l: &Tensor, e: &Tensor| ((l * &wl).unwrap() + (e * &we).unwrap()).unwrap().sum_all().unwrap();
+        for temperature in [1.0f32, 0.7, 1.6] {
+            let inv = 1.0 / temperature;
+            let (lf, ef) = split(&target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap());
+            let (lc, ec) = split(
+                &Kernels::Portable.target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap(),
+            );
+            assert!(max_diff(&lf, &lc) < 1e-5, "T={temperature}: log-probs {}", max_diff(&lf, &lc));
+            assert!(max_diff(&ef, &ec) < 1e-5, "T={temperature}: entropy {}", max_diff(&ef, &ec));
+            // Both against the plain log-softmax of the scaled logits.
+            let logp = log_softmax_last_dim(&(z.as_tensor() * f64::from(inv)).unwrap()).unwrap();
+            let index = Tensor::from_vec(targets.clone(), (n, 1), &dev).unwrap();
+            let want = logp.gather(&index, 1).unwrap().squeeze(1).unwrap();
+            assert!(max_diff(&lf, &want) < 1e-5, "T={temperature}: against log_softmax(z / T)");
+            let gf = loss(&lf, &ef).backward().unwrap();
+            let gc = loss(&lc, &ec).backward().unwrap();
+            let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
+            assert!(max_diff(gf, gc) < 1e-5, "T={temperature}: d logits {}", max_diff(gf, gc));
+        }
+        for k in [Kernels::Fused, Kernels::Portable] {
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![0; n - 1], 1.0).is_err());
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![41; n], 1.0).is_err());
+        }
+    }
+
+    #[test]
+    fn fused_softmax_backward_matches_composed_ops() {
+        let dev = Device::Cpu;
+        let p =
+            softmax_last_dim(&Tensor::from_vec(noise(31, 3 * 2 * 19), (3, 2, 19), &dev).unwrap()).unwrap();
+        let g = Tensor::from_vec(noise(32, 3 * 2 * 19), (3, 2, 19), &dev).unwrap();
+        let fused = p.apply_op2_no_bwd(&g, &SoftmaxGrad).unwrap();
+        let dot = (&g * &p).unwrap().sum_keepdim(D::Minus1).unwrap();
+        let composed = (g.broadcast_sub(&dot).unwrap() * &p).unwrap();
+        let d = (fused - composed).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-6, "{d}");
+    }
+
+    #[test]
+    fn softmax_forms_agree() {
+        let x = Tensor::new(&[[1.0f32, 2.0, 3.0], [-1.0, 0.0, 5.0]], &Device::Cpu).unwrap();
+        let p = softmax_last_dim(&x).unwrap();
+        let lp = log_softmax_last_dim(&x).unwrap().exp().unwrap();
+        let d = (p - lp).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-6);
+    }
+}

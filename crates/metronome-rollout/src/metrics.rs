@@ -1,0 +1,54 @@
+//! The crate's metrics: the typed catalogue [`METRICS`] and the functions that emit
+//! them through the `metrics` facade (per group, step or request, never per token;
+//! token counts are added once per decode step). Nothing else in the crate emits.
+
+use metronome_core::Metric;
+
+const ACTIVE_SLOTS: Metric =
+    Metric::gauge("metronome_rollout_active_slots", "KV-cache slots generating, per worker")
+        .labels(&["worker"]);
+const QUEUE_DEPTH: Metric =
+    Metric::gauge("metronome_rollout_queue_depth", "responses waiting for a slot, engine-wide");
+const GENERATED_TOKENS: Metric =
+    Metric::counter("metronome_rollout_generated_tokens_total", "tokens sampled, per worker")
+        .labels(&["worker"]);
+const GROUP_DURATION: Metric = Metric::seconds(
+    "metronome_rollout_group_duration_seconds",
+    "from the start of a group's first response to the end of its last",
+);
+const PROMPTS_REJECTED: Metric = Metric::counter(
+    "metronome_rollout_prompts_rejected_total",
+    "prompts the engine cannot take (empty, or too long for max_seq_len), emitted as rejected groups",
+);
+const HTTP_RETRIES: Metric =
+    Metric::counter("metronome_rollout_http_retries_total", "completion requests to a server retried");
+
+/// Every metric this crate emits.
+pub const METRICS: &[Metric] =
+    &[ACTIVE_SLOTS, QUEUE_DEPTH, GENERATED_TOKENS, GROUP_DURATION, PROMPTS_REJECTED, HTTP_RETRIES];
+
+/// The handle a worker adds its sampled tokens to.
+pub(crate) fn generated_tokens(worker: usize) -> metrics::Counter {
+    metrics::counter!(GENERATED_TOKENS.name, "worker" => worker.to_string())
+}
+
+/// The handle a worker sets its active slots on.
+pub(crate) fn active_slots(worker: &str) -> metrics::Gauge {
+    metrics::gauge!(ACTIVE_SLOTS.name, "worker" => worker.to_owned())
+}
+
+pub(crate) fn queue_depth(pending: usize) {
+    metrics::gauge!(QUEUE_DEPTH.name).set(pending as f64);
+}
+
+pub(crate) fn group_done(seconds: f64) {
+    metrics::histogram!(GROUP_DURATION.name).record(seconds);
+}
+
+pub(crate) fn prompt_rejected() {
+    metrics::counter!(PROMPTS_REJECTED.name).increment(1);
+}
+
+pub(crate) fn http_retry() {
+    metrics::counter!(HTTP_RETRIES.name).increment(1);
+}
