@@ -206,11 +206,13 @@ impl LoraConfig {
         if self.alpha.to_bits() != other.alpha.to_bits() {
             return Some(("lora.alpha", self.alpha.to_string(), other.alpha.to_string()));
         }
-        let names = |c: &LoraConfig| c.targets().map(|t| t.iter().map(|p| p.peft_name()).collect::<Vec<_>>());
-        match (names(self), names(other)) {
-            (Ok(a), Ok(b)) if a == b => None,
-            (a, b) => Some(("lora.target_modules", format!("{a:?}"), format!("{b:?}"))),
-        }
+        // In layer order, so that the order a config lists them in does not matter.
+        let names = |c: &LoraConfig| match c.targets() {
+            Ok(t) => format!("[{}]", t.iter().map(|p| p.peft_name()).collect::<Vec<_>>().join(", ")),
+            Err(e) => e.to_string(),
+        };
+        let (a, b) = (names(self), names(other));
+        (a != b).then_some(("lora.target_modules", a, b))
     }
 }
 
@@ -660,7 +662,8 @@ mod tests {
         assert_eq!(a.difference(&LoraConfig { rank: 4, ..a.clone() }).map(|d| d.0), Some("lora.rank"));
         assert_eq!(a.difference(&LoraConfig { alpha: 8.0, ..a.clone() }).map(|d| d.0), Some("lora.alpha"));
         let c = LoraConfig { target_modules: vec!["q_proj".into()], ..a.clone() };
-        assert_eq!(a.difference(&c).map(|d| d.0), Some("lora.target_modules"));
+        let d = a.difference(&c).unwrap();
+        assert_eq!(d, ("lora.target_modules", "[q_proj, v_proj]".into(), "[q_proj]".into()));
     }
 
     #[test]
