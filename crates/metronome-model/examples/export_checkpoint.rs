@@ -1,14 +1,25 @@
 //! Writes checkpoints with [`Model::save_hf`] for `fixtures/check_checkpoint.py`, which
-//! loads them in `transformers` and compares logits with the ones written here.
+//! loads them in `transformers` and compares logits with the ones written here; and
+//! LoRA adapters on them with [`Model::save_lora_adapter`] (`<arch>/lora/`, with the
+//! adapted model's logits) for `fixtures/check_lora.py`, which loads each adapter onto
+//! its base with `peft.PeftModel.from_pretrained` and compares.
 //!
 //! ```text
 //! cargo run -p metronome-model --example export_checkpoint -- /tmp/ckpt
 //! python3 crates/metronome-model/fixtures/check_checkpoint.py /tmp/ckpt
+//! python3 crates/metronome-model/fixtures/check_lora.py /tmp/ckpt
 //! ```
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use metronome_model::{Architecture, Device, Model, ModelConfig, Tensor};
+use metronome_model::{Architecture, Device, LoraConfig, Model, ModelConfig, Tensor};
+
+/// Writes `model`'s logits for `ids` to `dir/expected.json`.
+fn write_expected(model: &Model, ids: &[Vec<u32>], dir: &Path) -> anyhow::Result<()> {
+    let logits = model.forward_logits(&Tensor::new(ids.to_vec(), &Device::Cpu)?)?.to_vec3::<f32>()?;
+    let text = serde_json::json!({ "input_ids": ids, "logits": logits }).to_string();
+    Ok(std::fs::write(dir.join("expected.json"), text)?)
+}
 
 fn main() -> anyhow::Result<()> {
     // Under `cargo test` (built with cfg(test), run from the package directory) the
@@ -41,12 +52,22 @@ fn main() -> anyhow::Result<()> {
         model.save_hf(&dir)?;
         let ids: Vec<Vec<u32>> =
             (0..2u32).map(|r| (0..9u32).map(|i| 3 + (r * 31 + i * 17) % 90).collect()).collect();
-        let logits = model.forward_logits(&Tensor::new(ids.clone(), &Device::Cpu)?)?.to_vec3::<f32>()?;
-        std::fs::write(
-            dir.join("expected.json"),
-            serde_json::json!({ "input_ids": ids, "logits": logits }).to_string(),
-        )?;
+        write_expected(&model, &ids, &dir)?;
         println!("wrote {}", dir.display());
+        // Adapters on every projection with B moved off zero (as training moves it),
+        // so that each one changes the logits PEFT must reproduce.
+        let lora = LoraConfig { rank: 4, alpha: 8.0, ..LoraConfig::default() };
+        let adapted = model.with_lora(&lora, 11)?;
+        for (pname, var) in adapted.adapter_parameters() {
+            if pname.contains("lora_B") {
+                let t = (Tensor::arange(0f32, var.elem_count() as f32, var.device())? * 0.37)?.sin()?;
+                var.set(&(t.reshape(var.dims())? * 0.2)?)?;
+            }
+        }
+        let lora_dir = dir.join("lora");
+        adapted.save_lora_adapter(&lora_dir)?;
+        write_expected(&adapted, &ids, &lora_dir)?;
+        println!("wrote {}", lora_dir.display());
     }
     Ok(())
 }

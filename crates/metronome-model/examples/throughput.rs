@@ -24,23 +24,6 @@ use metronome_model::{DeviceSpec, KvCache, Model, ModelConfig};
 const PROMPT: usize = 32;
 const NEW_TOKENS: usize = 128;
 
-fn smollm2_135m() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 49152,
-        hidden_size: 576,
-        intermediate_size: 1536,
-        num_hidden_layers: 30,
-        num_attention_heads: 9,
-        num_key_value_heads: 3,
-        head_dim: 64,
-        max_position_embeddings: 8192,
-        rope_theta: 100_000.0,
-        rms_norm_eps: 1e-5,
-        tie_word_embeddings: true,
-        ..ModelConfig::tiny()
-    }
-}
-
 fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
     (0..n as u64).map(|i| 3 + (metronome_core::mix64(seed << 20 | i) % (vocab as u64 - 3)) as u32).collect()
 }
@@ -140,7 +123,7 @@ fn main() -> Result<()> {
     }
     let cfg = match shape.as_str() {
         "tiny" => ModelConfig::tiny(),
-        "smollm2-135m" => smollm2_135m(),
+        "smollm2-135m" => ModelConfig::smollm2_135m(),
         other => bail!("unknown shape `{other}` (tiny, smollm2-135m)"),
     };
     let dev = device.open()?;

@@ -90,6 +90,27 @@ impl ModelConfig {
         }
     }
 
+    /// The shape of SmolLM2-135M (Llama architecture, 30 layers, width 576, 9 query
+    /// and 3 key/value heads, MLP width 1536, a 49152-token vocabulary, tied head;
+    /// 134.5 M parameters), for benchmarks with random weights of the real shape.
+    #[must_use]
+    pub fn smollm2_135m() -> Self {
+        Self {
+            vocab_size: 49152,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_hidden_layers: 30,
+            num_attention_heads: 9,
+            num_key_value_heads: 3,
+            head_dim: 64,
+            max_position_embeddings: 8192,
+            rope_theta: 100_000.0,
+            rms_norm_eps: 1e-5,
+            tie_word_embeddings: true,
+            ..Self::tiny()
+        }
+    }
+
     /// Query heads per key/value head.
     #[must_use]
     pub fn num_queries_per_kv(&self) -> usize {

@@ -17,7 +17,11 @@ fn read(path: &Path) -> Result<Vec<u8>> {
 }
 
 /// Decodes one safetensors tensor to f32.
-fn view_to_tensor(view: &safetensors::tensor::TensorView<'_>, what: &str, device: &Device) -> Result<Tensor> {
+pub(crate) fn view_to_tensor(
+    view: &safetensors::tensor::TensorView<'_>,
+    what: &str,
+    device: &Device,
+) -> Result<Tensor> {
     let bytes = view.data();
     let data: Vec<f32> = match view.dtype() {
         Dtype::F32 => bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
@@ -94,28 +98,34 @@ impl Model {
 
     /// Writes `config.json` and `model.safetensors` (f32, `format: pt` metadata) to
     /// `dir`, creating it; `transformers` loads the result with
-    /// `AutoModelForCausalLM.from_pretrained(dir)`.
+    /// `AutoModelForCausalLM.from_pretrained(dir)`. A handle with adapters writes the
+    /// merged model (its base alone is `self.base().save_hf(dir)`).
     pub fn save_hf(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let config = dir.join("config.json");
         std::fs::write(&config, self.config().to_hf_json()).map_err(|e| Error::io(&config, e))?;
-        let mut tensors = Vec::new();
-        for (name, var) in self.parameters() {
-            let values = var.as_tensor().detach().flatten_all()?.to_vec1::<f32>()?;
-            let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
-            tensors.push((name, var.dims().to_vec(), bytes));
-        }
-        let views = tensors
-            .iter()
-            .map(|(name, shape, bytes)| {
-                safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)
-                    .map(|v| (name.clone(), v))
-                    .map_err(|e| Error::checkpoint(format!("tensor `{name}`"), e.to_string()))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let path = dir.join("model.safetensors");
-        let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-        safetensors::serialize_to_file(views, Some(metadata), &path)
-            .map_err(|e| Error::checkpoint(path.display().to_string(), e.to_string()))
+        write_safetensors(&dir.join("model.safetensors"), self.weights()?)
     }
+}
+
+/// Writes f32 `tensors` to a safetensors file with `format: pt` metadata (what
+/// `transformers` and `peft` expect).
+pub(crate) fn write_safetensors(path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
+    let mut buffers = Vec::with_capacity(tensors.len());
+    for (name, t) in tensors {
+        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
+        buffers.push((name, t.dims().to_vec(), bytes));
+    }
+    let views = buffers
+        .iter()
+        .map(|(name, shape, bytes)| {
+            safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::checkpoint(format!("tensor `{name}`"), e.to_string()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    safetensors::serialize_to_file(views, Some(metadata), path)
+        .map_err(|e| Error::checkpoint(path.display().to_string(), e.to_string()))
 }

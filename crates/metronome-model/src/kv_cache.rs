@@ -214,6 +214,14 @@ impl Model {
         if seqs.is_empty() {
             return Ok(Vec::new());
         }
+        if self.lora.is_some() {
+            // The rollout engine decodes merged weights; a decode path with adapters
+            // would need batch invariance of its own low-rank products.
+            return Err(Error::invalid(
+                "decoding",
+                "needs a plain model: this one has LoRA adapters (decode `Model::merged` or a `frozen_copy`)",
+            ));
+        }
         let mut seen = vec![false; cache.num_slots()];
         for &(slot, tokens) in seqs {
             cache.check(self, slot, tokens.len())?;

@@ -20,6 +20,12 @@
 //!   [`Model::save_hf`]), GGUF in ([`Model::load_gguf`], dequantised to f32), and
 //!   host snapshots for publishing weights ([`Model::snapshot`],
 //!   [`Model::from_snapshot`], [`Model::load_snapshot`]).
+//! - Low-rank adapters (LoRA; Hu et al. 2021, arXiv 2106.09685) on the attention and
+//!   MLP projections of a model handle ([`Model::with_lora`], [`LoraConfig`]): only
+//!   they record gradients, [`Model::base`] is the same weights without them, and
+//!   snapshots, `save_hf` and frozen copies hold the merged `W + (alpha / r)·B·A`.
+//!   [`Model::save_lora_adapter`] and [`Model::with_lora_adapter`] write and read
+//!   PEFT's adapter format (`fixtures/check_lora.py` loads it with `peft`).
 //! - Tokenizers implementing `metronome_core::Tokenizer`: [`CharTokenizer`],
 //!   [`HfTokenizer`] (`tokenizer.json`) and [`GgufTokenizer`], with chat templates
 //!   rendered by `minijinja`.
@@ -61,6 +67,7 @@ mod error;
 mod gguf;
 mod io;
 mod kv_cache;
+mod lora;
 mod model;
 mod ops;
 mod portable;
@@ -72,6 +79,7 @@ pub use device::DeviceSpec;
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use kv_cache::{DECODE_MIN_ROWS, KvCache};
+pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig, Projection};
 pub use model::{Model, ScoringBatch, TargetOutput};
 pub use portable::Kernels;
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};

@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
+use crate::lora::{Projection, frozen_linear};
 use crate::ops::{DenseWeight, RopeTables, SegmentPlan, attention, linear, rope_tables, segment_plans};
 use crate::{Error, Kernels, Result};
 
@@ -105,6 +106,9 @@ pub struct Model {
     pub(crate) trainable: bool,
     /// Which implementation of the element-wise ops the forward passes run.
     pub(crate) kernels: Kernels,
+    /// Low-rank adapters on this handle's projections ([`Model::with_lora`]); with
+    /// them the base weights are read detached, so only the adapters train.
+    pub(crate) lora: Option<Arc<crate::lora::Adapters>>,
 }
 
 /// What [`Model::target_logprobs`] returns, one entry per target.
@@ -161,6 +165,9 @@ impl BatchShape {
         Self { vocab_size: cfg.vocab_size, head_dim: cfg.head_dim, rope_theta: cfg.rope_theta }
     }
 }
+
+/// A projection weight's layer and projection.
+type ProjectionAt = (usize, Projection);
 
 /// Where the parameters come from when a model is built.
 pub(crate) type Source<'a> = dyn FnMut(&str, &[usize], Init) -> Result<Tensor> + 'a;
@@ -281,7 +288,7 @@ impl Model {
             frozen: std::sync::atomic::AtomicBool::new(!trainable && device.is_cpu()),
             decode: std::sync::RwLock::new(None),
         };
-        Ok(Self { inner: Arc::new(inner), trainable, kernels: Kernels::for_device(device) })
+        Ok(Self { inner: Arc::new(inner), trainable, kernels: Kernels::for_device(device), lora: None })
     }
 
     /// The hyper-parameters.
@@ -357,39 +364,62 @@ impl Model {
         Ok(slot.clone())
     }
 
-    /// Every parameter with its Hugging Face name, in a stable order (embedding, then
-    /// each layer, then the final norm and the LM head when untied).
+    /// Every base parameter with its Hugging Face name, in a stable order (embedding,
+    /// then each layer, then the final norm and the LM head when untied). Adapters are
+    /// [`Model::adapter_parameters`].
     #[must_use]
     pub fn parameters(&self) -> Vec<(String, Var)> {
+        self.named_parameters().into_iter().map(|(name, var, _)| (name, var)).collect()
+    }
+
+    /// [`Model::parameters`], each projection weight tagged with its layer and
+    /// projection (where an adapter may merge into it).
+    fn named_parameters(&self) -> Vec<(String, Var, Option<ProjectionAt>)> {
         let m = &self.inner;
-        let mut out = vec![("model.embed_tokens.weight".to_owned(), m.embed.clone())];
+        let mut out = vec![("model.embed_tokens.weight".to_owned(), m.embed.clone(), None)];
         for (i, l) in m.layers.iter().enumerate() {
             let p = format!("model.layers.{i}");
-            let mut push = |n: &str, v: &Var| out.push((format!("{p}.{n}"), v.clone()));
-            push("input_layernorm.weight", &l.input_norm);
-            push("self_attn.q_proj.weight", &l.q);
-            if let Some(b) = &l.q_bias {
-                push("self_attn.q_proj.bias", b);
+            out.push((format!("{p}.input_layernorm.weight"), l.input_norm.clone(), None));
+            for proj in Projection::ALL {
+                if proj == Projection::Gate {
+                    out.push((format!("{p}.post_attention_layernorm.weight"), l.post_norm.clone(), None));
+                }
+                let name = format!("{p}.{}", proj.module_path());
+                out.push((format!("{name}.weight"), proj.weight(l).clone(), Some((i, proj))));
+                let bias = match proj {
+                    Projection::Q => &l.q_bias,
+                    Projection::K => &l.k_bias,
+                    Projection::V => &l.v_bias,
+                    _ => &None,
+                };
+                if let Some(b) = bias {
+                    out.push((format!("{name}.bias"), b.clone(), None));
+                }
             }
-            push("self_attn.k_proj.weight", &l.k);
-            if let Some(b) = &l.k_bias {
-                push("self_attn.k_proj.bias", b);
-            }
-            push("self_attn.v_proj.weight", &l.v);
-            if let Some(b) = &l.v_bias {
-                push("self_attn.v_proj.bias", b);
-            }
-            push("self_attn.o_proj.weight", &l.o);
-            push("post_attention_layernorm.weight", &l.post_norm);
-            push("mlp.gate_proj.weight", &l.gate);
-            push("mlp.up_proj.weight", &l.up);
-            push("mlp.down_proj.weight", &l.down);
         }
-        out.push(("model.norm.weight".to_owned(), m.norm.clone()));
+        out.push(("model.norm.weight".to_owned(), m.norm.clone(), None));
         if let Some(h) = &m.lm_head {
-            out.push(("lm_head.weight".to_owned(), h.clone()));
+            out.push(("lm_head.weight".to_owned(), h.clone(), None));
         }
         out
+    }
+
+    /// Every weight by Hugging Face name as this handle computes with it: detached
+    /// base tensors, with adapters merged into their projections.
+    pub(crate) fn weights(&self) -> Result<Vec<(String, Tensor)>> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(name, var, at)| {
+                let t = var.as_tensor().detach();
+                Ok((
+                    name,
+                    match at {
+                        Some((layer, p)) => self.merge_adapter(layer, p, t)?,
+                        None => t,
+                    },
+                ))
+            })
+            .collect()
     }
 
     /// Number of scalar parameters.
@@ -487,7 +517,8 @@ impl Model {
     }
 
     /// Final hidden states (after the last norm) of a prepared batch's concatenated
-    /// positions, `[sum of lengths, hidden]`.
+    /// positions, `[sum of lengths, hidden]`. Base weights record a graph when `grad`
+    /// is set; adapters whenever this handle is trainable.
     fn hidden_states(&self, batch: &ScoringBatch, grad: bool) -> Result<Tensor> {
         let m = &self.inner;
         let cfg = &m.cfg;
@@ -496,13 +527,19 @@ impl Model {
         let rope = &batch.rope;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let ks = self.kernels;
-        for l in &m.layers {
+        for (li, l) in m.layers.iter().enumerate() {
             let w = |v: &Var| Self::w(v, grad);
             let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
+            // A projection, plus its adapter's low-rank term when it has one (the
+            // frozen base then through `frozen_linear`, which skips its gradient).
+            let base = self.base_linear();
+            let proj = |p: Projection, x: &Tensor, bias: &Option<Var>| -> Result<Tensor> {
+                self.add_adapter(li, p, x, base(x, &w(p.weight(l)), wo(bias).as_ref())?)
+            };
             let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let q = linear(&a, &w(&l.q), wo(&l.q_bias).as_ref())?.reshape((n, h, hd))?;
-            let k = linear(&a, &w(&l.k), wo(&l.k_bias).as_ref())?.reshape((n, kvh, hd))?;
-            let v = linear(&a, &w(&l.v), wo(&l.v_bias).as_ref())?.reshape((n, kvh, hd))?;
+            let q = proj(Projection::Q, &a, &l.q_bias)?.reshape((n, h, hd))?;
+            let k = proj(Projection::K, &a, &l.k_bias)?.reshape((n, kvh, hd))?;
+            let v = proj(Projection::V, &a, &l.v_bias)?.reshape((n, kvh, hd))?;
             let q = ks.rope(&q, rope)?;
             let k = ks.rope(&k, rope)?;
             // Attention runs per segment, without padding: its queries against its
@@ -529,12 +566,26 @@ impl Model {
             } else {
                 Tensor::cat(&outs, 0)?
             };
-            x = (x + linear(&att, &w(&l.o), None)?)?;
+            x = (x + proj(Projection::O, &att, &None)?)?;
             let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            let gu = ks.swiglu_train(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?)?;
-            x = (x + linear(&gu, &w(&l.down), None)?)?;
+            let gu =
+                ks.swiglu_train(&proj(Projection::Gate, &b, &None)?, &proj(Projection::Up, &b, &None)?)?;
+            x = (x + proj(Projection::Down, &gu, &None)?)?;
         }
         ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
+    }
+
+    /// The product with a base weight: [`frozen_linear`] under adapters (the base is
+    /// frozen, and candle's matmul would compute its gradient anyway), else [`linear`].
+    fn base_linear(&self) -> fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> {
+        if self.lora.is_some() { frozen_linear } else { linear }
+    }
+
+    /// Whether the base weights record a graph: on a trainable handle without
+    /// adapters (with adapters only they train, and the base stays frozen: Hu et al.
+    /// 2021, arXiv 2106.09685, §4.1).
+    fn base_grad(&self) -> bool {
+        self.trainable && self.lora.is_none()
     }
 
     /// Training forward on packed rows: for each target, the log-prob of its token at
@@ -572,10 +623,10 @@ impl Model {
             let empty = Tensor::zeros(0, DType::F32, self.device())?;
             return Ok(TargetOutput { logprobs: empty.clone(), entropy: empty });
         }
-        let grad = self.trainable;
+        let grad = self.base_grad();
         let hidden = self.hidden_states(batch, grad)?;
         let picked = hidden.index_select(&batch.index, 0)?;
-        let logits = linear(&picked, &self.lm_head(grad), None)?;
+        let logits = self.base_linear()(&picked, &self.lm_head(grad), None)?;
         let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
         let both = self.kernels.target_logprobs_entropy(&logits, batch.targets.clone(), inv_temperature)?;
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
@@ -598,8 +649,8 @@ impl Model {
             })
             .collect();
         let batch = self.prepare_batch(&rows, &Targets::default())?;
-        let hidden = self.hidden_states(&batch, self.trainable)?;
-        let logits = linear(&hidden, &self.lm_head(self.trainable), None)?;
+        let hidden = self.hidden_states(&batch, self.base_grad())?;
+        let logits = self.base_linear()(&hidden, &self.lm_head(self.base_grad()), None)?;
         Ok(logits.reshape((b, s, self.inner.cfg.vocab_size))?)
     }
 
@@ -609,14 +660,16 @@ impl Model {
     }
 
     /// An owned host copy of every weight, tagged with `version`. It never aliases
-    /// the model's storage, so the optimiser may keep writing.
+    /// the model's storage, so the optimiser may keep writing. With adapters, the
+    /// projections hold the merged `W + (alpha / r)·B·A` ([`Model::merged`]): a
+    /// snapshot is always of a plain model.
     pub fn snapshot(&self, version: PolicyVersion) -> Result<metronome_core::WeightSnapshot> {
         let tensors = self
-            .parameters()
+            .weights()?
             .into_iter()
-            .map(|(name, v)| {
-                let shape = v.dims().to_vec();
-                let data = v.as_tensor().detach().flatten_all()?.to_vec1::<f32>()?;
+            .map(|(name, t)| {
+                let shape = t.dims().to_vec();
+                let data = t.flatten_all()?.to_vec1::<f32>()?;
                 Ok(metronome_core::HostTensor { name, shape, data: metronome_core::TensorData::F32(data) })
             })
             .collect::<Result<_>>()?;
@@ -643,8 +696,15 @@ impl Model {
     }
 
     /// Overwrites every weight in place with the snapshot's (every handle sharing
-    /// these weights sees the change). Shapes must match.
+    /// these weights sees the change). Shapes must match. Refused for a handle with
+    /// adapters, whose snapshots hold merged weights that its base must not take.
     pub fn load_snapshot(&self, s: &metronome_core::WeightSnapshot) -> Result<()> {
+        if self.lora.is_some() {
+            return Err(Error::invalid(
+                "load_snapshot",
+                "needs a plain model: this one has LoRA adapters (load into `Model::base`)",
+            ));
+        }
         let params = self.param_map();
         for (name, var) in &params {
             let t = s.get(name).ok_or_else(|| {
@@ -669,7 +729,8 @@ impl Model {
         Ok(())
     }
 
-    /// A deep, non-trainable copy: the frozen reference model.
+    /// A deep, non-trainable copy: the frozen reference model (of a handle with
+    /// adapters, the merged plain model).
     pub fn frozen_copy(&self) -> Result<Self> {
         let copy = self.frozen_copy_on(self.device())?;
         Ok(Self { kernels: self.kernels, ..copy })

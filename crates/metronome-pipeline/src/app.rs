@@ -151,7 +151,8 @@ impl Evaluator {
 }
 
 /// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers,
-/// each reported to `observer`.
+/// each reported to `observer` (of adapters only with `trainer.lora`, merged into the
+/// model it returns).
 pub(crate) async fn warm_start(
     config: &PipelineConfig,
     model: Model,
@@ -203,7 +204,12 @@ pub(crate) async fn warm_start(
         losses.push(loss);
     }
     let first_last = losses.first().copied().zip(losses.last().copied());
-    Ok((trainer.policy().clone(), first_last))
+    // With `trainer.lora` the warm start trained adapters: RL starts from the merged
+    // model, which gets fresh adapters and is the KL reference.
+    let policy = trainer.policy();
+    let policy =
+        if policy.lora().is_some() { policy.merged().map_err(err("model"))? } else { policy.clone() };
+    Ok((policy, first_last))
 }
 
 /// The GRPO trainer behind a lock: the runner owns it as a stage while the caller keeps

@@ -1,7 +1,7 @@
 //! The trainer's serde configuration, validated before it builds a trainer.
 
 use metronome_core::AdvantageEstimator;
-use metronome_model::{Device, Model};
+use metronome_model::{Device, LoraConfig, Model};
 use serde::{Deserialize, Serialize};
 
 use crate::loss::LossConfig;
@@ -45,6 +45,11 @@ pub struct TrainerConfig {
     /// The device the policy (and reference) train on; absent, the model's
     /// (`model.device` in a run config). Read by whoever loads the policy (the pipeline).
     pub device: Option<metronome_model::DeviceSpec>,
+    /// Low-rank adapters (LoRA; Hu et al. 2021, arXiv 2106.09685): when set, the
+    /// trainer adds adapters to the policy's projections and trains only them; the
+    /// base weights stay frozen and serve as the KL reference, and published weights
+    /// are merged. Absent (the default), every weight trains.
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for TrainerConfig {
@@ -60,6 +65,7 @@ impl Default for TrainerConfig {
             mini_steps: 1,
             skip_zero_advantage_groups: true,
             device: None,
+            lora: None,
         }
     }
 }
@@ -88,11 +94,15 @@ impl TrainerConfig {
         }
         self.schedule.validate("schedule")?;
         self.optimizer.validate("optimizer")?;
-        self.loss.validate("loss")
+        self.loss.validate("loss")?;
+        if let Some(lora) = &self.lora {
+            lora.validate().map_err(TrainerError::from_model_config)?;
+        }
+        Ok(())
     }
 
     /// Validates and builds a trainer around `policy` (the reference model is a frozen
-    /// copy of it, made now).
+    /// copy of it, made now; with `lora`, the policy's base weights).
     pub fn build(&self, policy: Model) -> Result<GrpoTrainer> {
         GrpoTrainer::new(self.clone(), policy)
     }
@@ -159,5 +169,22 @@ mod tests {
         let err =
             TrainerConfig::from_json(r#"{"loss": {"masked_is": {"lower": 0.5}}}"#).unwrap_err().to_string();
         assert!(err.contains("upper"), "{err}");
+        for (json, key) in [
+            (r#"{"lora": {"rank": 0}}"#, "`lora.rank`"),
+            (r#"{"lora": {"dropout": 0.1}}"#, "`lora.dropout`"),
+            (r#"{"lora": {"target_modules": ["q_proj", "lm_head"]}}"#, "`lora.target_modules[1]`"),
+        ] {
+            let err = TrainerConfig::from_json(json).unwrap_err().to_string();
+            assert!(err.starts_with(&format!("config key {key}")), "{err}");
+        }
+        let err = TrainerConfig::from_json(r#"{"lora": {"rnak": 4}}"#).unwrap_err().to_string();
+        assert!(err.contains("rnak"), "{err}");
+    }
+
+    #[test]
+    fn lora_fills_peft_defaults() {
+        let cfg = TrainerConfig::from_json(r#"{"lora": {"rank": 4}}"#).unwrap();
+        let lora = cfg.lora.unwrap();
+        assert_eq!((lora.rank, lora.alpha, lora.dropout, lora.target_modules.len()), (4, 16.0, 0.0, 7));
     }
 }

@@ -53,6 +53,15 @@ impl TrainerError {
         Self::Invalid { what: what.into(), reason: reason.into() }
     }
 
+    /// A model error about a config key (`lora.rank`) as this crate's config error, so
+    /// that it reads like the trainer's own; other model errors pass through.
+    pub(crate) fn from_model_config(e: metronome_model::Error) -> Self {
+        match e {
+            metronome_model::Error::Config { what, reason } => Self::config(what, reason),
+            other => other.into(),
+        }
+    }
+
     pub(crate) fn checkpoint(path: impl Into<PathBuf>, reason: impl ToString) -> Self {
         Self::Checkpoint { path: path.into(), reason: reason.to_string() }
     }

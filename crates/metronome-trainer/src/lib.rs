@@ -35,6 +35,11 @@
 //!   scaled), so groups still stream. Each formula cites its paper.
 //! - [`optim`]: gradient accumulation, clipping and an AdamW whose moments are visible,
 //!   so checkpoints restore them; [`schedule`]: warm-up then constant or cosine.
+//! - LoRA ([`TrainerConfig::lora`]; Hu et al. 2021, arXiv 2106.09685): adapters on
+//!   the policy's projections are the only trainable parameters (gradients,
+//!   accumulator, AdamW moments); the base stays frozen and its handle is the KL
+//!   reference, without a copy; snapshots publish the merged weights; checkpoints
+//!   keep the base and the adapters (PEFT format) apart.
 //! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]), scored
 //!   at temperature 1.
 //! - Checkpoints ([`GrpoTrainer::save_checkpoint`], [`GrpoTrainer::resume`]): Hugging

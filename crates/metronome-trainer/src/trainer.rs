@@ -27,6 +27,8 @@ const CHECKPOINT_FORMAT: u32 = 1;
 /// Prefix of the regulariser's gradient sums in `accumulator.safetensors` (the
 /// policy-gradient term's, or the whole loss's, carry the parameter names alone).
 const REGULARISER_PREFIX: &str = "regulariser/";
+/// The checkpoint's LoRA adapters, in the PEFT format (beside the base in `policy/`).
+const ADAPTER_DIR: &str = "adapter";
 
 /// One supervised example: the answer's tokens are the targets, predicted from the
 /// prompt and the answer's earlier tokens.
@@ -240,20 +242,40 @@ fn build_pool(threads: usize) -> Result<Arc<rayon::ThreadPool>> {
 impl GrpoTrainer {
     /// A trainer at version 0 around `policy`; the reference is a frozen copy made
     /// now, and only when the KL coefficient is non-zero.
+    ///
+    /// With `cfg.lora`, adapters are added to the policy (`B = 0`, so it starts as
+    /// the given model; `A` seeded by `cfg.seed`) and only they train: they alone get
+    /// gradients, accumulator sums and AdamW moments. The reference is then the
+    /// policy's base handle on the same storage, not a copy: no step writes the base
+    /// (Hu et al. 2021, arXiv 2106.09685, §4.1). A policy that already has adapters is
+    /// refused.
     pub fn new(cfg: TrainerConfig, policy: Model) -> Result<Self> {
-        let reference = if cfg.loss.kl_coef > 0.0 { Some(policy.frozen_copy()?) } else { None };
+        cfg.validate()?;
+        let policy = match &cfg.lora {
+            _ if policy.lora().is_some() => {
+                return Err(TrainerError::invalid(
+                    "policy model",
+                    "already has LoRA adapters; pass its base (`Model::base`) or its merged model \
+                     (`Model::merged`), with trainer.lora set to train new ones",
+                ));
+            }
+            Some(lora) => policy.with_lora(lora, cfg.seed).map_err(TrainerError::from_model_config)?,
+            None => policy,
+        };
+        let reference = if cfg.loss.kl_coef > 0.0 { Some(reference_of(&policy)?) } else { None };
         Self::with_reference(cfg, policy, reference)
     }
 
+    /// The trainer around `policy` and `reference` as given; `cfg` is validated.
     fn with_reference(cfg: TrainerConfig, policy: Model, reference: Option<Model>) -> Result<Self> {
-        cfg.validate()?;
         if !policy.is_trainable() {
             return Err(TrainerError::invalid(
                 "policy model",
                 "is frozen; the trainer needs a trainable model",
             ));
         }
-        let params = policy.parameters();
+        // What trains: the adapters alone with LoRA, else every weight.
+        let params = if policy.lora().is_some() { policy.adapter_parameters() } else { policy.parameters() };
         let optimizer = AdamW::new(cfg.optimizer, &params)?;
         let pool = build_pool(cfg.threads)?;
         Ok(Self {
@@ -308,7 +330,9 @@ impl GrpoTrainer {
         &self.cfg
     }
 
-    /// The policy (shares its weights with the trainer).
+    /// The policy (shares its weights with the trainer). With LoRA, the adapted
+    /// handle: its snapshots and `save_hf` are of the merged model, its `base()` is
+    /// the frozen base.
     #[must_use]
     pub fn policy(&self) -> &Model {
         &self.policy
@@ -704,13 +728,16 @@ impl GrpoTrainer {
         mix64(self.rng_state)
     }
 
-    /// An owned copy of the current weights at the current version.
+    /// An owned copy of the current weights at the current version (with LoRA, the
+    /// base with the adapters merged in: rollout workers decode a plain model).
     pub fn snapshot_sync(&self) -> Result<WeightSnapshot> {
         Ok(self.policy.snapshot(self.version)?)
     }
 
     /// Writes a checkpoint directory: `policy/` (Hugging Face `config.json` +
-    /// `model.safetensors`), `reference/` when a KL term is used,
+    /// `model.safetensors`; with LoRA the base, and `adapter/` the adapters in the
+    /// PEFT format, which `peft` loads onto `policy/`), `reference/` when a KL term is
+    /// used without LoRA,
     /// `optimizer.safetensors` (AdamW moments), `accumulator.safetensors` and
     /// `accumulator.json` (the step under way, possibly empty), `trainer_config.json`
     /// (for reading) and `trainer_state.json` (version, optimiser step, schedule
@@ -722,9 +749,23 @@ impl GrpoTrainer {
     pub fn save_checkpoint(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| TrainerError::checkpoint(dir, e))?;
         self.save_pending(dir)?;
-        self.policy.save_hf(&dir.join("policy"))?;
-        if let Some(r) = &self.reference {
-            r.save_hf(&dir.join("reference"))?;
+        if self.policy.lora().is_some() {
+            // The base and the adapters apart, bit for bit: a merged model could not
+            // be split again, and resuming must continue the same adapters. The
+            // reference is the base.
+            self.policy.base().save_hf(&dir.join("policy"))?;
+            self.policy.save_lora_adapter(&dir.join(ADAPTER_DIR))?;
+        } else {
+            self.policy.save_hf(&dir.join("policy"))?;
+            if let Some(r) = &self.reference {
+                r.save_hf(&dir.join("reference"))?;
+            }
+            // Adapters left by an earlier LoRA checkpoint in this directory would be
+            // read as this one's.
+            let stale = dir.join(ADAPTER_DIR);
+            if stale.exists() {
+                std::fs::remove_dir_all(&stale).map_err(|e| TrainerError::checkpoint(&stale, e))?;
+            }
         }
         let state: HashMap<String, Tensor> = self.optimizer.state(&self.params)?.into_iter().collect();
         let opt_path = dir.join("optimizer.safetensors");
@@ -846,18 +887,44 @@ impl GrpoTrainer {
                 format!("has format {}, this build reads {CHECKPOINT_FORMAT}", st.format),
             ));
         }
+        cfg.validate()?;
         let policy = Model::load_hf(&dir.join("policy"), device)?;
-        let reference = if cfg.loss.kl_coef > 0.0 {
-            let rdir = dir.join("reference");
-            if !rdir.exists() {
+        let adapter = dir.join(ADAPTER_DIR);
+        let (policy, reference) = match &cfg.lora {
+            Some(lora) => {
+                if !adapter.exists() {
+                    return Err(TrainerError::checkpoint(
+                        adapter,
+                        "is missing, and trainer.lora needs the adapters",
+                    ));
+                }
+                let policy = policy.with_lora_adapter(&adapter)?;
+                if let Some((key, want, have)) = policy.lora().and_then(|have| lora.difference(have)) {
+                    return Err(TrainerError::config(
+                        key,
+                        format!("is {want}, the checkpoint's adapters have {have}"),
+                    ));
+                }
+                let reference = if cfg.loss.kl_coef > 0.0 { Some(reference_of(&policy)?) } else { None };
+                (policy, reference)
+            }
+            None if adapter.exists() => {
                 return Err(TrainerError::checkpoint(
-                    rdir,
-                    "is missing, and loss.kl_coef needs the reference model",
+                    adapter,
+                    "holds LoRA adapters, and trainer.lora is not set (set it as the run that wrote it did)",
                 ));
             }
-            Some(Model::load_hf(&rdir, device)?.with_trainable(false))
-        } else {
-            None
+            None if cfg.loss.kl_coef > 0.0 => {
+                let rdir = dir.join("reference");
+                if !rdir.exists() {
+                    return Err(TrainerError::checkpoint(
+                        rdir,
+                        "is missing, and loss.kl_coef needs the reference model",
+                    ));
+                }
+                (policy, Some(Model::load_hf(&rdir, device)?.with_trainable(false)))
+            }
+            None => (policy, None),
         };
         let mut t = Self::with_reference(cfg, policy, reference)?;
         let opt_path = dir.join("optimizer.safetensors");
@@ -872,6 +939,13 @@ impl GrpoTrainer {
         t.restore_pending(dir, device)?;
         Ok(t)
     }
+}
+
+/// The frozen reference model of `policy`: with adapters its base handle, which no
+/// step writes (only the adapters train), so no copy is made; otherwise a frozen copy
+/// made now.
+fn reference_of(policy: &Model) -> Result<Model> {
+    Ok(if policy.lora().is_some() { policy.base().with_trainable(false) } else { policy.frozen_copy()? })
 }
 
 /// One report for several mini-steps: counts summed, means averaged.

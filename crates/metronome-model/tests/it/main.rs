@@ -7,5 +7,6 @@ mod common;
 mod decode;
 mod devices;
 mod gguf;
+mod lora;
 mod reference;
 mod training;

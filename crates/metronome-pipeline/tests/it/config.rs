@@ -57,6 +57,30 @@ fn every_value_has_one_key() {
 }
 
 #[test]
+fn a_lora_section_is_read_round_trips_and_names_its_bad_keys() {
+    let on: Vec<String> = ["[trainer.lora]".to_owned(), "rank = 4".to_owned()].to_vec();
+    // `[trainer.lora]` in a file, or one override: the same section.
+    let config =
+        PipelineConfig::embedded(&["trainer.lora={ rank = 4, target_modules = [\"q_proj\"] }".to_owned()])
+            .unwrap();
+    let lora = config.trainer.lora.clone().unwrap();
+    assert_eq!((lora.rank, lora.alpha, lora.target_modules), (4, 16.0, vec!["q_proj".to_owned()]));
+    let again = PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap();
+    assert_eq!(again, config);
+    let text = format!("{}\n{}", PipelineConfig::embedded(&[]).unwrap().to_toml().unwrap(), on.join("\n"));
+    assert_eq!(PipelineConfig::parse(&text, "file", &[]).unwrap().trainer.lora.unwrap().rank, 4);
+    for (bad, key) in [
+        ("trainer.lora={ rank = 0 }", "lora.rank"),
+        ("trainer.lora={ dropout = 0.1 }", "lora.dropout"),
+        ("trainer.lora={ target_modules = [\"lm_head\"] }", "lora.target_modules[0]"),
+        ("trainer.lora={ rnak = 4 }", "rnak"),
+    ] {
+        let e = err(&[bad]);
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+}
+
+#[test]
 fn wrong_types_are_named() {
     let e = err(&["run.periods=\"ten\""]);
     assert_eq!(

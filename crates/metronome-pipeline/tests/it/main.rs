@@ -5,6 +5,7 @@ mod config;
 mod driver;
 mod errors;
 mod events;
+mod lora;
 mod mocks;
 mod rundir;
 mod schedules;

@@ -6,6 +6,7 @@ mod devices;
 mod guards;
 mod layouts;
 mod learning;
+mod lora;
 mod loss_closed_form;
 mod order;
 mod resume;
