@@ -94,7 +94,7 @@ fn cargo_with(
     args: &[&str],
 ) -> Result<std::process::Output> {
     eprintln!("==> gpu {name}: cargo {}", args.join(" "));
-    let out = Command::new(crate::cargo())
+    let out = crate::cargo()
         .args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .current_dir(root)

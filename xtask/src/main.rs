@@ -104,12 +104,19 @@ fn ci(root: &Path) -> Result<()> {
     step(root, "doctest", &["test", "--workspace", "--doc"])
 }
 
-/// Fails, saying how to install it, unless `cargo <subcommand>` (from `package`) runs.
+/// Fails, saying how to install it and what the check printed, unless
+/// `cargo <subcommand> --version` (from `package`) succeeds.
 fn require_tool(subcommand: &str, package: &str) -> Result<()> {
-    if Command::new(cargo()).args([subcommand, "--version"]).output().is_ok_and(|o| o.status.success()) {
-        return Ok(());
-    }
-    bail!("{package} is not installed: run `cargo install {package} --locked` (.ci/run does this)")
+    let output = cargo().args([subcommand, "--version"]).output();
+    let why = match output {
+        Ok(o) if o.status.success() => return Ok(()),
+        Ok(o) => format!("{}; it printed {:?}", o.status, String::from_utf8_lossy(&o.stderr).trim()),
+        Err(e) => e.to_string(),
+    };
+    bail!(
+        "`cargo {subcommand} --version` failed ({why}): is {package} installed? \
+         Run `cargo install {package} --locked` (.ci/run does this)"
+    )
 }
 
 /// Test binaries already run their tests on parallel threads; one rayon and candle
@@ -153,7 +160,7 @@ fn soak(root: &Path, args: &[String]) -> Result<()> {
         }
     }
     let kill_tests = ["resume::a_run_killed_anywhere", "cluster::a_trainer_and_a_worker_killed"];
-    let mut test = Command::new(cargo());
+    let mut test = cargo();
     test.args(["test", "--package", "metronome-cli", "--test", "it", "--"])
         .args(kill_tests)
         .args(["--test-threads", "1", "--nocapture"])
@@ -190,13 +197,33 @@ fn bench(root: &Path, crates: &[String]) -> Result<()> {
     step(root, "bench", &args)
 }
 
-pub(crate) fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+/// The cargo that runs xtask, without the package variables `cargo run` set for xtask
+/// itself. Children must not inherit them: cargo subcommands read them to tell
+/// `cargo <tool>` from `cargo run` (cargo-machete takes its own name for a path when
+/// `CARGO_PKG_NAME` is set), and builds would see xtask's manifest.
+pub(crate) fn cargo() -> Command {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    for (key, _) in std::env::vars_os() {
+        let key_str = key.to_string_lossy();
+        let from_cargo_run = key_str.starts_with("CARGO_PKG_")
+            || matches!(
+                &*key_str,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            );
+        if from_cargo_run {
+            command.env_remove(&key);
+        }
+    }
+    command
 }
 
 pub(crate) fn step(root: &Path, name: &str, args: &[&str]) -> Result<()> {
     eprintln!("==> {name}: cargo {}", args.join(" "));
-    let status = Command::new(cargo())
+    let status = cargo()
         .args(args)
         .envs(test_thread_env())
         .current_dir(root)
