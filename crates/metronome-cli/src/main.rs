@@ -53,17 +53,8 @@ enum Command {
         /// (`--set` still applies); the same as running its config again.
         #[arg(long, value_name = "RUN_DIR")]
         resume: Option<PathBuf>,
-        /// Resume even when the config changes what the run trains.
-        #[arg(long)]
-        allow_config_change: bool,
-        /// Serve Prometheus metrics here; `off` disables.
-        #[arg(long, default_value = "127.0.0.1:9464")]
-        metrics_addr: String,
-        /// No progress bars (logs only).
-        #[arg(long)]
-        quiet: bool,
         #[command(flatten)]
-        events: EventsArg,
+        training: TrainingArgs,
     },
     /// The trainer of a multi-process run (needs `transport.kind = "nats"`): publishes
     /// weights, offers each period's prompts as claims, trains the groups workers send.
@@ -72,17 +63,8 @@ enum Command {
     Trainer {
         #[command(flatten)]
         config: ConfigArgs,
-        /// Resume even when the config changes what the run trains.
-        #[arg(long)]
-        allow_config_change: bool,
-        /// Serve Prometheus metrics here; `off` disables.
-        #[arg(long, default_value = "127.0.0.1:9464")]
-        metrics_addr: String,
-        /// No progress bars (logs only).
-        #[arg(long)]
-        quiet: bool,
         #[command(flatten)]
-        events: EventsArg,
+        training: TrainingArgs,
     },
     /// A rollout worker of a multi-process run: takes prompt claims, generates with the
     /// weights they name, publishes groups. Leaves on the trainer's shutdown, SIGTERM or
@@ -137,6 +119,31 @@ enum Command {
         #[command(flatten)]
         config: ConfigArgs,
     },
+}
+
+/// What `run` and `trainer` share: the roles that train.
+#[derive(Debug, Args)]
+struct TrainingArgs {
+    /// Resume even when the config changes what the run trains.
+    #[arg(long)]
+    allow_config_change: bool,
+    /// Serve Prometheus metrics here; `off` disables.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_addr: String,
+    /// No progress bars (logs only).
+    #[arg(long)]
+    quiet: bool,
+    #[command(flatten)]
+    events: EventsArg,
+}
+
+impl TrainingArgs {
+    fn options(&self) -> Result<metronome_pipeline::RunOptions> {
+        Ok(metronome_pipeline::RunOptions {
+            observer: self.events.observer(!self.quiet)?,
+            allow_config_change: self.allow_config_change,
+        })
+    }
 }
 
 #[derive(Debug, Args)]
@@ -422,12 +429,11 @@ fn real_main() -> Result<()> {
             })
         }
         #[cfg(feature = "nats")]
-        Command::Trainer { config, allow_config_change, metrics_addr, quiet, events } => {
+        Command::Trainer { config, training } => {
             let config = config.load()?;
-            let options =
-                metronome_pipeline::RunOptions { observer: events.observer(!quiet)?, allow_config_change };
+            let options = training.options()?;
             run_role(|| async {
-                serve_metrics(&metrics_addr, "trainer", None)?;
+                serve_metrics(&training.metrics_addr, "trainer", None)?;
                 print_summary(&metronome_pipeline::cluster::run_trainer(config, options).await?);
                 anyhow::Ok(())
             })
@@ -449,7 +455,7 @@ fn real_main() -> Result<()> {
                 anyhow::Ok(())
             })
         }
-        Command::Run { mut config, resume, allow_config_change, metrics_addr, quiet, events } => {
+        Command::Run { mut config, resume, training } => {
             if let Some(dir) = &resume {
                 config.resume_from(dir)?;
             }
@@ -460,6 +466,7 @@ fn real_main() -> Result<()> {
                 .build()
                 .context("starting the async runtime")?;
             runtime.block_on(async {
+                let metrics_addr = &training.metrics_addr;
                 if metrics_addr != "off" {
                     let addr: SocketAddr =
                         metrics_addr.parse().with_context(|| format!("--metrics-addr `{metrics_addr}`"))?;
@@ -470,11 +477,7 @@ fn real_main() -> Result<()> {
                     describe_metrics();
                     eprintln!("metrics: http://{addr}/metrics");
                 }
-                let options = metronome_pipeline::RunOptions {
-                    observer: events.observer(!quiet)?,
-                    allow_config_change,
-                };
-                let outcome = metronome_pipeline::run(config, options).await?;
+                let outcome = metronome_pipeline::run(config, training.options()?).await?;
                 print_summary(&outcome);
                 if let (Some(first), Some(last)) = (outcome.evals.first(), outcome.evals.last()) {
                     eprintln!(

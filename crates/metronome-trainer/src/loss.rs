@@ -602,6 +602,28 @@ mod tests {
         Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap()
     }
 
+    /// `grpo_loss` of samples drawn from the old weights (behaviour = old), without an
+    /// entropy bonus.
+    fn on_policy_loss(
+        cfg: &LossConfig,
+        lp: &Var,
+        old: &Tensor,
+        reference: Option<&Tensor>,
+        advantages: &[f32],
+        sequences: &[u32],
+    ) -> LossTerms {
+        let inputs = LossInputs {
+            logprobs: lp.as_tensor(),
+            old_logprobs: old,
+            behaviour_logprobs: old,
+            ref_logprobs: reference,
+            entropy: None,
+            advantages,
+            sequences,
+        };
+        grpo_loss(cfg, inputs).unwrap()
+    }
+
     fn grad(loss: &Tensor, v: &Var) -> Vec<f32> {
         loss.backward().unwrap().get(v.as_tensor()).unwrap().to_vec1().unwrap()
     }
@@ -615,19 +637,7 @@ mod tests {
         let adv = [1.5, -0.5, 2.0];
         let seqs = [0, 1, 1];
         let w = [1.0, 0.5, 0.5];
-        let out = grpo_loss(
-            &cfg,
-            LossInputs {
-                logprobs: lp.as_tensor(),
-                old_logprobs: &old,
-                behaviour_logprobs: &old,
-                ref_logprobs: None,
-                entropy: None,
-                advantages: &adv,
-                sequences: &seqs,
-            },
-        )
-        .unwrap();
+        let out = on_policy_loss(&cfg, &lp, &old, None, &adv, &seqs);
         let expected: f64 = adv.iter().zip(w).map(|(&a, w)| -f64::from(a * w)).sum();
         assert!((out.loss_sum - expected).abs() < 1e-6);
         assert!((f64::from(out.loss.to_scalar::<f32>().unwrap()) - expected).abs() < 1e-6);
@@ -650,19 +660,7 @@ mod tests {
         let adv = [1.0f32, -1.0, -1.0, 1.0];
         let seqs = [0, 1, 2, 3];
         let old_t = t(&old);
-        let out = grpo_loss(
-            &cfg,
-            LossInputs {
-                logprobs: lp.as_tensor(),
-                old_logprobs: &old_t,
-                behaviour_logprobs: &old_t,
-                ref_logprobs: None,
-                entropy: None,
-                advantages: &adv,
-                sequences: &seqs,
-            },
-        )
-        .unwrap();
+        let out = on_policy_loss(&cfg, &lp, &old_t, None, &adv, &seqs);
         // Closed form: -min(rA, clip(r)A).
         let expected = -(1.3 * 1.0) - (-1.5) - (-0.8) - 0.5;
         assert!((out.loss_sum - expected).abs() < 1e-5, "{} vs {expected}", out.loss_sum);
@@ -693,19 +691,7 @@ mod tests {
             let adv = [0.0f32; 3];
             let seqs = [0, 1, 1];
             let w = [1.0f32, 0.5, 0.5];
-            let out = grpo_loss(
-                &cfg,
-                LossInputs {
-                    logprobs: lp.as_tensor(),
-                    old_logprobs: &old,
-                    behaviour_logprobs: &old,
-                    ref_logprobs: Some(&rf),
-                    entropy: None,
-                    advantages: &adv,
-                    sequences: &seqs,
-                },
-            )
-            .unwrap();
+            let out = on_policy_loss(&cfg, &lp, &old, Some(&rf), &adv, &seqs);
             let g = grad(&out.loss, &lp);
             let mut value = 0f64;
             for i in 0..3 {
@@ -840,19 +826,7 @@ mod tests {
         let lp = var(&[-1.0, -1.0, -1.0]);
         let old = lp.as_tensor().detach();
         let cfg = LossConfig { aggregation: Aggregation::SeqMeanTokenMean, ..LossConfig::default() };
-        let out = grpo_loss(
-            &cfg,
-            LossInputs {
-                logprobs: lp.as_tensor(),
-                old_logprobs: &old,
-                behaviour_logprobs: &old,
-                ref_logprobs: None,
-                entropy: None,
-                advantages: &[1.0, 1.0, 1.0],
-                sequences: &[7, u32::MAX, 7],
-            },
-        )
-        .unwrap();
+        let out = on_policy_loss(&cfg, &lp, &old, None, &[1.0, 1.0, 1.0], &[7, u32::MAX, 7]);
         assert_eq!(grad(&out.loss, &lp), vec![-0.5, -1.0, -0.5]);
     }
 

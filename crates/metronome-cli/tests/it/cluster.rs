@@ -279,22 +279,60 @@ fn assert_same_weights(run: &Path, periods: u64) {
     assert!(diff <= 1e-6, "weights differ from the single-process periodic run by {diff}");
 }
 
+/// What a cluster test starts with: its turn on the machine, a server, an output
+/// directory and the settings of a `periods`-period run on that server.
+struct Cluster {
+    server: NatsServer,
+    out: tempfile::TempDir,
+    sets: Vec<String>,
+    periods: u64,
+    // Last: the next test starts only once this one's server has stopped.
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Cluster {
+    fn start(periods: u64) -> Self {
+        let serial = serial();
+        let server = NatsServer::start(&[]).expect("start nats-server");
+        let sets = settings(&server.url(), periods);
+        Self { server, out: tempfile::tempdir().unwrap(), sets, periods, _serial: serial }
+    }
+
+    fn worker(&self, name: &str) -> Proc {
+        Proc::worker(name, &self.sets, self.out.path())
+    }
+
+    /// A worker that has connected and waits for claims.
+    fn ready_worker(&self, name: &str) -> Proc {
+        let worker = self.worker(name);
+        worker.wait_event("worker_ready", |_| true);
+        worker
+    }
+
+    fn trainer(&self) -> Proc {
+        Proc::trainer(&self.sets, self.out.path())
+    }
+
+    /// Every group trained once, and the weights of the single-process run.
+    fn assert_as_one_process(&self) {
+        let run = self.out.path().join("cluster");
+        assert_trained_once(&run, self.periods);
+        assert_same_weights(&run, self.periods);
+    }
+}
+
 #[test]
 fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() {
-    let _serial = serial();
-    let periods = 4;
-    let server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let sets = settings(&server.url(), periods);
-    let mut a = Proc::worker("a", &sets, out.path());
+    let c = Cluster::start(4);
+    let mut a = c.worker("a");
     // More slots let b take a whole period's claims at once and generate them longer:
     // it is killed in the middle. Slots do not change what is generated.
-    let mut b_sets = sets.clone();
+    let mut b_sets = c.sets.clone();
     b_sets.push("rollout.max_num_seqs=24".into());
-    let mut b = Proc::worker("b", &b_sets, out.path());
+    let mut b = Proc::worker("b", &b_sets, c.out.path());
     a.wait_event("worker_ready", |_| true);
     b.wait_event("worker_ready", |_| true);
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let mut trainer = c.trainer();
     // Worker b reports this after it took claims of a period after the first and
     // before it generates them: it dies holding claims, which must go to a when their
     // lease expires.
@@ -303,32 +341,25 @@ fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() 
     trainer.finish_ok();
     a.finish_ok();
 
-    let run = out.path().join("cluster");
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
+    c.assert_as_one_process();
     eprintln!("{}\n{}\n{}", trainer.log(), a.log(), b.log());
     let report = a.worker_report();
     assert!(report.redelivered_claims >= 1, "worker a took none of b's claims:\n{}", a.log());
-    assert!(report.groups >= 1 && report.periods.contains(&(periods - 1)), "{}", a.log());
+    assert!(report.groups >= 1 && report.periods.contains(&(c.periods - 1)), "{}", a.log());
 }
 
 #[test]
 fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
-    let _serial = serial();
-    let periods = 5;
-    let server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let sets = settings(&server.url(), periods);
-    let mut a = Proc::worker("a", &sets, out.path());
-    a.wait_event("worker_ready", |_| true);
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let c = Cluster::start(5);
+    let mut a = c.ready_worker("a");
+    let mut trainer = c.trainer();
     trainer.wait_event("period_done", |e| period_of(e) == Some(1));
     // Worker a leaves gracefully (finishing the claims in hand); until b joins the
     // trainer waits for the next period's groups.
     a.sigterm();
     a.finish_ok();
     let port = free_port().expect("a free port");
-    let mut b = Proc::worker_with_metrics("b", &sets, out.path(), port);
+    let mut b = Proc::worker_with_metrics("b", &c.sets, c.out.path(), port);
     let page = b.scrape_until_exit(port, "metronome_cluster_worker_groups_total");
     trainer.finish_ok();
     b.finish_ok();
@@ -340,64 +371,52 @@ fn a_worker_joining_mid_run_gets_the_current_weights_and_contributes() {
         "{groups_line}"
     );
 
-    let run = out.path().join("cluster");
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
+    c.assert_as_one_process();
     eprintln!("{}\n{}\n{}", trainer.log(), a.log(), b.log());
     let WorkerOutcome { groups, versions, periods: b_periods, .. } = b.worker_report();
     assert!(groups >= 1, "worker b contributed nothing:\n{}", b.log());
     let joined = *versions.first().expect("b installed weights");
     assert!(joined >= 2, "b started from version {joined}, not the current weights:\n{}", b.log());
     assert_eq!(b_periods.first(), Some(&joined), "b's first claim samples with the weights it fetched");
-    assert_eq!(b_periods.last(), Some(&(periods - 1)), "b carried the run to its end");
+    assert_eq!(b_periods.last(), Some(&(c.periods - 1)), "b carried the run to its end");
 }
 
 #[test]
 fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights() {
-    let _serial = serial();
-    let periods = 4;
-    let server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let sets = settings(&server.url(), periods);
-    let mut a = Proc::worker("a", &sets, out.path());
-    let mut b = Proc::worker("b", &sets, out.path());
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let c = Cluster::start(4);
+    let mut a = c.worker("a");
+    let mut b = c.worker("b");
+    let mut trainer = c.trainer();
     // Killed after accumulating a group of period 2 and before stepping: the groups it
     // holds are unacknowledged and come back to the restarted trainer.
     trainer.wait_event("group_trained", |e| e["period"] == 2);
     trainer.sigkill();
-    let mut restarted = Proc::trainer(&sets, out.path());
+    let mut restarted = c.trainer();
     let resuming = restarted.wait_event("resuming", |_| true);
     restarted.finish_ok();
     a.finish_ok();
     b.finish_ok();
 
-    let run = out.path().join("cluster");
     eprintln!("{}\n{}\n{}\n{}", trainer.log(), restarted.log(), a.log(), b.log());
     assert_eq!(resuming["period"], 2, "{resuming}");
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
+    c.assert_as_one_process();
 }
 
 #[test]
 fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_process() {
     use crate::resume::{kills_wanted, mix};
-    let _serial = serial();
     let wanted = kills_wanted();
     // Room for both kinds of kill: each lands in one of the next two periods.
-    let periods = 3 * wanted.max(3);
-    let server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let sets = settings(&server.url(), periods);
-    let mut a = Proc::worker("a", &sets, out.path());
-    let mut b = Proc::worker("b", &sets, out.path());
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let c = Cluster::start(3 * wanted.max(3));
+    let mut a = c.worker("a");
+    let mut b = c.worker("b");
+    let mut trainer = c.trainer();
     // Alternately the trainer (then started again: it resumes) and worker b (then a
     // new b joins), each right after a period ended or a little later: during the
     // checkpoint, the next upload of weights, or generation.
     let (mut state, mut next) = (7u64, 0u64);
     let (mut trainer_kills, mut worker_kills) = (0, 0);
-    while (trainer_kills < wanted || worker_kills < wanted) && next + 1 < periods {
+    while (trainer_kills < wanted || worker_kills < wanted) && next + 1 < c.periods {
         let mut target = next + mix(&mut state) % 2;
         let ended = loop {
             let Some(event) = trainer.next_event() else { break None };
@@ -414,11 +433,11 @@ fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_pr
         std::thread::sleep(Duration::from_millis(mix(&mut state) % 60));
         if trainer_kills <= worker_kills && trainer_kills < wanted {
             trainer.sigkill();
-            trainer = Proc::trainer(&sets, out.path());
+            trainer = c.trainer();
             trainer_kills += 1;
         } else {
             b.sigkill();
-            b = Proc::worker("b", &sets, out.path());
+            b = c.worker("b");
             worker_kills += 1;
         }
         next = period + 1;
@@ -428,9 +447,7 @@ fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_pr
     // A worker started after the trainer's shutdown waits for claims that never come.
     b.sigterm();
     b.finish_ok();
-    let run = out.path().join("cluster");
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
+    c.assert_as_one_process();
     assert!(trainer_kills + worker_kills >= wanted.min(3) * 2 - 1, "{trainer_kills} + {worker_kills} kills");
     eprintln!("survived {trainer_kills} trainer kills and {worker_kills} worker kills");
 }
@@ -439,25 +456,18 @@ fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_pr
 // pulls the restarted server never answered (`claims::PULL_GRACE`); 50 of 50 after.
 #[test]
 fn a_server_restart_mid_run_loses_nothing_and_the_weights_match_one_process() {
-    let _serial = serial();
-    let periods = 4;
-    let mut server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let sets = settings(&server.url(), periods);
-    let mut a = Proc::worker("a", &sets, out.path());
-    a.wait_event("worker_ready", |_| true);
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let mut c = Cluster::start(4);
+    let mut a = c.ready_worker("a");
+    let mut trainer = c.trainer();
     // Killed (SIGKILL) as the trainer publishes the weights of period 2: groups and
     // claims are on disk, the weights in memory, which the trainer uploads again.
     trainer.wait_event("period_done", |e| period_of(e) == Some(1));
-    server.restart().expect("restart nats-server");
+    c.server.restart().expect("restart nats-server");
     trainer.finish_ok();
     a.finish_ok();
 
-    let run = out.path().join("cluster");
     eprintln!("{}\n{}", trainer.log(), a.log());
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
+    c.assert_as_one_process();
 }
 
 #[test]
@@ -496,29 +506,22 @@ fn run_transport(server: &NatsServer) -> metronome_transport::nats::NatsConfig {
 #[test]
 fn a_poison_group_is_dead_lettered_and_the_run_ends_with_the_same_weights() {
     use metronome_core::GroupSender;
-    let _serial = serial();
-    let periods = 4;
-    let server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let sets = settings(&server.url(), periods);
-    let mut a = Proc::worker("a", &sets, out.path());
-    a.wait_event("worker_ready", |_| true);
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let c = Cluster::start(4);
+    let mut a = c.ready_worker("a");
+    let mut trainer = c.trainer();
     trainer.wait_event("period_done", |e| period_of(e) == Some(0));
     // A group no worker of this run sent: a prompt the last period does not hold.
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     runtime.block_on(async {
-        let t = metronome_transport::nats::NatsTransport::connect(run_transport(&server)).await.unwrap();
-        let poison = metronome_testkit::data::scored_group(periods - 1, 999_999, 4, 3);
+        let t = metronome_transport::nats::NatsTransport::connect(run_transport(&c.server)).await.unwrap();
+        let poison = metronome_testkit::data::scored_group(c.periods - 1, 999_999, 4, 3);
         t.group_sender().await.unwrap().send(poison).await.unwrap();
     });
     trainer.finish_ok();
     a.finish_ok();
 
-    let run = out.path().join("cluster");
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
-    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    c.assert_as_one_process();
+    let text = std::fs::read_to_string(c.out.path().join("cluster/metrics.jsonl")).unwrap();
     let rejected: u64 = text
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["rejected"].as_u64().unwrap())
@@ -526,7 +529,7 @@ fn a_poison_group_is_dead_lettered_and_the_run_ends_with_the_same_weights() {
     assert_eq!(rejected, 1, "{}", trainer.log());
     assert!(trainer.log().contains("999999"), "the log names the poison group:\n{}", trainer.log());
     let dead = runtime.block_on(async {
-        let t = metronome_transport::nats::NatsTransport::connect(run_transport(&server)).await.unwrap();
+        let t = metronome_transport::nats::NatsTransport::connect(run_transport(&c.server)).await.unwrap();
         let js = async_nats::jetstream::new(t.client().clone());
         js.get_stream("METRONOME_CLUSTER_DEAD").await.unwrap().info().await.unwrap().state.messages
     });

@@ -5,11 +5,23 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use metronome_core::{Error, Result, ScoredGroup, TrainBatch};
-use metronome_pipeline::Packer;
+use metronome_pipeline::{Packer, Stages};
 use metronome_testkit::mock::{ChannelTransport, recording_transport as kit_transport};
 pub(crate) use metronome_testkit::mock::{
     Events, MockEngine, MockScorer, MockSource, MockTrainer, Recorded, TrainLog, pack,
 };
+
+/// The mock stages around `engine` and `trainer`: prompts from `source`, the mock
+/// scorer, one micro-batch per group.
+pub(crate) fn mock_stages(source: MockSource, engine: MockEngine, trainer: MockTrainer) -> Stages {
+    Stages {
+        source: Box::new(source),
+        engine: Arc::new(engine),
+        scorer: Arc::new(MockScorer),
+        packer: mock_packer(),
+        trainer: Box::new(trainer),
+    }
+}
 
 /// One micro-batch per group: every completion token is a target.
 pub(crate) fn mock_packer() -> Arc<dyn Packer> {

@@ -354,10 +354,9 @@ fn every_metric_in_the_sources_is_in_a_typed_catalogue_that_follows_the_conventi
 /// period hook, as the binary does it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_hook_records_every_period_and_the_plots_show_its_intervals() {
-    use std::sync::Arc;
     use std::time::Duration;
 
-    use metronome_pipeline::{Runner, RunnerOptions, Schedule, Stages};
+    use metronome_pipeline::{Runner, RunnerOptions, Schedule};
 
     use crate::mocks::*;
 
@@ -366,13 +365,7 @@ async fn a_runner_hook_records_every_period_and_the_plots_show_its_intervals() {
         let dir = RunDir::create(root.path(), "mock").unwrap();
         let engine = MockEngine::new(Duration::from_millis(2));
         let trainer = MockTrainer::new(engine.generating.clone());
-        let stages = Stages {
-            source: Box::new(MockSource { next: 0, n: 1000, batch: 4, period: 0 }),
-            engine: Arc::new(engine),
-            scorer: Arc::new(MockScorer),
-            packer: mock_packer(),
-            trainer: Box::new(trainer),
-        };
+        let stages = mock_stages(MockSource { next: 0, n: 1000, batch: 4, period: 0 }, engine, trainer);
         let options = RunnerOptions { schedule, periods: 3, group_size: 2, ..RunnerOptions::default() };
         let hook_dir = dir.clone();
         let runner = Runner::new(stages, Some(channel_transport(2)), options)

@@ -34,13 +34,7 @@ async fn run_with(
     setup(&mut trainer);
     let log = trainer.log.clone();
     let emitted = engine.emitted.clone();
-    let stages = Stages {
-        source: Box::new(MockSource { next: 0, n: 1000, batch: 6, period: 0 }),
-        engine: Arc::new(engine),
-        scorer: Arc::new(MockScorer),
-        packer: mock_packer(),
-        trainer: Box::new(trainer),
-    };
+    let stages = mock_stages(MockSource { next: 0, n: 1000, batch: 6, period: 0 }, engine, trainer);
     let options = RunnerOptions { schedule, periods, group_size: 4, ..RunnerOptions::default() };
     let runner = Runner::new(stages, Some(channel_transport(2)), options).unwrap();
     let end = tokio::time::timeout(Duration::from_secs(60), runner.run()).await.ok()?.unwrap();
@@ -176,13 +170,7 @@ async fn a_trainer_whose_version_stands_still_is_an_error_not_a_hang() {
         let mut trainer = MockTrainer::new(engine.generating.clone());
         trainer.refuse = [1].into();
         trainer.keep_version_when_refusing = true;
-        let stages = Stages {
-            source: Box::new(MockSource { next: 0, n: 1000, batch: 3, period: 0 }),
-            engine: Arc::new(engine),
-            scorer: Arc::new(MockScorer),
-            packer: mock_packer(),
-            trainer: Box::new(trainer),
-        };
+        let stages = mock_stages(MockSource { next: 0, n: 1000, batch: 3, period: 0 }, engine, trainer);
         let options = RunnerOptions { schedule, periods: 4, group_size: 2, ..RunnerOptions::default() };
         let run = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run();
         let err = tokio::time::timeout(Duration::from_secs(60), run)
@@ -209,13 +197,7 @@ async fn every_schedule_shows_its_hook_the_weights_the_step_produced() {
     for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
         let engine = MockEngine::new(Duration::from_millis(1));
         let trainer = MockTrainer::new(engine.generating.clone());
-        let stages = Stages {
-            source: Box::new(MockSource { next: 0, n: 1000, batch: 3, period: 0 }),
-            engine: Arc::new(engine),
-            scorer: Arc::new(MockScorer),
-            packer: mock_packer(),
-            trainer: Box::new(trainer),
-        };
+        let stages = mock_stages(MockSource { next: 0, n: 1000, batch: 3, period: 0 }, engine, trainer);
         let options = RunnerOptions { schedule, periods: 3, group_size: 2, ..RunnerOptions::default() };
         let hooked = Arc::new(Mutex::new(Vec::new()));
         let record = hooked.clone();
@@ -254,13 +236,7 @@ async fn groups_older_than_the_bound_are_never_trained() {
     engine.force_version = Some(metronome_core::PolicyVersion(0));
     let trainer = MockTrainer::new(engine.generating.clone());
     let log = trainer.log.clone();
-    let stages = Stages {
-        source: Box::new(MockSource { next: 0, n: 1000, batch: 3, period: 0 }),
-        engine: Arc::new(engine),
-        scorer: Arc::new(MockScorer),
-        packer: mock_packer(),
-        trainer: Box::new(trainer),
-    };
+    let stages = mock_stages(MockSource { next: 0, n: 1000, batch: 3, period: 0 }, engine, trainer);
     let options =
         RunnerOptions { schedule: Schedule::Stale(1), periods: 4, group_size: 2, ..RunnerOptions::default() };
     let reports =
@@ -277,13 +253,7 @@ async fn bad_options_fail_before_any_work_naming_the_key() {
     let engine = MockEngine::new(Duration::from_millis(1));
     let trainer = MockTrainer::new(engine.generating.clone());
     let accumulations = trainer.accumulations.clone();
-    let stages = Stages {
-        source: Box::new(MockSource { next: 0, n: 10, batch: 2, period: 0 }),
-        engine: Arc::new(engine),
-        scorer: Arc::new(MockScorer),
-        packer: mock_packer(),
-        trainer: Box::new(trainer),
-    };
+    let stages = mock_stages(MockSource { next: 0, n: 10, batch: 2, period: 0 }, engine, trainer);
     let err = Runner::new(
         stages,
         None,
@@ -302,13 +272,7 @@ async fn a_source_that_runs_out_ends_the_run_early() {
     for schedule in [Schedule::Sync, Schedule::Periodic] {
         let engine = MockEngine::new(Duration::from_millis(1));
         let trainer = MockTrainer::new(engine.generating.clone());
-        let stages = Stages {
-            source: Box::new(MockSource { next: 0, n: 5, batch: 2, period: 0 }),
-            engine: Arc::new(engine),
-            scorer: Arc::new(MockScorer),
-            packer: mock_packer(),
-            trainer: Box::new(trainer),
-        };
+        let stages = mock_stages(MockSource { next: 0, n: 5, batch: 2, period: 0 }, engine, trainer);
         let options = RunnerOptions { schedule, periods: 10, group_size: 2, ..RunnerOptions::default() };
         let reports =
             Runner::new(stages, Some(channel_transport(2)), options).unwrap().run().await.unwrap().reports;
