@@ -1,0 +1,110 @@
+//! `rollout.backend = "openai"` against `metronome serve` in a separate process: a
+//! `periodic` run whose rollouts come over HTTP trains what the native engine's run
+//! of the same seed trains.
+//!
+//! Why they can agree exactly: the client sends the run seed with Metronome's
+//! `prompt_ids` extension, so the server derives each response's seed from (run seed,
+//! version, prompt id, sample index) as the native engine does; at every period start
+//! the trainer's weights are written to the server's weights directory as f32
+//! safetensors (bit-exact) and loaded with their version, which the server names in
+//! every answer (the client refuses an answer from other weights); decoding is
+//! batch-invariant, so the server's batching does not change a token. vLLM and SGLang
+//! cannot run here; their protocol is checked against a stub in
+//! `crates/metronome-rollout/tests/it/openai.rs`.
+
+use serde_json::Value;
+
+use crate::cluster::{Proc, max_difference, read_weights, serial};
+
+/// A short `periodic` run with a warm start (so the server's own starting weights are
+/// wrong until the first sync) and rewards that vary, so the weights move.
+fn settings(name: &str) -> Vec<String> {
+    [
+        "run.periods=3",
+        "run.group_size=4",
+        "run.schedule=\"periodic\"",
+        "data.release.batch_size=4",
+        "sft.steps=3",
+        "sft.batch_size=8",
+        "eval.prompts=0",
+        "rollout.max_num_seqs=8",
+        "rollout.sampling.max_new_tokens=16",
+        "run.cores=2",
+        "trainer.schedule.lr=0.01",
+        r#"reward.scorer={kind="length", max_len=12, cache_len=10, penalty=1.0}"#,
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .chain([format!("run.name={name}")])
+    .collect()
+}
+
+/// The `period_done` reports of `metrics.jsonl`, in order.
+fn periods(run: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn periodic_over_metronome_serve_trains_what_the_native_engine_trains() {
+    let _serial = serial();
+    let out = tempfile::tempdir().unwrap();
+    let weights = out.path().join("weights");
+    std::fs::create_dir_all(&weights).unwrap();
+    let port = metronome_testkit::server::free_port().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+
+    let native_sets = settings("native");
+    let mut native = Proc::spawn("native run", &["run", "--quiet"], &native_sets, out.path());
+
+    // The server reads the same settings (its starting model is the tiny one of the
+    // run seed, before the warm start) and loads only from `weights`.
+    let mut serve_args: Vec<String> = ["serve", "--addr", &addr, "--model-name", "tiny", "--events", "-"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(["--weights-dir".to_owned(), weights.display().to_string()])
+        .collect();
+    for s in settings("server") {
+        serve_args.extend(["--set".to_owned(), s]);
+    }
+    let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
+    let server = Proc::spawn_plain("serve", &serve_args);
+    server.wait_event("serving", |_| true);
+
+    let mut openai_sets = settings("openai");
+    openai_sets.extend([
+        "rollout.backend=\"openai\"".to_owned(),
+        format!("rollout.openai.endpoints=[\"http://{addr}\"]"),
+        "rollout.openai.model=\"tiny\"".to_owned(),
+        format!("rollout.openai.export_dir={:?}", weights.display().to_string()),
+    ]);
+    let mut openai = Proc::spawn("openai run", &["run", "--quiet"], &openai_sets, out.path());
+    openai.finish_ok();
+    native.finish_ok();
+    server.sigterm();
+
+    let (native_dir, openai_dir) = (out.path().join("native"), out.path().join("openai"));
+    let (a, b) = (periods(&native_dir), periods(&openai_dir));
+    assert_eq!(a.len(), 3);
+    assert_eq!(b.len(), 3);
+    for (x, y) in a.iter().zip(&b) {
+        let period = &x["period"];
+        // The same responses: as many tokens, the same rewards, trained to the same loss.
+        for key in ["generated_tokens", "groups", "rejected", "staleness"] {
+            assert_eq!(x[key], y[key], "period {period}: {key}");
+        }
+        for (key, tolerance) in [("reward_mean", 1e-9), ("step.loss", 1e-6), ("step.entropy", 1e-6)] {
+            let get = |v: &Value| key.split('.').fold(v, |v, k| &v[k]).as_f64().unwrap();
+            assert!((get(x) - get(y)).abs() <= tolerance, "period {period}: {key} {} vs {}", get(x), get(y));
+        }
+        assert_eq!(x["step"]["version"], y["step"]["version"], "period {period}");
+    }
+    let difference = max_difference(&read_weights(&native_dir), &read_weights(&openai_dir));
+    assert!(difference <= 1e-6, "final weights differ by {difference}");
+    // The server was brought to every version; only the newest export is kept.
+    let files: Vec<String> = std::fs::read_dir(&weights)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into())
+        .collect();
+    assert_eq!(files, ["weights-v2.safetensors"]);
+}
