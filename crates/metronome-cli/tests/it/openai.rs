@@ -1,6 +1,6 @@
-//! `rollout.backend = "openai"` against `metronome serve` in a separate process: a
-//! `periodic` run whose rollouts come over HTTP trains what the native engine's run
-//! of the same seed trains.
+//! `rollout.backend = "openai"` against `metronome serve` in a separate process:
+//! `periodic` and `sync` runs whose rollouts come over HTTP train what the native
+//! engine's `periodic` run of the same seed trains.
 //!
 //! Why they can agree exactly: the client sends the run seed with Metronome's
 //! `prompt_ids` extension, so the server derives each response's seed from (run seed,
@@ -80,31 +80,53 @@ fn periodic_over_metronome_serve_trains_what_the_native_engine_trains() {
     ]);
     let mut openai = Proc::spawn("openai run", &["run", "--quiet"], &openai_sets, out.path());
     openai.finish_ok();
+    // `sync` through the same server (which holds version 2 by now, and is brought
+    // back to the warm start's version 0): `sync` trains what `periodic` trains.
+    let sync_sets: Vec<String> = openai_sets
+        .iter()
+        .map(|s| match s.as_str() {
+            "run.schedule=\"periodic\"" => "run.schedule=\"sync\"".to_owned(),
+            "run.name=openai" => "run.name=openai-sync".to_owned(),
+            other => other.to_owned(),
+        })
+        .collect();
+    let mut sync = Proc::spawn("openai sync run", &["run", "--quiet"], &sync_sets, out.path());
+    sync.finish_ok();
     native.finish_ok();
     server.sigterm();
 
-    let (native_dir, openai_dir) = (out.path().join("native"), out.path().join("openai"));
-    let (a, b) = (periods(&native_dir), periods(&openai_dir));
+    let native_dir = out.path().join("native");
+    let a = periods(&native_dir);
     assert_eq!(a.len(), 3);
-    assert_eq!(b.len(), 3);
-    for (x, y) in a.iter().zip(&b) {
-        let period = &x["period"];
-        // The same responses: as many tokens, the same rewards, trained to the same loss.
-        for key in ["generated_tokens", "groups", "rejected", "staleness"] {
-            assert_eq!(x[key], y[key], "period {period}: {key}");
-        }
-        for (key, tolerance) in [("reward_mean", 1e-9), ("step.loss", 1e-6), ("step.entropy", 1e-6)] {
-            let get = |v: &Value| key.split('.').fold(v, |v, k| &v[k]).as_f64().unwrap();
-            assert!((get(x) - get(y)).abs() <= tolerance, "period {period}: {key} {} vs {}", get(x), get(y));
-        }
-        assert_eq!(x["step"]["version"], y["step"]["version"], "period {period}");
+    for name in ["openai", "openai-sync"] {
+        let dir = out.path().join(name);
+        let b = periods(&dir);
+        assert_eq!(b.len(), 3, "{name}");
+        same_training(&a, &b, name);
+        let difference = max_difference(&read_weights(&native_dir), &read_weights(&dir));
+        assert!(difference <= 1e-6, "{name}: final weights differ by {difference}");
     }
-    let difference = max_difference(&read_weights(&native_dir), &read_weights(&openai_dir));
-    assert!(difference <= 1e-6, "final weights differ by {difference}");
     // The server was brought to every version; only the newest export is kept.
     let files: Vec<String> = std::fs::read_dir(&weights)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into())
         .collect();
     assert_eq!(files, ["weights-v2.safetensors"]);
+}
+
+/// The same responses period by period: as many tokens, the same rewards, trained to
+/// the same loss, at the same version.
+fn same_training(a: &[Value], b: &[Value], name: &str) {
+    for (x, y) in a.iter().zip(b) {
+        let period = &x["period"];
+        for key in ["generated_tokens", "groups", "rejected", "staleness"] {
+            assert_eq!(x[key], y[key], "{name} period {period}: {key}");
+        }
+        for (key, tolerance) in [("reward_mean", 1e-9), ("step.loss", 1e-6), ("step.entropy", 1e-6)] {
+            let get = |v: &Value| key.split('.').fold(v, |v, k| &v[k]).as_f64().unwrap();
+            let (p, q) = (get(x), get(y));
+            assert!((p - q).abs() <= tolerance, "{name} period {period}: {key} {p} vs {q}");
+        }
+        assert_eq!(x["step"]["version"], y["step"]["version"], "{name} period {period}");
+    }
 }
