@@ -59,13 +59,13 @@ pub struct OpenAiClientConfig {
     pub max_retries: u32,
     /// The first retry waits this long; each next one twice as long.
     pub retry_backoff_ms: u64,
-    /// Requests in flight at most, over all endpoints (one request per prompt, `n` =
-    /// group size).
+    /// Groups in flight at most, over all endpoints (a group is one request with `n` =
+    /// group size, or one request per response without `send_prompt_ids`).
     pub max_concurrency: usize,
     /// Send Metronome's `prompt_ids` extension with the run seed, so that `metronome
     /// serve` samples exactly the native engine's tokens. Off (required for vLLM and
-    /// SGLang, which ignore the field), each request carries its own seed derived from
-    /// the run seed, the version and the prompt id.
+    /// SGLang, which ignore the field), each response is its own request (`n` = 1) with
+    /// its own seed, `sample_seed(run seed, version, prompt id, sample index)`.
     pub send_prompt_ids: bool,
     /// Sent as `Authorization: Bearer <api_key>` (`--api-key` of vLLM and SGLang,
     /// `--api-key-file` of `metronome serve`); `{ env = "VAR" }` or `{ file = "PATH" }`
@@ -166,8 +166,8 @@ impl OpenAiClientConfig {
                 "openai.send_prompt_ids",
                 format!(
                     "is true with weight_sync = \"{}\": that server ignores Metronome's prompt_ids, so every \
-                     request would share the run seed; set it to false (each request then carries a seed of its \
-                     own, derived from run.seed, the version and the prompt id)",
+                     request would share the run seed; set it to false (each response is then a request with a \
+                     seed of its own, derived from run.seed, the version, the prompt id and the sample index)",
                     self.weight_sync.name()
                 ),
             ));

@@ -18,7 +18,7 @@ use super::weight_sync::{HookContext, WeightUpdateHook};
 use crate::{Error, OpenAiClientConfig, Result, SamplingConfig};
 
 /// Seeds sent to servers without the `prompt_ids` extension stay below 2^62: vLLM
-/// takes a signed 64-bit seed and adds the choice index to it for `n > 1`.
+/// takes a signed 64-bit seed (and would add a choice index to it for `n > 1`).
 const FOREIGN_SEED_MASK: u64 = (1 << 62) - 1;
 
 /// One server of the pool.
@@ -44,8 +44,8 @@ impl Drop for InFlight<'_> {
 }
 
 /// A rollout engine backed by OpenAI-compatible servers: one `/v1/completions`
-/// request per prompt with `n` = group size, at most `max_concurrency` in flight over
-/// all endpoints, each sent to the endpoint with the fewest requests in flight (ties
+/// request per prompt with `n` = group size (one per response, `n` = 1, for servers
+/// without `prompt_ids`), at most `max_concurrency` groups in flight over all endpoints, each sent to the endpoint with the fewest requests in flight (ties
 /// taken in turn) and retried on another one when it fails; groups are emitted as
 /// their requests return. [`RolloutEngine::install_weights`] brings every endpoint to
 /// the new weights through the [`WeightUpdateHook`].
@@ -115,20 +115,31 @@ impl OpenAiEngine {
         self.endpoints.iter().map(|e| (e.url.clone(), e.synced.load(Ordering::Relaxed))).collect()
     }
 
-    fn request_for(&self, prompt: &Prompt, n: u32, version: PolicyVersion) -> CompletionRequest {
+    /// The requests of one prompt's group. With `prompt_ids` our server derives each
+    /// response's seed from the run seed as the native engine does: one request with
+    /// `n` = group size. Other servers get one request per response (`n` = 1) seeded
+    /// with that response's own `sample_seed(run, version, prompt, j)`: how they seed
+    /// the choices of one request with `n > 1` is theirs (SGLang documents none), and
+    /// the same seed for every choice would make a group's responses equal. Their
+    /// prefix caches share the prompt's prefill between the requests.
+    fn requests_for(&self, prompt: &Prompt, n: u32, version: PolicyVersion) -> Vec<CompletionRequest> {
+        if self.config.send_prompt_ids {
+            return vec![self.request_for(prompt, n, self.seed.0)];
+        }
+        (0..n)
+            .map(|j| {
+                let seed = metronome_core::sample_seed(self.seed, version, prompt.id, j) & FOREIGN_SEED_MASK;
+                self.request_for(prompt, 1, seed)
+            })
+            .collect()
+    }
+
+    fn request_for(&self, prompt: &Prompt, n: u32, seed: u64) -> CompletionRequest {
         let s = &self.sampling;
         let input = if prompt.tokens.is_empty() {
             PromptInput::Text(prompt.text.clone())
         } else {
             PromptInput::Tokens(prompt.tokens.clone())
-        };
-        // With `prompt_ids` our server derives each response's seed from the run seed
-        // as the native engine does; other servers get one seed per request, so that
-        // prompts and versions do not share a random stream.
-        let seed = if self.config.send_prompt_ids {
-            self.seed.0
-        } else {
-            metronome_core::sample_seed(self.seed, version, prompt.id, 0) & FOREIGN_SEED_MASK
         };
         CompletionRequest {
             model: self.config.model.clone(),
@@ -257,22 +268,29 @@ impl OpenAiEngine {
         let _permit = self.permits.acquire().await.map_err(|_| Error::Shutdown)?;
         let started_s = t0.elapsed().as_secs_f64();
         let expected = PolicyVersion(self.version.load(Ordering::Relaxed));
-        let body = self.request_for(&prompt, n, expected);
-        let (resp, url) = self.post(&body, expected).await?;
-        // Our server says which weights sampled; for the others, the version the client
-        // last brought them to.
-        let version =
-            resp.system_fingerprint.as_deref().and_then(version_from_fingerprint).unwrap_or(expected);
-        let mut choices = resp.choices;
-        choices.sort_by_key(|c| c.index);
-        if choices.len() != n as usize {
-            return Err(Error::Response { url, reason: format!("{} choices for n = {n}", choices.len()) });
+        let bodies = self.requests_for(&prompt, n, expected);
+        let answers =
+            futures::future::try_join_all(bodies.iter().map(|body| self.post(body, expected))).await?;
+        let mut completions = Vec::with_capacity(n as usize);
+        for ((resp, url), body) in answers.into_iter().zip(&bodies) {
+            // Our server says which weights sampled; for the others, the version the
+            // client last brought them to.
+            let version =
+                resp.system_fingerprint.as_deref().and_then(version_from_fingerprint).unwrap_or(expected);
+            let asked = body.n.unwrap_or(1);
+            let mut choices = resp.choices;
+            choices.sort_by_key(|c| c.index);
+            if choices.len() != asked as usize {
+                return Err(Error::Response {
+                    url,
+                    reason: format!("{} choices for n = {asked}", choices.len()),
+                });
+            }
+            for choice in choices {
+                let index = completions.len() as u32;
+                completions.push(completion_of(index, choice, version, &url)?);
+            }
         }
-        let completions = choices
-            .into_iter()
-            .enumerate()
-            .map(|(i, choice)| completion_of(i as u32, choice, version, &url))
-            .collect::<Result<Vec<_>>>()?;
         Ok(Group {
             period,
             prompt,
@@ -282,8 +300,9 @@ impl OpenAiEngine {
     }
 }
 
-/// One API choice as a completion: its token ids (vLLM's `token_ids`, or the
-/// `token_id:<id>` strings of `return_tokens_as_token_ids`) and their log-probs.
+/// One API choice as a completion: its token ids (`token_ids` of vLLM's and SGLang's
+/// `return_token_ids`, or the `token_id:<id>` strings of vLLM's
+/// `return_tokens_as_token_ids`) and their log-probs.
 fn completion_of(i: u32, choice: Choice, version: PolicyVersion, url: &str) -> Result<Completion> {
     let bad = |reason: String| Error::Response { url: url.to_owned(), reason };
     let lp = choice.logprobs.ok_or_else(|| bad(format!("choice {i} has no logprobs")))?;
@@ -309,7 +328,9 @@ fn completion_of(i: u32, choice: Choice, version: PolicyVersion, url: &str) -> R
             lp.token_logprobs.len()
         )));
     }
-    let finish_reason = match (choice.finish_reason.as_deref(), &choice.stop_reason) {
+    // vLLM names what stopped a choice in `stop_reason`, SGLang in `matched_stop`.
+    let stop = choice.stop_reason.as_ref().or(choice.matched_stop.as_ref());
+    let finish_reason = match (choice.finish_reason.as_deref(), stop) {
         (Some("length"), _) => FinishReason::Length,
         (Some("stop"), Some(serde_json::Value::String(_))) => FinishReason::StopString,
         (Some("stop"), _) => FinishReason::Stop,

@@ -11,12 +11,14 @@
 //! engine samples for that prompt (given equal weights, version and sampling). Without
 //! `seed`, the server draws one from the clock.
 //!
-//! Servers without the extension (vLLM, SGLang: `send_prompt_ids = false`) get one seed
-//! per request instead, `sample_seed(run, v, prompt, 0)` cut to 62 bits: reproducible
-//! by their own sampler, but not the native engine's tokens.
+//! Servers without the extension (vLLM, SGLang: `send_prompt_ids = false`) get one
+//! request per response instead (`n` = 1), seeded with that response's
+//! `sample_seed(run, v, prompt, j)` cut to 62 bits: reproducible by their own sampler,
+//! but not the native engine's tokens.
 //!
 //! # The client
-//! [`OpenAiEngine`] sends one request per prompt (`n` = group size, `logprobs: 0`,
+//! [`OpenAiEngine`] sends one request per prompt (`n` = group size; per response for
+//! servers without `prompt_ids`; `logprobs: 0`,
 //! `return_tokens_as_token_ids` and `return_token_ids` so the sampled ids and their
 //! log-probs come back) to the endpoint with the fewest requests in flight, retries a
 //! failed attempt on another endpoint, and records on each completion the version the

@@ -483,6 +483,7 @@ fn choice(
         finish_reason: Some(finish_reason.into()),
         stop_reason,
         token_ids,
+        matched_stop: None,
     }
 }
 

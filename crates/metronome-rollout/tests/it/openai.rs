@@ -155,10 +155,12 @@ async fn an_update_no_endpoint_takes_fails_naming_them() {
 /// What a stub server received: (path, JSON body) in order.
 type Calls = Arc<Mutex<Vec<(String, Value)>>>;
 
-/// A stub of vLLM's or SGLang's HTTP surface: records every call; completions answer
-/// two tokens per choice in vLLM's `return_tokens_as_token_ids` form; weight updates
-/// answer `update_answer`.
-async fn stub(update_answer: Value) -> (String, Calls) {
+/// A stub of vLLM's or SGLang's HTTP surface: records every call; weight updates
+/// answer `update_answer`; each completion choice has two tokens, the first the
+/// request's seed mod 50, written as SGLang answers (`token_ids`, text log-prob tokens,
+/// a stop string in `matched_stop`) or as vLLM does with `return_tokens_as_token_ids`
+/// (`token_id:<id>` log-prob tokens, no `token_ids`, `length`).
+async fn stub(update_answer: Value, sglang: bool) -> (String, Calls) {
     let calls: Calls = Arc::default();
     let record = |path: &'static str, calls: Calls, answer: Value| {
         post(move |Json(body): Json<Value>| {
@@ -175,18 +177,26 @@ async fn stub(update_answer: Value) -> (String, Calls) {
             let calls = Arc::clone(&calls);
             async move {
                 calls.lock().unwrap().push(("/v1/completions".into(), body.clone()));
-                let n = body["n"].as_u64().unwrap_or(1);
-                let choices: Vec<Value> = (0..n)
-                .map(|i| {
-                    json!({
-                        "index": i, "text": "ab", "finish_reason": "length",
-                        "logprobs": {"tokens": ["token_id:5", "token_id:7"], "token_logprobs": [-0.5, -0.25],
-                                     "top_logprobs": null, "text_offset": [0, 1]}
+                let first = body["seed"].as_u64().unwrap() % 50;
+                let choices: Vec<Value> = (0..body["n"].as_u64().unwrap_or(1))
+                    .map(|i| {
+                        let logprobs = json!({"token_logprobs": [-0.5, -0.25], "top_logprobs": null,
+                                              "text_offset": [0, 1]});
+                        let mut choice = json!({"index": i, "text": "ab", "logprobs": logprobs});
+                        if sglang {
+                            choice["token_ids"] = json!([first, 7]);
+                            choice["logprobs"]["tokens"] = json!(["a", "b"]);
+                            choice["finish_reason"] = json!("stop");
+                            choice["matched_stop"] = json!("Z");
+                        } else {
+                            choice["logprobs"]["tokens"] = json!([format!("token_id:{first}"), "token_id:7"]);
+                            choice["finish_reason"] = json!("length");
+                        }
+                        choice
                     })
-                })
-                .collect();
+                    .collect();
                 Json(
-                    json!({"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": choices}),
+                    json!({"id": "c", "object": "text_completion", "created": 0, "model": "m", "choices": choices}),
                 )
             }
         })
@@ -221,9 +231,9 @@ fn config_json() -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sglang_gets_an_hf_folder_per_version_and_a_per_request_seed() {
+async fn sglang_gets_an_hf_folder_per_version_and_a_request_per_response() {
     let dir = tempfile::tempdir().unwrap();
-    let (url, calls) = stub(json!({"success": true, "message": "ok"})).await;
+    let (url, calls) = stub(json!({"success": true, "message": "ok"}), true).await;
     let mut config = foreign_config(url, WeightSync::Sglang, dir.path());
     config.server_export_dir = Some("/srv/weights".into());
     let hook = weight_sync_hook(&config, config_json()).unwrap();
@@ -268,28 +278,44 @@ async fn sglang_gets_an_hf_folder_per_version_and_a_per_request_seed() {
     let sink = CollectSink::default();
     let request = RolloutRequest { period: PeriodId(4), prompts: prompts(1), group_size: 2 };
     client.generate(request, &sink).await.unwrap();
+    // One request per response, each with that response's own seed, and the answers
+    // in sample order.
+    let seed =
+        |j| metronome_core::sample_seed(RunSeed(42), PolicyVersion(4), PromptId(100), j) & ((1 << 62) - 1);
     let group = &sink.into_groups()[0];
-    for c in &group.completions {
-        assert_eq!(
-            (c.tokens.as_slice(), c.logprobs.as_slice()),
-            ([5, 7].as_slice(), [-0.5, -0.25].as_slice())
-        );
+    for (j, c) in group.completions.iter().enumerate() {
+        assert_eq!(c.sample_index, j as u32);
+        assert_eq!(c.tokens, [(seed(j as u32) % 50) as u32, 7]);
+        assert_eq!(c.logprobs, [-0.5, -0.25]);
+        assert_eq!(c.finish_reason, metronome_core::FinishReason::StopString, "from matched_stop");
         // SGLang does not say which weights sampled: the version the client brought it to.
         assert_eq!(c.version, PolicyVersion(4));
     }
-    let body = calls.lock().unwrap().iter().find(|(p, _)| p == "/v1/completions").unwrap().1.clone();
-    let seed = metronome_core::sample_seed(RunSeed(42), PolicyVersion(4), PromptId(100), 0) & ((1 << 62) - 1);
-    assert_eq!(body["seed"], json!(seed));
-    assert_eq!(body["n"], 2);
-    assert_eq!(body["max_tokens"], 8);
-    assert_eq!(body["temperature"], 1.0);
-    assert_eq!(body["logprobs"], 0);
-    assert_eq!(body["model"], "m");
-    assert!(body.get("prompt_ids").is_none(), "{body}");
-    assert_eq!(body["prompt"], json!(prompts(1)[0].tokens));
+    let bodies: Vec<Value> = calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(p, _)| p == "/v1/completions")
+        .map(|(_, b)| b.clone())
+        .collect();
+    let mut seeds: Vec<u64> = bodies.iter().map(|b| b["seed"].as_u64().unwrap()).collect();
+    seeds.sort_unstable();
+    let mut expected = vec![seed(0), seed(1)];
+    expected.sort_unstable();
+    assert_eq!(seeds, expected);
+    for body in &bodies {
+        assert_eq!(body["n"], 1);
+        assert_eq!(body["max_tokens"], 8);
+        assert_eq!(body["temperature"], 1.0);
+        assert_eq!(body["logprobs"], 0);
+        assert_eq!(body["return_token_ids"], true);
+        assert_eq!(body["model"], "m");
+        assert!(body.get("prompt_ids").is_none(), "{body}");
+        assert_eq!(body["prompt"], json!(prompts(1)[0].tokens));
+    }
 
     // SGLang's refusal is 200 with `"success": false`: the update fails, naming it.
-    let (url, _) = stub(json!({"success": false, "message": "shape mismatch"})).await;
+    let (url, _) = stub(json!({"success": false, "message": "shape mismatch"}), true).await;
     let config = foreign_config(url.clone(), WeightSync::Sglang, dir.path());
     let hook = weight_sync_hook(&config, config_json()).unwrap();
     let client = OpenAiEngine::new(config, sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap();
@@ -304,7 +330,7 @@ async fn sglang_gets_an_hf_folder_per_version_and_a_per_request_seed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_reloads_its_own_folder_in_dev_mode() {
     let dir = tempfile::tempdir().unwrap();
-    let (url, calls) = stub(json!({})).await;
+    let (url, calls) = stub(json!({}), false).await;
     let config = foreign_config(url, WeightSync::Vllm, dir.path());
     let hook = weight_sync_hook(&config, config_json()).unwrap();
     let client = OpenAiEngine::new(config.clone(), sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap();
@@ -319,6 +345,14 @@ async fn vllm_reloads_its_own_folder_in_dev_mode() {
     );
     assert!(dir.path().join("config.json").is_file() && dir.path().join("model.safetensors").is_file());
     assert_eq!(client.version(), PolicyVersion(6));
+    // vLLM's `token_id:<id>` log-prob tokens carry the ids.
+    let sink = CollectSink::default();
+    let request = RolloutRequest { period: PeriodId(6), prompts: prompts(1), group_size: 1 };
+    client.generate(request, &sink).await.unwrap();
+    let c = &sink.into_groups()[0].completions[0];
+    let seed = metronome_core::sample_seed(RunSeed(42), PolicyVersion(6), PromptId(100), 0) & ((1 << 62) - 1);
+    assert_eq!(c.tokens, [(seed % 50) as u32, 7]);
+    assert_eq!((c.finish_reason, c.version), (metronome_core::FinishReason::Length, PolicyVersion(6)));
 
     // A sharded folder would keep serving its shards: refused, naming the key.
     std::fs::write(dir.path().join("model.safetensors.index.json"), "{}").unwrap();
