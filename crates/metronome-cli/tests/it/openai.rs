@@ -1,6 +1,6 @@
-//! `rollout.backend = "openai"` against `metronome serve` in a separate process:
-//! `periodic` and `sync` runs whose rollouts come over HTTP train what the native
-//! engine's `periodic` run of the same seed trains.
+//! `rollout.backend = "openai"` against two `metronome serve` processes: `periodic`
+//! and `sync` runs whose rollouts come over HTTP, spread over both servers, train what
+//! the native engine's `periodic` run of the same seed trains.
 //!
 //! Why they can agree exactly: the client sends the run seed with Metronome's
 //! `prompt_ids` extension, so the server derives each response's seed from (run seed,
@@ -51,36 +51,42 @@ fn periodic_over_metronome_serve_trains_what_the_native_engine_trains() {
     let out = tempfile::tempdir().unwrap();
     let weights = out.path().join("weights");
     std::fs::create_dir_all(&weights).unwrap();
-    let port = metronome_testkit::server::free_port().unwrap();
-    let addr = format!("127.0.0.1:{port}");
 
     let native_sets = settings("native");
     let mut native = Proc::spawn("native run", &["run", "--quiet"], &native_sets, out.path());
 
-    // The server reads the same settings (its starting model is the tiny one of the
-    // run seed, before the warm start) and loads only from `weights`.
-    let mut serve_args: Vec<String> = ["serve", "--addr", &addr, "--model-name", "tiny", "--events", "-"]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .chain(["--weights-dir".to_owned(), weights.display().to_string()])
+    // Two servers read the same settings (their starting model is the tiny one of
+    // the run seed, before the warm start) and load only from `weights`; requests
+    // are spread over both and weights go to both.
+    let servers: Vec<(Proc, String)> = (0..2)
+        .map(|i| {
+            let addr = format!("127.0.0.1:{}", metronome_testkit::server::free_port().unwrap());
+            let mut args: Vec<String> = ["serve", "--addr", &addr, "--model-name", "tiny", "--events", "-"]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .chain(["--weights-dir".to_owned(), weights.display().to_string()])
+                .collect();
+            for s in settings("server") {
+                args.extend(["--set".to_owned(), s]);
+            }
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let server = Proc::spawn_plain(&format!("serve {i}"), &args);
+            server.wait_event("serving", |_| true);
+            (server, format!("\"http://{addr}\""))
+        })
         .collect();
-    for s in settings("server") {
-        serve_args.extend(["--set".to_owned(), s]);
-    }
-    let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
-    let server = Proc::spawn_plain("serve", &serve_args);
-    server.wait_event("serving", |_| true);
+    let endpoints: Vec<&str> = servers.iter().map(|(_, url)| url.as_str()).collect();
 
     let mut openai_sets = settings("openai");
     openai_sets.extend([
         "rollout.backend=\"openai\"".to_owned(),
-        format!("rollout.openai.endpoints=[\"http://{addr}\"]"),
+        format!("rollout.openai.endpoints=[{}]", endpoints.join(", ")),
         "rollout.openai.model=\"tiny\"".to_owned(),
         format!("rollout.openai.export_dir={:?}", weights.display().to_string()),
     ]);
     let mut openai = Proc::spawn("openai run", &["run", "--quiet"], &openai_sets, out.path());
     openai.finish_ok();
-    // `sync` through the same server (which holds version 2 by now, and is brought
+    // `sync` through the same servers (which hold version 2 by now, and are brought
     // back to the warm start's version 0): `sync` trains what `periodic` trains.
     let sync_sets: Vec<String> = openai_sets
         .iter()
@@ -93,7 +99,9 @@ fn periodic_over_metronome_serve_trains_what_the_native_engine_trains() {
     let mut sync = Proc::spawn("openai sync run", &["run", "--quiet"], &sync_sets, out.path());
     sync.finish_ok();
     native.finish_ok();
-    server.sigterm();
+    for (server, _) in &servers {
+        server.sigterm();
+    }
 
     let native_dir = out.path().join("native");
     let a = periods(&native_dir);
@@ -106,7 +114,7 @@ fn periodic_over_metronome_serve_trains_what_the_native_engine_trains() {
         let difference = max_difference(&read_weights(&native_dir), &read_weights(&dir));
         assert!(difference <= 1e-6, "{name}: final weights differ by {difference}");
     }
-    // The server was brought to every version; only the newest export is kept.
+    // The servers were brought to every version; only the newest export is kept.
     let files: Vec<String> = std::fs::read_dir(&weights)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into())

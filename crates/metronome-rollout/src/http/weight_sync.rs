@@ -96,9 +96,14 @@ fn io(path: &Path, source: std::io::Error) -> Error {
 }
 
 /// Writes `bytes` to `path` through a temporary file renamed over it, so that a
-/// server never reads a half-written file.
+/// server never reads a half-written file. The temporary name is this process's and
+/// call's own: several rollout workers may export the same version to one folder.
 async fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp-{}-{n}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
     tokio::fs::write(&tmp, bytes).await.map_err(|source| io(&tmp, source))?;
     tokio::fs::rename(&tmp, path).await.map_err(|source| io(path, source))
 }
@@ -177,7 +182,13 @@ impl WeightUpdateHook for SafetensorsReload {
     async fn export(&self, weights: Arc<WeightSnapshot>) -> Result<()> {
         self.export.create().await?;
         let name = Self::file_name(weights.version);
-        remove_stale(&self.export.dir, |n| n.starts_with("weights-v") && n != name).await;
+        let older = |n: &str| {
+            n != name
+                && n.strip_prefix("weights-v")
+                    .and_then(|v| v.strip_suffix(".safetensors"))
+                    .is_some_and(|v| v.parse::<u64>().is_ok())
+        };
+        remove_stale(&self.export.dir, older).await;
         let bytes = snapshot_to_safetensors(&weights)?;
         write_atomic(&self.export.dir.join(&name), &bytes).await
     }
