@@ -546,6 +546,8 @@ impl PipelineConfig {
             "rollout.openai.retry_backoff_ms",
             "rollout.openai.max_concurrency",
             "rollout.openai.api_key",
+            "rollout.openai.export_dir",
+            "rollout.openai.server_export_dir",
             "trainer.threads",
             "transport",
         ];

@@ -52,7 +52,8 @@ pub struct OpenAiClientConfig {
     pub endpoints: Vec<String>,
     /// The served model name sent as `model`.
     pub model: String,
-    /// Per-request timeout, seconds (a whole group is one request).
+    /// Per-request timeout, seconds (a request generates a whole group, or one
+    /// response without `send_prompt_ids`).
     pub timeout_s: f64,
     /// Retries after a failed attempt (connection errors, timeouts, 429 and 5xx, a
     /// server on other weights), each on another endpoint when there is one.

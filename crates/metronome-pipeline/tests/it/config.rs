@@ -371,4 +371,22 @@ fn the_openai_backend_names_its_bad_keys() {
     assert_eq!(ok.rollout.backend, metronome_rollout::Backend::Openai);
     assert_eq!(ok.rollout.openai.api_key.as_ref().map(|k| k.expose()), Some("sk-openai-test"));
     assert!(!ok.to_toml().unwrap().contains("sk-openai-test"));
+
+    // A resumed run may move to other servers or export folders, not to other sampling.
+    let openai = |extra: &[&str]| {
+        let mut o: Vec<String> = ["rollout.backend=\"openai\"", "rollout.openai.export_dir=\"/w\""]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        o.extend(extra.iter().map(|s| (*s).to_owned()));
+        PipelineConfig::embedded(&o).unwrap()
+    };
+    let stored = openai(&["rollout.openai.endpoints=[\"http://a:1\"]"]).to_toml().unwrap();
+    let moved = openai(&[
+        "rollout.openai.endpoints=[\"http://b:1\", \"http://c:1\"]",
+        "rollout.openai.export_dir=\"/v\"",
+    ]);
+    assert_eq!(moved.resume_changes(&stored).unwrap(), Vec::<String>::new());
+    let other = openai(&["rollout.openai.endpoints=[\"http://a:1\"]", "rollout.openai.model=\"other\""]);
+    assert_eq!(other.resume_changes(&stored).unwrap(), ["rollout.openai.model"]);
 }
