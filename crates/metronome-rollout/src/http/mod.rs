@@ -23,14 +23,15 @@
 //! log-probs come back) to the endpoint with the fewest requests in flight, retries a
 //! failed attempt on another endpoint, and records on each completion the version the
 //! server reports (ours) or the one it last brought the servers to. Weight updates go
-//! to every endpoint through a [`WeightUpdateHook`] (module `weight_sync`: ours,
-//! SGLang's and vLLM's, with what each server offers).
+//! to every endpoint through a [`WeightUpdateHook`]: ours, SGLang's and vLLM's, with
+//! what each server offers, in [`weight_sync`].
 //!
 //! # Extensions beyond OpenAI's fields
 //! Accepted, as vLLM does: `top_k` (`-1` or `0` disables), `min_p`,
 //! `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 //! `include_stop_str_in_output`, `return_tokens_as_token_ids` (log-prob tokens are
-//! then written `token_id:<id>`), `return_token_ids` (each choice's ids in `token_ids`), token-id prompts (`[1, 2, 3]` or `[[1, 2], [3]]`).
+//! then written `token_id:<id>`), `return_token_ids` (each choice's ids in
+//! `token_ids`), token-id prompts (`[1, 2, 3]` or `[[1, 2], [3]]`).
 //! Metronome's own: `prompt_ids`. Responses carry the policy version in
 //! `system_fingerprint` as `metronome-v<version>`. `logprobs` returns the sampled
 //! tokens' log-probs only (`top_logprobs` is `null`). Not supported, and answered with
@@ -40,7 +41,7 @@
 mod client;
 mod server;
 mod types;
-mod weight_sync;
+pub mod weight_sync;
 
 pub use crate::config::{OpenAiClientConfig, WeightSync};
 pub use client::OpenAiEngine;
