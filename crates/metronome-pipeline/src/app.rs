@@ -527,21 +527,64 @@ fn stages_around(
     tokenizer: Arc<dyn Tokenizer>,
 ) -> Result<(Stages, TrainerHandle)> {
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone()).map_err(err("dataloader"))?;
-    let device = config.rollout_device().open().map_err(err("model"))?;
-    let inference = trainer.policy().frozen_copy_on(&device).map_err(err("model"))?;
-    let engine = config
-        .rollout
-        .build(inference, trainer.version(), tokenizer, RunSeed(config.run.seed))
-        .map_err(err("rollout"))?;
+    let engine = rollout_engine(config, trainer.policy(), trainer.version(), tokenizer)?;
     let scorer = group_scorer(config)?;
     let packer = packer(config.packing);
     let trainer = TrainerHandle(Arc::new(Mutex::new(trainer)));
     let stages = Stages {
         source: Box::new(source) as Box<dyn PromptSource>,
-        engine: Arc::new(engine),
+        engine,
         scorer: Arc::from(scorer),
         packer: Arc::new(packer),
         trainer: Box::new(trainer.clone()),
     };
     Ok((stages, trainer))
+}
+
+/// The run's rollout engine, starting at `version`: with `rollout.backend = "native"`
+/// the engine of `[rollout]` on a frozen copy of `policy` on
+/// [`PipelineConfig::rollout_device`]; with `"openai"` a client of the servers of
+/// `[rollout.openai]`, sampling as `rollout.sampling` says from `run.seed`, whose weight
+/// updates export `policy`'s architecture (its Hugging Face `config.json`) with each
+/// snapshot.
+pub(crate) fn rollout_engine(
+    config: &PipelineConfig,
+    policy: &Model,
+    version: PolicyVersion,
+    tokenizer: Arc<dyn Tokenizer>,
+) -> Result<Arc<dyn RolloutEngine>> {
+    let seed = RunSeed(config.run.seed);
+    match config.rollout.backend {
+        metronome_rollout::Backend::Native => {
+            let device = config.rollout_device().open().map_err(err("model"))?;
+            let inference = policy.frozen_copy_on(&device).map_err(err("model"))?;
+            let engine = config.rollout.build(inference, version, tokenizer, seed).map_err(err("rollout"))?;
+            Ok(Arc::new(engine))
+        }
+        #[cfg(feature = "http")]
+        metronome_rollout::Backend::Openai => {
+            use metronome_rollout::http::{OpenAiEngine, weight_sync_hook};
+            let openai = &config.rollout.openai;
+            let hook = weight_sync_hook(openai, policy.config().to_hf_json()).map_err(rollout_config)?;
+            let engine =
+                OpenAiEngine::new(openai.clone(), config.rollout.sampling.clone(), seed, version, hook)
+                    .map_err(rollout_config)?;
+            Ok(Arc::new(engine))
+        }
+        #[cfg(not(feature = "http"))]
+        metronome_rollout::Backend::Openai => Err(Error::Config {
+            key: "rollout.backend".into(),
+            reason: "is \"openai\", which needs the `http` feature, left out of this build".into(),
+        }),
+    }
+}
+
+/// A rollout error as the config error it is when it names a field (`rollout.<field>`).
+pub(crate) fn rollout_config(e: metronome_rollout::Error) -> Error {
+    match e {
+        metronome_rollout::Error::Config { field, reason } => {
+            Error::Config { key: format!("rollout.{field}"), reason }
+        }
+        other => Error::Stage(metronome_core::Error::stage("rollout", other)),
+    }
 }

@@ -304,7 +304,14 @@ impl PipelineConfig {
         let stage =
             |key: &str, e: &dyn std::fmt::Display| Error::Config { key: key.into(), reason: e.to_string() };
         self.data.validate().map_err(|e| stage("data", &e))?;
-        self.rollout.validate().map_err(|e| stage("rollout", &e))?;
+        self.rollout.validate().map_err(crate::app::rollout_config)?;
+        #[cfg(not(feature = "http"))]
+        if self.rollout.backend == metronome_rollout::Backend::Openai {
+            return Err(Error::Config {
+                key: "rollout.backend".into(),
+                reason: "is \"openai\", which needs the `http` feature, left out of this build".into(),
+            });
+        }
         self.trainer.validate().map_err(|e| stage("trainer", &e))?;
         self.packing.validate().map_err(|e| stage("packing", &e))?;
         let bad = |key: &str, reason: String| Err(Error::Config { key: key.into(), reason });
@@ -533,6 +540,14 @@ impl PipelineConfig {
             "rollout.workers",
             "rollout.threads_per_worker",
             "rollout.max_num_seqs",
+            "rollout.openai.endpoints",
+            "rollout.openai.timeout_s",
+            "rollout.openai.max_retries",
+            "rollout.openai.retry_backoff_ms",
+            "rollout.openai.max_concurrency",
+            "rollout.openai.api_key",
+            "rollout.openai.export_dir",
+            "rollout.openai.server_export_dir",
             "trainer.threads",
             "transport",
         ];

@@ -12,8 +12,9 @@ use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
 
-/// Serves the model of `config` (`[model]`, on `rollout.device`) through its rollout
-/// engine (`[rollout]`) on `addr`, as `server` says, until `shutdown` resolves.
+/// Serves the model of `config` (`[model]`, on `rollout.device`) through its native
+/// rollout engine (`[rollout]`; `rollout.backend` is ignored) on `addr`, as `server`
+/// says, until `shutdown` resolves.
 /// Refuses, naming the setting, a server other machines can reach without an API key.
 /// Tells `observer` where it listens ([`Event::Serving`]).
 pub async fn serve(
@@ -23,6 +24,9 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     observer: Observer,
 ) -> Result<()> {
+    // The server is what an `openai` backend talks to: it serves the native engine of
+    // `[rollout]` whatever the backend, so one config serves both sides.
+    config.rollout.backend = metronome_rollout::Backend::Native;
     config.place();
     config.validate()?;
     server.validate(addr).map_err(|e| Error::Config { key: "serve".into(), reason: e.to_string() })?;

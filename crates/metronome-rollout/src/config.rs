@@ -1,8 +1,202 @@
 //! The serde configuration that builds an engine (the pipeline's `[rollout]` table).
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result, SamplingConfig};
+
+/// Where a run's responses are generated.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Backend {
+    /// Metronome's own [`Engine`](crate::Engine) in this process.
+    #[default]
+    Native,
+    /// One or more OpenAI-compatible `/v1/completions` servers (`[rollout.openai]`):
+    /// `metronome serve`, vLLM or SGLang. Needs the `http` feature.
+    Openai,
+}
+
+/// How new weights reach the servers of the `openai` backend at every period start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightSync {
+    /// `metronome serve`: a safetensors file in `export_dir`, then
+    /// `POST /metronome/v1/load_weights {"path", "version"}`; the server reports the
+    /// version it samples with in every response.
+    #[default]
+    Metronome,
+    /// SGLang: a Hugging Face folder `export_dir/v<version>/` (`config.json`,
+    /// `model.safetensors`), then `POST /update_weights_from_disk {"model_path",
+    /// "weight_version"}`.
+    Sglang,
+    /// vLLM started with `VLLM_SERVER_DEV_MODE=1` on `export_dir` as its model: the
+    /// folder's `model.safetensors` and `config.json` are replaced, then `POST
+    /// /collective_rpc {"method": "reload_weights"}` and `POST /reset_prefix_cache`.
+    Vllm,
+    /// Nothing is sent: the servers' weights are managed elsewhere (evaluation, or a
+    /// frozen policy). The client still records the trainer's version on each group.
+    None,
+}
+
+/// The `openai` backend's servers and how to talk to them (`[rollout.openai]`). The
+/// seed is the run's (`run.seed`) and sampling is `[rollout.sampling]`: neither is
+/// repeated here.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OpenAiClientConfig {
+    /// The servers' base URLs, e.g. `["http://10.0.0.5:8000"]` (without `/v1`). Each
+    /// request goes to the endpoint with the fewest requests in flight (ties in turn);
+    /// a failed attempt is retried on another endpoint.
+    pub endpoints: Vec<String>,
+    /// The served model name sent as `model`.
+    pub model: String,
+    /// Per-request timeout, seconds (a request generates a whole group, or one
+    /// response without `send_prompt_ids`).
+    pub timeout_s: f64,
+    /// Retries after a failed attempt (connection errors, timeouts, 429 and 5xx, a
+    /// server on other weights), each on another endpoint when there is one.
+    pub max_retries: u32,
+    /// The first retry waits this long; each next one twice as long.
+    pub retry_backoff_ms: u64,
+    /// Groups in flight at most, over all endpoints (a group is one request with `n` =
+    /// group size, or one request per response without `send_prompt_ids`).
+    pub max_concurrency: usize,
+    /// Send Metronome's `prompt_ids` extension with the run seed, so that `metronome
+    /// serve` samples exactly the native engine's tokens. Off (required for vLLM and
+    /// SGLang, which ignore the field), each response is its own request (`n` = 1) with
+    /// its own seed, `sample_seed(run seed, version, prompt id, sample index)`.
+    pub send_prompt_ids: bool,
+    /// Sent as `Authorization: Bearer <api_key>` (`--api-key` of vLLM and SGLang,
+    /// `--api-key-file` of `metronome serve`); `{ env = "VAR" }` or `{ file = "PATH" }`
+    /// keep it out of the config.
+    pub api_key: Option<metronome_core::Secret>,
+    /// How weights reach the servers at every period start.
+    pub weight_sync: WeightSync,
+    /// Where the weights are written for the servers to read (every `weight_sync`
+    /// but `none`).
+    pub export_dir: Option<PathBuf>,
+    /// The same folder as the servers see it, when they mount it elsewhere (a
+    /// container, another machine); absent, `export_dir`.
+    pub server_export_dir: Option<PathBuf>,
+}
+
+impl Default for OpenAiClientConfig {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            model: "metronome".into(),
+            timeout_s: 600.0,
+            max_retries: 3,
+            retry_backoff_ms: 200,
+            max_concurrency: 16,
+            send_prompt_ids: true,
+            api_key: None,
+            weight_sync: WeightSync::Metronome,
+            export_dir: None,
+            server_export_dir: None,
+        }
+    }
+}
+
+impl OpenAiClientConfig {
+    /// Checks the table and that `sampling` can be sent to its servers; errors name the
+    /// field (`openai.endpoints`, `sampling.include_stop_str_in_output`, ...).
+    pub fn validate(&self, sampling: &SamplingConfig) -> Result<()> {
+        if self.endpoints.is_empty() {
+            return Err(Error::config(
+                "openai.endpoints",
+                "is empty: the openai backend needs at least one server base URL, e.g. \
+                 [\"http://127.0.0.1:8000\"]",
+            ));
+        }
+        for url in &self.endpoints {
+            let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.trim_end_matches('/').is_empty()) {
+                return Err(Error::config(
+                    "openai.endpoints",
+                    format!("holds `{url}`, not an http:// or https:// base URL"),
+                ));
+            }
+            if url.trim_end_matches('/').ends_with("/v1") {
+                return Err(Error::config(
+                    "openai.endpoints",
+                    format!(
+                        "holds `{url}`: give the base URL without `/v1` (the client adds `/v1/completions`)"
+                    ),
+                ));
+            }
+        }
+        let mut seen = std::collections::HashSet::new();
+        if let Some(dup) = self.endpoints.iter().find(|u| !seen.insert(u.trim_end_matches('/'))) {
+            return Err(Error::config("openai.endpoints", format!("lists `{dup}` twice")));
+        }
+        if self.model.is_empty() {
+            return Err(Error::config("openai.model", "is empty (the served model name)"));
+        }
+        if !(self.timeout_s.is_finite() && self.timeout_s > 0.0) {
+            return Err(Error::config("openai.timeout_s", format!("is {} (expected > 0)", self.timeout_s)));
+        }
+        if self.max_concurrency == 0 {
+            return Err(Error::config("openai.max_concurrency", "is 0 (expected >= 1)"));
+        }
+        if self.api_key.as_ref().is_some_and(|k| k.expose().is_empty()) {
+            return Err(Error::config("openai.api_key", "is empty"));
+        }
+        if self.weight_sync != WeightSync::None && self.export_dir.is_none() {
+            return Err(Error::config(
+                "openai.export_dir",
+                format!(
+                    "must be set for weight_sync = \"{}\": the folder the weights are written to for the \
+                     servers to read",
+                    self.weight_sync.name()
+                ),
+            ));
+        }
+        if self.weight_sync == WeightSync::Vllm && self.server_export_dir.is_some() {
+            return Err(Error::config(
+                "openai.server_export_dir",
+                "is set with weight_sync = \"vllm\": vLLM reloads from the folder it was started on, which must \
+                 be export_dir itself; leave it out",
+            ));
+        }
+        let foreign = matches!(self.weight_sync, WeightSync::Sglang | WeightSync::Vllm);
+        if foreign && self.send_prompt_ids {
+            return Err(Error::config(
+                "openai.send_prompt_ids",
+                format!(
+                    "is true with weight_sync = \"{}\": that server ignores Metronome's prompt_ids, so every \
+                     request would share the run seed; set it to false (each response is then a request with a \
+                     seed of its own, derived from run.seed, the version, the prompt id and the sample index)",
+                    self.weight_sync.name()
+                ),
+            ));
+        }
+        // SGLang's completions API keeps or trims stop strings with its own
+        // `no_stop_trim`, not vLLM's `include_stop_str_in_output`.
+        if self.weight_sync == WeightSync::Sglang && sampling.include_stop_str_in_output {
+            return Err(Error::config(
+                "sampling.include_stop_str_in_output",
+                "is true, which SGLang's completions API does not take (it has no_stop_trim instead)",
+            ));
+        }
+        sampling.validate()
+    }
+}
+
+impl WeightSync {
+    /// The config spelling.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Metronome => "metronome",
+            Self::Sglang => "sglang",
+            Self::Vllm => "vllm",
+            Self::None => "none",
+        }
+    }
+}
 
 /// How free slots are refilled.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -47,6 +241,12 @@ pub struct EngineConfig {
     /// The device the engine decodes on; absent, the model's (`model.device` in a run
     /// config). Read by whoever builds the engine's model (the pipeline).
     pub device: Option<metronome_model::DeviceSpec>,
+    /// `native` (this process) or `openai` (the servers of `[rollout.openai]`). The
+    /// layout keys above (`workers`, `max_num_seqs`, ...) configure the native engine
+    /// and `metronome serve`; `sampling` applies to both.
+    pub backend: Backend,
+    /// The servers of the `openai` backend.
+    pub openai: OpenAiClientConfig,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +259,8 @@ impl Default for EngineConfig {
             batching: Batching::Continuous,
             sampling: SamplingConfig::default(),
             device: None,
+            backend: Backend::Native,
+            openai: OpenAiClientConfig::default(),
         }
     }
 }
@@ -77,6 +279,9 @@ impl EngineConfig {
         }
         if self.max_seq_len < 2 {
             return Err(Error::config("max_seq_len", format!("is {} (expected >= 2)", self.max_seq_len)));
+        }
+        if self.backend == Backend::Openai {
+            self.openai.validate(&self.sampling)?;
         }
         self.sampling.validate()
     }

@@ -35,9 +35,13 @@
 //!   version they started with, and every completion carries its version.
 //! - **OpenAI-compatible HTTP** (feature `http`, on by default): [`http::serve`]
 //!   exposes `/v1/completions` and `/v1/models`; [`http::OpenAiEngine`] is a
-//!   [`RolloutEngine`](metronome_core::RolloutEngine) that drives any such server
-//!   (vLLM, SGLang, or ours) with timeouts, retries and a concurrency limit, and
-//!   updates its weights through a pluggable [`http::WeightUpdateHook`].
+//!   [`RolloutEngine`](metronome_core::RolloutEngine) that drives one or more such
+//!   servers (vLLM, SGLang, or ours): the pipeline's `rollout.backend = "openai"`,
+//!   configured by [`OpenAiClientConfig`] (`[rollout.openai]`). It balances requests
+//!   over the endpoints by load with failover, timeouts, retries and a concurrency
+//!   limit, and brings every endpoint to new weights through a
+//!   [`http::WeightUpdateHook`] (ours, SGLang's, vLLM's; the `http` module docs say
+//!   what each server offers).
 //! - **Metrics** through the `metrics` facade, every one in [`METRICS`] (slots and
 //!   tokens labelled by worker; rejected prompts are those
 //!   [`RolloutEngine::generate`](metronome_core::RolloutEngine::generate) turned into
@@ -64,7 +68,7 @@ pub mod sampling;
 mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
-pub use config::{Batching, EngineConfig};
+pub use config::{Backend, Batching, EngineConfig, OpenAiClientConfig, WeightSync};
 pub use engine::{CollectSink, Engine, Submission, WorkerStats};
 pub use error::{Error, Result};
 pub use metrics::METRICS;

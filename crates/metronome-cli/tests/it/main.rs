@@ -2,6 +2,7 @@
 
 mod cluster;
 mod config;
+mod openai;
 mod prometheus;
 mod resume;
 mod serve;

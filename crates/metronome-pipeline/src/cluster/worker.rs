@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use metronome_core::{
     ControlMessage, ControlReceiver, ErrorChain, Group, GroupScorer, GroupSender, GroupSink, PeriodId,
-    PolicyVersion, PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot, WeightSubscriber,
+    PolicyVersion, PromptId, RolloutEngine, RolloutRequest, WeightSnapshot, WeightSubscriber,
 };
 use metronome_transport::claims::{Claim, NatsClaimTaker};
 
@@ -43,12 +43,8 @@ pub async fn run_worker(
         super::connect(&config, "rollout-worker", format!("metronome-worker-{worker_id}")).await?;
 
     let (model, tokenizer) = load_model(&config, config.rollout_device())?;
-    let inference = model.frozen_copy().map_err(err("model"))?;
+    let engine = crate::app::rollout_engine(&config, &model, PolicyVersion(0), tokenizer)?;
     drop(model);
-    let engine = config
-        .rollout
-        .build(inference, PolicyVersion(0), tokenizer, RunSeed(config.run.seed))
-        .map_err(err("rollout"))?;
 
     let mut control = transport.control_receiver().await.map_err(err("transport"))?;
     let listener_stop = stop.clone();
@@ -64,7 +60,7 @@ pub async fn run_worker(
     let claims = transport.config().claims.clone();
     let mut worker = Worker {
         id: worker_id.to_owned(),
-        engine: Arc::new(engine),
+        engine,
         scorer: Arc::from(group_scorer(&config)?),
         subscriber: Box::new(transport.weight_subscriber().await.map_err(err("transport"))?),
         taker: transport.claim_taker().await.map_err(err("transport"))?,

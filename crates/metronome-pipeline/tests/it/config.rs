@@ -305,3 +305,88 @@ fn credentials_come_from_the_environment_or_a_file_and_never_show() {
         )
     );
 }
+
+#[test]
+fn the_openai_backend_names_its_bad_keys() {
+    let openai = |extra: &[&str]| {
+        let mut o = vec!["rollout.backend=\"openai\""];
+        o.extend_from_slice(extra);
+        err(&o)
+    };
+    let cases: [(&[&str], &str); 7] = [
+        (&[], "invalid configuration `rollout.openai.endpoints`: is empty"),
+        (
+            &["rollout.openai.endpoints=[\"localhost:8000\"]"],
+            "invalid configuration `rollout.openai.endpoints`",
+        ),
+        (
+            &["rollout.openai.endpoints=[\"http://h:8000\"]"],
+            "invalid configuration `rollout.openai.export_dir`",
+        ),
+        (
+            &[
+                "rollout.openai.endpoints=[\"http://h:8000\"]",
+                "rollout.openai.export_dir=\"/w\"",
+                "rollout.openai.weight_sync=\"sglang\"",
+            ],
+            "invalid configuration `rollout.openai.send_prompt_ids`",
+        ),
+        (
+            &[
+                "rollout.openai.endpoints=[\"http://h:8000\"]",
+                "rollout.openai.export_dir=\"/w\"",
+                "rollout.openai.weight_sync=\"sglang\"",
+                "rollout.openai.send_prompt_ids=false",
+                "rollout.sampling.include_stop_str_in_output=true",
+            ],
+            "invalid configuration `rollout.sampling.include_stop_str_in_output`",
+        ),
+        (&["rollout.openai.weight_sync=\"nccl\""], "weight_sync"),
+        (
+            &["rollout.openai.timeout_s=0", "rollout.openai.endpoints=[\"http://h:1\"]"],
+            "rollout.openai.timeout_s",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let e = openai(extra);
+        assert!(e.contains(expected), "{extra:?}: {e}");
+    }
+    // One key, one owner: the seed is run.seed and sampling is rollout.sampling.
+    for duplicate in ["rollout.openai.seed=3", "rollout.openai.sampling={temperature=0.5}"] {
+        let e = err(&[duplicate]);
+        assert!(e.contains("unknown field"), "{duplicate}: {e}");
+    }
+    // The native backend ignores the table; a complete one is accepted, and the key
+    // is read from a file, never written back.
+    PipelineConfig::embedded(&["rollout.openai.timeout_s=0".into()]).unwrap();
+    let key = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(key.path(), "sk-openai-test\n").unwrap();
+    let ok = PipelineConfig::embedded(&[
+        "rollout.backend=\"openai\"".into(),
+        "rollout.openai.endpoints=[\"http://10.0.0.5:8000\", \"http://10.0.0.6:8000\"]".into(),
+        "rollout.openai.weight_sync=\"none\"".into(),
+        format!("rollout.openai.api_key={{file={:?}}}", key.path().display().to_string()),
+    ])
+    .unwrap();
+    assert_eq!(ok.rollout.backend, metronome_rollout::Backend::Openai);
+    assert_eq!(ok.rollout.openai.api_key.as_ref().map(|k| k.expose()), Some("sk-openai-test"));
+    assert!(!ok.to_toml().unwrap().contains("sk-openai-test"));
+
+    // A resumed run may move to other servers or export folders, not to other sampling.
+    let openai = |extra: &[&str]| {
+        let mut o: Vec<String> = ["rollout.backend=\"openai\"", "rollout.openai.export_dir=\"/w\""]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        o.extend(extra.iter().map(|s| (*s).to_owned()));
+        PipelineConfig::embedded(&o).unwrap()
+    };
+    let stored = openai(&["rollout.openai.endpoints=[\"http://a:1\"]"]).to_toml().unwrap();
+    let moved = openai(&[
+        "rollout.openai.endpoints=[\"http://b:1\", \"http://c:1\"]",
+        "rollout.openai.export_dir=\"/v\"",
+    ]);
+    assert_eq!(moved.resume_changes(&stored).unwrap(), Vec::<String>::new());
+    let other = openai(&["rollout.openai.endpoints=[\"http://a:1\"]", "rollout.openai.model=\"other\""]);
+    assert_eq!(other.resume_changes(&stored).unwrap(), ["rollout.openai.model"]);
+}

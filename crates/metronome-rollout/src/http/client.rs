@@ -1,171 +1,84 @@
-//! A [`RolloutEngine`] that drives any OpenAI-compatible completions server.
+//! A [`RolloutEngine`] that drives one or more OpenAI-compatible completions servers.
 
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::stream::{FuturesUnordered, StreamExt};
 use metronome_core::{
     Completion, FinishReason, Group, GroupSink, GroupTiming, PolicyVersion, Prompt, RolloutEngine,
-    RolloutRequest, TokenId, WeightSnapshot,
+    RolloutRequest, RunSeed, TokenId, WeightSnapshot,
 };
-use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use super::types::{CompletionRequest, CompletionResponse, PromptInput, StopInput};
-use super::{LoadWeightsRequest, snapshot_to_safetensors, version_from_fingerprint};
-use crate::{Error, Result, SamplingConfig};
+use super::types::{Choice, CompletionRequest, CompletionResponse, PromptInput, StopInput};
+use super::version_from_fingerprint;
+use super::weight_sync::{HookContext, WeightUpdateHook};
+use crate::{Error, OpenAiClientConfig, Result, SamplingConfig};
 
-/// Where the server is and how to talk to it. Serde form of the pipeline's
-/// `[rollout.openai]` table.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct OpenAiClientConfig {
-    /// The server's base URL, e.g. `http://127.0.0.1:8000` (without `/v1`).
-    pub base_url: String,
-    /// The served model name.
-    pub model: String,
-    /// Per-request timeout, seconds.
-    pub timeout_s: f64,
-    /// Retries after a failed attempt (connection errors, timeouts, 429 and 5xx).
-    pub max_retries: u32,
-    /// The first retry waits this long; each next one twice as long.
-    pub retry_backoff_ms: u64,
-    /// Requests in flight at most (one request per prompt, `n` = group size).
-    pub max_concurrency: usize,
-    /// The run seed sent as `seed` (see the seed mapping in the module docs).
-    pub seed: u64,
-    /// Sampling sent with every request.
-    pub sampling: SamplingConfig,
-    /// Send Metronome's `prompt_ids` extension (off for servers that reject unknown fields).
-    pub send_prompt_ids: bool,
-    /// Sent as `Authorization: Bearer <api_key>` (vLLM's and SGLang's `--api-key`,
-    /// `metronome serve`'s).
-    pub api_key: Option<metronome_core::Secret>,
-}
+/// Seeds sent to servers without the `prompt_ids` extension stay below 2^62: vLLM
+/// takes a signed 64-bit seed (and would add a choice index to it for `n > 1`).
+const FOREIGN_SEED_MASK: u64 = (1 << 62) - 1;
 
-impl Default for OpenAiClientConfig {
-    fn default() -> Self {
-        Self {
-            base_url: "http://127.0.0.1:8000".into(),
-            model: "metronome".into(),
-            timeout_s: 600.0,
-            max_retries: 3,
-            retry_backoff_ms: 200,
-            max_concurrency: 16,
-            seed: 0,
-            sampling: SamplingConfig::default(),
-            send_prompt_ids: true,
-            api_key: None,
-        }
-    }
-}
-
-/// What a weight-update hook may use: the client's HTTP connection pool and the server.
+/// One server of the pool.
 #[derive(Debug)]
-pub struct HookContext<'a> {
-    /// The client's HTTP client.
-    pub http: &'a reqwest::Client,
-    /// The server's base URL.
-    pub base_url: &'a str,
+struct Endpoint {
+    /// Base URL without a trailing slash.
+    url: String,
+    /// Requests sent to it and not yet answered.
+    in_flight: AtomicUsize,
+    /// Whether it holds the client's current weights: a server whose weight update
+    /// failed, or that answered with other weights, gets no request until the next
+    /// update reaches it.
+    synced: AtomicBool,
 }
 
-/// Brings new weights to the server(s) behind an [`OpenAiEngine`]. Servers differ (vLLM
-/// and SGLang have their own reload endpoints, or weights travel over NCCL), hence a trait.
-#[async_trait]
-pub trait WeightUpdateHook: Send + Sync + std::fmt::Debug {
-    /// Makes the server sample with `weights` from now on.
-    async fn update(&self, ctx: &HookContext<'_>, weights: Arc<WeightSnapshot>) -> Result<()>;
-}
+/// Counts a request in flight on an endpoint for as long as it lives.
+struct InFlight<'a>(&'a Endpoint);
 
-/// A hook that does nothing: the server's weights are managed elsewhere. The client
-/// still records the new version for its completions.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct NoWeightUpdate;
-
-#[async_trait]
-impl WeightUpdateHook for NoWeightUpdate {
-    async fn update(&self, _ctx: &HookContext<'_>, _weights: Arc<WeightSnapshot>) -> Result<()> {
-        Ok(())
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// Saves the snapshot as `dir/weights-v<version>.safetensors` and posts
-/// `{"path": ..., "version": ...}` to `endpoint` (our server's is
-/// `/metronome/v1/load_weights`). The directory must be readable by the server.
-#[derive(Clone, Debug)]
-pub struct SafetensorsReload {
-    /// Where the file is written.
-    pub dir: PathBuf,
-    /// The reload endpoint's path on the server.
-    pub endpoint: String,
-}
-
-impl SafetensorsReload {
-    /// A hook for our own server's endpoint.
-    pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into(), endpoint: "/metronome/v1/load_weights".into() }
-    }
-}
-
-#[async_trait]
-impl WeightUpdateHook for SafetensorsReload {
-    async fn update(&self, ctx: &HookContext<'_>, weights: Arc<WeightSnapshot>) -> Result<()> {
-        let path = self.dir.join(format!("weights-v{}.safetensors", weights.version));
-        let bytes = snapshot_to_safetensors(&weights)?;
-        tokio::fs::write(&path, bytes)
-            .await
-            .map_err(|source| Error::Io { path: path.display().to_string(), source })?;
-        let url = format!("{}{}", ctx.base_url.trim_end_matches('/'), self.endpoint);
-        let body = LoadWeightsRequest { path: path.display().to_string(), version: weights.version.0 };
-        let resp = ctx
-            .http
-            .post(&url)
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| Error::Http { url: url.clone(), reason: e.to_string() })?;
-        if !resp.status().is_success() {
-            let status = resp.status();
-            let text = resp.text().await.unwrap_or_default();
-            return Err(Error::Http { url, reason: format!("status {status}: {text}") });
-        }
-        Ok(())
-    }
-}
-
-/// A rollout engine backed by an OpenAI-compatible server: one `/v1/completions`
-/// request per prompt with `n` = group size, at most `max_concurrency` in flight,
-/// groups emitted as their requests return.
+/// A rollout engine backed by OpenAI-compatible servers: one `/v1/completions`
+/// request per prompt with `n` = group size (one per response, `n` = 1, for servers
+/// without `prompt_ids`), at most `max_concurrency` groups in flight over all endpoints, each sent to the endpoint with the fewest requests in flight (ties
+/// taken in turn) and retried on another one when it fails; groups are emitted as
+/// their requests return. [`RolloutEngine::install_weights`] brings every endpoint to
+/// the new weights through the [`WeightUpdateHook`].
 #[derive(Debug)]
 pub struct OpenAiEngine {
     config: OpenAiClientConfig,
+    sampling: SamplingConfig,
+    seed: RunSeed,
     http: reqwest::Client,
+    endpoints: Vec<Endpoint>,
+    /// Where the next tie among endpoints is broken.
+    turn: AtomicUsize,
     permits: Semaphore,
     version: AtomicU64,
     hook: Box<dyn WeightUpdateHook>,
 }
 
 impl OpenAiEngine {
-    /// A client for `config.base_url`, starting at `version`, with `hook` for weight updates.
+    /// A client for `config.endpoints` sampling as `sampling` says from the run seed
+    /// `seed`, starting at `version`, with `hook` for weight updates. Errors name the
+    /// field at fault.
     pub fn new(
         config: OpenAiClientConfig,
+        sampling: SamplingConfig,
+        seed: RunSeed,
         version: PolicyVersion,
         hook: impl WeightUpdateHook + 'static,
     ) -> Result<Self> {
-        config.sampling.validate()?;
-        if config.max_concurrency == 0 {
-            return Err(Error::config("openai.max_concurrency", "is 0 (expected >= 1)"));
-        }
-        if !(config.timeout_s.is_finite() && config.timeout_s > 0.0) {
-            return Err(Error::config("openai.timeout_s", format!("is {} (expected > 0)", config.timeout_s)));
-        }
+        config.validate(&sampling)?;
         let mut headers = reqwest::header::HeaderMap::new();
         if let Some(key) = &config.api_key {
             let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", key.expose()))
-                .map_err(|_| Error::config("api_key", "holds characters a header cannot carry"))?;
+                .map_err(|_| Error::config("openai.api_key", "holds characters a header cannot carry"))?;
             value.set_sensitive(true);
             headers.insert(reqwest::header::AUTHORIZATION, value);
         }
@@ -173,18 +86,56 @@ impl OpenAiEngine {
             .timeout(Duration::from_secs_f64(config.timeout_s))
             .default_headers(headers)
             .build()
-            .map_err(|e| Error::Http { url: config.base_url.clone(), reason: e.to_string() })?;
+            .map_err(|e| Error::Http { url: config.endpoints.join(", "), reason: e.to_string() })?;
+        let endpoints = config
+            .endpoints
+            .iter()
+            .map(|url| Endpoint {
+                url: url.trim_end_matches('/').to_owned(),
+                in_flight: AtomicUsize::new(0),
+                synced: AtomicBool::new(true),
+            })
+            .collect();
         Ok(Self {
             permits: Semaphore::new(config.max_concurrency),
             http,
+            endpoints,
+            turn: AtomicUsize::new(0),
             version: AtomicU64::new(version.0),
             hook: Box::new(hook),
+            sampling,
+            seed,
             config,
         })
     }
 
-    fn request_for(&self, prompt: &Prompt, n: u32) -> CompletionRequest {
-        let s = &self.config.sampling;
+    /// The endpoints' base URLs with whether each holds the current weights.
+    #[must_use]
+    pub fn endpoint_status(&self) -> Vec<(String, bool)> {
+        self.endpoints.iter().map(|e| (e.url.clone(), e.synced.load(Ordering::Relaxed))).collect()
+    }
+
+    /// The requests of one prompt's group. With `prompt_ids` our server derives each
+    /// response's seed from the run seed as the native engine does: one request with
+    /// `n` = group size. Other servers get one request per response (`n` = 1) seeded
+    /// with that response's own `sample_seed(run, version, prompt, j)`: how they seed
+    /// the choices of one request with `n > 1` is theirs (SGLang documents none), and
+    /// the same seed for every choice would make a group's responses equal. Their
+    /// prefix caches share the prompt's prefill between the requests.
+    fn requests_for(&self, prompt: &Prompt, n: u32, version: PolicyVersion) -> Vec<CompletionRequest> {
+        if self.config.send_prompt_ids {
+            return vec![self.request_for(prompt, n, self.seed.0)];
+        }
+        (0..n)
+            .map(|j| {
+                let seed = metronome_core::sample_seed(self.seed, version, prompt.id, j) & FOREIGN_SEED_MASK;
+                self.request_for(prompt, 1, seed)
+            })
+            .collect()
+    }
+
+    fn request_for(&self, prompt: &Prompt, n: u32, seed: u64) -> CompletionRequest {
+        let s = &self.sampling;
         let input = if prompt.tokens.is_empty() {
             PromptInput::Text(prompt.text.clone())
         } else {
@@ -200,30 +151,73 @@ impl OpenAiEngine {
             top_k: (s.top_k > 0).then_some(s.top_k as i64),
             min_p: (s.min_p > 0.0).then_some(s.min_p),
             repetition_penalty: (s.repetition_penalty != 1.0).then_some(s.repetition_penalty),
-            seed: Some(self.config.seed),
+            seed: Some(seed),
             stop: (!s.stop_strings.is_empty()).then(|| StopInput::Many(s.stop_strings.clone())),
             stop_token_ids: s.stop_token_ids.clone(),
             ignore_eos: s.ignore_eos.then_some(true),
             include_stop_str_in_output: s.include_stop_str_in_output.then_some(true),
             logprobs: Some(0),
             return_tokens_as_token_ids: Some(true),
+            return_token_ids: Some(true),
             prompt_ids: self.config.send_prompt_ids.then(|| vec![prompt.id.0]),
             stream: None,
             echo: None,
         }
     }
 
-    /// Posts `body`, retrying transport errors, timeouts, 429 and 5xx with backoff.
-    async fn post(&self, body: &CompletionRequest) -> Result<CompletionResponse> {
-        let url = format!("{}/v1/completions", self.config.base_url.trim_end_matches('/'));
+    /// The endpoint for the next attempt: among those holding the current weights and
+    /// not yet `tried` by this request (all of them again once each was tried), the
+    /// one with the fewest requests in flight; ties go in turn.
+    fn pick(&self, tried: &[usize]) -> Option<usize> {
+        let synced: Vec<usize> =
+            (0..self.endpoints.len()).filter(|&i| self.endpoints[i].synced.load(Ordering::Relaxed)).collect();
+        let untried: Vec<usize> = synced.iter().copied().filter(|i| !tried.contains(i)).collect();
+        let pool = if untried.is_empty() { synced } else { untried };
+        let start = self.turn.fetch_add(1, Ordering::Relaxed);
+        let n = self.endpoints.len();
+        (0..n)
+            .map(|k| (start + k) % n)
+            .filter(|i| pool.contains(i))
+            .min_by_key(|&i| self.endpoints[i].in_flight.load(Ordering::Relaxed))
+    }
+
+    /// Posts `body` for `prompt`, retrying transport errors, timeouts, 429, 5xx and
+    /// answers from other weights with backoff, each retry on another endpoint when
+    /// there is one. The response and the version it was sampled with.
+    async fn post(
+        &self,
+        body: &CompletionRequest,
+        expected: PolicyVersion,
+    ) -> Result<(CompletionResponse, String)> {
+        let mut tried = Vec::new();
         let mut attempt = 0;
         loop {
+            let Some(i) = self.pick(&tried) else {
+                return Err(Error::Http {
+                    url: self.config.endpoints.join(", "),
+                    reason: "no endpoint holds the current weights (every weight update failed)".into(),
+                });
+            };
+            tried.push(i);
+            let endpoint = &self.endpoints[i];
+            let url = format!("{}/v1/completions", endpoint.url);
+            endpoint.in_flight.fetch_add(1, Ordering::Relaxed);
+            let guard = InFlight(endpoint);
             let err = match self.http.post(&url).json(body).send().await {
                 Ok(resp) if resp.status().is_success() => {
-                    return resp
+                    let resp: CompletionResponse = resp
                         .json()
                         .await
-                        .map_err(|e| Error::Response { url: url.clone(), reason: e.to_string() });
+                        .map_err(|e| Error::Response { url: url.clone(), reason: e.to_string() })?;
+                    match self.check_version(&resp, expected) {
+                        Ok(()) => return Ok((resp, url)),
+                        Err(reason) => {
+                            // Off-policy samples would be trained as on-policy: this
+                            // server gets nothing more until it is updated again.
+                            endpoint.synced.store(false, Ordering::Relaxed);
+                            Error::Response { url: url.clone(), reason }
+                        }
+                    }
                 }
                 Ok(resp) => {
                     let status = resp.status();
@@ -234,8 +228,11 @@ impl OpenAiEngine {
                     }
                     err
                 }
-                Err(e) => Error::Http { url: url.clone(), reason: e.to_string() },
+                Err(e) => {
+                    Error::Http { url: url.clone(), reason: metronome_core::ErrorChain(&e).to_string() }
+                }
             };
+            drop(guard);
             if attempt >= self.config.max_retries {
                 return Err(err);
             }
@@ -243,6 +240,20 @@ impl OpenAiEngine {
             crate::metrics::http_retry();
             tokio::time::sleep(Duration::from_millis(self.config.retry_backoff_ms << attempt.min(16))).await;
             attempt += 1;
+        }
+    }
+
+    /// Refuses an answer from our server on weights other than the ones it was given
+    /// (only when the client updates weights: otherwise the server's are its own).
+    fn check_version(&self, resp: &CompletionResponse, expected: PolicyVersion) -> Result<(), String> {
+        if self.config.weight_sync != crate::WeightSync::Metronome {
+            return Ok(());
+        }
+        match resp.system_fingerprint.as_deref().and_then(version_from_fingerprint) {
+            Some(v) if v != expected => {
+                Err(format!("the server sampled with weights of version {v}, expected {expected}"))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -256,50 +267,29 @@ impl OpenAiEngine {
     ) -> Result<Group> {
         let _permit = self.permits.acquire().await.map_err(|_| Error::Shutdown)?;
         let started_s = t0.elapsed().as_secs_f64();
-        let fallback_version = PolicyVersion(self.version.load(Ordering::Relaxed));
-        let body = self.request_for(&prompt, n);
-        let resp = self.post(&body).await?;
-        let url = &self.config.base_url;
-        let version =
-            resp.system_fingerprint.as_deref().and_then(version_from_fingerprint).unwrap_or(fallback_version);
+        let expected = PolicyVersion(self.version.load(Ordering::Relaxed));
+        let bodies = self.requests_for(&prompt, n, expected);
+        let answers =
+            futures::future::try_join_all(bodies.iter().map(|body| self.post(body, expected))).await?;
         let mut completions = Vec::with_capacity(n as usize);
-        let mut choices = resp.choices;
-        choices.sort_by_key(|c| c.index);
-        if choices.len() != n as usize {
-            return Err(Error::Response {
-                url: url.clone(),
-                reason: format!("{} choices for n = {n}", choices.len()),
-            });
-        }
-        for (i, choice) in choices.into_iter().enumerate() {
-            let lp = choice.logprobs.ok_or_else(|| Error::Response {
-                url: url.clone(),
-                reason: format!("choice {i} has no logprobs"),
-            })?;
-            let tokens = lp
-                .tokens
-                .iter()
-                .map(|t| {
-                    t.strip_prefix("token_id:").and_then(|id| id.parse::<TokenId>().ok()).ok_or_else(|| Error::Response {
-                        url: url.clone(),
-                        reason: format!("choice {i} token `{t}` is not `token_id:<id>` (server ignores return_tokens_as_token_ids)"),
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let finish_reason = match (choice.finish_reason.as_deref(), &choice.stop_reason) {
-                (Some("length"), _) => FinishReason::Length,
-                (Some("stop"), Some(serde_json::Value::String(_))) => FinishReason::StopString,
-                (Some("stop"), _) => FinishReason::Stop,
-                _ => FinishReason::Aborted,
-            };
-            completions.push(Completion {
-                sample_index: i as u32,
-                tokens,
-                logprobs: lp.token_logprobs,
-                text: choice.text,
-                finish_reason,
-                version,
-            });
+        for ((resp, url), body) in answers.into_iter().zip(&bodies) {
+            // Our server says which weights sampled; for the others, the version the
+            // client last brought them to.
+            let version =
+                resp.system_fingerprint.as_deref().and_then(version_from_fingerprint).unwrap_or(expected);
+            let asked = body.n.unwrap_or(1);
+            let mut choices = resp.choices;
+            choices.sort_by_key(|c| c.index);
+            if choices.len() != asked as usize {
+                return Err(Error::Response {
+                    url,
+                    reason: format!("{} choices for n = {asked}", choices.len()),
+                });
+            }
+            for choice in choices {
+                let index = completions.len() as u32;
+                completions.push(completion_of(index, choice, version, &url)?);
+            }
         }
         Ok(Group {
             period,
@@ -308,6 +298,52 @@ impl OpenAiEngine {
             timing: GroupTiming { started_s, finished_s: t0.elapsed().as_secs_f64() },
         })
     }
+}
+
+/// One API choice as a completion: its token ids (`token_ids` of vLLM's and SGLang's
+/// `return_token_ids`, or the `token_id:<id>` strings of vLLM's
+/// `return_tokens_as_token_ids`) and their log-probs.
+fn completion_of(i: u32, choice: Choice, version: PolicyVersion, url: &str) -> Result<Completion> {
+    let bad = |reason: String| Error::Response { url: url.to_owned(), reason };
+    let lp = choice.logprobs.ok_or_else(|| bad(format!("choice {i} has no logprobs")))?;
+    let tokens = match choice.token_ids {
+        Some(ids) => ids,
+        None => lp
+            .tokens
+            .iter()
+            .map(|t| {
+                t.strip_prefix("token_id:").and_then(|id| id.parse::<TokenId>().ok()).ok_or_else(|| {
+                    bad(format!(
+                        "choice {i} token `{t}` is not `token_id:<id>` and the choice has no token_ids (the \
+                         server ignores return_tokens_as_token_ids and return_token_ids)"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?,
+    };
+    if tokens.len() != lp.token_logprobs.len() {
+        return Err(bad(format!(
+            "choice {i} has {} tokens but {} log-probs",
+            tokens.len(),
+            lp.token_logprobs.len()
+        )));
+    }
+    // vLLM names what stopped a choice in `stop_reason`, SGLang in `matched_stop`.
+    let stop = choice.stop_reason.as_ref().or(choice.matched_stop.as_ref());
+    let finish_reason = match (choice.finish_reason.as_deref(), stop) {
+        (Some("length"), _) => FinishReason::Length,
+        (Some("stop"), Some(serde_json::Value::String(_))) => FinishReason::StopString,
+        (Some("stop"), _) => FinishReason::Stop,
+        _ => FinishReason::Aborted,
+    };
+    Ok(Completion {
+        sample_index: i,
+        tokens,
+        logprobs: lp.token_logprobs,
+        text: choice.text,
+        finish_reason,
+        version,
+    })
 }
 
 #[async_trait]
@@ -330,10 +366,39 @@ impl RolloutEngine for OpenAiEngine {
         Ok(())
     }
 
+    /// Exports the weights once, then has every endpoint load them (concurrently). An
+    /// endpoint that fails is left out of generation until a later update reaches it;
+    /// the update fails only when no endpoint took it.
     async fn install_weights(&self, weights: Arc<WeightSnapshot>) -> metronome_core::Result<()> {
         let version = weights.version;
-        let ctx = HookContext { http: &self.http, base_url: &self.config.base_url };
-        self.hook.update(&ctx, weights).await?;
+        self.hook.export(weights).await?;
+        let loads = self.endpoints.iter().map(|e| async move {
+            let ctx = HookContext { http: &self.http, base_url: &e.url };
+            let result = self.hook.load(&ctx, version).await;
+            e.synced.store(result.is_ok(), Ordering::Relaxed);
+            result
+        });
+        let results = futures::future::join_all(loads).await;
+        let failed: Vec<String> = results
+            .iter()
+            .zip(&self.endpoints)
+            .filter_map(|(r, e)| {
+                r.as_ref().err().map(|err| format!("{}: {}", e.url, metronome_core::ErrorChain(err)))
+            })
+            .collect();
+        if failed.len() == self.endpoints.len() {
+            return Err(Error::Http {
+                url: self.config.endpoints.join(", "),
+                reason: format!("no endpoint took the weights of version {version}: {}", failed.join("; ")),
+            }
+            .into());
+        }
+        for f in &failed {
+            tracing::warn!(
+                version = version.0,
+                "weight update failed, endpoint left out until the next: {f}"
+            );
+        }
         self.version.store(version.0, Ordering::Relaxed);
         Ok(())
     }

@@ -11,11 +11,27 @@
 //! engine samples for that prompt (given equal weights, version and sampling). Without
 //! `seed`, the server draws one from the clock.
 //!
+//! Servers without the extension (vLLM, SGLang: `send_prompt_ids = false`) get one
+//! request per response instead (`n` = 1), seeded with that response's
+//! `sample_seed(run, v, prompt, j)` cut to 62 bits: reproducible by their own sampler,
+//! but not the native engine's tokens.
+//!
+//! # The client
+//! [`OpenAiEngine`] sends one request per prompt (`n` = group size; per response for
+//! servers without `prompt_ids`; `logprobs: 0`,
+//! `return_tokens_as_token_ids` and `return_token_ids` so the sampled ids and their
+//! log-probs come back) to the endpoint with the fewest requests in flight, retries a
+//! failed attempt on another endpoint, and records on each completion the version the
+//! server reports (ours) or the one it last brought the servers to. Weight updates go
+//! to every endpoint through a [`WeightUpdateHook`]: ours, SGLang's and vLLM's, with
+//! what each server offers, in [`weight_sync`].
+//!
 //! # Extensions beyond OpenAI's fields
 //! Accepted, as vLLM does: `top_k` (`-1` or `0` disables), `min_p`,
 //! `repetition_penalty`, `stop_token_ids`, `ignore_eos`,
 //! `include_stop_str_in_output`, `return_tokens_as_token_ids` (log-prob tokens are
-//! then written `token_id:<id>`), token-id prompts (`[1, 2, 3]` or `[[1, 2], [3]]`).
+//! then written `token_id:<id>`), `return_token_ids` (each choice's ids in
+//! `token_ids`), token-id prompts (`[1, 2, 3]` or `[[1, 2], [3]]`).
 //! Metronome's own: `prompt_ids`. Responses carry the policy version in
 //! `system_fingerprint` as `metronome-v<version>`. `logprobs` returns the sampled
 //! tokens' log-probs only (`top_logprobs` is `null`). Not supported, and answered with
@@ -25,10 +41,10 @@
 mod client;
 mod server;
 mod types;
+pub mod weight_sync;
 
-pub use client::{
-    HookContext, NoWeightUpdate, OpenAiClientConfig, OpenAiEngine, SafetensorsReload, WeightUpdateHook,
-};
+pub use crate::config::{OpenAiClientConfig, WeightSync};
+pub use client::OpenAiEngine;
 pub use server::{
     LoadWeightsRequest, ServerConfig, router, serve, serve_until, snapshot_from_safetensors,
     snapshot_to_safetensors,
@@ -36,6 +52,10 @@ pub use server::{
 pub use types::{
     Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
     PromptInput, StopInput, Usage,
+};
+pub use weight_sync::{
+    HookContext, NoWeightUpdate, SafetensorsReload, SglangReload, VllmReload, WeightUpdateHook,
+    weight_sync_hook, write_hf_folder,
 };
 
 /// Parses the policy version out of a `system_fingerprint` written by our server.

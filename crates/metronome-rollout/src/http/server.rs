@@ -475,7 +475,16 @@ fn choice(
         FinishReason::Length | FinishReason::PromptRejected => ("length", None),
         FinishReason::Aborted => ("abort", None),
     };
-    Choice { index, text: c.text.clone(), logprobs, finish_reason: Some(finish_reason.into()), stop_reason }
+    let token_ids = req.return_token_ids.unwrap_or(false).then(|| c.tokens.clone());
+    Choice {
+        index,
+        text: c.text.clone(),
+        logprobs,
+        finish_reason: Some(finish_reason.into()),
+        stop_reason,
+        token_ids,
+        matched_stop: None,
+    }
 }
 
 /// The request's sampling; unset fields take OpenAI's defaults (temperature 1, top-p 1).
@@ -596,7 +605,11 @@ pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
                 .map_err(|e| Error::model(format!("tensor `{}`: {e}", t.name)))
         })
         .collect::<Result<Vec<_>>>()?;
-    let meta = HashMap::from([("metronome_version".to_owned(), s.version.to_string())]);
+    // `format: pt` is what `transformers` asks of a Hugging Face folder's weights.
+    let meta = HashMap::from([
+        ("metronome_version".to_owned(), s.version.to_string()),
+        ("format".to_owned(), "pt".to_owned()),
+    ]);
     safetensors::serialize(views, Some(meta)).map_err(Error::model)
 }
 

@@ -87,6 +87,9 @@ pub struct CompletionRequest {
     /// vLLM extension: write log-prob tokens as `token_id:<id>`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub return_tokens_as_token_ids: Option<bool>,
+    /// vLLM and SGLang extension: each choice carries its sampled ids in `token_ids`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub return_token_ids: Option<bool>,
     /// Metronome extension: the prompt ids of the seed mapping, one per prompt.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_ids: Option<Vec<u64>>,
@@ -125,6 +128,12 @@ pub struct Choice {
     /// vLLM extension: the stop token id or stop string that ended the choice.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<serde_json::Value>,
+    /// vLLM and SGLang extension (`return_token_ids`): the sampled token ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+    /// SGLang's name for `stop_reason` (read, never written).
+    #[serde(default, skip_serializing)]
+    pub matched_stop: Option<serde_json::Value>,
 }
 
 /// Token counts.

@@ -173,7 +173,7 @@ async fn frozen_copies_are_layout_independent_too() {
             max_num_seqs: slots,
             max_seq_len: 128,
             sampling: s.clone(),
-            device: None,
+            ..EngineConfig::default()
         };
         let model = tiny_model(7).frozen_copy().expect("frozen copy");
         let e = model_engine(

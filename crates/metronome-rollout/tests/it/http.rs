@@ -6,7 +6,7 @@ use metronome_core::ErrorChain;
 use metronome_core::{PeriodId, PolicyVersion, RolloutEngine, RolloutRequest};
 use metronome_rollout::http::{
     CompletionResponse, ErrorBody, ModelList, NoWeightUpdate, OpenAiClientConfig, OpenAiEngine,
-    SafetensorsReload, ServerConfig, router, serve,
+    SafetensorsReload, ServerConfig, WeightSync, router, serve,
 };
 use metronome_rollout::{CollectSink, ModelEngine, SamplingConfig};
 
@@ -40,14 +40,13 @@ async fn client_against_our_server_equals_the_engine() {
     engine.generate(request.clone(), &local).await.unwrap();
 
     let config = OpenAiClientConfig {
-        base_url,
+        endpoints: vec![base_url],
         model: "tiny".into(),
-        seed: engine.seed().0,
-        sampling: s,
         max_concurrency: 2,
+        weight_sync: WeightSync::None,
         ..OpenAiClientConfig::default()
     };
-    let client = OpenAiEngine::new(config, PolicyVersion(0), NoWeightUpdate).unwrap();
+    let client = OpenAiEngine::new(config, s, engine.seed(), PolicyVersion(0), NoWeightUpdate).unwrap();
     let remote = CollectSink::default();
     client.generate(request, &remote).await.unwrap();
     let (local, remote) = (local.into_groups(), remote.into_groups());
@@ -68,12 +67,14 @@ async fn weight_hook_reloads_our_server() {
     let server = ServerConfig { weights_dir: Some(dir.clone()), ..ServerConfig::named("tiny") };
     let base_url = start_with(Arc::clone(&engine), server).await;
     let config = OpenAiClientConfig {
-        base_url,
+        endpoints: vec![base_url],
         model: "tiny".into(),
-        sampling: sampling(8),
+        export_dir: Some(dir.clone()),
         ..OpenAiClientConfig::default()
     };
-    let client = OpenAiEngine::new(config, PolicyVersion(0), SafetensorsReload::new(&dir)).unwrap();
+    let client =
+        OpenAiEngine::new(config, sampling(8), engine.seed(), PolicyVersion(0), SafetensorsReload::new(&dir))
+            .unwrap();
     let snapshot = tiny_model(31).snapshot(PolicyVersion(4)).unwrap();
     client.install_weights(Arc::new(snapshot)).await.unwrap();
     assert_eq!(engine.current_version(), PolicyVersion(4));
@@ -144,12 +145,13 @@ async fn client_reports_server_errors_and_unreachable_servers() {
     let engine = Arc::new(engine(1, 4, sampling(8)));
     let base_url = start(engine).await;
     let config = OpenAiClientConfig {
-        base_url,
+        endpoints: vec![base_url],
         model: "nope".into(),
-        sampling: sampling(4),
+        weight_sync: WeightSync::None,
         ..OpenAiClientConfig::default()
     };
-    let client = OpenAiEngine::new(config, PolicyVersion(0), NoWeightUpdate).unwrap();
+    let seed = metronome_core::RunSeed(0);
+    let client = OpenAiEngine::new(config, sampling(4), seed, PolicyVersion(0), NoWeightUpdate).unwrap();
     let request = RolloutRequest { period: PeriodId(0), prompts: prompts(1), group_size: 1 };
     let err =
         ErrorChain(&client.generate(request.clone(), &CollectSink::default()).await.unwrap_err()).to_string();
@@ -158,14 +160,14 @@ async fn client_reports_server_errors_and_unreachable_servers() {
     // Nothing listens on this port (bound, then dropped): retried, then reported.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let config = OpenAiClientConfig {
-        base_url: format!("http://127.0.0.1:{port}"),
+        endpoints: vec![format!("http://127.0.0.1:{port}")],
         max_retries: 2,
         retry_backoff_ms: 1,
         timeout_s: 5.0,
-        sampling: sampling(4),
+        weight_sync: WeightSync::None,
         ..OpenAiClientConfig::default()
     };
-    let client = OpenAiEngine::new(config, PolicyVersion(0), NoWeightUpdate).unwrap();
+    let client = OpenAiEngine::new(config, sampling(4), seed, PolicyVersion(0), NoWeightUpdate).unwrap();
     let err = ErrorChain(&client.generate(request, &CollectSink::default()).await.unwrap_err()).to_string();
     assert!(err.contains("http"), "{err}");
 }

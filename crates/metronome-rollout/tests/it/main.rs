@@ -8,6 +8,8 @@ mod devices;
 #[cfg(feature = "http")]
 mod http;
 mod metrics;
+#[cfg(feature = "http")]
+mod openai;
 mod rejected;
 mod stops;
 mod streaming;
