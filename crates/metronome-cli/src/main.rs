@@ -176,7 +176,7 @@ struct ConfigArgs {
     /// Override any value: `--set trainer.schedule.lr=3e-4` (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
-    /// Shorthand for `--set run.schedule=...`: sync, periodic or stale:<s>.
+    /// Shorthand for `--set run.schedule=...`: sync, periodic or `stale:<s>`.
     #[arg(long)]
     schedule: Option<Schedule>,
     /// Shorthand for `--set run.periods=N`.

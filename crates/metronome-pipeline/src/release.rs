@@ -33,7 +33,7 @@ use tokio::sync::mpsc;
 use crate::error::{Error, Result};
 use crate::report::{Clock, Interval, StageKind};
 
-/// Releases each period's prompts for generation; see the [module docs](self).
+/// Releases each period's prompts for generation; see the `release` module docs.
 #[async_trait]
 pub trait Release: Send {
     /// Takes the prompt source for `periods` (a resumed run starts after 0; the

@@ -194,7 +194,7 @@ impl std::fmt::Debug for RunEnd {
     }
 }
 
-/// Runs a schedule's periods; see the [module docs](self).
+/// Runs a schedule's periods; see the `runner` module docs.
 pub struct Runner {
     parts: Parts,
     options: RunnerOptions,

@@ -15,7 +15,7 @@
 //!   filled, awkward values included; [`damage`]: a good file damaged at many bytes,
 //!   for the tests that readers refuse bad input with an error, never a panic.
 //! - [`server`]: a local `nats-server` child process for tests that need a real one.
-//! - [`bench`]: what the benchmarks share.
+//! - [`bench`](mod@bench): what the benchmarks share.
 //!
 //! It is a dev-dependency only, never a normal one (`cargo xtask deps` checks both
 //! directions), and it depends on `metronome-core` alone among Metronome's crates, so

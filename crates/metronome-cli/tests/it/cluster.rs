@@ -604,13 +604,9 @@ fn bad_credentials_and_a_dead_server_fail_with_a_clear_error() {
 
 #[test]
 fn a_rollout_worker_on_the_openai_backend_ends_with_the_weights_of_one_process() {
-    let _serial = serial();
-    let periods = 3;
-    let server = NatsServer::start(&[]).expect("start nats-server");
-    let out = tempfile::tempdir().unwrap();
-    let weights = out.path().join("weights");
+    let c = Cluster::start(3);
+    let weights = c.out.path().join("weights");
     std::fs::create_dir_all(&weights).unwrap();
-    let sets = settings(&server.url(), periods);
     // The worker generates through `metronome serve` (which serves the native engine
     // of the same settings), bringing it to each claim's weights first.
     let addr = format!("127.0.0.1:{}", free_port().expect("a free port"));
@@ -620,36 +616,34 @@ fn a_rollout_worker_on_the_openai_backend_ends_with_the_weights_of_one_process()
         .collect();
     serve_args.push(weights.display().to_string());
     serve_args.extend(["--events".to_owned(), "-".to_owned()]);
-    for s in &sets {
+    for s in &c.sets {
         serve_args.extend(["--set".to_owned(), s.clone()]);
     }
     let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
     let serve = Proc::spawn_plain("serve", &serve_args);
     serve.wait_event("serving", |_| true);
-    let mut worker_sets = sets.clone();
+    let mut worker_sets = c.sets.clone();
     worker_sets.extend([
         "rollout.backend=\"openai\"".to_owned(),
         format!("rollout.openai.endpoints=[\"http://{addr}\"]"),
         "rollout.openai.model=\"tiny\"".to_owned(),
         format!("rollout.openai.export_dir={:?}", weights.display().to_string()),
     ]);
-    let mut worker = Proc::worker("openai", &worker_sets, out.path());
+    let mut worker = Proc::worker("openai", &worker_sets, c.out.path());
     worker.wait_event("worker_ready", |_| true);
-    let mut trainer = Proc::trainer(&sets, out.path());
+    let mut trainer = c.trainer();
     trainer.finish_ok();
     worker.finish_ok();
     serve.sigterm();
 
-    let run = out.path().join("cluster");
-    assert_trained_once(&run, periods);
-    assert_same_weights(&run, periods);
+    c.assert_as_one_process();
     let files: Vec<String> = std::fs::read_dir(&weights)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into())
         .collect();
     assert_eq!(
         files,
-        [format!("weights-v{}.safetensors", periods - 1)],
+        [format!("weights-v{}.safetensors", c.periods - 1)],
         "the server was brought to every version"
     );
 }
