@@ -299,6 +299,7 @@ impl OpenAiEngine {
                 text: choice.text,
                 finish_reason,
                 version,
+                episode: None,
             });
         }
         Ok(Group {
