@@ -65,7 +65,7 @@ mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
 pub use config::{Batching, EngineConfig};
-pub use engine::{CollectSink, Engine, Submission, WorkerStats};
+pub use engine::{CollectSink, Engine, Episodes, Submission, WorkerStats};
 pub use error::{Error, Result};
 pub use metrics::METRICS;
 pub use sampling::{Sampled, Sampler, SamplingConfig, TokenRng};
