@@ -124,6 +124,7 @@ impl Evaluator {
         let engine = engine_cfg
             .build(inference, PolicyVersion(0), tokenizer, RunSeed(config.run.seed))
             .map_err(err("rollout"))?;
+        let engine = with_env(engine, config)?;
         Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
 
@@ -488,6 +489,22 @@ pub fn local_transport(config: &PipelineConfig) -> Transport {
     }
 }
 
+/// `engine` running the multi-turn episodes of `[env]`, when the run has that table.
+pub(crate) fn with_env(
+    engine: metronome_rollout::ModelEngine,
+    config: &PipelineConfig,
+) -> Result<metronome_rollout::ModelEngine> {
+    let Some(env) = &config.env else { return Ok(engine) };
+    let environment = env.build().map_err(err("env"))?;
+    engine
+        .with_episodes(metronome_rollout::Episodes {
+            environment,
+            max_turns: env.max_turns,
+            tool_time_limit: std::time::Duration::from_millis(env.tool_time_limit_ms),
+        })
+        .map_err(err("rollout"))
+}
+
 /// The run's group scorer, computing advantages with the trainer's estimator.
 pub(crate) fn group_scorer(config: &PipelineConfig) -> Result<Box<dyn GroupScorer>> {
     config.reward.build(config.trainer.advantage).map_err(err("reward"))
@@ -533,6 +550,7 @@ fn stages_around(
         .rollout
         .build(inference, trainer.version(), tokenizer, RunSeed(config.run.seed))
         .map_err(err("rollout"))?;
+    let engine = with_env(engine, config)?;
     let scorer = group_scorer(config)?;
     let packer = packer(config.packing);
     let trainer = TrainerHandle(Arc::new(Mutex::new(trainer)));

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use metronome_dataloader::{Holdout, LoaderConfig, SourceConfig, Split};
 use metronome_masking::PackingConfig;
 use metronome_model::DeviceSpec;
-use metronome_reward::RewardConfig;
+use metronome_reward::{EnvConfig, RewardConfig};
 use metronome_rollout::EngineConfig;
 use metronome_trainer::TrainerConfig;
 use serde::{Deserialize, Serialize};
@@ -40,6 +40,11 @@ pub struct PipelineConfig {
     pub rollout: EngineConfig,
     /// Rewards.
     pub reward: RewardConfig,
+    /// Multi-turn episodes: with this table every response talks to an environment
+    /// (a calculator tool, countdown with feedback) over several turns; without it,
+    /// one prompt gives one completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<EnvConfig>,
     /// The trainer.
     pub trainer: TrainerConfig,
     /// Micro-batch packing.
@@ -307,6 +312,9 @@ impl PipelineConfig {
         self.rollout.validate().map_err(|e| stage("rollout", &e))?;
         self.trainer.validate().map_err(|e| stage("trainer", &e))?;
         self.packing.validate().map_err(|e| stage("packing", &e))?;
+        if let Some(env) = &self.env {
+            env.validate().map_err(|e| stage("env", &e))?;
+        }
         let bad = |key: &str, reason: String| Err(Error::Config { key: key.into(), reason });
         for (key, device) in [
             ("model.device", Some(self.model.device())),

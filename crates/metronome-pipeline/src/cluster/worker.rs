@@ -49,6 +49,7 @@ pub async fn run_worker(
         .rollout
         .build(inference, PolicyVersion(0), tokenizer, RunSeed(config.run.seed))
         .map_err(err("rollout"))?;
+    let engine = crate::app::with_env(engine, &config)?;
 
     let mut control = transport.control_receiver().await.map_err(err("transport"))?;
     let listener_stop = stop.clone();
