@@ -89,7 +89,8 @@ fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
 }
 
 /// Greedy answers to held-out prompts, scored by the `correct` part of the reward
-/// (or a positive total when the scorer reports no such part).
+/// (or a positive total when the scorer reports no such part); an episode the
+/// environment rewarded counts as correct when that reward is positive.
 struct Evaluator {
     engine: metronome_rollout::ModelEngine,
     prompts: Vec<Prompt>,
@@ -143,6 +144,10 @@ impl Evaluator {
             .iter()
             .flat_map(|g| g.completions.iter().map(move |c| (&g.prompt, c)))
             .map(|(p, c): (&Prompt, &Completion)| {
+                // An environment's own verdict on its episode comes first, as in training.
+                if let Some(r) = c.episode.as_ref().and_then(|e| e.reward) {
+                    return f64::from(u8::from(r > 0.0));
+                }
                 let r = self.scorer.score(p, c);
                 r.parts.get("correct").map_or(f64::from(u8::from(r.total > 0.0)), |&x| f64::from(x))
             })
@@ -490,7 +495,7 @@ pub fn local_transport(config: &PipelineConfig) -> Transport {
 }
 
 /// `engine` running the multi-turn episodes of `[env]`, when the run has that table.
-pub(crate) fn with_env(
+pub fn with_env(
     engine: metronome_rollout::ModelEngine,
     config: &PipelineConfig,
 ) -> Result<metronome_rollout::ModelEngine> {
