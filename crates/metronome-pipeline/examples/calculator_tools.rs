@@ -65,6 +65,7 @@ async fn measure(env: bool, periods: u64, seed: u64, sft_steps: u64) -> anyhow::
     } else {
         0.0
     };
+    std::fs::remove_dir_all(&dir).ok();
     Ok((first, last, tool_rate))
 }
 
