@@ -506,6 +506,7 @@ pub fn with_env(
             environment,
             max_turns: env.max_turns,
             tool_time_limit: std::time::Duration::from_millis(env.tool_time_limit_ms),
+            max_running_calls: env.max_running_tool_calls,
         })
         .map_err(err("rollout"))
 }

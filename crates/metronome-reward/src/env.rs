@@ -143,6 +143,9 @@ pub struct EnvConfig {
     pub max_turns: u32,
     /// Time limit of one environment step, in milliseconds.
     pub tool_time_limit_ms: u64,
+    /// Most environment steps running at once, timed-out ones that have not returned
+    /// included; past it a turn's step is refused and its episode ends.
+    pub max_running_tool_calls: usize,
     /// Longest observation text; longer results are cut, saying so.
     pub max_observation_chars: usize,
     /// Reward of a correct final answer.
@@ -158,6 +161,7 @@ impl Default for EnvConfig {
             format: ToolCallFormat::Json,
             max_turns: 4,
             tool_time_limit_ms: 2_000,
+            max_running_tool_calls: 64,
             max_observation_chars: 256,
             correct_reward: 1.0,
             wrong_reward: 0.0,
@@ -173,6 +177,9 @@ impl EnvConfig {
         }
         if self.tool_time_limit_ms == 0 {
             return Err(Error::config("env.tool_time_limit_ms", "is 0 (expected a positive limit)"));
+        }
+        if self.max_running_tool_calls == 0 {
+            return Err(Error::config("env.max_running_tool_calls", "is 0 (expected >= 1)"));
         }
         if self.max_observation_chars < 16 {
             return Err(Error::config(

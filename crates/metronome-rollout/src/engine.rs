@@ -97,6 +97,11 @@ pub struct Episodes {
     pub max_turns: u32,
     /// Time limit of one [`Episode::step`]; past it the episode ends (`tool_timeout`).
     pub tool_time_limit: Duration,
+    /// Most environment calls running at once in the engine, timed-out ones that have
+    /// not returned included (a thread cannot be killed): past it a turn's call is
+    /// refused and its episode ends (`tool_unavailable`), so a tool that always hangs
+    /// costs a bounded number of threads.
+    pub max_running_calls: usize,
 }
 
 impl std::fmt::Debug for Episodes {
@@ -104,6 +109,7 @@ impl std::fmt::Debug for Episodes {
         f.debug_struct("Episodes")
             .field("max_turns", &self.max_turns)
             .field("tool_time_limit", &self.tool_time_limit)
+            .field("max_running_calls", &self.max_running_calls)
             .finish_non_exhaustive()
     }
 }
@@ -116,6 +122,9 @@ impl Episodes {
         }
         if self.tool_time_limit.is_zero() {
             return Err(Error::config("tool_time_limit", "is 0 (expected a positive duration)"));
+        }
+        if self.max_running_calls == 0 {
+            return Err(Error::config("max_running_calls", "is 0 (expected >= 1)"));
         }
         Ok(())
     }
@@ -222,6 +231,8 @@ struct Shared<M> {
     current: RwLock<Arc<Versioned<M>>>,
     counters: Vec<WorkerCounters>,
     tokenizer: Arc<dyn Tokenizer>,
+    /// Environment calls running now (hung ones included), engine-wide.
+    tool_calls: Arc<AtomicU64>,
     max_num_seqs: usize,
     max_seq_len: usize,
     batching: Batching,
@@ -280,6 +291,7 @@ impl<M: InferenceModel> Engine<M> {
             current: RwLock::new(Arc::new(Versioned { version, model })),
             counters: (0..config.workers).map(|_| WorkerCounters::default()).collect(),
             tokenizer,
+            tool_calls: Arc::new(AtomicU64::new(0)),
             max_num_seqs: config.max_num_seqs,
             max_seq_len,
             batching: config.batching,
@@ -685,13 +697,35 @@ struct ToolCall {
     finish: Finish,
 }
 
+/// Counts one running environment call until dropped.
+struct Running(Arc<AtomicU64>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Runs `step` of `episode` on a thread of its own, catching panics; the receiver
-/// gets the episode back with the observation, or the failure reason.
-fn spawn_tool_call(mut episode: Box<dyn Episode>, turn: String) -> std_mpsc::Receiver<CallResult> {
+/// gets the episode back with the observation, or the failure reason. Refused when
+/// `max` calls are running already.
+fn spawn_tool_call(
+    mut episode: Box<dyn Episode>,
+    turn: String,
+    running: &Arc<AtomicU64>,
+    max: usize,
+) -> std_mpsc::Receiver<CallResult> {
     let (tx, rx) = std_mpsc::sync_channel(1);
+    if running.fetch_add(1, Ordering::AcqRel) >= max as u64 {
+        running.fetch_sub(1, Ordering::AcqRel);
+        let _ = tx.send((None, Err(format!("tool_unavailable: {max} environment calls are still running"))));
+        return rx;
+    }
+    let guard = Running(Arc::clone(running));
     let spawned = std::thread::Builder::new().name("rollout-tool".into()).spawn({
         let tx = tx.clone();
         move || {
+            let _running = guard;
             let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build();
             let result = match runtime {
                 Ok(rt) => catch_unwind(AssertUnwindSafe(|| rt.block_on(episode.step(&turn)))),
@@ -1139,7 +1173,11 @@ impl<M: InferenceModel> Worker<M> {
     /// or the token budget, ends the episode.
     fn end_turn(&mut self, slot: usize, finish: Finish) {
         let Some(seq) = self.slots[slot].as_mut() else { return };
-        let Some(limit) = seq.request.episodes.as_ref().map(|e| e.tool_time_limit) else { return };
+        let Some((limit, max_calls)) =
+            seq.request.episodes.as_ref().map(|e| (e.tool_time_limit, e.max_running_calls))
+        else {
+            return;
+        };
         let turn = match self.shared.tokenizer.decode(&seq.generated()[seq.turn_start()..]) {
             Ok(t) => t,
             Err(e) => {
@@ -1154,7 +1192,7 @@ impl<M: InferenceModel> Worker<M> {
             self.finish_episode(slot, finish, Some("tool_error: the episode was lost".into()));
             return;
         };
-        let result = spawn_tool_call(episode, turn);
+        let result = spawn_tool_call(episode, turn, &self.shared.tool_calls, max_calls);
         state.call = Some(ToolCall { result, deadline: Instant::now() + limit, finish });
     }
 

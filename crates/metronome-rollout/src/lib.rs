@@ -41,7 +41,8 @@
 //!   (`max_new_tokens` for the whole episode) and failing tools end an episode with a
 //!   reason on its [`metronome_core::EpisodeTrace`] and
 //!   `metronome_rollout_episode_failures_total{reason}`. A timed-out tool's thread
-//!   cannot be killed: it is left to finish on its own.
+//!   cannot be killed: it is left to finish on its own, and past
+//!   [`Episodes::max_running_calls`] running calls new ones are refused.
 //! - **Versioned weights**: [`Engine::install_weights`](metronome_core::RolloutEngine::install_weights)
 //!   swaps the model between sequences; sequences already running finish with the
 //!   version they started with, and every completion carries its version.

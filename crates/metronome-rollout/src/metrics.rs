@@ -23,7 +23,7 @@ const PROMPTS_REJECTED: Metric = Metric::counter(
 const EPISODE_FAILURES: Metric = Metric::counter(
     "metronome_rollout_episode_failures_total",
     "multi-turn episodes ended before the environment said done, by reason (max_turns, max_tokens, \
-     tool_timeout, tool_panic, tool_error, observation)",
+     tool_timeout, tool_panic, tool_error, tool_unavailable, observation)",
 )
 .labels(&["reason"]);
 const HTTP_RETRIES: Metric =

@@ -59,7 +59,12 @@ impl Environment for Scripted {
 }
 
 fn episodes(env: Scripted, max_turns: u32) -> Episodes {
-    Episodes { environment: Arc::new(env), max_turns, tool_time_limit: Duration::from_millis(200) }
+    Episodes {
+        environment: Arc::new(env),
+        max_turns,
+        tool_time_limit: Duration::from_millis(200),
+        max_running_calls: 64,
+    }
 }
 
 /// Short turns: a few common token ids end a turn.
@@ -198,6 +203,49 @@ async fn failing_tools_and_limits_end_the_episode_not_the_run() {
         assert!(e.observations.is_empty());
         assert!(matches!(e.failure.as_deref(), Some("max_turns" | "max_tokens")), "{e:?}");
     }
+}
+
+/// A tool that never returns: its threads cannot be killed, so past the bound its
+/// episodes are refused a call instead of costing a thread each.
+struct Stuck;
+
+struct StuckEpisode;
+
+#[async_trait]
+impl Episode for StuckEpisode {
+    async fn step(&mut self, _turn: &str) -> metronome_core::Result<Observation> {
+        // Parks this call's thread for good (the test process ends it).
+        let (_keep, never) = std::sync::mpsc::channel::<()>();
+        let _ = never.recv();
+        unreachable!("the sender is alive")
+    }
+}
+
+impl Environment for Stuck {
+    fn start(&self, _prompt: &Prompt, _sample_index: u32) -> metronome_core::Result<Box<dyn Episode>> {
+        Ok(Box::new(StuckEpisode))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_that_never_returns_costs_a_bounded_number_of_threads() {
+    let ep = Episodes {
+        environment: Arc::new(Stuck),
+        max_turns: 4,
+        tool_time_limit: Duration::from_millis(20),
+        max_running_calls: 2,
+    };
+    let groups = run(1, 4, turn_sampling(64), ep).await;
+    let failures: Vec<String> = groups
+        .iter()
+        .flat_map(|g| &g.completions)
+        .filter_map(|c| c.episode.as_ref()?.failure.clone())
+        .collect();
+    let timeouts = failures.iter().filter(|f| *f == "tool_timeout").count();
+    let refused = failures.iter().filter(|f| f.starts_with("tool_unavailable: 2 environment calls")).count();
+    // Two calls hang for good; every later one is refused at once.
+    assert_eq!(timeouts, 2, "{failures:?}");
+    assert!(refused > 0 && timeouts + refused + failures.iter().filter(|f| *f == "max_tokens").count() == 20);
 }
 
 #[test]
