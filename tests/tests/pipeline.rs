@@ -50,7 +50,7 @@ async fn run_with(
     workers: usize,
     extra: &[&str],
 ) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
-    run_scored(schedule, workers, extra, |_| {}).await
+    run_scored(schedule, workers, extra, |_, _| {}).await
 }
 
 /// [`run_with`] with the stages (their scorer records what was generated) changed by
@@ -59,7 +59,7 @@ async fn run_scored(
     schedule: Schedule,
     workers: usize,
     extra: &[&str],
-    wrap: impl FnOnce(&mut Stages),
+    wrap: impl FnOnce(&mut Stages, &PipelineConfig),
 ) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
     let mut overrides: Vec<String> = [
         "run.periods=3".to_owned(),
@@ -87,7 +87,7 @@ async fn run_scored(
     let seen = Arc::new(Mutex::new(Rollouts::new()));
     let pool = PoolScorer::new(digit_share, PoolConfig::default()).unwrap();
     stages.scorer = Arc::new(Recording { inner: Arc::new(pool), seen: seen.clone() });
-    wrap(&mut stages);
+    wrap(&mut stages, &config);
     let transport = (schedule != Schedule::Sync).then(|| local_transport(&config));
     let run = Runner::new(stages, transport, config.runner_options()).unwrap().run();
     let end = tokio::time::timeout(std::time::Duration::from_secs(300), run)
@@ -213,7 +213,7 @@ async fn a_step_the_real_trainer_refuses_stalls_no_schedule() {
     let poison = |stages: &mut Stages| stages.packer = nan_advantages_in(PeriodId(1), stages.packer.clone());
     let mut weights = Vec::new();
     for schedule in [Schedule::Sync, Schedule::Periodic, Schedule::Stale(1)] {
-        let (rollouts, reports, w) = run_scored(schedule, 1, &[], poison).await;
+        let (rollouts, reports, w) = run_scored(schedule, 1, &[], |s, _| poison(s)).await;
         assert_eq!(rollouts.len(), 18, "{schedule}: every period generated");
         let applied: Vec<bool> = reports.iter().map(|r| r.step.applied).collect();
         assert_eq!(applied, [true, false, true], "{schedule}: only period 1's step is refused");
@@ -301,4 +301,87 @@ async fn sync_and_periodic_report_the_same_held_out_accuracy() {
     eprintln!("held-out accuracy (after periods, accuracy), sync then periodic: {accuracies:?}");
     assert!(accuracies[0].iter().any(|&(_, a)| a > 0.0), "no held-out answer right: {accuracies:?}");
     assert_eq!(accuracies[0], accuracies[1], "sync vs periodic held-out accuracy");
+}
+
+/// Answers each turn with `[k]` and ends the episode after two turns, leaving the
+/// reward to the reward stage (the digit share of the whole trajectory).
+struct TwoTurns;
+
+struct TwoTurnsEpisode(u32);
+
+#[async_trait]
+impl metronome_core::Episode for TwoTurnsEpisode {
+    async fn step(&mut self, _turn: &str) -> metronome_core::Result<metronome_core::Observation> {
+        self.0 += 1;
+        Ok(if self.0 >= 2 {
+            metronome_core::Observation::done(None)
+        } else {
+            metronome_core::Observation::reply(format!(" [{}] ", self.0))
+        })
+    }
+}
+
+impl metronome_core::Environment for TwoTurns {
+    fn start(&self, _: &Prompt, _: u32) -> metronome_core::Result<Box<dyn metronome_core::Episode>> {
+        Ok(Box::new(TwoTurnsEpisode(0)))
+    }
+
+    fn turn_stops(&self) -> Vec<String> {
+        // Frequent in the untrained model's text, so most episodes take two turns.
+        ["1", "2", "3", "+", "="].map(String::from).to_vec()
+    }
+}
+
+async fn run_episodes(schedule: Schedule, workers: usize) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
+    let extra = ["rollout.sampling.max_new_tokens=24"];
+    let observed = Arc::new(Mutex::new(0usize));
+    let count = observed.clone();
+    let out = run_scored(schedule, workers, &extra, move |stages, config| {
+        let (model, tokenizer) = load_model(config, config.rollout_device()).unwrap();
+        let engine = config
+            .rollout
+            .build(
+                model.frozen_copy().unwrap(),
+                metronome_core::PolicyVersion(0),
+                tokenizer,
+                metronome_core::RunSeed(config.run.seed),
+            )
+            .unwrap()
+            .with_episodes(metronome_rollout::Episodes {
+                environment: Arc::new(TwoTurns),
+                max_turns: 2,
+                tool_time_limit: std::time::Duration::from_secs(30),
+                max_running_calls: 64,
+            })
+            .unwrap();
+        stages.engine = Arc::new(engine);
+        let inner = stages.packer.clone();
+        stages.packer = Arc::new(move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
+            *count.lock().unwrap() += groups
+                .iter()
+                .flat_map(|g| &g.group.completions)
+                .filter(|c| c.episode.as_ref().is_some_and(|e| !e.observations.is_empty()))
+                .count();
+            inner.pack(groups)
+        });
+    })
+    .await;
+    assert!(*observed.lock().unwrap() > 20, "too few trajectories had an observation");
+    out
+}
+
+/// Multi-turn episodes keep `sync` equal to `periodic`: every token of a period's
+/// trajectories comes from the period's weights, observations included as context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_and_periodic_agree_with_multi_turn_episodes() {
+    let (base_rollouts, base_reports, base_weights) = run_episodes(Schedule::Sync, 1).await;
+    assert_eq!(base_rollouts.len(), 18);
+    assert!(base_reports.iter().any(|r| r.step.tokens > 0), "every group had equal rewards");
+    assert!(max_weight_difference(&initial_weights(), &base_weights) > 1e-4, "the weights did not move");
+    for (schedule, workers) in [(Schedule::Periodic, 1), (Schedule::Periodic, 2)] {
+        let (rollouts, _, weights) = run_episodes(schedule, workers).await;
+        assert_eq!(rollouts, base_rollouts, "{schedule} with {workers} workers: rollouts or rewards differ");
+        let diff = max_weight_difference(&base_weights, &weights);
+        assert!(diff <= 1e-6, "{schedule} with {workers} workers: weights differ by {diff}");
+    }
 }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, PeriodId, PolicyVersion, PromptId, Result};
+use crate::{EpisodeTrace, Error, PeriodId, PolicyVersion, PromptId, Result};
 
 /// A token id in the model's vocabulary.
 pub type TokenId = u32;
@@ -63,6 +63,11 @@ pub struct Completion {
     pub finish_reason: FinishReason,
     /// The policy version whose weights sampled every token of this response.
     pub version: PolicyVersion,
+    /// For a multi-turn episode, which tokens the environment wrote and how it ended;
+    /// `None` for a single-turn response (every token the policy's). Absent from
+    /// older messages, which decode as `None`.
+    #[serde(default)]
+    pub episode: Option<EpisodeTrace>,
 }
 
 /// Wall-clock facts about one group's generation, for metrics and timelines.
@@ -145,6 +150,23 @@ impl Group {
                     format!("group {key}, completion {i}"),
                     format!("has {} log-probs for {} tokens", c.logprobs.len(), c.tokens.len()),
                 ));
+            }
+            if let Some(trace) = &c.episode {
+                let mut next = 0;
+                for (j, s) in trace.observations.iter().enumerate() {
+                    if s.start < next || s.len == 0 || s.end() as usize > c.tokens.len() {
+                        return Err(Error::invalid(
+                            format!("group {key}, completion {i}, observation span {j}"),
+                            format!(
+                                "spans tokens {}..{}: expected a non-empty span from {next} within the {} tokens",
+                                s.start,
+                                s.end(),
+                                c.tokens.len()
+                            ),
+                        ));
+                    }
+                    next = s.end();
+                }
             }
         }
         Ok(())

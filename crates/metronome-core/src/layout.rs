@@ -174,7 +174,8 @@ pub struct TrainSequence {
     pub version: PolicyVersion,
     /// Its advantage.
     pub advantage: f32,
-    /// Number of its tokens in the loss (its length).
+    /// Number of its tokens in the loss: its length, less the observation tokens of a
+    /// multi-turn episode.
     pub num_targets: u32,
 }
 

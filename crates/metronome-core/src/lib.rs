@@ -11,6 +11,8 @@
 //!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
 //! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
 //! - the typed entry of a crate's metrics catalogue ([`Metric`]);
+//! - multi-turn episodes ([`Environment`], [`Episode`], [`Observation`]) and what a
+//!   completion records of one ([`EpisodeTrace`]: which tokens are observations);
 //! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],
 //!   [`GroupScorer`], [`Trainer`], [`GroupSender`]/[`GroupReceiver`],
 //!   [`WeightPublisher`]/[`WeightSubscriber`], [`ControlSender`]/[`ControlReceiver`]).
@@ -23,6 +25,7 @@
 //! (`metronome-masking`), and `metronome-pipeline` wires them.
 
 mod data;
+mod env;
 mod error;
 mod ids;
 mod layout;
@@ -36,6 +39,7 @@ pub use data::{
     ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, FinishReason, Group, GroupKey, GroupStats,
     GroupTiming, Prompt, Reward, ScoredGroup, TokenId,
 };
+pub use env::{Environment, Episode, EpisodeTrace, Observation, TokenSpan};
 pub use error::{Error, ErrorChain, Result};
 pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};

@@ -59,11 +59,14 @@ pub struct Layout {
     pub spans: Vec<ResponseSpan>,
     /// What the layout costs.
     pub account: TokenAccount,
+    /// Positions holding observation tokens of multi-turn episodes, as `(row, start,
+    /// len)`: inside response spans, attended as context, never loss targets.
+    pub observations: Vec<(u32, u32, u32)>,
 }
 
 impl Layout {
     /// The input-aligned loss mask of every row: 1 at positions holding a response
-    /// token that is a loss target, 0 on prompts and pads.
+    /// token that is a loss target, 0 on prompts, pads and observation tokens.
     #[must_use]
     pub fn loss_mask(&self) -> Vec<Array1<f32>> {
         let mut masks: Vec<Array1<f32>> = self.batch.rows.iter().map(|r| Array1::zeros(r.len())).collect();
@@ -71,6 +74,11 @@ impl Layout {
             masks[s.row as usize]
                 .slice_axis_mut(Axis(0), Slice::from(s.start as usize..s.end() as usize))
                 .fill(1.0);
+        }
+        for &(row, start, len) in &self.observations {
+            masks[row as usize]
+                .slice_axis_mut(Axis(0), Slice::from(start as usize..(start + len) as usize))
+                .fill(0.0);
         }
         masks
     }
@@ -278,23 +286,50 @@ impl Builder {
 
             let sequence = batch.sequences.len() as u32;
             let advantage = g.advantages[i];
+            let t = &mut batch.targets;
+            let num_targets = match &c.episode {
+                None => {
+                    t.row.extend(std::iter::repeat_n(row_index, len as usize));
+                    // The last prompt position predicts the first response token; each
+                    // response position predicts the token after it.
+                    t.position.push(prompt_start + p - 1);
+                    t.position.extend(start..start + len - 1);
+                    t.token.extend_from_slice(&c.tokens);
+                    t.sequence.extend(std::iter::repeat_n(sequence, len as usize));
+                    t.advantage.extend(std::iter::repeat_n(advantage, len as usize));
+                    t.behaviour_logprob.extend_from_slice(&c.logprobs);
+                    len
+                }
+                Some(trace) => {
+                    // A multi-turn trajectory lies in the row whole (observations are
+                    // context for the turns after them) but only the policy's tokens
+                    // are targets.
+                    let mut n = 0;
+                    for (j, policy) in c.policy_mask().into_iter().enumerate() {
+                        if !policy {
+                            continue;
+                        }
+                        t.row.push(row_index);
+                        t.position.push(if j == 0 { prompt_start + p - 1 } else { start + j as u32 - 1 });
+                        t.token.push(c.tokens[j]);
+                        t.sequence.push(sequence);
+                        t.advantage.push(advantage);
+                        t.behaviour_logprob.push(c.logprobs[j]);
+                        n += 1;
+                    }
+                    self.layout
+                        .observations
+                        .extend(trace.observations.iter().map(|s| (row_index, start + s.start, s.len)));
+                    n
+                }
+            };
             batch.sequences.push(TrainSequence {
                 group,
                 sample_index: c.sample_index,
                 version: c.version,
                 advantage,
-                num_targets: len,
+                num_targets,
             });
-            let t = &mut batch.targets;
-            t.row.extend(std::iter::repeat_n(row_index, len as usize));
-            // The last prompt position predicts the first response token; each response
-            // position predicts the token after it.
-            t.position.push(prompt_start + p - 1);
-            t.position.extend(start..start + len - 1);
-            t.token.extend_from_slice(&c.tokens);
-            t.sequence.extend(std::iter::repeat_n(sequence, len as usize));
-            t.advantage.extend(std::iter::repeat_n(advantage, len as usize));
-            t.behaviour_logprob.extend_from_slice(&c.logprobs);
             self.layout.spans.push(ResponseSpan {
                 sequence,
                 row: row_index,

@@ -29,6 +29,17 @@ pub enum MaskingError {
         /// The completion's index within the group.
         sample: usize,
     },
+    /// A completion's episode names observation spans that do not fit its tokens, or
+    /// leaves no token of the policy's to train on.
+    #[error("group {group}, completion {sample} {reason}")]
+    Episode {
+        /// The group at fault.
+        group: GroupKey,
+        /// The completion's index within the group.
+        sample: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// A completion's `sample_index` is not its place in the group.
     #[error("group {group}, completion {sample} has sample_index {found} (expected {sample})")]
     SampleIndex {

@@ -27,6 +27,32 @@ pub(crate) fn check_group(g: &ScoredGroup) -> Result<()> {
         if c.tokens.is_empty() {
             return Err(MaskingError::EmptyResponse { group, sample });
         }
+        if let Some(trace) = &c.episode {
+            let mut next = 0;
+            for (j, span) in trace.observations.iter().enumerate() {
+                if span.start < next || span.len == 0 || span.end() as usize > c.tokens.len() {
+                    return Err(MaskingError::Episode {
+                        group,
+                        sample,
+                        reason: format!(
+                            "has observation span {j} over tokens {}..{}: expected a non-empty span from {next} \
+                             within its {} tokens",
+                            span.start,
+                            span.end(),
+                            c.tokens.len()
+                        ),
+                    });
+                }
+                next = span.end();
+            }
+            if c.num_policy_tokens() == 0 {
+                return Err(MaskingError::Episode {
+                    group,
+                    sample,
+                    reason: "has only observation tokens, nothing the policy sampled".into(),
+                });
+            }
+        }
         if c.logprobs.len() != c.tokens.len() {
             return Err(MaskingError::LogprobMismatch {
                 group,

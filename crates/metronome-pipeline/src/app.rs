@@ -89,7 +89,8 @@ fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
 }
 
 /// Greedy answers to held-out prompts, scored by the `correct` part of the reward
-/// (or a positive total when the scorer reports no such part).
+/// (or a positive total when the scorer reports no such part); an episode the
+/// environment rewarded counts as correct when that reward is positive.
 struct Evaluator {
     engine: metronome_rollout::ModelEngine,
     prompts: Vec<Prompt>,
@@ -124,6 +125,7 @@ impl Evaluator {
         let engine = engine_cfg
             .build(inference, PolicyVersion(0), tokenizer, RunSeed(config.run.seed))
             .map_err(err("rollout"))?;
+        let engine = with_env(engine, config)?;
         Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
 
@@ -142,6 +144,10 @@ impl Evaluator {
             .iter()
             .flat_map(|g| g.completions.iter().map(move |c| (&g.prompt, c)))
             .map(|(p, c): (&Prompt, &Completion)| {
+                // An environment's own verdict on its episode comes first, as in training.
+                if let Some(r) = c.episode.as_ref().and_then(|e| e.reward) {
+                    return f64::from(u8::from(r > 0.0));
+                }
                 let r = self.scorer.score(p, c);
                 r.parts.get("correct").map_or(f64::from(u8::from(r.total > 0.0)), |&x| f64::from(x))
             })
@@ -488,6 +494,23 @@ pub fn local_transport(config: &PipelineConfig) -> Transport {
     }
 }
 
+/// `engine` running the multi-turn episodes of `[env]`, when the run has that table.
+pub fn with_env(
+    engine: metronome_rollout::ModelEngine,
+    config: &PipelineConfig,
+) -> Result<metronome_rollout::ModelEngine> {
+    let Some(env) = &config.env else { return Ok(engine) };
+    let environment = env.build().map_err(err("env"))?;
+    engine
+        .with_episodes(metronome_rollout::Episodes {
+            environment,
+            max_turns: env.max_turns,
+            tool_time_limit: std::time::Duration::from_millis(env.tool_time_limit_ms),
+            max_running_calls: env.max_running_tool_calls,
+        })
+        .map_err(err("rollout"))
+}
+
 /// The run's group scorer, computing advantages with the trainer's estimator.
 pub(crate) fn group_scorer(config: &PipelineConfig) -> Result<Box<dyn GroupScorer>> {
     config.reward.build(config.trainer.advantage).map_err(err("reward"))
@@ -559,7 +582,7 @@ pub(crate) fn rollout_engine(
             let device = config.rollout_device().open().map_err(err("model"))?;
             let inference = policy.frozen_copy_on(&device).map_err(err("model"))?;
             let engine = config.rollout.build(inference, version, tokenizer, seed).map_err(err("rollout"))?;
-            Ok(Arc::new(engine))
+            Ok(Arc::new(with_env(engine, config)?))
         }
         #[cfg(feature = "http")]
         metronome_rollout::Backend::Openai => {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use metronome_dataloader::{Holdout, LoaderConfig, SourceConfig, Split};
 use metronome_masking::PackingConfig;
 use metronome_model::DeviceSpec;
-use metronome_reward::RewardConfig;
+use metronome_reward::{EnvConfig, RewardConfig};
 use metronome_rollout::EngineConfig;
 use metronome_trainer::TrainerConfig;
 use serde::{Deserialize, Serialize};
@@ -40,6 +40,11 @@ pub struct PipelineConfig {
     pub rollout: EngineConfig,
     /// Rewards.
     pub reward: RewardConfig,
+    /// Multi-turn episodes: with this table every response talks to an environment
+    /// (a calculator tool, countdown with feedback) over several turns; without it,
+    /// one prompt gives one completion.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<EnvConfig>,
     /// The trainer.
     pub trainer: TrainerConfig,
     /// Micro-batch packing.
@@ -315,6 +320,18 @@ impl PipelineConfig {
         self.trainer.validate().map_err(|e| stage("trainer", &e))?;
         self.packing.validate().map_err(|e| stage("packing", &e))?;
         let bad = |key: &str, reason: String| Err(Error::Config { key: key.into(), reason });
+        if let Some(env) = &self.env {
+            env.validate().map_err(|e| stage("env", &e))?;
+            // Episodes keep a slot's KV cache between turns: only the native engine can.
+            if self.rollout.backend != metronome_rollout::Backend::Native {
+                return bad(
+                    "env",
+                    "multi-turn episodes run in the native engine only; with `rollout.backend = \"openai\"` \
+                     leave `[env]` out"
+                        .into(),
+                );
+            }
+        }
         for (key, device) in [
             ("model.device", Some(self.model.device())),
             ("rollout.device", self.rollout.device),

@@ -40,6 +40,7 @@ pub mod tensorboard;
 
 pub use app::{
     EvalPoint, RunOptions, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run,
+    with_env,
 };
 pub use config::{
     DEFAULT_CONFIG, DynamicSampling, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig,

@@ -177,6 +177,31 @@ impl CountdownChecker {
         }
     }
 
+    /// Evaluates one bare arithmetic expression over any numbers (`+ - * /`,
+    /// parentheses, exact rationals, the configured limits): the calculator tool of
+    /// the multi-turn environments. Never evaluates anything but arithmetic.
+    pub fn evaluate_any(&self, expr: &str, meter: &mut Meter) -> Result<Rational, Invalid> {
+        let c = &self.config;
+        if expr.len() > c.max_expression_bytes {
+            return Err(Invalid::TooLong(c.max_expression_bytes));
+        }
+        let mut parser = Parser {
+            src: expr.as_bytes(),
+            pos: 0,
+            depth: 0,
+            config: c,
+            available: BTreeMap::new(),
+            any_number: true,
+            meter,
+        };
+        let value = parser.expr()?;
+        parser.skip_space();
+        if parser.pos != parser.src.len() {
+            return Err(Invalid::Syntax(parser.pos));
+        }
+        Ok(value)
+    }
+
     /// Evaluates one bare expression with the given numbers.
     pub fn evaluate(&self, expr: &str, numbers: &[i128], meter: &mut Meter) -> Result<Rational, Invalid> {
         let c = &self.config;
@@ -187,7 +212,8 @@ impl CountdownChecker {
         for &n in numbers {
             *available.entry(n).or_default() += 1;
         }
-        let mut parser = Parser { src: expr.as_bytes(), pos: 0, depth: 0, config: c, available, meter };
+        let mut parser =
+            Parser { src: expr.as_bytes(), pos: 0, depth: 0, config: c, available, any_number: false, meter };
         let value = parser.expr()?;
         parser.skip_space();
         if parser.pos != parser.src.len() {
@@ -236,6 +262,8 @@ struct Parser<'a, 'm> {
     depth: usize,
     config: &'a CountdownConfig,
     available: BTreeMap<i128, usize>,
+    /// Every number is allowed, any number of times (the calculator).
+    any_number: bool,
     meter: &'m mut Meter,
 }
 
@@ -355,6 +383,7 @@ impl Parser<'_, '_> {
             .and_then(|s| s.parse().ok())
             .ok_or(Invalid::Syntax(start))?;
         match self.available.get_mut(&n) {
+            _ if self.any_number => {}
             Some(count) if *count > 0 => *count -= 1,
             Some(_) => return Err(Invalid::ReusedNumber(n)),
             None => return Err(Invalid::UnknownNumber(n)),
@@ -372,7 +401,7 @@ impl Parser<'_, '_> {
 }
 
 /// Parses the numbers field: `[3, 7, 25]`, `3,7,25` or `3 7 25`.
-fn parse_numbers(s: &str) -> Option<Vec<i128>> {
+pub(crate) fn parse_numbers(s: &str) -> Option<Vec<i128>> {
     let inner = s.trim().trim_start_matches('[').trim_end_matches(']');
     let numbers: Option<Vec<i128>> = inner
         .split(|c: char| c == ',' || c.is_whitespace())

@@ -17,6 +17,12 @@
 //! - [`RemoteScorer`] is a [`metronome_core::GroupScorer`] for reward models served
 //!   over HTTP (JSON), with timeout, retries with backoff and a concurrency limit.
 //! - [`RewardConfig`] / [`ScorerConfig`] are serde configs that build all of the above.
+//! - Multi-turn environments ([`metronome_core::Environment`]): [`CalculatorEnv`] (a
+//!   calculator tool for arithmetic word problems) and [`CountdownEnv`] (feedback on
+//!   invalid or wrong expressions), built from [`EnvConfig`], with tool calls parsed
+//!   by [`parse_tool_call`] in the JSON-block or tag format. A bad call is answered
+//!   with an observation that says what was wrong. [`PoolScorer`] takes an episode's
+//!   own reward when its environment gave one, and scores the text otherwise.
 //!
 //! Parsers bound their own work: they read only the tail of a completion, cap the
 //! length of an extracted answer or expression, the nesting depth and the digits of a
@@ -53,6 +59,7 @@
 mod composite;
 mod config;
 mod countdown;
+mod env;
 mod error;
 mod extract;
 mod length;
@@ -67,6 +74,9 @@ mod text;
 pub use composite::{Component, Composite};
 pub use config::{ComponentConfig, CompositeConfig, RewardConfig, ScorerConfig};
 pub use countdown::{CountdownChecker, CountdownConfig, CountdownVerdict, Invalid};
+pub use env::{
+    CalculatorEnv, CountdownEnv, EnvConfig, EnvKind, ParsedTurn, ToolCall, ToolCallFormat, parse_tool_call,
+};
 pub use error::{Error, Result};
 pub use extract::{Extractor, extract, tail};
 pub use length::{LengthConfig, LengthShaping, LengthUnit};

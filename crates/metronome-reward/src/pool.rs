@@ -431,7 +431,17 @@ impl PoolScorer {
         (0..group.completions.len())
             .map(|i| {
                 let (group, scorer) = (Arc::clone(group), Arc::clone(&self.scorer));
-                self.pool.submit(move || scorer.score(&group.prompt, &group.completions[i]))
+                self.pool.submit(move || {
+                    let c = &group.completions[i];
+                    // An environment that rewarded its episode has the last word; an
+                    // episode without one is scored like any completion.
+                    match c.episode.as_ref().and_then(|e| e.reward) {
+                        Some(r) => {
+                            Reward { total: r, parts: [("correct".to_owned(), r)].into(), failure: None }
+                        }
+                        None => scorer.score(&group.prompt, c),
+                    }
+                })
             })
             .collect()
     }

@@ -18,10 +18,12 @@ pub trait InferenceModel: Send + Sync + 'static {
     /// A cache with `num_slots` slots of up to `max_seq_len` tokens.
     fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<Self::Cache>;
 
-    /// Appends `tokens` to the empty `slot` and returns the last position's logits.
+    /// Appends `tokens` to `slot` and returns the last position's logits. The slot is
+    /// empty for a prompt; for a multi-turn episode it holds the trajectory so far and
+    /// `tokens` are an observation (with the turn's last sampled token first).
     fn prefill(&self, cache: &mut Self::Cache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>>;
 
-    /// Prefills several empty slots, each `(slot, tokens)`, and returns each one's last
+    /// Prefills several slots, each `(slot, tokens)`, and returns each one's last
     /// position's logits, in order. Must give each slot what [`InferenceModel::prefill`]
     /// gives it alone; the default does exactly that, one slot at a time. Models that
     /// can prefill in one forward (as `metronome_model::Model` does) override it: the

@@ -25,6 +25,21 @@
 //! discarded) in every step until the batch's last live sequence ends, as Hugging
 //! Face `generate` computes finished rows of a batch.
 //!
+//! # Episodes
+//! With an [`Episodes`] setting ([`Engine::with_episodes`], or
+//! [`Engine::submit_episodes`]) a response is a multi-turn episode. When a turn ends
+//! (a stop token, a stop string, or one of the environment's turn-ending strings) the
+//! slot leaves the decode forward and the environment's [`Episode::step`] runs on a
+//! thread of its own, under a time limit and `catch_unwind`; the worker keeps decoding
+//! its other slots. The observation's tokens are then appended to the slot's KV cache
+//! by prefilling only them (with the turn's last sampled token, which the cache does not
+//! hold yet), batched with the other slots ready at that step, and sampling continues.
+//! Only policy tokens draw from the response's random stream (the `k`-th policy token
+//! uses its `k`-th number) and the prefill is batch-invariant, so a trajectory does not
+//! depend on the worker or slot that ran it. A hung, panicking or failing tool, too many
+//! turns or too many tokens end the episode with a failure reason on its
+//! [`EpisodeTrace`] and a metric; never the run.
+//!
 //! # Versions
 //! The installed weights are an `Arc` swapped by [`Engine::install_weights`]. A
 //! sequence takes the `Arc` current when it is prefilled and keeps it until it ends,
@@ -35,15 +50,18 @@
 //! is also an input of its sampling seed.
 
 use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use metronome_core::{
-    Completion, ErrorChain, FinishReason, Group, GroupSink, GroupTiming, PeriodId, PolicyVersion, Prompt,
-    RolloutEngine, RolloutRequest, RunSeed, TokenId, Tokenizer, WeightSnapshot, sample_seed,
+    Completion, Environment, Episode, EpisodeTrace, ErrorChain, FinishReason, Group, GroupSink, GroupTiming,
+    Observation, PeriodId, PolicyVersion, Prompt, RolloutEngine, RolloutRequest, RunSeed, TokenId, TokenSpan,
+    Tokenizer, WeightSnapshot, sample_seed,
 };
 use tokio::sync::mpsc;
 
@@ -66,6 +84,50 @@ pub struct Submission {
     pub sampling: SamplingConfig,
     /// The run seed of the seed rule.
     pub seed: RunSeed,
+}
+
+/// Multi-turn generation: the environment every response talks to, and the limits
+/// that keep a run alive. The episode's token budget (policy and observation tokens
+/// together) is the sampling's `max_new_tokens`, capped by the slot's context.
+#[derive(Clone)]
+pub struct Episodes {
+    /// Starts one episode per response.
+    pub environment: Arc<dyn Environment>,
+    /// Most policy turns per episode; the environment is not called after the last.
+    pub max_turns: u32,
+    /// Time limit of one [`Episode::step`]; past it the episode ends (`tool_timeout`).
+    pub tool_time_limit: Duration,
+    /// Most environment calls running at once in the engine, timed-out ones that have
+    /// not returned included (a thread cannot be killed): past it a turn's call is
+    /// refused and its episode ends (`tool_unavailable`), so a tool that always hangs
+    /// costs a bounded number of threads.
+    pub max_running_calls: usize,
+}
+
+impl std::fmt::Debug for Episodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Episodes")
+            .field("max_turns", &self.max_turns)
+            .field("tool_time_limit", &self.tool_time_limit)
+            .field("max_running_calls", &self.max_running_calls)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Episodes {
+    /// Checks the limits.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_turns == 0 {
+            return Err(Error::config("max_turns", "is 0 (expected >= 1)"));
+        }
+        if self.tool_time_limit.is_zero() {
+            return Err(Error::config("tool_time_limit", "is 0 (expected a positive duration)"));
+        }
+        if self.max_running_calls == 0 {
+            return Err(Error::config("max_running_calls", "is 0 (expected >= 1)"));
+        }
+        Ok(())
+    }
 }
 
 /// Counters of one worker since the engine started.
@@ -128,6 +190,7 @@ struct Request {
     sampling: SamplingConfig,
     stop: StopConditions,
     seed: RunSeed,
+    episodes: Option<Episodes>,
     events: mpsc::UnboundedSender<Event>,
     cancelled: Arc<AtomicBool>,
     start: Instant,
@@ -168,6 +231,8 @@ struct Shared<M> {
     current: RwLock<Arc<Versioned<M>>>,
     counters: Vec<WorkerCounters>,
     tokenizer: Arc<dyn Tokenizer>,
+    /// Environment calls running now (hung ones included), engine-wide.
+    tool_calls: Arc<AtomicU64>,
     max_num_seqs: usize,
     max_seq_len: usize,
     batching: Batching,
@@ -192,6 +257,8 @@ pub struct Engine<M: InferenceModel> {
     max_seq_len: usize,
     /// The run seed of [`RolloutEngine::generate`]'s sampling.
     seed: RunSeed,
+    /// Multi-turn episodes for [`RolloutEngine::generate`].
+    episodes: Option<Episodes>,
 }
 
 impl<M: InferenceModel> std::fmt::Debug for Engine<M> {
@@ -224,12 +291,20 @@ impl<M: InferenceModel> Engine<M> {
             current: RwLock::new(Arc::new(Versioned { version, model })),
             counters: (0..config.workers).map(|_| WorkerCounters::default()).collect(),
             tokenizer,
+            tool_calls: Arc::new(AtomicU64::new(0)),
             max_num_seqs: config.max_num_seqs,
             max_seq_len,
             batching: config.batching,
         });
-        let mut engine =
-            Self { shared, workers: Vec::new(), loader: None, config, max_seq_len, seed: RunSeed(0) };
+        let mut engine = Self {
+            shared,
+            workers: Vec::new(),
+            loader: None,
+            config,
+            max_seq_len,
+            seed: RunSeed(0),
+            episodes: None,
+        };
         for (index, cache) in caches.into_iter().enumerate() {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(engine.config.threads_per_worker)
@@ -261,6 +336,20 @@ impl<M: InferenceModel> Engine<M> {
     pub fn with_seed(mut self, seed: RunSeed) -> Self {
         self.seed = seed;
         self
+    }
+
+    /// Makes every response of [`RolloutEngine::generate`] a multi-turn episode with
+    /// `episodes`' environment ([`Engine::submit`] stays single-turn).
+    pub fn with_episodes(mut self, episodes: Episodes) -> Result<Self> {
+        episodes.validate()?;
+        self.episodes = Some(episodes);
+        Ok(self)
+    }
+
+    /// The multi-turn setting of [`RolloutEngine::generate`], if any.
+    #[must_use]
+    pub fn episodes(&self) -> Option<&Episodes> {
+        self.episodes.as_ref()
     }
 
     /// The run seed [`RolloutEngine::generate`] samples from.
@@ -330,8 +419,9 @@ impl<M: InferenceModel> Engine<M> {
         Ok(())
     }
 
-    /// Checks a submission and resolves its stop conditions.
-    fn prepare(&self, sub: &Submission) -> Result<StopConditions> {
+    /// Checks a submission and resolves its stop conditions (with the environment's
+    /// turn-ending strings for episodes).
+    fn prepare(&self, sub: &Submission, episodes: Option<&Episodes>) -> Result<StopConditions> {
         sub.sampling.validate()?;
         if sub.group_size == 0 {
             return Err(Error::config("group_size", "is 0 (expected >= 1)"));
@@ -344,14 +434,38 @@ impl<M: InferenceModel> Engine<M> {
         } else {
             sub.sampling.stop_token_ids.clone().unwrap_or_else(|| self.shared.tokenizer.stop_token_ids())
         };
-        Ok(StopConditions { token_ids, strings: sub.sampling.stop_strings.clone() })
+        let mut strings = sub.sampling.stop_strings.clone();
+        if let Some(e) = episodes {
+            e.validate()?;
+            strings.extend(e.environment.turn_stops().into_iter().filter(|s| !s.is_empty()));
+        }
+        Ok(StopConditions { token_ids, strings })
     }
 
     /// Generates `sub`, emitting every group to `sink` the moment its last response
     /// finishes (completion order). Returns when all groups are emitted. If the sink
     /// fails, or this future is dropped, the request's remaining sequences are cancelled.
     pub async fn submit(&self, sub: Submission, sink: &dyn GroupSink) -> metronome_core::Result<()> {
-        let stop = self.prepare(&sub)?;
+        self.run(sub, None, sink).await
+    }
+
+    /// [`Engine::submit`] with every response a multi-turn episode of `episodes`.
+    pub async fn submit_episodes(
+        &self,
+        sub: Submission,
+        episodes: Episodes,
+        sink: &dyn GroupSink,
+    ) -> metronome_core::Result<()> {
+        self.run(sub, Some(episodes), sink).await
+    }
+
+    async fn run(
+        &self,
+        sub: Submission,
+        episodes: Option<Episodes>,
+        sink: &dyn GroupSink,
+    ) -> metronome_core::Result<()> {
+        let stop = self.prepare(&sub, episodes.as_ref())?;
         if sub.prompts.is_empty() {
             return Ok(());
         }
@@ -369,6 +483,7 @@ impl<M: InferenceModel> Engine<M> {
             sampling: sub.sampling,
             stop,
             seed: sub.seed,
+            episodes,
             events,
             cancelled,
             start: Instant::now(),
@@ -473,7 +588,7 @@ impl<M: InferenceModel> RolloutEngine for Engine<M> {
             sampling: self.config.sampling.clone(),
             seed: self.seed,
         };
-        self.submit(sub, sink).await
+        self.run(sub, self.episodes.clone(), sink).await
     }
 
     async fn install_weights(&self, weights: Arc<WeightSnapshot>) -> metronome_core::Result<()> {
@@ -549,8 +664,93 @@ struct Seq<M> {
     logprobs: Vec<f32>,
     /// Most tokens this response may have.
     budget: usize,
-    /// Bytes of decoded text already searched for stop strings.
+    /// Bytes of the current turn's decoded text already searched for stop strings.
     text_checked: usize,
+    /// Tokens sampled so far: the index of the next number of the random stream
+    /// (observation tokens draw none).
+    sampled: u64,
+    /// The episode, for multi-turn generation.
+    episode: Option<EpisodeState>,
+}
+
+/// A running episode's side of a slot.
+struct EpisodeState {
+    /// The environment's episode; `None` while a call holds it.
+    episode: Option<Box<dyn Episode>>,
+    /// The environment call under way: the slot waits and leaves the decode forward.
+    call: Option<ToolCall>,
+    /// Index (in the response's tokens) where the current policy turn begins.
+    turn_start: usize,
+    observations: Vec<TokenSpan>,
+    turns: u32,
+    reward: Option<f32>,
+}
+
+/// What a tool thread sends back: the episode (to continue it) and the observation,
+/// or why the call failed.
+type CallResult = (Option<Box<dyn Episode>>, std::result::Result<Observation, String>);
+
+struct ToolCall {
+    result: std_mpsc::Receiver<CallResult>,
+    deadline: Instant,
+    /// How the turn ended, for the completion if this was the last.
+    finish: Finish,
+}
+
+/// Counts one running environment call until dropped.
+struct Running(Arc<AtomicU64>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Runs `step` of `episode` on a thread of its own, catching panics; the receiver
+/// gets the episode back with the observation, or the failure reason. Refused when
+/// `max` calls are running already.
+fn spawn_tool_call(
+    mut episode: Box<dyn Episode>,
+    turn: String,
+    running: &Arc<AtomicU64>,
+    max: usize,
+) -> std_mpsc::Receiver<CallResult> {
+    let (tx, rx) = std_mpsc::sync_channel(1);
+    if running.fetch_add(1, Ordering::AcqRel) >= max as u64 {
+        running.fetch_sub(1, Ordering::AcqRel);
+        let _ = tx.send((None, Err(format!("tool_unavailable: {max} environment calls are still running"))));
+        return rx;
+    }
+    let guard = Running(Arc::clone(running));
+    let spawned = std::thread::Builder::new().name("rollout-tool".into()).spawn({
+        let tx = tx.clone();
+        move || {
+            let _running = guard;
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build();
+            let result = match runtime {
+                Ok(rt) => catch_unwind(AssertUnwindSafe(|| rt.block_on(episode.step(&turn)))),
+                Err(e) => Ok(Err(metronome_core::Error::invalid("tool runtime", e.to_string()))),
+            };
+            // A receiver gone (timed out, cancelled) wants nothing any more.
+            let _ = match result {
+                Ok(Ok(obs)) => tx.send((Some(episode), Ok(obs))),
+                Ok(Err(e)) => tx.send((None, Err(format!("tool_error: {}", ErrorChain(&e))))),
+                Err(panic) => tx.send((None, Err(format!("tool_panic: {}", panic_message(&*panic))))),
+            };
+        }
+    });
+    if let Err(e) = spawned {
+        let _ = tx.send((None, Err(format!("tool_error: no thread for the call: {e}"))));
+    }
+    rx
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// A finished sequence kept in the decode forward under [`Batching::StaticPadded`]
@@ -571,6 +771,16 @@ impl<M> Seq<M> {
 
     fn last(&self) -> TokenId {
         self.context[self.context.len() - 1]
+    }
+
+    /// Where the current policy turn begins in the response.
+    fn turn_start(&self) -> usize {
+        self.episode.as_ref().map_or(0, |e| e.turn_start)
+    }
+
+    /// True while an environment call holds the slot.
+    fn waiting(&self) -> bool {
+        self.episode.as_ref().is_some_and(|e| e.call.is_some())
     }
 }
 
@@ -622,7 +832,12 @@ impl<M: InferenceModel> Worker<M> {
         let active_gauge = crate::metrics::active_slots(&self.label);
         while let Some(jobs) = self.admit() {
             self.start(jobs);
-            self.step();
+            let decoded = self.step();
+            let observed = self.poll_tools();
+            if !decoded && !observed && self.active() > 0 {
+                // Every live slot waits on its environment: do not spin.
+                std::thread::sleep(Duration::from_micros(200));
+            }
             let active = self.active() as u64;
             self.counters().active_slots.store(active, Ordering::Relaxed);
             active_gauge.set(active as f64);
@@ -691,6 +906,26 @@ impl<M: InferenceModel> Worker<M> {
             let prompt = &request.prompts[job.prompt];
             request.send(Event::Started { prompt: job.prompt, at_s: request.start.elapsed().as_secs_f64() });
             let seed = sample_seed(request.seed, model.version, prompt.id, job.sample_index);
+            let episode = match &request.episodes {
+                None => None,
+                Some(e) => match e.environment.start(prompt, job.sample_index) {
+                    Ok(episode) => Some(EpisodeState {
+                        episode: Some(episode),
+                        call: None,
+                        turn_start: 0,
+                        observations: Vec::new(),
+                        turns: 0,
+                        reward: None,
+                    }),
+                    Err(e) => {
+                        request.fail(Error::Prompt {
+                            prompt: prompt.id,
+                            reason: format!("cannot start an episode: {}", ErrorChain(&e)),
+                        });
+                        continue;
+                    }
+                },
+            };
             let budget = request
                 .sampling
                 .max_new_tokens
@@ -712,6 +947,8 @@ impl<M: InferenceModel> Worker<M> {
                 logprobs: Vec::with_capacity(budget),
                 budget,
                 text_checked: 0,
+                sampled: 0,
+                episode,
                 model: Arc::clone(&model),
                 request: Arc::clone(&request),
             });
@@ -750,13 +987,15 @@ impl<M: InferenceModel> Worker<M> {
         }
     }
 
-    /// One decode step for every active slot (and padding row), batched per weight
-    /// version, in slot order.
-    fn step(&mut self) {
+    /// One decode step for every active slot not waiting on its environment (and every
+    /// padding row), batched per weight version, in slot order. False when nothing
+    /// decoded.
+    fn step(&mut self) -> bool {
         let mut batches: Vec<VersionBatch<M>> = Vec::new();
         let mut padding_rows = 0;
         for slot in 0..self.slots.len() {
             let (model, token) = match (&self.slots[slot], &self.padding[slot]) {
+                (Some(seq), _) if seq.waiting() => continue,
                 (Some(seq), _) => (&seq.model, seq.last()),
                 // A full slot cannot take another row; its padding leaves the forward.
                 (None, Some(pad)) if pad.held < self.max_seq_len => {
@@ -771,7 +1010,7 @@ impl<M: InferenceModel> Worker<M> {
             }
         }
         if batches.is_empty() {
-            return;
+            return false;
         }
         self.counters().padding_rows.fetch_add(padding_rows, Ordering::Relaxed);
         for (model, batch) in batches {
@@ -796,6 +1035,165 @@ impl<M: InferenceModel> Worker<M> {
                 Err(e) => self.fail_batch(&batch, &ErrorChain(&e).to_string()),
             }
         }
+        true
+    }
+
+    /// Takes the answers of finished environment calls (and ends the episodes whose call
+    /// timed out), appends the observations of those that go on by prefilling only the
+    /// new tokens, batched per weight version, and samples each one's next token. False
+    /// when no call finished.
+    fn poll_tools(&mut self) -> bool {
+        let now = Instant::now();
+        let mut answered = Vec::new();
+        for slot in 0..self.slots.len() {
+            let Some(call) = self.slots[slot].as_ref().and_then(|s| s.episode.as_ref()?.call.as_ref()) else {
+                continue;
+            };
+            match call.result.try_recv() {
+                Ok(result) => answered.push((slot, result)),
+                Err(std_mpsc::TryRecvError::Empty) if now < call.deadline => {}
+                Err(std_mpsc::TryRecvError::Empty) => {
+                    answered.push((slot, (None, Err("tool_timeout".into()))))
+                }
+                Err(std_mpsc::TryRecvError::Disconnected) => {
+                    answered.push((
+                        slot,
+                        (None, Err("tool_panic: the call's thread ended without an answer".into())),
+                    ));
+                }
+            }
+        }
+        if answered.is_empty() {
+            return false;
+        }
+        let mut feeds: Vec<(usize, Vec<TokenId>)> = Vec::new();
+        for (slot, (episode, result)) in answered {
+            if let Some(feed) = self.observe(slot, episode, result) {
+                feeds.push((slot, feed));
+            }
+        }
+        // Prefill per weight version, in slot order.
+        while !feeds.is_empty() {
+            let Some(model) = self.slots[feeds[0].0].as_ref().map(|s| Arc::clone(&s.model)) else {
+                feeds.remove(0);
+                continue;
+            };
+            let (batch, rest): (Vec<_>, Vec<_>) = feeds.into_iter().partition(|(slot, _)| {
+                self.slots[*slot].as_ref().is_some_and(|s| Arc::ptr_eq(&s.model, &model))
+            });
+            feeds = rest;
+            let seqs: Vec<(usize, &[TokenId])> = batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
+            match model.model.prefill_many(&mut self.cache, &seqs) {
+                Ok(rows) if rows.len() == batch.len() => {
+                    for ((slot, _), logits) in batch.iter().zip(&rows) {
+                        self.advance(*slot, logits);
+                    }
+                }
+                Ok(rows) => {
+                    let reason =
+                        format!("observation prefill returned {} rows for {} slots", rows.len(), batch.len());
+                    let slots: Vec<(usize, TokenId)> = batch.iter().map(|(s, _)| (*s, 0)).collect();
+                    self.fail_batch(&slots, &reason);
+                }
+                Err(e) => {
+                    let slots: Vec<(usize, TokenId)> = batch.iter().map(|(s, _)| (*s, 0)).collect();
+                    self.fail_batch(&slots, &ErrorChain(&e).to_string());
+                }
+            }
+        }
+        true
+    }
+
+    /// Applies an environment's answer to `slot`: ends the episode (done, a failure, a
+    /// limit) or appends the observation's tokens and returns what to prefill: the
+    /// turn's last sampled token (not in the cache yet) and the observation.
+    fn observe(
+        &mut self,
+        slot: usize,
+        episode: Option<Box<dyn Episode>>,
+        result: std::result::Result<Observation, String>,
+    ) -> Option<Vec<TokenId>> {
+        let seq = self.slots[slot].as_mut()?;
+        let max_turns = seq.request.episodes.as_ref().map_or(1, |e| e.max_turns);
+        let state = seq.episode.as_mut()?;
+        let finish = state.call.take()?.finish;
+        state.episode = episode;
+        let obs = match result {
+            Ok(obs) => obs,
+            Err(failure) => {
+                self.finish_episode(slot, finish, Some(failure));
+                return None;
+            }
+        };
+        if obs.done {
+            state.reward = obs.reward.filter(|r| r.is_finite());
+            self.finish_episode(slot, finish, None);
+            return None;
+        }
+        if state.turns >= max_turns {
+            self.finish_episode(slot, finish, Some("max_turns".into()));
+            return None;
+        }
+        let tokens = match self.shared.tokenizer.encode(&obs.text) {
+            Ok(t) => t,
+            Err(e) => {
+                self.finish_episode(slot, finish, Some(format!("observation: {}", ErrorChain(&e))));
+                return None;
+            }
+        };
+        // Room is needed for the observation and at least one more policy token.
+        if seq.generated().len() + tokens.len() >= seq.budget {
+            self.finish_episode(slot, Finish::new(FinishReason::Length), Some("max_tokens".into()));
+            return None;
+        }
+        let mut feed = Vec::with_capacity(tokens.len() + 1);
+        feed.push(seq.last());
+        feed.extend_from_slice(&tokens);
+        let start = seq.generated().len();
+        seq.context.extend_from_slice(&tokens);
+        seq.logprobs.extend(std::iter::repeat_n(0.0, tokens.len()));
+        seq.text_checked = 0;
+        let state = seq.episode.as_mut()?;
+        if !tokens.is_empty() {
+            state.observations.push(TokenSpan { start: start as u32, len: tokens.len() as u32 });
+        }
+        state.turn_start = start + tokens.len();
+        Some(feed)
+    }
+
+    /// Ends `slot`'s episode, counting a failure.
+    fn finish_episode(&mut self, slot: usize, finish: Finish, failure: Option<String>) {
+        if let Some(f) = &failure {
+            crate::metrics::episode_failed(f);
+        }
+        self.finish_with(slot, finish, failure);
+    }
+
+    /// Ends `slot`'s turn: calls its environment (the slot waits) or, at a turn limit
+    /// or the token budget, ends the episode.
+    fn end_turn(&mut self, slot: usize, finish: Finish) {
+        let Some(seq) = self.slots[slot].as_mut() else { return };
+        let Some((limit, max_calls)) =
+            seq.request.episodes.as_ref().map(|e| (e.tool_time_limit, e.max_running_calls))
+        else {
+            return;
+        };
+        let turn = match self.shared.tokenizer.decode(&seq.generated()[seq.turn_start()..]) {
+            Ok(t) => t,
+            Err(e) => {
+                seq.request.fail(e.into());
+                self.release(slot);
+                return;
+            }
+        };
+        let Some(state) = seq.episode.as_mut() else { return };
+        state.turns += 1;
+        let Some(episode) = state.episode.take() else {
+            self.finish_episode(slot, finish, Some("tool_error: the episode was lost".into()));
+            return;
+        };
+        let result = spawn_tool_call(episode, turn, &self.shared.tool_calls, max_calls);
+        state.call = Some(ToolCall { result, deadline: Instant::now() + limit, finish });
     }
 
     fn fail_batch(&mut self, batch: &[(usize, TokenId)], reason: &str) {
@@ -810,7 +1208,7 @@ impl<M: InferenceModel> Worker<M> {
     /// Samples the next token of `slot` from `logits` and finishes the sequence if it ended.
     fn advance(&mut self, slot: usize, logits: &[f32]) {
         let Some(seq) = self.slots[slot].as_mut() else { return };
-        let k = seq.logprobs.len() as u64;
+        let k = seq.sampled;
         let sampling = &seq.request.sampling;
         let sampled = match self.sampler.sample(sampling, logits, &seq.context, seq.rng.uniform(k)) {
             Ok(s) => s,
@@ -822,6 +1220,7 @@ impl<M: InferenceModel> Worker<M> {
         };
         seq.context.push(sampled.token);
         seq.logprobs.push(sampled.logprob);
+        seq.sampled += 1;
         self.shared.counters[self.index].generated_tokens.fetch_add(1, Ordering::Relaxed);
         self.unflushed_tokens += 1;
 
@@ -830,7 +1229,7 @@ impl<M: InferenceModel> Worker<M> {
         if stop.is_stop_token(sampled.token) {
             finish = Some(Finish::new(FinishReason::Stop));
         } else if !stop.strings.is_empty() {
-            match self.shared.tokenizer.decode(seq.generated()) {
+            match self.shared.tokenizer.decode(&seq.generated()[seq.turn_start()..]) {
                 Ok(text) => match stop.find_stop_string(&text, seq.text_checked) {
                     Some((at, len)) => {
                         let keep = if sampling.include_stop_str_in_output { at + len } else { at };
@@ -845,7 +1244,19 @@ impl<M: InferenceModel> Worker<M> {
                 }
             }
         }
+        let episode = seq.episode.is_some();
+        if episode && let Some(f) = finish {
+            // A turn ended: the environment answers it, even at the token budget (a
+            // final answer may end there); an observation that does not fit then ends
+            // the episode. The text of an episode is never cut at a stop string.
+            self.end_turn(slot, Finish { text_len: None, ..f });
+            return;
+        }
         if finish.is_none() && seq.generated().len() >= seq.budget {
+            if episode {
+                self.finish_episode(slot, Finish::new(FinishReason::Length), Some("max_tokens".into()));
+                return;
+            }
             finish = Some(Finish::new(FinishReason::Length));
         }
         if let Some(finish) = finish {
@@ -854,6 +1265,11 @@ impl<M: InferenceModel> Worker<M> {
     }
 
     fn finish(&mut self, slot: usize, finish: Finish) {
+        self.finish_with(slot, finish, None);
+    }
+
+    /// Reports `slot`'s response; `failure` (for an episode) says why it ended early.
+    fn finish_with(&mut self, slot: usize, finish: Finish, failure: Option<String>) {
         let Some(seq) = self.slots[slot].take() else { return };
         if self.shared.batching == Batching::StaticPadded {
             // The slot's cache holds every token but the last sampled one.
@@ -881,6 +1297,12 @@ impl<M: InferenceModel> Worker<M> {
             text,
             finish_reason: finish.reason,
             version: seq.model.version,
+            episode: seq.episode.map(|e| EpisodeTrace {
+                observations: e.observations,
+                turns: e.turns,
+                reward: e.reward,
+                failure,
+            }),
         };
         self.counters().sequences.fetch_add(1, Ordering::Relaxed);
         self.flush_tokens();

@@ -30,6 +30,19 @@
 //!   `log_softmax(penalised_logits / T)[token]`: after repetition penalty and
 //!   temperature, *before* top-k/top-p/min-p truncation (at `T = 0`, the `T = 1`
 //!   distribution). With default sampling this is exactly the policy's log-prob.
+//! - **Multi-turn episodes** ([`Episodes`], [`Engine::with_episodes`],
+//!   [`Engine::submit_episodes`]): every response talks to a
+//!   [`metronome_core::Environment`]. At a turn's end (a stop token, a stop string or
+//!   one of the environment's turn-ending strings) the slot waits while the
+//!   environment's step runs on its own thread with a time limit and panic isolation;
+//!   its observation is appended to the slot's KV cache by prefilling only the new
+//!   tokens, and sampling continues. Only policy tokens draw random numbers, so
+//!   trajectories are layout-independent too. Max turns, the token budget
+//!   (`max_new_tokens` for the whole episode) and failing tools end an episode with a
+//!   reason on its [`metronome_core::EpisodeTrace`] and
+//!   `metronome_rollout_episode_failures_total{reason}`. A timed-out tool's thread
+//!   cannot be killed: it is left to finish on its own, and past
+//!   [`Episodes::max_running_calls`] running calls new ones are refused.
 //! - **Versioned weights**: [`Engine::install_weights`](metronome_core::RolloutEngine::install_weights)
 //!   swaps the model between sequences; sequences already running finish with the
 //!   version they started with, and every completion carries its version.
@@ -69,7 +82,7 @@ mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
 pub use config::{Backend, Batching, EngineConfig, OpenAiClientConfig, WeightSync};
-pub use engine::{CollectSink, Engine, Submission, WorkerStats};
+pub use engine::{CollectSink, Engine, Episodes, Submission, WorkerStats};
 pub use error::{Error, Result};
 pub use metrics::METRICS;
 pub use sampling::{Sampled, Sampler, SamplingConfig, TokenRng};

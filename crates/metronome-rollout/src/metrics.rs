@@ -20,12 +20,25 @@ const PROMPTS_REJECTED: Metric = Metric::counter(
     "metronome_rollout_prompts_rejected_total",
     "prompts the engine cannot take (empty, or too long for max_seq_len), emitted as rejected groups",
 );
+const EPISODE_FAILURES: Metric = Metric::counter(
+    "metronome_rollout_episode_failures_total",
+    "multi-turn episodes ended before the environment said done, by reason (max_turns, max_tokens, \
+     tool_timeout, tool_panic, tool_error, tool_unavailable, observation)",
+)
+.labels(&["reason"]);
 const HTTP_RETRIES: Metric =
     Metric::counter("metronome_rollout_http_retries_total", "completion requests to a server retried");
 
 /// Every metric this crate emits.
-pub const METRICS: &[Metric] =
-    &[ACTIVE_SLOTS, QUEUE_DEPTH, GENERATED_TOKENS, GROUP_DURATION, PROMPTS_REJECTED, HTTP_RETRIES];
+pub const METRICS: &[Metric] = &[
+    ACTIVE_SLOTS,
+    QUEUE_DEPTH,
+    GENERATED_TOKENS,
+    GROUP_DURATION,
+    PROMPTS_REJECTED,
+    EPISODE_FAILURES,
+    HTTP_RETRIES,
+];
 
 /// The handle a worker adds its sampled tokens to.
 pub(crate) fn generated_tokens(worker: usize) -> metrics::Counter {
@@ -47,6 +60,13 @@ pub(crate) fn group_done(seconds: f64) {
 
 pub(crate) fn prompt_rejected() {
     metrics::counter!(PROMPTS_REJECTED.name).increment(1);
+}
+
+/// Counts an episode that ended early; `reason` is the failure's kind (the text before
+/// any `:`), a bounded set.
+pub(crate) fn episode_failed(failure: &str) {
+    let reason = failure.split(':').next().unwrap_or(failure).to_owned();
+    metrics::counter!(EPISODE_FAILURES.name, "reason" => reason).increment(1);
 }
 
 #[cfg(feature = "http")]

@@ -138,6 +138,7 @@ impl RolloutEngine for MockEngine {
                             tokens,
                             finish_reason: FinishReason::Stop,
                             version,
+                            episode: None,
                         }
                     })
                     .collect();

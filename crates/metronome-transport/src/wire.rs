@@ -30,8 +30,8 @@ use std::collections::BTreeMap;
 
 use bytemuck::Pod;
 use metronome_core::{
-    Completion, ControlMessage, FinishReason, Group, GroupStats, GroupTiming, HostTensor, PeriodId,
-    PolicyVersion, Prompt, PromptId, Reward, ScoredGroup, TensorData, WeightSnapshot,
+    Completion, ControlMessage, EpisodeTrace, FinishReason, Group, GroupStats, GroupTiming, HostTensor,
+    PeriodId, PolicyVersion, Prompt, PromptId, Reward, ScoredGroup, TensorData, TokenSpan, WeightSnapshot,
 };
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -44,8 +44,10 @@ pub const WEIGHTS_MAGIC: [u8; 4] = *b"MTRW";
 /// Magic of a control message.
 pub const CONTROL_MAGIC: [u8; 4] = *b"MTRC";
 
-/// The group format version this crate writes (and the newest it reads).
-pub const GROUP_FORMAT_VERSION: u16 = 1;
+/// The group format version this crate writes (and the newest it reads). Version 2
+/// appends each completion's episode (observation spans, turns, reward, failure)
+/// after the group statistics; a version 1 group decodes with no episodes.
+pub const GROUP_FORMAT_VERSION: u16 = 2;
 /// The weights format version this crate writes (and the newest it reads).
 pub const WEIGHTS_FORMAT_VERSION: u16 = 1;
 /// The control format version this crate writes (and the newest it reads).
@@ -122,6 +124,9 @@ pub fn encode_group(scored: &ScoredGroup) -> Result<Vec<u8>> {
     w.f32(scored.stats.mean);
     w.f32(scored.stats.std);
     w.u8(u8::from(scored.stats.all_equal));
+    for c in &group.completions {
+        write_episode(&mut w, c.episode.as_ref())?;
+    }
     Ok(w.finish())
 }
 
@@ -162,7 +167,15 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
         let text = r.str("completion.text")?;
         let tokens = r.packed("completion.tokens")?;
         let logprobs = r.packed("completion.logprobs")?;
-        completions.push(Completion { sample_index, tokens, logprobs, text, finish_reason, version });
+        completions.push(Completion {
+            sample_index,
+            tokens,
+            logprobs,
+            text,
+            finish_reason,
+            version,
+            episode: None,
+        });
     }
     let n = r.count("rewards", 9)?;
     let mut rewards = Vec::with_capacity(n);
@@ -192,6 +205,11 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
             t => return Err(r.malformed("stats.all_equal", format!("not a boolean: {t}"))),
         },
     };
+    if r.version >= 2 {
+        for c in &mut completions {
+            c.episode = read_episode(&mut r)?;
+        }
+    }
     r.finish()?;
     let scored = ScoredGroup {
         group: Group {
@@ -206,6 +224,62 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
     };
     validate_scored(&scored)?;
     Ok(scored)
+}
+
+/// A completion's episode: a tag (0 none, 1 some), then the observation spans as a
+/// packed `u32` array of `start, len` pairs, the turns, the reward (tag and `f32`)
+/// and the failure (tag and string).
+fn write_episode(w: &mut Writer, episode: Option<&EpisodeTrace>) -> Result<()> {
+    let Some(e) = episode else {
+        w.u8(0);
+        return Ok(());
+    };
+    w.u8(1);
+    let spans: Vec<u32> = e.observations.iter().flat_map(|s| [s.start, s.len]).collect();
+    w.packed(&spans, "episode.observations")?;
+    w.u32(e.turns);
+    match e.reward {
+        None => w.u8(0),
+        Some(r) => {
+            w.u8(1);
+            w.f32(r);
+        }
+    }
+    match &e.failure {
+        None => w.u8(0),
+        Some(f) => {
+            w.u8(1);
+            w.str(f, "episode.failure")?;
+        }
+    }
+    Ok(())
+}
+
+fn read_episode(r: &mut Reader<'_>) -> Result<Option<EpisodeTrace>> {
+    match r.u8("episode tag")? {
+        0 => return Ok(None),
+        1 => {}
+        t => return Err(r.malformed("episode tag", format!("unknown tag {t}"))),
+    }
+    let spans: Vec<u32> = r.packed("episode.observations")?;
+    if !spans.len().is_multiple_of(2) {
+        return Err(
+            r.malformed("episode.observations", format!("{} numbers, not start/len pairs", spans.len()))
+        );
+    }
+    let observations = spans.chunks_exact(2).map(|p| TokenSpan { start: p[0], len: p[1] }).collect();
+    let turns = r.u32("episode.turns")?;
+    let reward = match r.u8("episode.reward tag")? {
+        0 => None,
+        1 => Some(r.f32("episode.reward")?),
+        t => return Err(r.malformed("episode.reward tag", format!("unknown tag {t}"))),
+    };
+    let failure = match r.u8("episode.failure tag")? {
+        0 => None,
+        1 => Some(r.str("episode.failure")?),
+        t => return Err(r.malformed("episode.failure tag", format!("unknown tag {t}"))),
+    };
+    Ok(Some(EpisodeTrace { observations, turns, reward, failure }))
 }
 
 fn validate_scored(scored: &ScoredGroup) -> Result<()> {
@@ -523,7 +597,7 @@ impl WeightsDecoder {
             });
         }
         let body = &self.prefix[HEADER_LEN..];
-        let mut r = Reader { kind: "weights", body, pos: 0 };
+        let mut r = Reader { kind: "weights", version: WEIGHTS_FORMAT_VERSION, body, pos: 0 };
         let (version, table) = match read_weights_table(&mut r) {
             Ok(t) => t,
             // The table continues in the next chunk.
@@ -812,6 +886,8 @@ fn parse_header(bytes: &[u8], kind: &'static str, magic: [u8; 4], newest: u16) -
 
 struct Reader<'a> {
     kind: &'static str,
+    /// The format version the message was written in.
+    version: u16,
     body: &'a [u8],
     pos: usize,
 }
@@ -841,7 +917,8 @@ impl<'a> Reader<'a> {
         if actual != expected {
             return Err(Error::Checksum { kind, expected, actual });
         }
-        Ok(Self { kind, body, pos: 0 })
+        let version = u16::from_le_bytes([bytes[4], bytes[5]]);
+        Ok(Self { kind, version, body, pos: 0 })
     }
 
     fn remaining(&self) -> usize {

@@ -32,6 +32,7 @@ fn completion(i: u32) -> Completion {
         text: "5".into(),
         finish_reason: FinishReason::StopString,
         version: PolicyVersion(3),
+        episode: None,
     }
 }
 
@@ -63,6 +64,18 @@ fn prompts_completions_groups() {
         roundtrip(&Completion { finish_reason: reason, ..completion(0) });
     }
     assert_eq!(serde_json::to_string(&FinishReason::StopString).unwrap(), "\"stop_string\"");
+    let episode = EpisodeTrace {
+        observations: vec![TokenSpan { start: 1, len: 1 }],
+        turns: 2,
+        reward: Some(1.0),
+        failure: Some("max_turns".into()),
+    };
+    roundtrip(&Completion { episode: Some(episode), ..completion(0) });
+    // A completion written before episodes existed decodes as single-turn.
+    let mut old = serde_json::to_value(completion(1)).unwrap();
+    old.as_object_mut().unwrap().remove("episode");
+    let decoded: Completion = serde_json::from_value(old).unwrap();
+    assert_eq!(decoded, completion(1));
     roundtrip(&group());
     roundtrip(&group().key());
 }

@@ -46,6 +46,35 @@ fn unknown_keys_are_named() {
 }
 
 #[test]
+fn the_env_table_turns_on_episodes_and_its_bad_keys_are_named() {
+    let config = PipelineConfig::embedded(&[]).unwrap();
+    assert_eq!(config.env, None, "the default run is single-turn");
+    let on = |extra: &[&str]| {
+        let mut o = vec!["env.kind=\"calculator\"".to_owned(), "env.format=\"tag\"".to_owned()];
+        o.extend(extra.iter().map(|s| (*s).to_owned()));
+        PipelineConfig::embedded(&o)
+    };
+    let config = on(&["env.max_turns=3"]).unwrap();
+    let env = config.env.as_ref().unwrap();
+    assert_eq!((env.max_turns, env.format), (3, metronome_reward::ToolCallFormat::Tag));
+    let again = PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap();
+    assert_eq!(again, config);
+    let e = on(&["env.max_turn=3"]).unwrap_err().to_string();
+    assert!(e.contains("max_turn"), "{e}");
+    let e = on(&["env.max_turns=0"]).unwrap_err().to_string();
+    assert!(e.contains("env.max_turns") && e.contains("is 0"), "{e}");
+    let e = on(&["env.kind=\"chess\""]).unwrap_err().to_string();
+    assert!(e.contains("chess"), "{e}");
+    let openai = [
+        "rollout.backend=\"openai\"",
+        "rollout.openai.endpoints=[\"http://127.0.0.1:8000\"]",
+        "rollout.openai.weight_sync=\"none\"",
+    ];
+    let e = on(&openai).unwrap_err().to_string();
+    assert!(e.contains("`env`") && e.contains("rollout.backend"), "{e}");
+}
+
+#[test]
 fn every_value_has_one_key() {
     // The seed is the run's and the advantage estimator the trainer's; the stages
     // that use them get them when they are built, so no second key can disagree.

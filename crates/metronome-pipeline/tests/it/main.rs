@@ -3,6 +3,7 @@
 
 mod config;
 mod driver;
+mod episodes;
 mod errors;
 mod events;
 mod lora;

@@ -5,6 +5,7 @@
 mod common;
 mod determinism;
 mod devices;
+mod episodes;
 #[cfg(feature = "http")]
 mod http;
 mod metrics;

@@ -83,3 +83,63 @@ fn packed_and_split_micro_batches_count_each_group_once() {
     let tokens: usize = groups.iter().flat_map(|g| &g.group.completions).map(|c| c.tokens.len()).sum();
     assert_eq!(r.tokens, tokens as u64);
 }
+
+/// Multi-turn trajectories: observation tokens are context but carry no loss term.
+/// The shared-prompt and padded layouts give the same gradient, the step counts only
+/// policy tokens, and the observations' recorded log-probs change nothing; treating
+/// the observations as policy tokens would change the gradient.
+#[test]
+fn observation_tokens_carry_no_gradient() {
+    use metronome_core::{EpisodeTrace, TokenSpan};
+    let plain = scored_groups();
+    let mut episodes = plain.clone();
+    for g in &mut episodes {
+        for c in &mut g.group.completions {
+            if c.tokens.len() >= 3 {
+                c.episode = Some(EpisodeTrace {
+                    observations: vec![TokenSpan { start: 1, len: 1 }],
+                    turns: 2,
+                    ..EpisodeTrace::default()
+                });
+                c.logprobs[1] = 0.0;
+            }
+        }
+    }
+    let policy_tokens: usize =
+        episodes.iter().flat_map(|g| &g.group.completions).map(Completion::num_policy_tokens).sum();
+    let all_tokens: usize = episodes.iter().flat_map(|g| &g.group.completions).map(|c| c.tokens.len()).sum();
+    assert!(policy_tokens < all_tokens);
+    let gradient = |groups: &[ScoredGroup], layout: LayoutKind| {
+        let mut t = config().build(tiny_model()).unwrap();
+        match layout {
+            LayoutKind::SharedPrompt => {
+                for g in groups {
+                    t.accumulate_sync(&shared_prompt(g).unwrap().batch).unwrap();
+                }
+            }
+            LayoutKind::Padded => {
+                t.accumulate_sync(&padded(groups, 0).unwrap().batch).unwrap();
+            }
+        }
+        let grads = pending_gradients(&t);
+        (grads, t.step_sync().unwrap())
+    };
+    let (shared, report) = gradient(&episodes, LayoutKind::SharedPrompt);
+    assert_eq!(report.tokens as usize, policy_tokens);
+    let (pad, _) = gradient(&episodes, LayoutKind::Padded);
+    let scale = shared.iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(scale > 0.0 && max_abs_diff(&shared, &pad) <= 1e-4 * scale);
+    // The observations' log-probs are never read.
+    let mut perturbed = episodes.clone();
+    for c in perturbed.iter_mut().flat_map(|g| &mut g.group.completions) {
+        if c.episode.is_some() {
+            c.logprobs[1] = -50.0;
+        }
+    }
+    let (again, _) = gradient(&perturbed, LayoutKind::SharedPrompt);
+    assert_eq!(shared, again);
+    // Without the mask the same tokens give another gradient.
+    let (unmasked, r) = gradient(&plain, LayoutKind::SharedPrompt);
+    assert_eq!(r.tokens as usize, all_tokens);
+    assert!(max_abs_diff(&shared, &unmasked) > 1e-3 * scale);
+}

@@ -96,11 +96,11 @@ fn corrupted_weight_tables_are_clear_errors() {
 #[test]
 fn a_newer_writer_is_refused_with_a_clear_message() {
     let mut bytes = encode_group(&scored_group(0, 0, 1, 1)).unwrap();
-    bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+    bytes[4..6].copy_from_slice(&3u16.to_le_bytes());
     let err = decode_group(&bytes).unwrap_err();
-    assert!(matches!(err, Error::IncompatibleVersion { found: 2, newest: 1, .. }), "{err}");
+    assert!(matches!(err, Error::IncompatibleVersion { found: 3, newest: 2, .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("format version 2") && msg.contains("upgrade"), "{msg}");
+    assert!(msg.contains("format version 3") && msg.contains("upgrade"), "{msg}");
 
     bytes[4..6].copy_from_slice(&0u16.to_le_bytes());
     let err = decode_group(&bytes).unwrap_err();
@@ -151,4 +151,38 @@ fn weights_keep_every_bit() {
         assert_eq!(v[0].to_bits(), 0x7fc0_1234);
         assert_eq!(v[1].to_bits(), (-0.0f32).to_bits());
     }
+}
+
+#[test]
+fn episodes_round_trip_and_version_1_groups_still_decode() {
+    use metronome_core::{EpisodeTrace, TokenSpan};
+    let mut scored = scored_group(1, 2, 3, 6);
+    scored.group.completions[1].episode = Some(EpisodeTrace {
+        observations: vec![TokenSpan { start: 1, len: 2 }, TokenSpan { start: 4, len: 1 }],
+        turns: 3,
+        reward: Some(0.5),
+        failure: Some("tool_timeout".into()),
+    });
+    scored.group.completions[2].episode = Some(EpisodeTrace { turns: 1, ..EpisodeTrace::default() });
+    let bytes = encode_group(&scored).unwrap();
+    assert_eq!(decode_group(&bytes).unwrap(), scored);
+    for len in 0..bytes.len() {
+        assert!(decode_group(&bytes[..len]).is_err(), "length {len} decoded");
+    }
+
+    // A version 1 message is a version 2 one without the episode section.
+    let plain = scored_group(1, 2, 3, 6);
+    let mut v1 = encode_group(&plain).unwrap();
+    v1.truncate(v1.len() - plain.group.completions.len());
+    v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+    let body = (v1.len() - HEADER_LEN) as u64;
+    v1[8..16].copy_from_slice(&body.to_le_bytes());
+    reseal(&mut v1);
+    assert_eq!(decode_group(&v1).unwrap(), plain);
+
+    // A span past the tokens is refused, naming it.
+    let mut bad = scored;
+    bad.group.completions[1].episode.as_mut().unwrap().observations[1] = TokenSpan { start: 5, len: 9 };
+    let err = encode_group(&bad).unwrap_err().to_string();
+    assert!(err.contains("observation span 1"), "{err}");
 }
