@@ -30,10 +30,11 @@ pub struct TokenSpan {
 }
 
 impl TokenSpan {
-    /// One past the last token.
+    /// One past the last token, saturating: spans come off the wire, and one that
+    /// overflows must read as past the tokens (and be refused), not wrap into range.
     #[must_use]
     pub fn end(&self) -> u32 {
-        self.start + self.len
+        self.start.saturating_add(self.len)
     }
 }
 

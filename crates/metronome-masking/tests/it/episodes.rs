@@ -93,6 +93,11 @@ fn a_trajectory_of_observations_only_or_a_bad_span_is_refused() {
     bad.group.completions[1].episode.as_mut().unwrap().observations[0].len = 5;
     let err = shared_prompt(&bad).unwrap_err().to_string();
     assert!(err.contains("completion 1 has observation span 0 over tokens 3..8"), "{err}");
+    // A span whose end overflows is past the tokens, not wrapped into them.
+    bad.group.completions[1].episode.as_mut().unwrap().observations[0] =
+        TokenSpan { start: u32::MAX, len: 2 };
+    let err = shared_prompt(&bad).unwrap_err().to_string();
+    assert!(err.contains("observation span 0"), "{err}");
 }
 
 proptest! {

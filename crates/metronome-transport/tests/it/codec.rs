@@ -181,8 +181,10 @@ fn episodes_round_trip_and_version_1_groups_still_decode() {
     assert_eq!(decode_group(&v1).unwrap(), plain);
 
     // A span past the tokens is refused, naming it.
-    let mut bad = scored;
-    bad.group.completions[1].episode.as_mut().unwrap().observations[1] = TokenSpan { start: 5, len: 9 };
-    let err = encode_group(&bad).unwrap_err().to_string();
-    assert!(err.contains("observation span 1"), "{err}");
+    for span in [TokenSpan { start: 5, len: 9 }, TokenSpan { start: u32::MAX, len: 2 }] {
+        let mut bad = scored.clone();
+        bad.group.completions[1].episode.as_mut().unwrap().observations[1] = span;
+        let err = encode_group(&bad).unwrap_err().to_string();
+        assert!(err.contains("observation span 1"), "{span:?}: {err}");
+    }
 }
