@@ -155,6 +155,11 @@ async fn an_update_no_endpoint_takes_fails_naming_them() {
 /// What a stub server received: (path, JSON body) in order.
 type Calls = Arc<Mutex<Vec<(String, Value)>>>;
 
+/// The bodies the stub received on `path`, in order.
+fn bodies_to(calls: &Calls, path: &str) -> Vec<Value> {
+    calls.lock().unwrap().iter().filter(|(p, _)| p == path).map(|(_, b)| b.clone()).collect()
+}
+
 /// A stub of vLLM's or SGLang's HTTP surface: records every call; weight updates
 /// answer `update_answer`; each completion choice has two tokens, the first the
 /// request's seed mod 50, written as SGLang answers (`token_ids`, text log-prob tokens,
@@ -243,13 +248,7 @@ async fn sglang_gets_an_hf_folder_per_version_and_a_request_per_response() {
     client.install_weights(Arc::new(snapshot)).await.unwrap();
     client.install_weights(Arc::new(tiny_model(4).snapshot(PolicyVersion(4)).unwrap())).await.unwrap();
 
-    let updates: Vec<Value> = calls
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(p, _)| p == "/update_weights_from_disk")
-        .map(|(_, b)| b.clone())
-        .collect();
+    let updates: Vec<Value> = bodies_to(&calls, "/update_weights_from_disk");
     assert_eq!(
         updates,
         [
@@ -291,13 +290,7 @@ async fn sglang_gets_an_hf_folder_per_version_and_a_request_per_response() {
         // SGLang does not say which weights sampled: the version the client brought it to.
         assert_eq!(c.version, PolicyVersion(4));
     }
-    let bodies: Vec<Value> = calls
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(p, _)| p == "/v1/completions")
-        .map(|(_, b)| b.clone())
-        .collect();
+    let bodies: Vec<Value> = bodies_to(&calls, "/v1/completions");
     let mut seeds: Vec<u64> = bodies.iter().map(|b| b["seed"].as_u64().unwrap()).collect();
     seeds.sort_unstable();
     let mut expected = vec![seed(0), seed(1)];
