@@ -136,6 +136,16 @@ pub trait Environment: Send + Sync {
     fn turn_stops(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// The policy turns of a solution of `prompt` that uses this environment's tools
+    /// (each turn as the policy would write it, turn-ending string included; the last
+    /// one the final answer), for a supervised warm start; `None` when the
+    /// environment cannot show one for this prompt. The warm start plays the turns
+    /// through a real episode, so the observations between them are the
+    /// environment's own.
+    fn demonstration(&self, _prompt: &Prompt) -> Option<Vec<String>> {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -1,22 +1,31 @@
-//! GRPO with the calculator environment on the tiny model: held-out success before
-//! and after a short `periodic` run, with `[env]` (episodes of up to three turns, the
-//! `<calculator>…</calculator>` tag format) and, for comparison, without it.
+//! GRPO with the calculator environment on the tiny model: held-out success and tool
+//! use before and after a short `periodic` run, with `[env]` (episodes of up to three
+//! turns, the `<calculator>…</calculator>` tag format) and, for comparison, without.
 //!
 //! ```text
-//! cargo run -p metronome-pipeline --example calculator_tools -- [--periods N] [--seed S]
+//! cargo run -p metronome-pipeline --example calculator_tools -- \
+//!     [--periods N] [--seed S] [--sft-steps N] [--tool-demonstrations SHARE]
 //! ```
-//! It prints, per setting, held-out accuracy after the warm start and after the RL
-//! periods (sampled at the rollout temperature, scored by the environment when there
-//! is one), and the share of held-out trajectories that called the calculator. Under
-//! `cargo test --examples` it runs one short period.
+//! Both settings warm-start on the same prompts; with `[env]` a share of them (default
+//! 0.2, `sft.tool_demonstrations`) is shown solved with the calculator, so the policy
+//! starts out calling it sometimes and GRPO has tool use to reinforce. It prints, per
+//! setting, held-out accuracy (sampled at the rollout temperature, scored by the
+//! environment when there is one) and the share of held-out trajectories that called
+//! the calculator, after the warm start and after the RL periods. Under `cargo test
+//! --examples` it runs one short period.
 
 use anyhow::Context;
-use metronome_core::{PeriodId, RolloutEngine, RolloutRequest};
+use metronome_pipeline::{EvalPoint, PipelineConfig, RunOptions};
 
-use metronome_pipeline::{PipelineConfig, RunOptions, load_model};
-
-async fn measure(env: bool, periods: u64, seed: u64, sft_steps: u64) -> anyhow::Result<(f64, f64, f64)> {
-    let dir = tempfile_dir(env, seed)?;
+/// Held-out evaluations after the warm start and after the last period.
+async fn measure(
+    env: bool,
+    periods: u64,
+    seed: u64,
+    sft_steps: u64,
+    shown: f64,
+) -> anyhow::Result<(EvalPoint, EvalPoint)> {
+    let dir = std::env::temp_dir().join(format!("metronome-calculator-tools-{}-{env}", std::process::id()));
     let mut overrides = vec![
         format!("run.periods={periods}"),
         format!("run.seed={seed}"),
@@ -25,55 +34,24 @@ async fn measure(env: bool, periods: u64, seed: u64, sft_steps: u64) -> anyhow::
         format!("eval.every={}", periods.max(1)),
     ];
     if env {
-        overrides.extend(
-            [
-                "env.kind=\"calculator\"",
-                "env.format=\"tag\"",
-                "env.max_turns=3",
-                "rollout.sampling.max_new_tokens=24",
-            ]
-            .map(String::from),
-        );
+        overrides.extend([
+            "env.kind=\"calculator\"".into(),
+            "env.format=\"tag\"".into(),
+            "env.max_turns=3".into(),
+            format!("sft.tool_demonstrations={shown}"),
+            // Room for `<calculator>12+34</calculator><result>46</result>46`: the limit
+            // bounds the whole episode, observations included.
+            "rollout.sampling.max_new_tokens=64".into(),
+            "rollout.max_seq_len=96".into(),
+        ]);
     }
     let config = PipelineConfig::embedded(&overrides)?;
-    let outcome = metronome_pipeline::run(config.clone(), RunOptions::default()).await?;
-    let first = outcome.evals.first().context("no evaluation before RL")?.accuracy;
-    let last = outcome.evals.last().context("no evaluation after RL")?.accuracy;
-    // How often the trained policy calls the tool on held-out prompts.
-    let tool_rate = if env {
-        let (model, tokenizer) = load_model(&config, config.rollout_device())?;
-        let version = outcome.weights.version;
-        let engine = config.rollout.build(
-            model.frozen_copy()?,
-            version,
-            tokenizer.clone(),
-            metronome_core::RunSeed(config.run.seed),
-        )?;
-        let engine = metronome_pipeline::with_env(engine, &config)?;
-        engine.install_weights(outcome.weights.clone()).await?;
-        let mut data = config.data.clone();
-        data.source = config.heldout_source().context("a held-out split")?;
-        data.release.batch_size = config.eval.prompts;
-        let mut loader = data.build(metronome_core::RunSeed(config.run.seed), tokenizer)?;
-        let prompts = loader.next().await?.map(|b| b.prompts).unwrap_or_default();
-        let sink = metronome_rollout::CollectSink::default();
-        engine.generate(RolloutRequest { period: PeriodId(u64::MAX), prompts, group_size: 4 }, &sink).await?;
-        let groups = sink.into_groups();
-        let all: Vec<_> = groups.iter().flat_map(|g| &g.completions).collect();
-        let called = all.iter().filter(|c| c.episode.as_ref().is_some_and(|e| e.turns > 1)).count();
-        called as f64 / all.len().max(1) as f64
-    } else {
-        0.0
-    };
+    let outcome = metronome_pipeline::run(config, RunOptions::default()).await;
     std::fs::remove_dir_all(&dir).ok();
-    Ok((first, last, tool_rate))
-}
-
-fn tempfile_dir(env: bool, seed: u64) -> anyhow::Result<std::path::PathBuf> {
-    let dir =
-        std::env::temp_dir().join(format!("metronome-calculator-tools-{}-{env}-{seed}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+    let evals = outcome?.evals;
+    let first = *evals.first().context("no evaluation before RL")?;
+    let last = *evals.last().context("no evaluation after RL")?;
+    Ok((first, last))
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -84,16 +62,20 @@ async fn main() -> anyhow::Result<()> {
     let quick = cfg!(test);
     let periods: u64 = arg("--periods").map_or(Ok(if quick { 1 } else { 30 }), |p| p.parse())?;
     let seed: u64 = arg("--seed").map_or(Ok(0), |s| s.parse())?;
-    let sft_steps = if quick { 5 } else { 800 };
+    let sft_steps: u64 = arg("--sft-steps").map_or(Ok(if quick { 5 } else { 800 }), |s| s.parse())?;
+    let shown: f64 = arg("--tool-demonstrations").map_or(Ok(0.2), |s| s.parse())?;
+    let percent = |x: f64| format!("{:.1}%", 100.0 * x);
     for env in [false, true] {
-        let (before, after, tools) = measure(env, periods, seed, sft_steps).await?;
-        let setting = if env { "with [env] calculator" } else { "single-turn        " };
+        let (before, after) = measure(env, periods, seed, sft_steps, shown).await?;
+        let setting = if env { "with [env] calculator" } else { "single-turn          " };
+        let tools = |p: &EvalPoint| p.tool_use.map_or_else(|| "-".into(), percent);
         println!(
-            "{setting}: held-out success {:.1}% after the warm start, {:.1}% after {periods} GRPO periods; \
-             trajectories calling the tool {:.1}%",
-            100.0 * before,
-            100.0 * after,
-            100.0 * tools
+            "{setting}: held-out success {} -> {} after {periods} GRPO periods; \
+             trajectories calling the tool {} -> {}",
+            percent(before.accuracy),
+            percent(after.accuracy),
+            tools(&before),
+            tools(&after),
         );
     }
     Ok(())

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use metronome_core::{
-    AccumulateReport, Completion, GroupScorer, PeriodId, PolicyVersion, Prompt, PromptSource, RewardFn,
-    RolloutEngine, RolloutRequest, RunSeed, ScoredGroup, StepReport, Tokenizer, TrainBatch, Trainer,
-    WeightSnapshot,
+    AccumulateReport, Completion, Environment, GroupScorer, PeriodId, PolicyVersion, Prompt, PromptSource,
+    RewardFn, RolloutEngine, RolloutRequest, RunSeed, ScoredGroup, StepReport, TokenSpan, Tokenizer,
+    TrainBatch, Trainer, WeightSnapshot,
 };
 use metronome_model::{CharTokenizer, DeviceSpec, HfTokenizer, Model, ModelConfig};
 use metronome_reward::{RewardConfig, ScorerConfig};
@@ -27,7 +27,7 @@ use crate::report::PeriodReport;
 use crate::rundir::RunDir;
 use crate::runner::{Checkpointing, PeriodEnd, Runner, Stages, Transport};
 use crate::schedule::Schedule;
-use crate::tensorboard::{EventWriter, period_scalars};
+use crate::tensorboard::{EventWriter, eval_scalars, period_scalars};
 
 /// Held-out accuracy at one point of the run.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -36,6 +36,9 @@ pub struct EvalPoint {
     pub after_periods: u64,
     /// Fraction of held-out answers that are correct (greedy, or sampled as `eval` says).
     pub accuracy: f64,
+    /// With `[env]`: the fraction of held-out trajectories in which the policy
+    /// called a tool (took more than one turn).
+    pub tool_use: Option<f64>,
 }
 
 /// What a run produced.
@@ -129,7 +132,8 @@ impl Evaluator {
         Ok(Some(Self { engine, prompts, scorer: eval_scorer(config)?, samples: config.eval.samples }))
     }
 
-    async fn accuracy(&self, weights: Arc<WeightSnapshot>) -> Result<f64> {
+    /// Held-out accuracy (and tool use) of `weights`, after `after_periods` periods.
+    async fn evaluate(&self, weights: Arc<WeightSnapshot>, after_periods: u64) -> Result<EvalPoint> {
         self.engine.install_weights(weights).await?;
         let request = RolloutRequest {
             period: PeriodId(u64::MAX),
@@ -152,7 +156,11 @@ impl Evaluator {
                 r.parts.get("correct").map_or(f64::from(u8::from(r.total > 0.0)), |&x| f64::from(x))
             })
             .sum();
-        Ok(correct / answers.max(1) as f64)
+        let episodes: Vec<_> =
+            groups.iter().flat_map(|g| &g.completions).filter_map(|c| c.episode.as_ref()).collect();
+        let tool_use = (!episodes.is_empty())
+            .then(|| episodes.iter().filter(|e| e.turns > 1).count() as f64 / episodes.len() as f64);
+        Ok(EvalPoint { after_periods, accuracy: correct / answers.max(1) as f64, tool_use })
     }
 }
 
@@ -186,16 +194,28 @@ pub(crate) async fn warm_start(
     };
     cfg.loss.kl_coef = 0.0;
     let eos = tokenizer.stop_token_ids().first().copied();
+    // With `[env]`, prompts the environment can solve with its tools are shown
+    // solved that way, so that RL has tool use to reinforce.
+    let environment = config.env.as_ref().map(|env| env.build().map_err(err("env"))).transpose()?;
     let mut trainer = GrpoTrainer::new(cfg, model).map_err(err("trainer"))?;
     let mut losses = Vec::new();
     for step in 1..=sft.steps {
         let Some(batch) = loader.next().await.map_err(err("dataloader"))? else { break };
         let mut examples = Vec::with_capacity(batch.prompts.len());
         for p in &batch.prompts {
-            let Some(reference) = &p.reference else { continue };
-            let mut answer = tokenizer.encode(reference)?;
-            answer.extend(eos);
-            examples.push(SftExample { prompt: p.tokens.clone(), answer });
+            let demonstrated = match &environment {
+                Some(env) if shown_with_tools(config, p.id) => {
+                    demonstrate(env.as_ref(), p, tokenizer.as_ref()).await?
+                }
+                _ => None,
+            };
+            let mut example = match (demonstrated, &p.reference) {
+                (Some(example), _) => example,
+                (None, Some(reference)) => SftExample::new(p.tokens.clone(), tokenizer.encode(reference)?),
+                (None, None) => continue,
+            };
+            example.answer.extend(eos);
+            examples.push(example);
         }
         if examples.is_empty() {
             return Err(Error::Config {
@@ -216,6 +236,49 @@ pub(crate) async fn warm_start(
     let policy =
         if policy.lora().is_some() { policy.merged().map_err(err("model"))? } else { policy.clone() };
     Ok((policy, first_last))
+}
+
+/// Whether the warm start shows `prompt` solved with the environment's tools
+/// (`sft.tool_demonstrations`): the same prompts whatever the batch they come in.
+fn shown_with_tools(config: &PipelineConfig, prompt: metronome_core::PromptId) -> bool {
+    let draw = metronome_core::stream_seed(RunSeed(config.run.seed), TOOL_DEMONSTRATION_STREAM, prompt.0);
+    // The top 53 bits as a uniform number in [0, 1).
+    ((draw >> 11) as f64) / ((1u64 << 53) as f64) < config.sft.tool_demonstrations
+}
+
+/// The [`metronome_core::stream_seed`] stream of the choice of demonstrated prompts.
+const TOOL_DEMONSTRATION_STREAM: u64 = 0x746f_6f6c_5f64_656d; // "tool_dem"
+
+/// `prompt` solved as `environment` demonstrates it (`None` when it cannot), played
+/// through a real episode: the policy's turns are targets, the observations between
+/// them context. The stop token is the caller's to add.
+async fn demonstrate(
+    environment: &dyn Environment,
+    prompt: &Prompt,
+    tokenizer: &dyn Tokenizer,
+) -> Result<Option<SftExample>> {
+    let Some(turns) = environment.demonstration(prompt) else { return Ok(None) };
+    let failed = |reason: String| {
+        Error::Stage(metronome_core::Error::invalid(
+            format!("the demonstration of prompt {}", prompt.id),
+            reason,
+        ))
+    };
+    let mut episode = environment.start(prompt, 0).map_err(|e| failed(format!("no episode: {e}")))?;
+    let mut example = SftExample::new(prompt.tokens.clone(), Vec::new());
+    let (last, calls) = turns.split_last().ok_or_else(|| failed("has no turns".into()))?;
+    for (i, turn) in calls.iter().enumerate() {
+        example.answer.extend(tokenizer.encode(turn)?);
+        let observation = episode.step(turn).await.map_err(|e| failed(format!("turn {i} failed: {e}")))?;
+        if observation.done {
+            return Err(failed(format!("the environment ended the episode at turn {i} of {}", turns.len())));
+        }
+        let tokens = tokenizer.encode(&observation.text)?;
+        example.context.push(TokenSpan { start: example.answer.len() as u32, len: tokens.len() as u32 });
+        example.answer.extend(tokens);
+    }
+    example.answer.extend(tokenizer.encode(last)?);
+    Ok(Some(example))
 }
 
 /// The GRPO trainer behind a lock: the runner owns it as a stage while the caller keeps
@@ -369,11 +432,11 @@ impl Session {
         let evaluator = Evaluator::new(config, &model, tokenizer).await?;
         if let Some(e) = evaluator.as_ref().filter(|_| self.resume_at.is_none()) {
             let initial = Arc::new(model.snapshot(PolicyVersion(0)).map_err(err("model"))?);
-            let accuracy = e.accuracy(initial).await?;
-            self.observer.emit(&Event::Evaluated { how: config.eval.describe(), accuracy });
+            let point = e.evaluate(initial, 0).await?;
+            self.observer.emit(&Event::Evaluated { how: config.eval.describe(), accuracy: point.accuracy });
             let mut events = self.events.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            events.scalars(0, &[("eval/heldout_accuracy", accuracy)])?;
-            evals.push(EvalPoint { after_periods: 0, accuracy });
+            events.scalars(0, &eval_scalars(&point))?;
+            evals.push(point);
         }
         let trainer = new_trainer(config, model)?;
         Ok(Start { trainer, evaluation: Evaluation { evaluator, evals, sft_loss } })
@@ -460,22 +523,21 @@ impl PeriodEndHook {
         // resume from an older checkpoint drops the lines after it.
         self.dir.append_period(report)?;
         let mut accuracy = None;
+        let mut scalars = period_scalars(report);
         if let Some(e) = &self.evaluator
             && (done.is_multiple_of(self.eval_every) || done == self.periods)
         {
             let handle = tokio::runtime::Handle::current();
-            match tokio::task::block_in_place(|| handle.block_on(e.accuracy(end.weights.clone()))) {
-                Ok(a) => {
-                    accuracy = Some(a);
-                    self.evals
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push(EvalPoint { after_periods: done, accuracy: a });
+            match tokio::task::block_in_place(|| handle.block_on(e.evaluate(end.weights.clone(), done))) {
+                Ok(point) => {
+                    accuracy = Some(point.accuracy);
+                    scalars.extend(eval_scalars(&point));
+                    self.evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(point);
                 }
                 Err(err) => tracing::error!("evaluation failed: {}", metronome_core::ErrorChain(&err)),
             }
         }
-        self.events.scalars(done, &period_scalars(report, accuracy))?;
+        self.events.scalars(done, &scalars)?;
         self.observer.emit(&Event::PeriodDone { report: Box::new(report.clone()), accuracy });
         Ok(())
     }

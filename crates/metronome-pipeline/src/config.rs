@@ -226,11 +226,17 @@ pub struct SftConfig {
     pub batch_size: usize,
     /// Learning rate (constant).
     pub learning_rate: f64,
+    /// With `[env]`: the share of prompts (0 to 1, chosen by the run seed and the
+    /// prompt) shown solved with the environment's tools, where it can show them
+    /// (`Environment::demonstration`); the others are shown their reference answer.
+    /// Below 1, the policy starts out calling tools only sometimes and RL has tool
+    /// use to discover and reinforce.
+    pub tool_demonstrations: f64,
 }
 
 impl Default for SftConfig {
     fn default() -> Self {
-        Self { steps: 0, batch_size: 32, learning_rate: 1e-3 }
+        Self { steps: 0, batch_size: 32, learning_rate: 1e-3, tool_demonstrations: 1.0 }
     }
 }
 
@@ -476,6 +482,10 @@ impl PipelineConfig {
         }
         if self.sft.steps > 0 && self.sft.batch_size == 0 {
             return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());
+        }
+        let share = self.sft.tool_demonstrations;
+        if !(0.0..=1.0).contains(&share) {
+            return bad("sft.tool_demonstrations", format!("is {share}, expected a share from 0 to 1"));
         }
         if !(self.eval.temperature.is_finite() && self.eval.temperature >= 0.0) {
             return bad("eval.temperature", format!("is {}, expected a number >= 0", self.eval.temperature));

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use prost::Message;
 
+use crate::app::EvalPoint;
 use crate::error::{Error, Result};
 use crate::report::PeriodReport;
 
@@ -189,7 +190,7 @@ pub fn read_scalars(path: &Path) -> Result<Vec<Scalar>> {
 }
 
 /// The scalars of one period, tagged by group (`reward/…`, `loss/…`, …).
-pub(crate) fn period_scalars(report: &PeriodReport, accuracy: Option<f64>) -> Vec<(&'static str, f64)> {
+pub(crate) fn period_scalars(report: &PeriodReport) -> Vec<(&'static str, f64)> {
     let step = &report.step;
     let per_s = |tokens: f64, seconds: f64| if seconds > 0.0 { tokens / seconds } else { 0.0 };
     let mut scalars = vec![
@@ -219,9 +220,13 @@ pub(crate) fn period_scalars(report: &PeriodReport, accuracy: Option<f64>) -> Ve
     if let Some(a) = report.accuracy {
         scalars.push(("reward/accuracy", a));
     }
-    if let Some(a) = accuracy {
-        scalars.push(("eval/heldout_accuracy", a));
-    }
+    scalars
+}
+
+/// The scalars of one held-out evaluation.
+pub(crate) fn eval_scalars(point: &EvalPoint) -> Vec<(&'static str, f64)> {
+    let mut scalars = vec![("eval/heldout_accuracy", point.accuracy)];
+    scalars.extend(point.tool_use.map(|t| ("eval/tool_use", t)));
     scalars
 }
 

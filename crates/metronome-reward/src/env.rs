@@ -258,6 +258,19 @@ impl CalculatorEnv {
         }
     }
 
+    /// A call of the calculator on `expression`, written in the configured format.
+    #[must_use]
+    pub fn call(&self, expression: &str) -> String {
+        match self.config.format {
+            ToolCallFormat::Json => {
+                let call =
+                    serde_json::json!({ "name": Self::TOOL, "arguments": { "expression": expression } });
+                format!("<tool_call>{call}</tool_call>")
+            }
+            ToolCallFormat::Tag => format!("<{0}>{expression}</{0}>", Self::TOOL),
+        }
+    }
+
     fn respond(&self, result: &str) -> String {
         let result = bounded(result, self.config.max_observation_chars);
         match self.config.format {
@@ -277,6 +290,15 @@ impl Environment for CalculatorEnv {
             ToolCallFormat::Json => vec!["</tool_call>".into()],
             ToolCallFormat::Tag => vec![format!("</{}>", Self::TOOL)],
         }
+    }
+
+    /// For a prompt whose metadata names its `expression` (the arithmetic task's
+    /// do) and that has a reference answer: call the calculator on the expression,
+    /// then answer with the reference.
+    fn demonstration(&self, prompt: &Prompt) -> Option<Vec<String>> {
+        let expression = prompt.metadata.get("expression")?;
+        let answer = prompt.reference.as_ref()?;
+        Some(vec![self.call(expression), answer.clone()])
     }
 }
 
@@ -447,6 +469,25 @@ mod tests {
         let tag = calculator(ToolCallFormat::Tag);
         assert_eq!(tag.turn_stops(), ["</calculator>"]);
         assert_eq!(step(&tag, &p, "<calculator>2*(3+4)</calculator>").text, "<result>14</result>");
+    }
+
+    #[test]
+    fn a_calculator_demonstration_calls_the_tool_and_answers_what_it_said() {
+        let mut p = Prompt { reference: Some("-21".into()), ..Prompt::default() };
+        assert_eq!(calculator(ToolCallFormat::Tag).demonstration(&p), None, "needs an expression");
+        p.metadata.insert("expression".into(), "12-3*11".into());
+        for format in [ToolCallFormat::Tag, ToolCallFormat::Json] {
+            let env = calculator(format);
+            let turns = env.demonstration(&p).unwrap();
+            assert_eq!(turns.len(), 2);
+            // The call parses as one (the same parser reads the policy's turns) and the
+            // environment's result is the reference, which it then accepts.
+            assert!(matches!(parse_tool_call(format, &turns[0], &["calculator"]), ParsedTurn::Call(_)));
+            assert!(step(&env, &p, &turns[0]).text.contains("-21"), "{format:?}");
+            assert_eq!(step(&env, &p, &turns[1]).reward, Some(1.0));
+            assert!(env.turn_stops().iter().any(|stop| turns[0].ends_with(stop.as_str())));
+        }
+        assert_eq!(CountdownEnv::new(EnvConfig::default()).unwrap().demonstration(&p), None);
     }
 
     #[test]

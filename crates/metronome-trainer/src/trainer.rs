@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use candle_core::{Tensor, Var};
 use metronome_core::{
     AccumulateReport, AdvantageEstimator, GroupKey, PackedRow, PolicyVersion, RunSeed, Segment, StepReport,
-    Targets, TokenId, TrainBatch, TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
+    Targets, TokenId, TokenSpan, TrainBatch, TrainGroup, TrainSequence, WeightSnapshot, mix64, stream_seed,
 };
 use metronome_model::{Device, Model};
 use serde::{Deserialize, Serialize};
@@ -36,8 +36,21 @@ const ADAPTER_DIR: &str = "adapter";
 pub struct SftExample {
     /// Prompt tokens (context only, never in the loss).
     pub prompt: Vec<TokenId>,
-    /// Answer tokens (every one is a target).
+    /// Answer tokens: every one is a target, except those in `context`.
     pub answer: Vec<TokenId>,
+    /// Spans of `answer` an environment wrote (tool results between the turns of a
+    /// demonstrated episode): context the later tokens are predicted from, never
+    /// targets, as in RL on episodes.
+    #[serde(default)]
+    pub context: Vec<TokenSpan>,
+}
+
+impl SftExample {
+    /// An example whose every answer token is a target.
+    #[must_use]
+    pub fn new(prompt: Vec<TokenId>, answer: Vec<TokenId>) -> Self {
+        Self { prompt, answer, context: Vec::new() }
+    }
 }
 
 /// Lays out SFT examples as one causal row each (the answer's last token is only a
@@ -45,13 +58,28 @@ pub struct SftExample {
 pub fn sft_batch(examples: &[SftExample]) -> Result<TrainBatch> {
     let mut batch = TrainBatch::default();
     for (i, ex) in examples.iter().enumerate() {
-        if ex.prompt.is_empty() || ex.answer.is_empty() {
+        let mut is_target = vec![true; ex.answer.len()];
+        for span in &ex.context {
+            let Some(inside) = is_target.get_mut(span.start as usize..span.end() as usize) else {
+                return Err(TrainerError::invalid(
+                    format!("sft example {i}"),
+                    format!(
+                        "has a context span {}..{} beyond its {}-token answer",
+                        span.start,
+                        span.end(),
+                        ex.answer.len()
+                    ),
+                ));
+            };
+            inside.fill(false);
+        }
+        if ex.prompt.is_empty() || !is_target.contains(&true) {
             return Err(TrainerError::invalid(
                 format!("sft example {i}"),
                 format!(
-                    "has a {}-token prompt and a {}-token answer, both must be non-empty",
+                    "has a {}-token prompt and {} target tokens, both must be non-empty",
                     ex.prompt.len(),
-                    ex.answer.len()
+                    is_target.iter().filter(|&&t| t).count()
                 ),
             ));
         }
@@ -64,7 +92,7 @@ pub fn sft_batch(examples: &[SftExample]) -> Result<TrainBatch> {
             positions: (0..len).collect(),
             segments: vec![Segment { start: 0, len, parent: None }],
         });
-        for (j, &tok) in ex.answer.iter().enumerate() {
+        for (j, &tok) in ex.answer.iter().enumerate().filter(|&(j, _)| is_target[j]) {
             let t = &mut batch.targets;
             t.row.push(i as u32);
             t.position.push((p - 1 + j) as u32);
@@ -75,7 +103,7 @@ pub fn sft_batch(examples: &[SftExample]) -> Result<TrainBatch> {
         }
         batch.sequences.push(TrainSequence {
             group: i as u32,
-            num_targets: ex.answer.len() as u32,
+            num_targets: is_target.iter().filter(|&&t| t).count() as u32,
             ..TrainSequence::default()
         });
         batch.groups.push(TrainGroup { num_sequences: 1, group_size: 1, ..TrainGroup::default() });

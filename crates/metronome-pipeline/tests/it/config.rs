@@ -65,6 +65,10 @@ fn the_env_table_turns_on_episodes_and_its_bad_keys_are_named() {
     assert!(e.contains("env.max_turns") && e.contains("is 0"), "{e}");
     let e = on(&["env.kind=\"chess\""]).unwrap_err().to_string();
     assert!(e.contains("chess"), "{e}");
+    for share in ["1.5", "-0.1", "nan"] {
+        let e = on(&[&format!("sft.tool_demonstrations={share}")]).unwrap_err().to_string();
+        assert!(e.contains("`sft.tool_demonstrations`") && e.contains("from 0 to 1"), "{e}");
+    }
     let openai = [
         "rollout.backend=\"openai\"",
         "rollout.openai.endpoints=[\"http://127.0.0.1:8000\"]",

@@ -44,8 +44,8 @@ fn positive_advantage_responses_rise_and_negative_ones_fall() {
 #[test]
 fn sft_steps_lower_the_sft_loss() {
     let examples = vec![
-        SftExample { prompt: vec![10, 11, 12], answer: vec![40, 41, 42, 2] },
-        SftExample { prompt: vec![13, 14], answer: vec![50, 51, 2] },
+        SftExample::new(vec![10, 11, 12], vec![40, 41, 42, 2]),
+        SftExample::new(vec![13, 14], vec![50, 51, 2]),
     ];
     let mut t = config().build(tiny_model()).unwrap();
     let before = t.sft_loss(&examples).unwrap();
@@ -56,7 +56,7 @@ fn sft_steps_lower_the_sft_loss() {
     }
     let after = t.sft_loss(&examples).unwrap();
     assert!(after < before - 0.5, "sft loss {before} -> {after}");
-    let err = t.accumulate_sft(&[SftExample { prompt: vec![], answer: vec![1] }]).unwrap_err().to_string();
+    let err = t.accumulate_sft(&[SftExample::new(vec![], vec![1])]).unwrap_err().to_string();
     assert!(err.contains("sft example 0"), "{err}");
     // A failed SFT call leaves the trainer free to take RL micro-batches, and the
     // two never share a step.
@@ -65,6 +65,35 @@ fn sft_steps_lower_the_sft_loss() {
     t.accumulate_sync(&rl).unwrap();
     let err = t.accumulate_sft(&examples).unwrap_err().to_string();
     assert!(err.contains("call step first"), "{err}");
+}
+
+#[test]
+fn the_tokens_an_environment_wrote_in_a_demonstration_are_context_not_targets() {
+    use metronome_core::TokenSpan;
+    // A demonstrated episode: a call (40, 41), the tool's answer (50, 51), the final
+    // answer (42) and the stop token.
+    let example = SftExample {
+        context: vec![TokenSpan { start: 2, len: 2 }],
+        ..SftExample::new(vec![10, 11], vec![40, 41, 50, 51, 42, 2])
+    };
+    let batch = metronome_trainer::sft_batch(std::slice::from_ref(&example)).unwrap();
+    // Every answer token is in the row (the last only as a target) ...
+    assert_eq!(batch.rows[0].tokens, [10, 11, 40, 41, 50, 51, 42]);
+    // ... and only the policy's are targets, each predicted from the token before it.
+    assert_eq!(batch.targets.token, [40, 41, 42, 2]);
+    assert_eq!(batch.targets.position, [1, 2, 5, 6]);
+    assert_eq!(batch.sequences[0].num_targets, 4);
+    let mut t = config().build(tiny_model()).unwrap();
+    assert_eq!(t.accumulate_sft(&[example]).unwrap().tokens, 4);
+    for (context, why) in [
+        (TokenSpan { start: 5, len: 2 }, "context span 5..7 beyond its 6-token answer"),
+        (TokenSpan { start: u32::MAX, len: 2 }, "beyond its 6-token answer"),
+        (TokenSpan { start: 0, len: 6 }, "0 target tokens"),
+    ] {
+        let bad = SftExample { context: vec![context], ..SftExample::new(vec![1], vec![1, 2, 3, 4, 5, 6]) };
+        let err = metronome_trainer::sft_batch(&[bad]).unwrap_err().to_string();
+        assert!(err.contains("sft example 0") && err.contains(why), "{err}");
+    }
 }
 
 /// A minimal executor: the trainer's futures never wait on I/O, so polling once with a

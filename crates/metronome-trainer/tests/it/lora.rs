@@ -112,7 +112,7 @@ fn supervised_steps_train_the_adapters_only() {
     let mut cfg = lora_config();
     cfg.loss.kl_coef = 0.0;
     let mut t = cfg.build(model).unwrap();
-    let examples = [metronome_trainer::SftExample { prompt: vec![3, 4, 5], answer: vec![6, 7] }];
+    let examples = [metronome_trainer::SftExample::new(vec![3, 4, 5], vec![6, 7])];
     let start = t.sft_loss(&examples).unwrap();
     for _ in 0..5 {
         t.accumulate_sft(&examples).unwrap();
