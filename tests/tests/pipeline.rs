@@ -352,6 +352,7 @@ async fn run_episodes(schedule: Schedule, workers: usize) -> (Rollouts, Vec<Peri
                 max_turns: 2,
                 tool_time_limit: std::time::Duration::from_secs(30),
                 max_running_calls: 64,
+                chat_template: false,
             })
             .unwrap();
         stages.engine = Arc::new(engine);

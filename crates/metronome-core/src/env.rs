@@ -18,7 +18,7 @@
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::{Completion, Prompt, Result};
+use crate::{ChatMessage, Completion, Prompt, Result, Tokenizer};
 
 /// A contiguous run of a completion's tokens, `start..start + len`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -90,9 +90,15 @@ impl Completion {
 /// What an environment answers to one policy turn.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Observation {
-    /// Text appended to the trajectory after the turn (a rendered tool message,
-    /// feedback), tokenized by the engine. Ignored when `done`.
+    /// Text appended to the trajectory after the turn (a tool result, feedback, in
+    /// the environment's own words), tokenized by the engine. Ignored when `done`.
     pub text: String,
+    /// The same answer as a chat message (a `tool` result, `user` feedback): in a run
+    /// that renders its prompts through the model's chat template, the engine
+    /// appends this message as the template writes it ([`render_reply`]) instead of
+    /// `text`.
+    #[serde(default)]
+    pub message: Option<ChatMessage>,
     /// The episode is over: the turn just taken was the last.
     pub done: bool,
     /// The episode's reward, given with `done`; `None` defers to the reward stage.
@@ -102,15 +108,50 @@ pub struct Observation {
 impl Observation {
     /// Text for the policy to read before its next turn.
     pub fn reply(text: impl Into<String>) -> Self {
-        Self { text: text.into(), done: false, reward: None }
+        Self { text: text.into(), message: None, done: false, reward: None }
+    }
+
+    /// The same reply as a chat `message` too, for runs with a chat template.
+    #[must_use]
+    pub fn with_message(self, message: ChatMessage) -> Self {
+        Self { message: Some(message), ..self }
     }
 
     /// The end of the episode, with the environment's reward (or `None`, for the
     /// reward stage to score the trajectory).
     #[must_use]
     pub fn done(reward: Option<f32>) -> Self {
-        Self { text: String::new(), done: true, reward }
+        Self { text: String::new(), message: None, done: true, reward }
     }
+
+    /// The text to append after the policy's turn: the chat message as `tokenizer`'s
+    /// template renders it when `chat_template` (the run renders its prompts so) and
+    /// the observation has one, else `text`.
+    pub fn render(&self, tokenizer: &dyn Tokenizer, chat_template: bool) -> Result<String> {
+        match &self.message {
+            Some(message) if chat_template => render_reply(tokenizer, message),
+            _ => Ok(self.text.clone()),
+        }
+    }
+}
+
+/// What follows an assistant turn when `message` answers it, as `tokenizer`'s chat
+/// template writes it: the end of the assistant message, `message`, and the start of
+/// the next assistant message (e.g. ChatML's `<|im_end|>\n<|im_start|>tool\n…<|im_end|>\n<|im_start|>assistant\n`).
+/// Read off a rendering of a conversation whose assistant turn is a marker, so that
+/// it holds for any template that writes messages in order.
+pub fn render_reply(tokenizer: &dyn Tokenizer, message: &ChatMessage) -> Result<String> {
+    // A private-use character no template writes on its own.
+    const TURN: &str = "\u{f8ff}";
+    let conversation = [ChatMessage::new("user", "?"), ChatMessage::new("assistant", TURN), message.clone()];
+    let rendered = tokenizer.apply_chat_template(&conversation, true)?;
+    let Some(at) = rendered.find(TURN) else {
+        return Err(crate::Error::invalid(
+            "chat template",
+            "does not write an assistant message's content, so a tool message cannot be placed after it",
+        ));
+    };
+    Ok(rendered[at + TURN.len()..].to_owned())
 }
 
 /// One running episode: the environment's side of one trajectory.
@@ -151,6 +192,69 @@ pub trait Environment: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// ChatML over bytes, as the Qwen and SmolLM2 templates write it.
+    struct ChatMl;
+
+    impl Tokenizer for ChatMl {
+        fn encode(&self, text: &str) -> Result<Vec<crate::TokenId>> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+        fn decode(&self, tokens: &[crate::TokenId]) -> Result<String> {
+            Ok(tokens.iter().filter_map(|&t| char::from_u32(t)).collect())
+        }
+        fn vocab_size(&self) -> usize {
+            256
+        }
+        fn stop_token_ids(&self) -> Vec<crate::TokenId> {
+            Vec::new()
+        }
+        fn apply_chat_template(
+            &self,
+            messages: &[ChatMessage],
+            add_generation_prompt: bool,
+        ) -> Result<String> {
+            let mut out: String = messages
+                .iter()
+                .map(|m| format!("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content))
+                .collect();
+            if add_generation_prompt {
+                out.push_str("<|im_start|>assistant\n");
+            }
+            Ok(out)
+        }
+    }
+
+    #[test]
+    fn a_reply_message_is_rendered_between_assistant_turns_as_the_template_writes_it() {
+        let obs = Observation::reply("<result>46</result>").with_message(ChatMessage::new("tool", "46"));
+        assert_eq!(
+            obs.render(&ChatMl, true).unwrap(),
+            "<|im_end|>\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"
+        );
+        // Without a chat template in the run, or a message, the text as written.
+        assert_eq!(obs.render(&ChatMl, false).unwrap(), "<result>46</result>");
+        let plain = Observation::reply("feedback");
+        assert_eq!(plain.render(&ChatMl, true).unwrap(), "feedback");
+        // A tokenizer without a template says so.
+        struct NoTemplate;
+        impl Tokenizer for NoTemplate {
+            fn encode(&self, _: &str) -> Result<Vec<crate::TokenId>> {
+                Ok(Vec::new())
+            }
+            fn decode(&self, _: &[crate::TokenId]) -> Result<String> {
+                Ok(String::new())
+            }
+            fn vocab_size(&self) -> usize {
+                1
+            }
+            fn stop_token_ids(&self) -> Vec<crate::TokenId> {
+                Vec::new()
+            }
+        }
+        let err = obs.render(&NoTemplate, true).unwrap_err().to_string();
+        assert!(err.contains("no chat template"), "{err}");
+    }
 
     #[test]
     fn the_policy_mask_clears_exactly_the_observation_spans() {

@@ -205,7 +205,7 @@ pub(crate) async fn warm_start(
         for p in &batch.prompts {
             let demonstrated = match &environment {
                 Some(env) if shown_with_tools(config, p.id) => {
-                    demonstrate(env.as_ref(), p, tokenizer.as_ref()).await?
+                    demonstrate(env.as_ref(), p, tokenizer.as_ref(), config.data.prompt.chat_template).await?
                 }
                 _ => None,
             };
@@ -251,11 +251,13 @@ const TOOL_DEMONSTRATION_STREAM: u64 = 0x746f_6f6c_5f64_656d; // "tool_dem"
 
 /// `prompt` solved as `environment` demonstrates it (`None` when it cannot), played
 /// through a real episode: the policy's turns are targets, the observations between
-/// them context. The stop token is the caller's to add.
+/// them context, rendered as the engine renders them (`chat_template`). The stop
+/// token is the caller's to add.
 async fn demonstrate(
     environment: &dyn Environment,
     prompt: &Prompt,
     tokenizer: &dyn Tokenizer,
+    chat_template: bool,
 ) -> Result<Option<SftExample>> {
     let Some(turns) = environment.demonstration(prompt) else { return Ok(None) };
     let failed = |reason: String| {
@@ -273,7 +275,7 @@ async fn demonstrate(
         if observation.done {
             return Err(failed(format!("the environment ended the episode at turn {i} of {}", turns.len())));
         }
-        let tokens = tokenizer.encode(&observation.text)?;
+        let tokens = tokenizer.encode(&observation.render(tokenizer, chat_template)?)?;
         example.context.push(TokenSpan { start: example.answer.len() as u32, len: tokens.len() as u32 });
         example.answer.extend(tokens);
     }
@@ -569,6 +571,7 @@ pub fn with_env(
             max_turns: env.max_turns,
             tool_time_limit: std::time::Duration::from_millis(env.tool_time_limit_ms),
             max_running_calls: env.max_running_tool_calls,
+            chat_template: config.data.prompt.chat_template,
         })
         .map_err(err("rollout"))
 }

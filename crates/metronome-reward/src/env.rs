@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use metronome_core::{Completion, Environment, Episode, Observation, Prompt, RewardFn};
+use metronome_core::{ChatMessage, Completion, Environment, Episode, Observation, Prompt, RewardFn};
 use serde::{Deserialize, Serialize};
 
 use crate::{CountdownChecker, CountdownConfig, CountdownVerdict, Error, MathVerifier, Meter, Result};
@@ -271,12 +271,15 @@ impl CalculatorEnv {
         }
     }
 
-    fn respond(&self, result: &str) -> String {
+    /// The tool's `result` as the observation: in the format's own wrapping, and as
+    /// a `tool` message for a chat template to render.
+    fn respond(&self, result: &str) -> Observation {
         let result = bounded(result, self.config.max_observation_chars);
-        match self.config.format {
+        let text = match self.config.format {
             ToolCallFormat::Json => format!("\n<tool_response>\n{result}\n</tool_response>\n"),
             ToolCallFormat::Tag => format!("<result>{result}</result>"),
-        }
+        };
+        Observation::reply(text).with_message(ChatMessage::new("tool", result))
     }
 }
 
@@ -312,8 +315,8 @@ impl Episode for CalculatorEpisode {
     async fn step(&mut self, turn: &str) -> metronome_core::Result<Observation> {
         let env = &self.env;
         match parse_tool_call(env.config.format, turn, &[CalculatorEnv::TOOL]) {
-            ParsedTurn::Call(call) => Ok(Observation::reply(env.respond(&env.run(&call)))),
-            ParsedTurn::Malformed(why) => Ok(Observation::reply(env.respond(&format!("error: {why}")))),
+            ParsedTurn::Call(call) => Ok(env.respond(&env.run(&call))),
+            ParsedTurn::Malformed(why) => Ok(env.respond(&format!("error: {why}"))),
             ParsedTurn::Answer => {
                 let answer = Completion { text: turn.to_owned(), ..Completion::default() };
                 let correct = env.verifier.score(&self.prompt, &answer).total > 0.0;
@@ -376,7 +379,8 @@ impl Episode for CountdownEpisode {
             CountdownVerdict::Invalid(e) => format!("invalid expression: {e}; try again"),
         };
         let text = bounded(&feedback, env.config.max_observation_chars);
-        Ok(Observation::reply(format!("\n<feedback>{text}</feedback>\n")))
+        let message = ChatMessage::new("user", text.clone());
+        Ok(Observation::reply(format!("\n<feedback>{text}</feedback>\n")).with_message(message))
     }
 }
 
@@ -468,7 +472,10 @@ mod tests {
         assert_eq!(step(&env, &p, "The answer is 85.").reward, Some(0.0));
         let tag = calculator(ToolCallFormat::Tag);
         assert_eq!(tag.turn_stops(), ["</calculator>"]);
-        assert_eq!(step(&tag, &p, "<calculator>2*(3+4)</calculator>").text, "<result>14</result>");
+        let obs = step(&tag, &p, "<calculator>2*(3+4)</calculator>");
+        assert_eq!(obs.text, "<result>14</result>");
+        // For a chat template: the bare result as a tool message.
+        assert_eq!(obs.message, Some(ChatMessage::new("tool", "14")));
     }
 
     #[test]

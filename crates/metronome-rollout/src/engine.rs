@@ -102,6 +102,10 @@ pub struct Episodes {
     /// refused and its episode ends (`tool_unavailable`), so a tool that always hangs
     /// costs a bounded number of threads.
     pub max_running_calls: usize,
+    /// Whether the run renders its prompts through the model's chat template: then
+    /// an observation that carries a chat message is appended as the template
+    /// writes it ([`Observation::render`]).
+    pub chat_template: bool,
 }
 
 impl std::fmt::Debug for Episodes {
@@ -110,6 +114,7 @@ impl std::fmt::Debug for Episodes {
             .field("max_turns", &self.max_turns)
             .field("tool_time_limit", &self.tool_time_limit)
             .field("max_running_calls", &self.max_running_calls)
+            .field("chat_template", &self.chat_template)
             .finish_non_exhaustive()
     }
 }
@@ -1114,7 +1119,8 @@ impl<M: InferenceModel> Worker<M> {
         result: std::result::Result<Observation, String>,
     ) -> Option<Vec<TokenId>> {
         let seq = self.slots[slot].as_mut()?;
-        let max_turns = seq.request.episodes.as_ref().map_or(1, |e| e.max_turns);
+        let (max_turns, chat_template) =
+            seq.request.episodes.as_ref().map_or((1, false), |e| (e.max_turns, e.chat_template));
         let state = seq.episode.as_mut()?;
         let finish = state.call.take()?.finish;
         state.episode = episode;
@@ -1134,7 +1140,8 @@ impl<M: InferenceModel> Worker<M> {
             self.finish_episode(slot, finish, Some("max_turns".into()));
             return None;
         }
-        let tokens = match self.shared.tokenizer.encode(&obs.text) {
+        let tokenizer = self.shared.tokenizer.as_ref();
+        let tokens = match obs.render(tokenizer, chat_template).and_then(|text| tokenizer.encode(&text)) {
             Ok(t) => t,
             Err(e) => {
                 self.finish_episode(slot, finish, Some(format!("observation: {}", ErrorChain(&e))));

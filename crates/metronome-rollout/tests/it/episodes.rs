@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use metronome_core::{Environment, Episode, Group, Observation, PeriodId, Prompt};
+use metronome_core::{ChatMessage, Environment, Episode, Group, Observation, PeriodId, Prompt, Tokenizer};
 use metronome_model::KvCache;
 use metronome_rollout::{Episodes, SamplingConfig, Submission};
 
@@ -48,7 +48,8 @@ impl Episode for ScriptedEpisode {
         if self.turns >= self.env.done_after {
             return Ok(Observation::done(Some(self.turns as f32)));
         }
-        Ok(Observation::reply(format!("<obs {}>", self.turns)))
+        let message = ChatMessage::new("tool", self.turns.to_string());
+        Ok(Observation::reply(format!("<obs {}>", self.turns)).with_message(message))
     }
 }
 
@@ -64,6 +65,7 @@ fn episodes(env: Scripted, max_turns: u32) -> Episodes {
         max_turns,
         tool_time_limit: Duration::from_millis(200),
         max_running_calls: 64,
+        chat_template: false,
     }
 }
 
@@ -141,6 +143,79 @@ async fn observations_are_in_the_trajectory_and_marked() {
             assert!(c.tokens.len() <= 48);
         }
     }
+}
+
+/// The character tokenizer with a chat template that writes each message as
+/// `[role]\ncontent[end]\n`.
+struct Chat;
+
+impl Tokenizer for Chat {
+    fn encode(&self, text: &str) -> metronome_core::Result<Vec<u32>> {
+        tokenizer().encode(text)
+    }
+    fn decode(&self, tokens: &[u32]) -> metronome_core::Result<String> {
+        tokenizer().decode(tokens)
+    }
+    fn vocab_size(&self) -> usize {
+        tokenizer().vocab_size()
+    }
+    fn stop_token_ids(&self) -> Vec<u32> {
+        tokenizer().stop_token_ids()
+    }
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        generation: bool,
+    ) -> metronome_core::Result<String> {
+        let mut out: String =
+            messages.iter().map(|m| format!("[{}]\n{}[end]\n", m.role, m.content)).collect();
+        if generation {
+            out.push_str("[assistant]\n");
+        }
+        Ok(out)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_chat_run_observations_are_tool_messages_as_the_template_writes_them() {
+    let config = metronome_rollout::EngineConfig {
+        max_num_seqs: 4,
+        max_seq_len: 128,
+        sampling: turn_sampling(64),
+        ..metronome_rollout::EngineConfig::default()
+    };
+    let e = metronome_rollout::model_engine(
+        tiny_model(7),
+        metronome_core::PolicyVersion(0),
+        std::sync::Arc::new(Chat),
+        config,
+        metronome_core::RunSeed(42),
+    )
+    .unwrap();
+    let sub = Submission {
+        period: PeriodId(1),
+        prompts: prompts(3),
+        group_size: 2,
+        sampling: e.config().sampling.clone(),
+        seed: e.seed(),
+    };
+    let sink = metronome_rollout::CollectSink::default();
+    let ep = Episodes { chat_template: true, ..episodes(Scripted { done_after: 3, fail_at: None }, 4) };
+    e.submit_episodes(sub, ep, &sink).await.unwrap();
+    let mut seen = 0;
+    for c in sink.into_groups().iter().flat_map(|g| g.completions.clone()) {
+        let e = c.episode.as_ref().unwrap();
+        for (k, span) in e.observations.iter().enumerate() {
+            let obs = &c.tokens[span.start as usize..span.end() as usize];
+            // The assistant's message closes, the tool's follows, the assistant's opens.
+            assert_eq!(
+                tokenizer().decode(obs).unwrap(),
+                format!("[end]\n[tool]\n{}[end]\n[assistant]\n", k + 1)
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen >= 3, "only {seen} observations");
 }
 
 /// Every policy token's recorded log-prob equals the one a fresh prefill of the whole
@@ -240,6 +315,7 @@ async fn a_tool_that_never_returns_costs_a_bounded_number_of_threads() {
         max_turns: 4,
         tool_time_limit: Duration::from_millis(20),
         max_running_calls: 2,
+        chat_template: false,
     };
     let groups = run(1, 4, turn_sampling(64), ep).await;
     let failures: Vec<String> = groups
