@@ -152,21 +152,9 @@ impl Group {
                 ));
             }
             if let Some(trace) = &c.episode {
-                let mut next = 0;
-                for (j, s) in trace.observations.iter().enumerate() {
-                    if s.start < next || s.len == 0 || s.end() as usize > c.tokens.len() {
-                        return Err(Error::invalid(
-                            format!("group {key}, completion {i}, observation span {j}"),
-                            format!(
-                                "spans tokens {}..{}: expected a non-empty span from {next} within the {} tokens",
-                                s.start,
-                                s.end(),
-                                c.tokens.len()
-                            ),
-                        ));
-                    }
-                    next = s.end();
-                }
+                trace
+                    .check_spans(c.tokens.len())
+                    .map_err(|reason| Error::invalid(format!("group {key}, completion {i}"), reason))?;
             }
         }
         Ok(())

@@ -57,6 +57,25 @@ pub struct EpisodeTrace {
 }
 
 impl EpisodeTrace {
+    /// Checks the observation spans against a completion of `tokens` tokens: each
+    /// non-empty, in order, disjoint and within the tokens. The reason otherwise, to
+    /// follow the place that holds the trace ("… has observation span 1 over …").
+    pub fn check_spans(&self, tokens: usize) -> std::result::Result<(), String> {
+        let mut next = 0;
+        for (j, s) in self.observations.iter().enumerate() {
+            if s.start < next || s.len == 0 || s.end() as usize > tokens {
+                return Err(format!(
+                    "has observation span {j} over tokens {}..{}: expected a non-empty span from {next} \
+                     within its {tokens} tokens",
+                    s.start,
+                    s.end()
+                ));
+            }
+            next = s.end();
+        }
+        Ok(())
+    }
+
     /// Tokens the environment wrote.
     #[must_use]
     pub fn observation_tokens(&self) -> usize {

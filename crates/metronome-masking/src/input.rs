@@ -28,23 +28,11 @@ pub(crate) fn check_group(g: &ScoredGroup) -> Result<()> {
             return Err(MaskingError::EmptyResponse { group, sample });
         }
         if let Some(trace) = &c.episode {
-            let mut next = 0;
-            for (j, span) in trace.observations.iter().enumerate() {
-                if span.start < next || span.len == 0 || span.end() as usize > c.tokens.len() {
-                    return Err(MaskingError::Episode {
-                        group,
-                        sample,
-                        reason: format!(
-                            "has observation span {j} over tokens {}..{}: expected a non-empty span from {next} \
-                             within its {} tokens",
-                            span.start,
-                            span.end(),
-                            c.tokens.len()
-                        ),
-                    });
-                }
-                next = span.end();
-            }
+            trace.check_spans(c.tokens.len()).map_err(|reason| MaskingError::Episode {
+                group,
+                sample,
+                reason,
+            })?;
             if c.num_policy_tokens() == 0 {
                 return Err(MaskingError::Episode {
                     group,
