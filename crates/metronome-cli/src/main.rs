@@ -16,6 +16,7 @@
 //! `trainer` and `rollout-worker` share one config file with `transport.kind = "nats"`
 //! (see `deploy/README.md`); `run` is the single-process pipeline.
 
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -448,8 +449,11 @@ fn real_main() -> Result<()> {
                 let on_signal = stop.clone();
                 tokio::spawn(async move {
                     stop_signal().await;
-                    eprintln!("leaving after the claims in hand");
                     on_signal.stop();
+                    // Not `eprintln!`: with the supervisor gone, stderr is a closed pipe,
+                    // and a panic here would have left the flag unset (a worker that
+                    // never left).
+                    let _ = writeln!(std::io::stderr(), "leaving after the claims in hand");
                 });
                 metronome_pipeline::cluster::run_worker(config, &worker_id, stop, observer).await?;
                 anyhow::Ok(())

@@ -16,6 +16,15 @@ pub(crate) struct Render {
     bars: Mutex<Bars>,
 }
 
+/// `eprintln!` that ignores a closed stderr (a supervisor gone): printing must never
+/// panic the run it reports on.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 #[derive(Default)]
 struct Bars {
     sft: Option<ProgressBar>,
@@ -57,7 +66,7 @@ impl Render {
         let mut bars = self.bars.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match event {
             Event::Resuming { period, checkpoint } => {
-                eprintln!("resuming at period {period} from {}", checkpoint.display());
+                say!("resuming at period {period} from {}", checkpoint.display());
             }
             Event::WarmStartStep { step, steps, .. } if self.progress => {
                 let bar = bars.sft.get_or_insert_with(|| bar(*steps, "sft"));
@@ -68,7 +77,7 @@ impl Render {
                 }
             }
             Event::Evaluated { how, accuracy } => {
-                eprintln!("held-out accuracy ({how}) after warm start: {:.1}%", accuracy * 100.0);
+                say!("held-out accuracy ({how}) after warm start: {:.1}%", accuracy * 100.0);
             }
             Event::PeriodsStarted { first, periods } => {
                 if let Some(sft) = bars.sft.take() {
@@ -101,9 +110,9 @@ impl Render {
                 match &bars.periods {
                     Some(bar) => {
                         bar.inc(1);
-                        bar.suspend(|| eprintln!("{line}"));
+                        bar.suspend(|| say!("{line}"));
                     }
-                    None => eprintln!("{line}"),
+                    None => say!("{line}"),
                 }
             }
             Event::RunFinished { .. } => {
@@ -111,15 +120,19 @@ impl Render {
                     bar.finish_and_clear();
                 }
             }
-            Event::WorkerReady { worker } => eprintln!("worker {worker}: ready"),
+            Event::WorkerReady { worker } => say!("worker {worker}: ready"),
             Event::WeightsInstalled { worker, version, period } => {
-                eprintln!("worker {worker}: installed weights version {version} for period {period}");
+                say!("worker {worker}: installed weights version {version} for period {period}");
             }
-            Event::WorkerDone { worker, outcome: o } => eprintln!(
+            Event::WorkerDone { worker, outcome: o } => say!(
                 "worker {worker}: done: {} groups, {} tokens, {} redelivered claims, versions {:?}, periods {:?}",
-                o.groups, o.tokens, o.redelivered_claims, o.versions, o.periods
+                o.groups,
+                o.tokens,
+                o.redelivered_claims,
+                o.versions,
+                o.periods
             ),
-            Event::Serving { model, addr } => eprintln!("serving `{model}` on http://{addr}"),
+            Event::Serving { model, addr } => say!("serving `{model}` on http://{addr}"),
             _ => {}
         }
     }
