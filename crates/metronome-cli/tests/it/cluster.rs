@@ -14,8 +14,15 @@ use metronome_pipeline::cluster::WorkerOutcome;
 use metronome_testkit::server::{NatsServer, free_port};
 use serde_json::Value;
 
-/// How long any one step may take before the test gives up (a hang, not a timing).
-pub(crate) const PATIENCE: Duration = Duration::from_secs(300);
+/// How long a test waits for a process's next step before it fails, printing the
+/// logs: 300 s, or `METRONOME_TEST_PATIENCE_S` (a soak loop hunting a hang sets less).
+pub(crate) fn patience() -> Duration {
+    static PATIENCE: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *PATIENCE.get_or_init(|| {
+        let seconds = std::env::var("METRONOME_TEST_PATIENCE_S").ok().and_then(|s| s.parse().ok());
+        Duration::from_secs(seconds.unwrap_or(300))
+    })
+}
 
 /// The cluster tests share two cores: run them one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -130,7 +137,7 @@ impl Proc {
     /// Scrapes `port` until the process exits; the last page that has `metric`.
     fn scrape_until_exit(&mut self, port: u16, metric: &str) -> Option<String> {
         let mut page = None;
-        let deadline = Instant::now() + PATIENCE;
+        let deadline = Instant::now() + patience();
         while self.child.try_wait().unwrap().is_none() && Instant::now() < deadline {
             if let Some(body) = crate::prometheus::scrape(port)
                 && body.contains(metric)
@@ -150,7 +157,7 @@ impl Proc {
 
     /// Waits for an event named `kind` for which `matches` holds and returns it.
     pub(crate) fn wait_event(&self, kind: &str, matches: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + PATIENCE;
+        let deadline = Instant::now() + patience();
         while Instant::now() < deadline {
             match self.events.recv_timeout(Duration::from_millis(200)) {
                 Ok(e) if e["event"] == kind && matches(&e) => return e,
@@ -163,7 +170,7 @@ impl Proc {
 
     /// The next event; `None` once the process ended.
     pub(crate) fn next_event(&self) -> Option<Value> {
-        self.events.recv_timeout(PATIENCE).ok()
+        self.events.recv_timeout(patience()).ok()
     }
 
     pub(crate) fn finish(&mut self) -> ExitStatus {
@@ -172,7 +179,7 @@ impl Proc {
 
     /// [`Proc::finish`] whose failure to exit also prints the logs of `others`.
     fn finish_showing(&mut self, others: &[&Proc]) -> ExitStatus {
-        let deadline = Instant::now() + PATIENCE;
+        let deadline = Instant::now() + patience();
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
                 // Let the reader threads drain the pipes.
@@ -360,6 +367,30 @@ fn a_worker_killed_mid_period_loses_nothing_and_the_weights_match_one_process() 
     let report = a.worker_report();
     assert!(report.redelivered_claims >= 1, "worker a took none of b's claims:\n{}", a.log());
     assert!(report.groups >= 1 && report.periods.contains(&(c.periods - 1)), "{}", a.log());
+}
+
+#[test]
+fn a_worker_whose_supervisor_is_gone_still_leaves_on_sigterm() {
+    let c = Cluster::start(1);
+    let mut command = Command::new(env!("CARGO_BIN_EXE_metronome"));
+    command.args(["rollout-worker", "--worker-id", "a", "--metrics-addr", "off", "--events", "-"]);
+    for s in &c.sets {
+        command.arg("--set").arg(s);
+    }
+    command.arg("--out-dir").arg(c.out.path()).env("CANDLE_NUM_THREADS", "1");
+    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut ready = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut ready).unwrap();
+    assert!(ready.contains("worker_ready"), "{ready}");
+    // The supervisor goes: what the worker prints from now on meets a closed pipe.
+    drop(child.stderr.take());
+    let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the worker did not leave within 60 s of SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]
@@ -581,7 +612,7 @@ fn a_claim_every_worker_failed_on_is_published_as_rejected_and_the_worker_goes_o
     let mut worker = Proc::worker("a", &settings(&server.url(), 1), out.path());
     let group = runtime.block_on(async {
         let mut receiver = t.group_receiver().await.unwrap();
-        let d = tokio::time::timeout(PATIENCE, receiver.recv()).await.expect("no group").unwrap().unwrap();
+        let d = tokio::time::timeout(patience(), receiver.recv()).await.expect("no group").unwrap().unwrap();
         d.acker.ack().await.unwrap();
         t.control_sender().await.unwrap().send(ControlMessage::Shutdown).await.unwrap();
         d.group

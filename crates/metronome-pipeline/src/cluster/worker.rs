@@ -26,6 +26,9 @@ use crate::release::ScoreAndSend;
 /// How long one wait for a claim lasts before the worker checks whether to stop.
 const CLAIM_WAIT: Duration = Duration::from_millis(500);
 
+/// How often a worker waiting for weights says so.
+const WEIGHTS_NOTICE: Duration = Duration::from_secs(10);
+
 /// Runs a rollout worker until the trainer sends `Shutdown` or `stop` is set: take
 /// claims, fetch the weights they name, generate, score, publish each group and then
 /// complete its claim. Leases are renewed while the worker generates, so only a dead
@@ -212,6 +215,12 @@ impl Worker {
         stop: &StopFlag,
     ) -> Result<()> {
         let start = Instant::now();
+        tracing::debug!(
+            period = period.0,
+            version = version.0,
+            prompts = ?claims.iter().map(|c| (c.prompt.id.0, c.deliveries)).collect::<Vec<_>>(),
+            "took claims (prompt, deliveries)"
+        );
         let Some(weights) = self.weights_for(version, claims, stop).await? else { return Ok(()) };
         if weights.version > version {
             // The period was stepped already (a claim offered again after a trainer
@@ -267,8 +276,20 @@ impl Worker {
             return Ok(Some(w));
         }
         let stopped = async {
+            let start = Instant::now();
+            let mut told = Duration::ZERO;
             while !stop.is_stopped() {
                 tokio::time::sleep(CLAIM_WAIT).await;
+                // Claims held while weights never come would stall the period.
+                if start.elapsed() >= told + WEIGHTS_NOTICE {
+                    told = start.elapsed();
+                    tracing::info!(
+                        version = version.0,
+                        claims = claims.len(),
+                        "waited {}s for the weights these claims name",
+                        told.as_secs()
+                    );
+                }
             }
         };
         tokio::select! {

@@ -18,6 +18,10 @@ use crate::stats::{Counters, Stats};
 use crate::wire::{check_size, decode_group, encode_group};
 use crate::{Error, Result};
 
+/// How long [`NatsGroupReceiver::recv`] waits for a group before it looks at the
+/// server's side of its consumer.
+const IDLE_CHECK: Duration = Duration::from_secs(10);
+
 impl NatsTransport {
     pub(super) async fn group_stream(&self) -> Result<stream::Stream> {
         let c = &self.config.groups;
@@ -52,6 +56,7 @@ impl NatsTransport {
         let messages = consumer.messages().await.map_err(|e| Error::nats("subscribe to groups", e))?;
         Ok(NatsGroupReceiver {
             transport: self.clone(),
+            consumer,
             messages,
             max_message: self.max_message,
             dedup: Dedup::new(c.dedup_window_periods),
@@ -107,6 +112,7 @@ impl GroupSender for NatsGroupSender {
 /// [`metronome_core::ControlMessage::Shutdown`].
 pub struct NatsGroupReceiver {
     transport: NatsTransport,
+    consumer: consumer::PullConsumer,
     messages: consumer::pull::Stream,
     max_message: usize,
     dedup: Arc<Dedup>,
@@ -124,6 +130,39 @@ impl NatsGroupReceiver {
     #[must_use]
     pub fn stats(&self) -> Stats {
         self.counters.snapshot()
+    }
+
+    /// Nothing arrived for [`IDLE_CHECK`]: says what the server holds for this
+    /// consumer, and pulls afresh when groups wait there undelivered (a pull stream
+    /// that stopped asking; the new one loses nothing, as what was delivered and not
+    /// acknowledged comes back after `ack_wait`).
+    async fn idle(&mut self) {
+        let info = match self.consumer.get_info().await {
+            Ok(info) => info,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the group consumer's state");
+                return;
+            }
+        };
+        tracing::info!(
+            waiting = info.num_pending,
+            unacknowledged = info.num_ack_pending,
+            redelivered = info.num_redelivered,
+            pulls = info.num_waiting,
+            "no group for {}s; the server's count for this consumer",
+            IDLE_CHECK.as_secs()
+        );
+        if info.num_pending > 0 {
+            tracing::warn!(
+                waiting = info.num_pending,
+                "groups wait on the server undelivered; pulling afresh"
+            );
+            match self.consumer.messages().await {
+                Ok(messages) => self.messages = messages,
+                // The server may be restarting: the next check tries again.
+                Err(e) => tracing::debug!(error = %e, "cannot pull the groups afresh"),
+            }
+        }
     }
 
     /// Terminates a message that can never be processed, so it is not redelivered,
@@ -179,7 +218,11 @@ impl Acker for NatsAck {
 impl GroupReceiver for NatsGroupReceiver {
     async fn recv(&mut self) -> metronome_core::Result<Option<Delivery>> {
         loop {
-            let message = match self.messages.next().await {
+            let Ok(next) = tokio::time::timeout(IDLE_CHECK, self.messages.next()).await else {
+                self.idle().await;
+                continue;
+            };
+            let message = match next {
                 None => return Ok(None),
                 Some(Ok(m)) => m,
                 Some(Err(e)) => {
