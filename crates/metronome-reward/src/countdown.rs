@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use metronome_core::{Completion, Prompt, Reward, RewardFn};
 
+use crate::error::finite_scores;
 use crate::extract::{Extractor, tail};
 use crate::meter::Meter;
 use crate::rational::Rational;
@@ -74,15 +75,11 @@ impl Default for CountdownConfig {
 impl CountdownConfig {
     /// Checks the values and builds the checker.
     pub fn build(&self) -> Result<CountdownChecker> {
-        for (field, v) in [
+        finite_scores(&[
             ("countdown.correct_score", self.correct_score),
             ("countdown.format_score", self.format_score),
             ("countdown.invalid_score", self.invalid_score),
-        ] {
-            if !v.is_finite() {
-                return Err(Error::config(field, format!("must be finite, got {v}")));
-            }
-        }
+        ])?;
         if self.max_expression_bytes == 0 || self.max_depth == 0 || self.max_input_bytes == 0 {
             return Err(Error::config("countdown.max_*", "limits must be positive"));
         }
