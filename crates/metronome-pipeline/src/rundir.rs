@@ -234,11 +234,14 @@ impl RunDir {
     }
 }
 
+/// Where a float field of a report is.
+type Float = fn(&mut PeriodReport) -> &mut f64;
+
 /// JSON has no NaN or infinity, so `serde_json` writes a non-finite float as `null`,
 /// which it then refuses to read back as an `f64`. A skipped step (non-finite loss or
 /// gradient norm) is exactly such a period; these fields (by JSON pointer, and where
 /// they go in the report) read back as NaN.
-const FLOATS: &[(&str, fn(&mut PeriodReport) -> &mut f64)] = &[
+const FLOATS: &[(&str, Float)] = &[
     ("/period_s", |r| &mut r.period_s),
     ("/generation_s", |r| &mut r.generation_s),
     ("/training_s", |r| &mut r.training_s),
