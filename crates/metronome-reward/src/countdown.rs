@@ -295,31 +295,37 @@ impl Parser<'_, '_> {
     }
 
     fn expr(&mut self) -> Result<Rational, Invalid> {
-        let mut acc = self.term()?;
-        while let Some((op @ (b'+' | b'-'), len)) = self.peek_op() {
-            self.meter.charge(1);
-            self.pos += len;
-            let rhs = self.term()?;
-            acc = if op == b'+' { acc.checked_add(rhs) } else { acc.checked_sub(rhs) }
-                .ok_or(Invalid::Overflow)?;
-            self.check_intermediate(acc)?;
-        }
-        Ok(acc)
+        self.chain([b'+', b'-'], Self::term, |acc, op, rhs| {
+            if op == b'+' { acc.checked_add(rhs) } else { acc.checked_sub(rhs) }.ok_or(Invalid::Overflow)
+        })
     }
 
     fn term(&mut self) -> Result<Rational, Invalid> {
-        let mut acc = self.factor()?;
-        while let Some((op @ (b'*' | b'/'), len)) = self.peek_op() {
+        self.chain([b'*', b'/'], Self::factor, |acc, op, rhs| {
+            if op == b'*' {
+                acc.checked_mul(rhs).ok_or(Invalid::Overflow)
+            } else if rhs.is_zero() {
+                Err(Invalid::DivisionByZero)
+            } else {
+                acc.checked_div(rhs).ok_or(Invalid::Overflow)
+            }
+        })
+    }
+
+    /// `operand (op operand)*` for the operators `ops` of one precedence level, folded
+    /// from the left by `apply`, each intermediate result checked.
+    fn chain(
+        &mut self,
+        ops: [u8; 2],
+        operand: fn(&mut Self) -> Result<Rational, Invalid>,
+        apply: fn(Rational, u8, Rational) -> Result<Rational, Invalid>,
+    ) -> Result<Rational, Invalid> {
+        let mut acc = operand(self)?;
+        while let Some((op, len)) = self.peek_op().filter(|(op, _)| ops.contains(op)) {
             self.meter.charge(1);
             self.pos += len;
-            let rhs = self.factor()?;
-            acc = if op == b'*' {
-                acc.checked_mul(rhs).ok_or(Invalid::Overflow)?
-            } else if rhs.is_zero() {
-                return Err(Invalid::DivisionByZero);
-            } else {
-                acc.checked_div(rhs).ok_or(Invalid::Overflow)?
-            };
+            let rhs = operand(self)?;
+            acc = apply(acc, op, rhs)?;
             self.check_intermediate(acc)?;
         }
         Ok(acc)
