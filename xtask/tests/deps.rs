@@ -3,7 +3,7 @@
 //! the package, the dependency and the rule.
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn deps(manifest: &Path) -> Output {
@@ -21,6 +21,28 @@ fn workspace_passes() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// `cargo xtask deps` on `manifest`, which must fail; what it wrote to stderr.
+fn deps_failure(manifest: &Path) -> String {
+    let out = deps(manifest);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "xtask deps passed: {stderr}");
+    stderr
+}
+
+/// A scratch workspace of `crates` (name, `[dependencies]` lines), and its manifest.
+fn scratch_workspace(crates: &[(&str, &str)]) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let manifest = tmp.path().join("Cargo.toml");
+    fs::write(&manifest, "[workspace]\nresolver = \"3\"\nmembers = [\"crates/*\"]\n").unwrap();
+    for (name, deps) in crates {
+        write_crate(tmp.path(), name, deps);
+    }
+    (tmp, manifest)
+}
+
+/// The dependency on `metronome-core` of a crate beside it.
+const ON_CORE: &str = "metronome-core = { path = \"../metronome-core\" }";
+
 fn write_crate(root: &Path, name: &str, deps: &str) {
     let dir = root.join("crates").join(name);
     fs::create_dir_all(dir.join("src")).unwrap();
@@ -34,40 +56,27 @@ fn write_crate(root: &Path, name: &str, deps: &str) {
 
 #[test]
 fn a_stage_depending_on_a_stage_fails_and_the_fix_passes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    let manifest = root.join("Cargo.toml");
-    fs::write(&manifest, "[workspace]\nresolver = \"3\"\nmembers = [\"crates/*\"]\n").unwrap();
-    write_crate(root, "metronome-core", "");
-    write_crate(root, "metronome-rollout", "metronome-core = { path = \"../metronome-core\" }");
-    write_crate(
-        root,
-        "metronome-trainer",
-        "metronome-core = { path = \"../metronome-core\" }\nmetronome-rollout = { path = \"../metronome-rollout\" }",
-    );
+    let on_rollout = format!("{ON_CORE}\nmetronome-rollout = {{ path = \"../metronome-rollout\" }}");
+    let (tmp, manifest) = scratch_workspace(&[
+        ("metronome-core", ""),
+        ("metronome-rollout", ON_CORE),
+        ("metronome-trainer", &on_rollout),
+    ]);
 
-    let out = deps(&manifest);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "a stage depending on a stage must fail");
+    let stderr = deps_failure(&manifest);
     assert!(stderr.contains("metronome-trainer depends on metronome-rollout"), "{stderr}");
     assert!(stderr.contains("stage crates never depend on each other"), "{stderr}");
 
-    write_crate(root, "metronome-trainer", "metronome-core = { path = \"../metronome-core\" }");
+    write_crate(tmp.path(), "metronome-trainer", ON_CORE);
     let out = deps(&manifest);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
 #[test]
 fn core_gaining_a_runtime_fails() {
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path();
-    let manifest = root.join("Cargo.toml");
-    fs::write(&manifest, "[workspace]\nresolver = \"3\"\nmembers = [\"crates/*\"]\n").unwrap();
     // A path dependency named like a runtime: `--offline --no-deps` needs nothing fetched.
-    write_crate(root, "tokio", "");
-    write_crate(root, "metronome-core", "tokio = { path = \"../tokio\" }");
-    let out = deps(&manifest);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let (_tmp, manifest) =
+        scratch_workspace(&[("tokio", ""), ("metronome-core", "tokio = { path = \"../tokio\" }")]);
+    let stderr = deps_failure(&manifest);
     assert!(stderr.contains("metronome-core depends on tokio"), "{stderr}");
 }

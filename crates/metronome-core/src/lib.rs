@@ -10,7 +10,8 @@
 //! - the data that flows between stages ([`Prompt`], [`Completion`], [`Group`],
 //!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
 //! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
-//! - the typed entry of a crate's metrics catalogue ([`Metric`]);
+//! - the typed entry of a crate's metrics catalogue ([`Metric`]) and the macro that
+//!   declares one ([`metric_catalogue!`]);
 //! - multi-turn episodes ([`Environment`], [`Episode`], [`Observation`]) and what a
 //!   completion records of one ([`EpisodeTrace`]: which tokens are observations);
 //! - the stage traits ([`PromptSource`], [`RolloutEngine`], [`RewardFn`],

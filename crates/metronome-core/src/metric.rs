@@ -1,8 +1,8 @@
 //! The typed entry of a crate's metrics catalogue.
 //!
 //! Every crate that emits metrics declares all of them in one `pub const METRICS:
-//! &[Metric]` and emits them through the `metrics` facade, from one module, by the
-//! entry's name. The catalogue is plain data: the binary that installs an exporter
+//! &[Metric]`, written with [`metric_catalogue!`](crate::metric_catalogue), and emits
+//! them through the `metrics` facade, from one module, by the entry's name. The catalogue is plain data: the binary that installs an exporter
 //! describes every catalogue to it (help text and unit), the dashboard tests check
 //! each entry is charted, and a library user with another recorder can do the same.
 //! This crate does not depend on the `metrics` facade; the entries only name things.
@@ -129,6 +129,38 @@ impl Metric {
         };
         Some(format!("metric `{name}` {problem}"))
     }
+}
+
+/// Declares a catalogue of metrics: a `const` [`Metric`] for each entry, to emit it
+/// by, and the catalogue slice that lists them all. Written once, no metric can be
+/// declared and left out of the catalogue.
+///
+/// ```
+/// use metronome_core::{Metric, metric_catalogue};
+///
+/// metric_catalogue! {
+///     /// Every metric this crate emits.
+///     pub const METRICS = [
+///         GROUPS = Metric::counter("example_groups_total", "groups scored"),
+///         STUCK = Metric::gauge("example_stuck_workers", "workers stuck").labels(&["pool"]),
+///     ];
+/// }
+///
+/// assert_eq!(METRICS, [GROUPS, STUCK]);
+/// ```
+#[macro_export]
+macro_rules! metric_catalogue {
+    (
+        $(#[$doc:meta])*
+        $vis:vis const $catalogue:ident = [
+            $($(#[$attr:meta])* $name:ident = $metric:expr),* $(,)?
+        ];
+    ) => {
+        $($(#[$attr])* const $name: $crate::Metric = $metric;)*
+
+        $(#[$doc])*
+        $vis const $catalogue: &[$crate::Metric] = &[$($name),*];
+    };
 }
 
 #[cfg(test)]

@@ -4,51 +4,41 @@
 
 use std::time::Duration;
 
-use metronome_core::Metric;
+use metronome_core::{Metric, metric_catalogue};
 
-const RECORDS_LOADED: Metric = Metric::counter(
-    "metronome_dataloader_records_loaded_total",
-    "records kept from dataset files, by format",
-)
-.labels(&["format"]);
-const RECORDS_SKIPPED: Metric = Metric::counter(
-    "metronome_dataloader_records_skipped_total",
-    "bad records skipped (bad_records = skip), by format",
-)
-.labels(&["format"]);
-const BATCH_WAIT: Metric = Metric::seconds(
-    "metronome_dataloader_batch_wait_seconds",
-    "how long next_batch waited for its batch (near zero when prefetching keeps up)",
-);
-const PROMPTS_SKIPPED: Metric = Metric::counter(
-    "metronome_dataloader_prompts_skipped_total",
-    "prompts not released, by reason (too_long)",
-)
-.labels(&["reason"]);
-const BATCHES_CUT_SHORT: Metric = Metric::counter(
-    "metronome_dataloader_batches_cut_short_total",
-    "batches released short because the next prompt was already in them (an epoch boundary)",
-);
-const BATCHES_RELEASED: Metric =
-    Metric::counter("metronome_dataloader_batches_released_total", "batches released");
-const PROMPTS_RELEASED: Metric =
-    Metric::counter("metronome_dataloader_prompts_released_total", "prompts released");
-const PROMPT_TOKENS: Metric =
-    Metric::counter("metronome_dataloader_prompt_tokens_total", "tokens of the prompts released");
-const EPOCH: Metric = Metric::gauge("metronome_dataloader_epoch", "the epoch the next batch comes from");
-
-/// Every metric this crate emits.
-pub const METRICS: &[Metric] = &[
-    RECORDS_LOADED,
-    RECORDS_SKIPPED,
-    BATCH_WAIT,
-    PROMPTS_SKIPPED,
-    BATCHES_CUT_SHORT,
-    BATCHES_RELEASED,
-    PROMPTS_RELEASED,
-    PROMPT_TOKENS,
-    EPOCH,
-];
+metric_catalogue! {
+    /// Every metric this crate emits.
+    pub const METRICS = [
+        RECORDS_LOADED = Metric::counter(
+            "metronome_dataloader_records_loaded_total",
+            "records kept from dataset files, by format",
+        )
+        .labels(&["format"]),
+        RECORDS_SKIPPED = Metric::counter(
+            "metronome_dataloader_records_skipped_total",
+            "bad records skipped (bad_records = skip), by format",
+        )
+        .labels(&["format"]),
+        BATCH_WAIT = Metric::seconds(
+            "metronome_dataloader_batch_wait_seconds",
+            "how long next_batch waited for its batch (near zero when prefetching keeps up)",
+        ),
+        PROMPTS_SKIPPED = Metric::counter(
+            "metronome_dataloader_prompts_skipped_total",
+            "prompts not released, by reason (too_long)",
+        )
+        .labels(&["reason"]),
+        BATCHES_CUT_SHORT = Metric::counter(
+            "metronome_dataloader_batches_cut_short_total",
+            "batches released short because the next prompt was already in them (an epoch boundary)",
+        ),
+        BATCHES_RELEASED = Metric::counter("metronome_dataloader_batches_released_total", "batches released"),
+        PROMPTS_RELEASED = Metric::counter("metronome_dataloader_prompts_released_total", "prompts released"),
+        PROMPT_TOKENS =
+            Metric::counter("metronome_dataloader_prompt_tokens_total", "tokens of the prompts released"),
+        EPOCH = Metric::gauge("metronome_dataloader_epoch", "the epoch the next batch comes from"),
+    ];
+}
 
 pub(crate) fn records_loaded(format: &'static str, n: u64) {
     metrics::counter!(RECORDS_LOADED.name, "format" => format).increment(n);

@@ -5,153 +5,123 @@
 //! with the stage crates' catalogues (`crate::CATALOGUES`).
 
 use metrics::{counter, gauge, histogram};
-use metronome_core::{Metric, MetricUnit};
+use metronome_core::{Metric, MetricUnit, metric_catalogue};
 
 use crate::report::PeriodReport;
 
-const PERIODS: Metric = Metric::counter("metronome_pipeline_periods_total", "periods completed");
-const PERIOD_SECONDS: Metric = Metric::seconds("metronome_pipeline_period_seconds", "wall time of a period");
-const GENERATION_BUSY: Metric =
-    Metric::seconds("metronome_pipeline_generation_busy_seconds", "generation busy time per period");
-const TRAINING_BUSY: Metric =
-    Metric::seconds("metronome_pipeline_training_busy_seconds", "training busy time per period");
-const GENERATION_UTILISATION: Metric =
-    Metric::gauge("metronome_pipeline_generation_utilisation_ratio", "generation busy time / period time")
-        .unit(MetricUnit::Ratio);
-const TRAINING_UTILISATION: Metric =
-    Metric::gauge("metronome_pipeline_training_utilisation_ratio", "training busy time / period time")
-        .unit(MetricUnit::Ratio);
-const PUBLICATION_SECONDS: Metric =
-    Metric::seconds("metronome_pipeline_weight_publication_seconds", "time to publish and install weights");
-const QUEUE_DEPTH: Metric =
-    Metric::gauge("metronome_pipeline_queue_depth_groups", "groups received but not yet trained");
-const STALENESS: Metric = Metric::histogram(
-    "metronome_pipeline_staleness_versions",
-    "policy versions between sampling and training",
-);
-const GROUPS: Metric = Metric::counter("metronome_pipeline_groups_total", "groups trained");
-const DROPPED_STALE: Metric = Metric::counter(
-    "metronome_pipeline_stale_groups_dropped_total",
-    "groups dropped beyond the staleness bound",
-);
-const DUPLICATES: Metric =
-    Metric::counter("metronome_pipeline_duplicate_groups_total", "redelivered groups ignored");
-const REJECTED: Metric = Metric::counter(
-    "metronome_pipeline_rejected_groups_total",
-    "groups not trained: prompt rejected by the engine, or a poison message (see the log)",
-);
-const FILTERED: Metric = Metric::counter(
-    "metronome_pipeline_filtered_groups_total",
-    "groups generated but not trained by dynamic sampling (all rewards equal, or the period was full)",
-);
-const REFUSED_STEPS: Metric = Metric::counter(
-    "metronome_pipeline_refused_steps_total",
-    "steps whose update the trainer refused (non-finite loss or gradient); the weights stayed",
-);
-const GENERATED_TOKENS: Metric =
-    Metric::counter("metronome_pipeline_generated_tokens_total", "tokens generated");
-const GENERATION_TOKENS_PER_SECOND: Metric = Metric::gauge(
-    "metronome_pipeline_generation_tokens_per_second",
-    "generated tokens per generation-busy second",
-);
-const TRAINING_TOKENS_PER_SECOND: Metric =
-    Metric::gauge("metronome_pipeline_training_tokens_per_second", "trained tokens per training-busy second");
-const REWARD_MEAN: Metric = Metric::gauge("metronome_pipeline_reward_mean", "mean reward of the period");
-const ACCURACY: Metric =
-    Metric::gauge("metronome_pipeline_accuracy_ratio", "mean of the `correct` reward part of the period")
-        .unit(MetricUnit::Ratio);
-// The trainer's per-step values come back in its `StepReport`; the pipeline, which
-// drives it, is their one writer.
-const LOSS: Metric = Metric::gauge("metronome_trainer_loss", "total loss of the step");
-const KL: Metric = Metric::gauge("metronome_trainer_kl", "mean KL to the reference");
-const CLIP_FRACTION: Metric =
-    Metric::gauge("metronome_trainer_clip_fraction_ratio", "fraction of clipped token ratios")
-        .unit(MetricUnit::Ratio);
-const ENTROPY: Metric = Metric::gauge("metronome_trainer_entropy", "mean policy entropy");
-const GRAD_NORM: Metric = Metric::gauge("metronome_trainer_grad_norm", "gradient norm before clipping");
-const LEARNING_RATE: Metric = Metric::gauge("metronome_trainer_learning_rate", "learning rate of the step");
-const POLICY_VERSION: Metric =
-    Metric::gauge("metronome_trainer_policy_version", "version of the trainer's weights");
+metric_catalogue! {
+    /// Every metric a run emits (the scrape and dashboard tests hold the binary to it).
+    pub const METRICS = [
+        PERIODS = Metric::counter("metronome_pipeline_periods_total", "periods completed"),
+        PERIOD_SECONDS = Metric::seconds("metronome_pipeline_period_seconds", "wall time of a period"),
+        GENERATION_BUSY =
+            Metric::seconds("metronome_pipeline_generation_busy_seconds", "generation busy time per period"),
+        TRAINING_BUSY =
+            Metric::seconds("metronome_pipeline_training_busy_seconds", "training busy time per period"),
+        GENERATION_UTILISATION = Metric::gauge(
+            "metronome_pipeline_generation_utilisation_ratio",
+            "generation busy time / period time",
+        )
+        .unit(MetricUnit::Ratio),
+        TRAINING_UTILISATION =
+            Metric::gauge("metronome_pipeline_training_utilisation_ratio", "training busy time / period time")
+                .unit(MetricUnit::Ratio),
+        PUBLICATION_SECONDS = Metric::seconds(
+            "metronome_pipeline_weight_publication_seconds",
+            "time to publish and install weights",
+        ),
+        QUEUE_DEPTH =
+            Metric::gauge("metronome_pipeline_queue_depth_groups", "groups received but not yet trained"),
+        STALENESS = Metric::histogram(
+            "metronome_pipeline_staleness_versions",
+            "policy versions between sampling and training",
+        ),
+        GROUPS = Metric::counter("metronome_pipeline_groups_total", "groups trained"),
+        DROPPED_STALE = Metric::counter(
+            "metronome_pipeline_stale_groups_dropped_total",
+            "groups dropped beyond the staleness bound",
+        ),
+        DUPLICATES =
+            Metric::counter("metronome_pipeline_duplicate_groups_total", "redelivered groups ignored"),
+        REJECTED = Metric::counter(
+            "metronome_pipeline_rejected_groups_total",
+            "groups not trained: prompt rejected by the engine, or a poison message (see the log)",
+        ),
+        FILTERED = Metric::counter(
+            "metronome_pipeline_filtered_groups_total",
+            "groups generated but not trained by dynamic sampling (all rewards equal, or the period \
+             was full)",
+        ),
+        REFUSED_STEPS = Metric::counter(
+            "metronome_pipeline_refused_steps_total",
+            "steps whose update the trainer refused (non-finite loss or gradient); the weights stayed",
+        ),
+        GENERATED_TOKENS = Metric::counter("metronome_pipeline_generated_tokens_total", "tokens generated"),
+        GENERATION_TOKENS_PER_SECOND = Metric::gauge(
+            "metronome_pipeline_generation_tokens_per_second",
+            "generated tokens per generation-busy second",
+        ),
+        TRAINING_TOKENS_PER_SECOND = Metric::gauge(
+            "metronome_pipeline_training_tokens_per_second",
+            "trained tokens per training-busy second",
+        ),
+        REWARD_MEAN = Metric::gauge("metronome_pipeline_reward_mean", "mean reward of the period"),
+        ACCURACY = Metric::gauge(
+            "metronome_pipeline_accuracy_ratio",
+            "mean of the `correct` reward part of the period",
+        )
+        .unit(MetricUnit::Ratio),
+        // The trainer's per-step values come back in its `StepReport`; the pipeline, which
+        // drives it, is their one writer.
+        LOSS = Metric::gauge("metronome_trainer_loss", "total loss of the step"),
+        KL = Metric::gauge("metronome_trainer_kl", "mean KL to the reference"),
+        CLIP_FRACTION =
+            Metric::gauge("metronome_trainer_clip_fraction_ratio", "fraction of clipped token ratios")
+                .unit(MetricUnit::Ratio),
+        ENTROPY = Metric::gauge("metronome_trainer_entropy", "mean policy entropy"),
+        GRAD_NORM = Metric::gauge("metronome_trainer_grad_norm", "gradient norm before clipping"),
+        LEARNING_RATE = Metric::gauge("metronome_trainer_learning_rate", "learning rate of the step"),
+        POLICY_VERSION =
+            Metric::gauge("metronome_trainer_policy_version", "version of the trainer's weights"),
+    ];
+}
 
-/// Every metric a run emits (the scrape and dashboard tests hold the binary to it).
-pub const METRICS: &[Metric] = &[
-    PERIODS,
-    PERIOD_SECONDS,
-    GENERATION_BUSY,
-    TRAINING_BUSY,
-    GENERATION_UTILISATION,
-    TRAINING_UTILISATION,
-    PUBLICATION_SECONDS,
-    QUEUE_DEPTH,
-    STALENESS,
-    GROUPS,
-    DROPPED_STALE,
-    DUPLICATES,
-    REJECTED,
-    FILTERED,
-    REFUSED_STEPS,
-    GENERATED_TOKENS,
-    GENERATION_TOKENS_PER_SECOND,
-    TRAINING_TOKENS_PER_SECOND,
-    REWARD_MEAN,
-    ACCURACY,
-    LOSS,
-    KL,
-    CLIP_FRACTION,
-    ENTROPY,
-    GRAD_NORM,
-    LEARNING_RATE,
-    POLICY_VERSION,
-];
-
-const CLAIMS_OFFERED: Metric =
-    Metric::counter("metronome_cluster_claims_offered_total", "prompt claims offered by the trainer");
-const CLAIMS_TAKEN: Metric =
-    Metric::counter("metronome_cluster_claims_taken_total", "claims taken by this worker");
-const CLAIMS_COMPLETED: Metric =
-    Metric::counter("metronome_cluster_claims_completed_total", "claims completed (group published)");
-const CLAIM_REDELIVERIES: Metric = Metric::counter(
-    "metronome_cluster_claim_redeliveries_total",
-    "claims taken again after a lease expired or a worker released them",
-);
-const CLAIMS_OBSOLETE: Metric =
-    Metric::counter("metronome_cluster_claims_obsolete_total", "claims for a period already stepped");
-const CLAIMS_RELEASED: Metric = Metric::counter(
-    "metronome_cluster_claims_released_total",
-    "claims given back by a worker leaving while it waited",
-);
-const CLAIMS_REJECTED: Metric = Metric::counter(
-    "metronome_cluster_claims_rejected_total",
-    "claims every worker failed on, published as rejected groups (transport.claims.max_deliveries)",
-);
-const WORKER_GROUPS: Metric =
-    Metric::counter("metronome_cluster_worker_groups_total", "groups published by this worker");
-const WORKER_TOKENS: Metric =
-    Metric::counter("metronome_cluster_worker_tokens_total", "tokens generated by this worker");
-const WEIGHT_FETCH: Metric = Metric::seconds(
-    "metronome_cluster_weight_fetch_seconds",
-    "time for a worker to fetch and install weights",
-);
-const TRAINER_RESUMES: Metric =
-    Metric::counter("metronome_cluster_trainer_resumes_total", "trainer restarts from a checkpoint");
-const PERIOD: Metric = Metric::gauge("metronome_cluster_period", "the period in progress");
-
-/// The metrics of the multi-process roles. They carry no labels of their own: the
-/// binary serves each process's with the global labels `role` and `worker`.
-pub const CLUSTER_METRICS: &[Metric] = &[
-    CLAIMS_OFFERED,
-    CLAIMS_TAKEN,
-    CLAIMS_COMPLETED,
-    CLAIM_REDELIVERIES,
-    CLAIMS_OBSOLETE,
-    CLAIMS_RELEASED,
-    CLAIMS_REJECTED,
-    WORKER_GROUPS,
-    WORKER_TOKENS,
-    WEIGHT_FETCH,
-    TRAINER_RESUMES,
-    PERIOD,
-];
+metric_catalogue! {
+    /// The metrics of the multi-process roles. They carry no labels of their own: the
+    /// binary serves each process's with the global labels `role` and `worker`.
+    pub const CLUSTER_METRICS = [
+        CLAIMS_OFFERED =
+            Metric::counter("metronome_cluster_claims_offered_total", "prompt claims offered by the trainer"),
+        CLAIMS_TAKEN = Metric::counter("metronome_cluster_claims_taken_total", "claims taken by this worker"),
+        CLAIMS_COMPLETED =
+            Metric::counter("metronome_cluster_claims_completed_total", "claims completed (group published)"),
+        CLAIM_REDELIVERIES = Metric::counter(
+            "metronome_cluster_claim_redeliveries_total",
+            "claims taken again after a lease expired or a worker released them",
+        ),
+        CLAIMS_OBSOLETE =
+            Metric::counter("metronome_cluster_claims_obsolete_total", "claims for a period already stepped"),
+        CLAIMS_RELEASED = Metric::counter(
+            "metronome_cluster_claims_released_total",
+            "claims given back by a worker leaving while it waited",
+        ),
+        CLAIMS_REJECTED = Metric::counter(
+            "metronome_cluster_claims_rejected_total",
+            "claims every worker failed on, published as rejected groups (transport.claims.max_deliveries)",
+        ),
+        WORKER_GROUPS =
+            Metric::counter("metronome_cluster_worker_groups_total", "groups published by this worker"),
+        WORKER_TOKENS =
+            Metric::counter("metronome_cluster_worker_tokens_total", "tokens generated by this worker"),
+        WEIGHT_FETCH = Metric::seconds(
+            "metronome_cluster_weight_fetch_seconds",
+            "time for a worker to fetch and install weights",
+        ),
+        TRAINER_RESUMES =
+            Metric::counter("metronome_cluster_trainer_resumes_total", "trainer restarts from a checkpoint"),
+        PERIOD = Metric::gauge("metronome_cluster_period", "the period in progress"),
+    ];
+}
 
 /// Emits one period's numbers.
 pub(crate) fn record_period(report: &PeriodReport) {

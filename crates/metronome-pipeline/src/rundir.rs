@@ -234,54 +234,41 @@ impl RunDir {
     }
 }
 
+/// Where a float field of a report is.
+type Float = fn(&mut PeriodReport) -> &mut f64;
+
 /// JSON has no NaN or infinity, so `serde_json` writes a non-finite float as `null`,
 /// which it then refuses to read back as an `f64`. A skipped step (non-finite loss or
-/// gradient norm) is exactly such a period; these fields read back as NaN.
-const REPORT_FLOATS: &[&str] = &["period_s", "generation_s", "training_s", "publication_s", "reward_mean"];
-const STEP_FLOATS: &[&str] =
-    &["loss", "policy_loss", "kl", "clip_fraction", "entropy", "grad_norm", "learning_rate", "logprob_gap"];
+/// gradient norm) is exactly such a period; these fields (by JSON pointer, and where
+/// they go in the report) read back as NaN.
+const FLOATS: &[(&str, Float)] = &[
+    ("/period_s", |r| &mut r.period_s),
+    ("/generation_s", |r| &mut r.generation_s),
+    ("/training_s", |r| &mut r.training_s),
+    ("/publication_s", |r| &mut r.publication_s),
+    ("/reward_mean", |r| &mut r.reward_mean),
+    ("/step/loss", |r| &mut r.step.loss),
+    ("/step/policy_loss", |r| &mut r.step.policy_loss),
+    ("/step/kl", |r| &mut r.step.kl),
+    ("/step/clip_fraction", |r| &mut r.step.clip_fraction),
+    ("/step/entropy", |r| &mut r.step.entropy),
+    ("/step/grad_norm", |r| &mut r.step.grad_norm),
+    ("/step/learning_rate", |r| &mut r.step.learning_rate),
+    ("/step/logprob_gap", |r| &mut r.step.logprob_gap),
+];
 
 fn parse_line(line: &str) -> serde_json::Result<PeriodReport> {
     let mut value: serde_json::Value = serde_json::from_str(line)?;
-    let mut missing: (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
-    if let Some(object) = value.as_object_mut() {
-        for &field in REPORT_FLOATS {
-            if object.get(field).is_some_and(serde_json::Value::is_null) {
-                object.insert(field.to_owned(), 0.0.into());
-                missing.0.push(field);
-            }
-        }
-        if let Some(step) = object.get_mut("step").and_then(serde_json::Value::as_object_mut) {
-            for &field in STEP_FLOATS {
-                if step.get(field).is_some_and(serde_json::Value::is_null) {
-                    step.insert(field.to_owned(), 0.0.into());
-                    missing.1.push(field);
-                }
-            }
+    let mut nulls = Vec::new();
+    for &(pointer, field) in FLOATS {
+        if let Some(v) = value.pointer_mut(pointer).filter(|v| v.is_null()) {
+            *v = 0.0.into();
+            nulls.push(field);
         }
     }
     let mut report: PeriodReport = serde_json::from_value(value)?;
-    for field in missing.0 {
-        *match field {
-            "period_s" => &mut report.period_s,
-            "generation_s" => &mut report.generation_s,
-            "training_s" => &mut report.training_s,
-            "publication_s" => &mut report.publication_s,
-            _ => &mut report.reward_mean,
-        } = f64::NAN;
-    }
-    let step = &mut report.step;
-    for field in missing.1 {
-        *match field {
-            "loss" => &mut step.loss,
-            "policy_loss" => &mut step.policy_loss,
-            "kl" => &mut step.kl,
-            "clip_fraction" => &mut step.clip_fraction,
-            "entropy" => &mut step.entropy,
-            "grad_norm" => &mut step.grad_norm,
-            "learning_rate" => &mut step.learning_rate,
-            _ => &mut step.logprob_gap,
-        } = f64::NAN;
+    for field in nulls {
+        *field(&mut report) = f64::NAN;
     }
     Ok(report)
 }

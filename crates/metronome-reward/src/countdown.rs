@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use metronome_core::{Completion, Prompt, Reward, RewardFn};
 
+use crate::error::finite_scores;
 use crate::extract::{Extractor, tail};
 use crate::meter::Meter;
 use crate::rational::Rational;
@@ -74,15 +75,11 @@ impl Default for CountdownConfig {
 impl CountdownConfig {
     /// Checks the values and builds the checker.
     pub fn build(&self) -> Result<CountdownChecker> {
-        for (field, v) in [
+        finite_scores(&[
             ("countdown.correct_score", self.correct_score),
             ("countdown.format_score", self.format_score),
             ("countdown.invalid_score", self.invalid_score),
-        ] {
-            if !v.is_finite() {
-                return Err(Error::config(field, format!("must be finite, got {v}")));
-            }
-        }
+        ])?;
         if self.max_expression_bytes == 0 || self.max_depth == 0 || self.max_input_bytes == 0 {
             return Err(Error::config("countdown.max_*", "limits must be positive"));
         }
@@ -298,31 +295,37 @@ impl Parser<'_, '_> {
     }
 
     fn expr(&mut self) -> Result<Rational, Invalid> {
-        let mut acc = self.term()?;
-        while let Some((op @ (b'+' | b'-'), len)) = self.peek_op() {
-            self.meter.charge(1);
-            self.pos += len;
-            let rhs = self.term()?;
-            acc = if op == b'+' { acc.checked_add(rhs) } else { acc.checked_sub(rhs) }
-                .ok_or(Invalid::Overflow)?;
-            self.check_intermediate(acc)?;
-        }
-        Ok(acc)
+        self.chain([b'+', b'-'], Self::term, |acc, op, rhs| {
+            if op == b'+' { acc.checked_add(rhs) } else { acc.checked_sub(rhs) }.ok_or(Invalid::Overflow)
+        })
     }
 
     fn term(&mut self) -> Result<Rational, Invalid> {
-        let mut acc = self.factor()?;
-        while let Some((op @ (b'*' | b'/'), len)) = self.peek_op() {
+        self.chain([b'*', b'/'], Self::factor, |acc, op, rhs| {
+            if op == b'*' {
+                acc.checked_mul(rhs).ok_or(Invalid::Overflow)
+            } else if rhs.is_zero() {
+                Err(Invalid::DivisionByZero)
+            } else {
+                acc.checked_div(rhs).ok_or(Invalid::Overflow)
+            }
+        })
+    }
+
+    /// `operand (op operand)*` for the operators `ops` of one precedence level, folded
+    /// from the left by `apply`, each intermediate result checked.
+    fn chain(
+        &mut self,
+        ops: [u8; 2],
+        operand: fn(&mut Self) -> Result<Rational, Invalid>,
+        apply: fn(Rational, u8, Rational) -> Result<Rational, Invalid>,
+    ) -> Result<Rational, Invalid> {
+        let mut acc = operand(self)?;
+        while let Some((op, len)) = self.peek_op().filter(|(op, _)| ops.contains(op)) {
             self.meter.charge(1);
             self.pos += len;
-            let rhs = self.factor()?;
-            acc = if op == b'*' {
-                acc.checked_mul(rhs).ok_or(Invalid::Overflow)?
-            } else if rhs.is_zero() {
-                return Err(Invalid::DivisionByZero);
-            } else {
-                acc.checked_div(rhs).ok_or(Invalid::Overflow)?
-            };
+            let rhs = operand(self)?;
+            acc = apply(acc, op, rhs)?;
             self.check_intermediate(acc)?;
         }
         Ok(acc)

@@ -37,6 +37,14 @@ impl Error {
     }
 }
 
+/// Checks that every score of a config is finite; the error names the first that is not.
+pub(crate) fn finite_scores(scores: &[(&str, f32)]) -> Result<()> {
+    match scores.iter().find(|(_, v)| !v.is_finite()) {
+        Some(&(field, v)) => Err(Error::config(field, format!("must be finite, got {v}"))),
+        None => Ok(()),
+    }
+}
+
 impl From<Error> for metronome_core::Error {
     fn from(e: Error) -> Self {
         metronome_core::Error::stage("reward", e)

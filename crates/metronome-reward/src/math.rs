@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use metronome_core::{Completion, Prompt, Reward, RewardFn};
 
+use crate::error::finite_scores;
 use crate::extract::{self, Extractor, tail};
 use crate::meter::Meter;
 use crate::rational::Rational;
@@ -94,15 +95,11 @@ impl MathConfig {
                 return Err(Error::config(field, format!("must be a finite number >= 0, got {v}")));
             }
         }
-        for (field, v) in [
+        finite_scores(&[
             ("math.correct_score", self.correct_score),
             ("math.wrong_score", self.wrong_score),
             ("math.no_answer_score", self.no_answer_score),
-        ] {
-            if !v.is_finite() {
-                return Err(Error::config(field, format!("must be finite, got {v}")));
-            }
-        }
+        ])?;
         if self.max_input_bytes == 0 || self.max_answer_bytes == 0 || self.max_digits == 0 {
             return Err(Error::config("math.max_*", "limits must be positive"));
         }

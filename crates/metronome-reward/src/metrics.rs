@@ -4,26 +4,30 @@
 
 use std::time::Duration;
 
-use metronome_core::Metric;
+use metronome_core::{Metric, metric_catalogue};
 
-/// Scoring failures by reason: `timeout`, `panic`, `non_finite`, `unavailable`,
-/// `scorer` (a scorer reported a failure itself, e.g. a missing reference) and `remote`.
-const FAILURES: Metric = Metric::counter(
-    "metronome_reward_failures_total",
-    "completions scored as failed, by reason (timeout, panic, non_finite, unavailable, scorer, remote)",
-)
-.labels(&["reason"]);
-const COMPLETIONS: Metric = Metric::counter("metronome_reward_completions_total", "completions scored");
-const GROUPS: Metric = Metric::counter("metronome_reward_groups_total", "groups scored");
-const GROUP_SECONDS: Metric =
-    Metric::seconds("metronome_reward_group_seconds", "wall time to score one group");
-const STUCK: Metric =
-    Metric::gauge("metronome_reward_stuck_workers", "pool threads stuck in a scorer past its time limit");
-const REMOTE_RETRIES: Metric =
-    Metric::counter("metronome_reward_remote_retries_total", "requests to a remote scorer retried");
-
-/// Every metric this crate emits.
-pub const METRICS: &[Metric] = &[FAILURES, COMPLETIONS, GROUPS, GROUP_SECONDS, STUCK, REMOTE_RETRIES];
+metric_catalogue! {
+    /// Every metric this crate emits.
+    pub const METRICS = [
+        /// Scoring failures by reason: `timeout`, `panic`, `non_finite`, `unavailable`,
+        /// `scorer` (a scorer reported a failure itself, e.g. a missing reference) and `remote`.
+        FAILURES = Metric::counter(
+            "metronome_reward_failures_total",
+            "completions scored as failed, by reason (timeout, panic, non_finite, unavailable, scorer, \
+             remote)",
+        )
+        .labels(&["reason"]),
+        COMPLETIONS = Metric::counter("metronome_reward_completions_total", "completions scored"),
+        GROUPS = Metric::counter("metronome_reward_groups_total", "groups scored"),
+        GROUP_SECONDS = Metric::seconds("metronome_reward_group_seconds", "wall time to score one group"),
+        STUCK = Metric::gauge(
+            "metronome_reward_stuck_workers",
+            "pool threads stuck in a scorer past its time limit",
+        ),
+        REMOTE_RETRIES =
+            Metric::counter("metronome_reward_remote_retries_total", "requests to a remote scorer retried"),
+    ];
+}
 
 pub(crate) fn failure(reason: &'static str, n: u64) {
     metrics::counter!(FAILURES.name, "reason" => reason).increment(n);

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use metronome_core::{Completion, Prompt, Reward, RewardFn};
 
+use crate::error::finite_scores;
 use crate::extract::{self, Extractor, tail};
 use crate::math::reference_of;
 use crate::meter::Meter;
@@ -46,17 +47,15 @@ impl Default for ExactMatchConfig {
 impl ExactMatchConfig {
     /// Checks the values and builds the scorer.
     pub fn build(&self) -> Result<ExactMatch> {
-        finite("exact_match.match_score", self.match_score)?;
-        finite("exact_match.miss_score", self.miss_score)?;
+        finite_scores(&[
+            ("exact_match.match_score", self.match_score),
+            ("exact_match.miss_score", self.miss_score),
+        ])?;
         if self.max_input_bytes == 0 {
             return Err(Error::config("exact_match.max_input_bytes", "must be positive"));
         }
         Ok(ExactMatch { config: self.clone() })
     }
-}
-
-pub(crate) fn finite(field: &str, v: f32) -> Result<()> {
-    if v.is_finite() { Ok(()) } else { Err(Error::config(field, format!("must be finite, got {v}"))) }
 }
 
 /// Compares the (extracted) answer with the prompt's reference as strings.
@@ -140,8 +139,7 @@ impl Default for FormatConfig {
 impl FormatConfig {
     /// Compiles the pattern (with a bounded program size) and builds the scorer.
     pub fn build(&self) -> Result<FormatReward> {
-        finite("format.match_score", self.match_score)?;
-        finite("format.miss_score", self.miss_score)?;
+        finite_scores(&[("format.match_score", self.match_score), ("format.miss_score", self.miss_score)])?;
         let regex = RegexBuilder::new(&self.pattern)
             .size_limit(1 << 20)
             .dfa_size_limit(4 << 20)

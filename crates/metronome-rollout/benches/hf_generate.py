@@ -52,25 +52,41 @@ def main() -> None:
         long_tail(model, args.repeats, prompt_len)
         return
     for batch in args.batches:
-        best = float("inf")
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                for _ in range(args.responses // batch):
-                    ids = torch.randint(4, 99, (batch, prompt_len))
-                    model.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        do_sample=True,
-                        temperature=1.0,
-                        top_k=0,
-                        max_new_tokens=args.new_tokens,
-                        min_new_tokens=args.new_tokens,
-                        pad_token_id=0,
-                    )
-            best = min(best, time.perf_counter() - start)
-        tokens = (args.responses // batch) * batch * args.new_tokens
+        rounds = args.responses // batch
+
+        def run():
+            for _ in range(rounds):
+                sample(model, batch, prompt_len, args.new_tokens)
+
+        best = best_seconds(args.repeats, run)
+        tokens = rounds * batch * args.new_tokens
         print(f"transformers generate batch {batch:>3}: {tokens / best:9.0f} tokens/s ({tokens} tokens in {best:.3f} s)")
+
+
+def sample(model, batch: int, prompt_len: int, new_tokens: int) -> None:
+    """Samples exactly `new_tokens` tokens at temperature 1 after `batch` random prompts."""
+    ids = torch.randint(4, 99, (batch, prompt_len))
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
+
+
+def best_seconds(repeats: int, run) -> float:
+    """The shortest wall time of `repeats` calls of `run`, without autograd."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            run()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def long_tail(model, repeats: int, prompt_len: int, responses: int = 64, batch: int = 16) -> None:
@@ -83,23 +99,12 @@ def long_tail(model, repeats: int, prompt_len: int, responses: int = 64, batch: 
             n += 1
         lengths.append(n)
     useful = sum(lengths)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            for b in range(0, responses, batch):
-                longest = max(lengths[b : b + batch])
-                ids = torch.randint(4, 99, (batch, prompt_len))
-                model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=True,
-                    top_k=0,
-                    max_new_tokens=longest,
-                    min_new_tokens=longest,
-                    pad_token_id=0,
-                )
-        best = min(best, time.perf_counter() - start)
+
+    def run():
+        for b in range(0, responses, batch):
+            sample(model, batch, prompt_len, max(lengths[b : b + batch]))
+
+    best = best_seconds(repeats, run)
     print(f"transformers generate, long tail, static batches of {batch}: {useful / best:9.0f} useful tokens/s "
           f"({useful} tokens, mean length {useful / responses:.1f}, in {best:.3f} s)")
 

@@ -2,43 +2,39 @@
 //! them through the `metrics` facade (per group, step or request, never per token;
 //! token counts are added once per decode step). Nothing else in the crate emits.
 
-use metronome_core::Metric;
+use metronome_core::{Metric, metric_catalogue};
 
-const ACTIVE_SLOTS: Metric =
-    Metric::gauge("metronome_rollout_active_slots", "KV-cache slots generating, per worker")
-        .labels(&["worker"]);
-const QUEUE_DEPTH: Metric =
-    Metric::gauge("metronome_rollout_queue_depth", "responses waiting for a slot, engine-wide");
-const GENERATED_TOKENS: Metric =
-    Metric::counter("metronome_rollout_generated_tokens_total", "tokens sampled, per worker")
-        .labels(&["worker"]);
-const GROUP_DURATION: Metric = Metric::seconds(
-    "metronome_rollout_group_duration_seconds",
-    "from the start of a group's first response to the end of its last",
-);
-const PROMPTS_REJECTED: Metric = Metric::counter(
-    "metronome_rollout_prompts_rejected_total",
-    "prompts the engine cannot take (empty, or too long for max_seq_len), emitted as rejected groups",
-);
-const EPISODE_FAILURES: Metric = Metric::counter(
-    "metronome_rollout_episode_failures_total",
-    "multi-turn episodes ended before the environment said done, by reason (max_turns, max_tokens, \
-     tool_timeout, tool_panic, tool_error, tool_unavailable, observation)",
-)
-.labels(&["reason"]);
-const HTTP_RETRIES: Metric =
-    Metric::counter("metronome_rollout_http_retries_total", "completion requests to a server retried");
-
-/// Every metric this crate emits.
-pub const METRICS: &[Metric] = &[
-    ACTIVE_SLOTS,
-    QUEUE_DEPTH,
-    GENERATED_TOKENS,
-    GROUP_DURATION,
-    PROMPTS_REJECTED,
-    EPISODE_FAILURES,
-    HTTP_RETRIES,
-];
+metric_catalogue! {
+    /// Every metric this crate emits.
+    pub const METRICS = [
+        ACTIVE_SLOTS =
+            Metric::gauge("metronome_rollout_active_slots", "KV-cache slots generating, per worker")
+                .labels(&["worker"]),
+        QUEUE_DEPTH =
+            Metric::gauge("metronome_rollout_queue_depth", "responses waiting for a slot, engine-wide"),
+        GENERATED_TOKENS =
+            Metric::counter("metronome_rollout_generated_tokens_total", "tokens sampled, per worker")
+                .labels(&["worker"]),
+        GROUP_DURATION = Metric::seconds(
+            "metronome_rollout_group_duration_seconds",
+            "from the start of a group's first response to the end of its last",
+        ),
+        PROMPTS_REJECTED = Metric::counter(
+            "metronome_rollout_prompts_rejected_total",
+            "prompts the engine cannot take (empty, or too long for max_seq_len), emitted as rejected groups",
+        ),
+        EPISODE_FAILURES = Metric::counter(
+            "metronome_rollout_episode_failures_total",
+            "multi-turn episodes ended before the environment said done, by reason (max_turns, max_tokens, \
+             tool_timeout, tool_panic, tool_error, tool_unavailable, observation)",
+        )
+        .labels(&["reason"]),
+        HTTP_RETRIES = Metric::counter(
+            "metronome_rollout_http_retries_total",
+            "completion requests to a server retried",
+        ),
+    ];
+}
 
 /// The handle a worker adds its sampled tokens to.
 pub(crate) fn generated_tokens(worker: usize) -> metrics::Counter {

@@ -14,6 +14,7 @@
 //! - [`data`]: deterministic sample groups and weight snapshots with every field
 //!   filled, awkward values included; [`damage`]: a good file damaged at many bytes,
 //!   for the tests that readers refuse bad input with an error, never a panic.
+//! - [`check_adapter_gradient`]: what a LoRA adapter's gradient must hold.
 //! - [`server`]: a local `nats-server` child process for tests that need a real one.
 //! - [`bench`](mod@bench): what the benchmarks share.
 //!
@@ -26,7 +27,9 @@ pub mod bench;
 pub mod conformance;
 pub mod damage;
 pub mod data;
+mod lora;
 pub mod mock;
 pub mod server;
 
 pub use batch::BatchBuilder;
+pub use lora::check_adapter_gradient;

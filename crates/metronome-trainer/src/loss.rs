@@ -602,6 +602,28 @@ mod tests {
         Tensor::from_slice(v, v.len(), &Device::Cpu).unwrap()
     }
 
+    /// `grpo_loss` of samples drawn by `behaviour`, without an entropy bonus.
+    fn off_policy_loss(
+        cfg: &LossConfig,
+        lp: &Var,
+        old: &Tensor,
+        behaviour: &Tensor,
+        reference: Option<&Tensor>,
+        advantages: &[f32],
+        sequences: &[u32],
+    ) -> LossTerms {
+        let inputs = LossInputs {
+            logprobs: lp.as_tensor(),
+            old_logprobs: old,
+            behaviour_logprobs: behaviour,
+            ref_logprobs: reference,
+            entropy: None,
+            advantages,
+            sequences,
+        };
+        grpo_loss(cfg, inputs).unwrap()
+    }
+
     /// `grpo_loss` of samples drawn from the old weights (behaviour = old), without an
     /// entropy bonus.
     fn on_policy_loss(
@@ -612,16 +634,7 @@ mod tests {
         advantages: &[f32],
         sequences: &[u32],
     ) -> LossTerms {
-        let inputs = LossInputs {
-            logprobs: lp.as_tensor(),
-            old_logprobs: old,
-            behaviour_logprobs: old,
-            ref_logprobs: reference,
-            entropy: None,
-            advantages,
-            sequences,
-        };
-        grpo_loss(cfg, inputs).unwrap()
+        off_policy_loss(cfg, lp, old, old, reference, advantages, sequences)
     }
 
     fn grad(loss: &Tensor, v: &Var) -> Vec<f32> {
@@ -717,21 +730,7 @@ mod tests {
         // Behaviour was 0.5 and 2.0 nats less likely: weights e^0.5 and min(e^2, 2) = 2.
         let beh = t(&[-1.5, -3.0]);
         let cfg = LossConfig { tis_cap: Some(2.0), ..LossConfig::default() };
-        let adv = [1.0f32, 1.0];
-        let seqs = [0, 1];
-        let out = grpo_loss(
-            &cfg,
-            LossInputs {
-                logprobs: lp.as_tensor(),
-                old_logprobs: &old,
-                behaviour_logprobs: &beh,
-                ref_logprobs: None,
-                entropy: None,
-                advantages: &adv,
-                sequences: &seqs,
-            },
-        )
-        .unwrap();
+        let out = off_policy_loss(&cfg, &lp, &old, &beh, None, &[1.0, 1.0], &[0, 1]);
         let is0 = 0.5f64.exp();
         assert!((out.loss_sum - (-is0 - 2.0)).abs() < 1e-5);
         let g = grad(&out.loss, &lp);
@@ -844,19 +843,8 @@ mod tests {
             ..LossConfig::default()
         };
         let reference = t(&[-1.5, -1.5, -1.5, -1.5]);
-        let out = grpo_loss(
-            &cfg,
-            LossInputs {
-                logprobs: lp.as_tensor(),
-                old_logprobs: &old,
-                behaviour_logprobs: &beh,
-                ref_logprobs: Some(&reference),
-                entropy: None,
-                advantages: &[1.0, 2.0, 2.0, -1.0],
-                sequences: &[0, 1, 1, 2],
-            },
-        )
-        .unwrap();
+        let out =
+            off_policy_loss(&cfg, &lp, &old, &beh, Some(&reference), &[1.0, 2.0, 2.0, -1.0], &[0, 1, 1, 2]);
         assert_eq!((out.tokens, out.masked_tokens, out.masked_sequences), (2, 2, 1));
         // Kept: token 0 (response 0, weight 1) and token 3 (response 2, weight 1).
         // δ = ref − log π = −0.5 on both: k3 = e^δ − δ − 1, ∂k3/∂log π = 1 − e^δ.

@@ -6,25 +6,28 @@
 
 use std::time::Duration;
 
-use metronome_core::Metric;
+use metronome_core::{Metric, metric_catalogue};
 
-const ACCUMULATE_SECONDS: Metric =
-    Metric::seconds("metronome_trainer_accumulate_seconds", "forward and backward of one micro-batch");
-const TOKENS: Metric = Metric::counter("metronome_trainer_tokens_total", "target tokens accumulated");
-const ZERO_ADVANTAGE_GROUPS: Metric = Metric::counter(
-    "metronome_trainer_zero_advantage_groups_total",
-    "groups accumulated whose rewards were all equal (no gradient)",
-);
-const STEPS: Metric = Metric::counter("metronome_trainer_steps_total", "optimiser steps, applied or refused");
-const STEP_SECONDS: Metric = Metric::seconds("metronome_trainer_step_seconds", "wall time of one step");
-const SKIPPED_STEPS: Metric = Metric::counter(
-    "metronome_trainer_skipped_steps_total",
-    "steps whose update was refused (non-finite loss or gradient)",
-);
-
-/// Every metric this crate emits.
-pub const METRICS: &[Metric] =
-    &[ACCUMULATE_SECONDS, TOKENS, ZERO_ADVANTAGE_GROUPS, STEPS, STEP_SECONDS, SKIPPED_STEPS];
+metric_catalogue! {
+    /// Every metric this crate emits.
+    pub const METRICS = [
+        ACCUMULATE_SECONDS = Metric::seconds(
+            "metronome_trainer_accumulate_seconds",
+            "forward and backward of one micro-batch",
+        ),
+        TOKENS = Metric::counter("metronome_trainer_tokens_total", "target tokens accumulated"),
+        ZERO_ADVANTAGE_GROUPS = Metric::counter(
+            "metronome_trainer_zero_advantage_groups_total",
+            "groups accumulated whose rewards were all equal (no gradient)",
+        ),
+        STEPS = Metric::counter("metronome_trainer_steps_total", "optimiser steps, applied or refused"),
+        STEP_SECONDS = Metric::seconds("metronome_trainer_step_seconds", "wall time of one step"),
+        SKIPPED_STEPS = Metric::counter(
+            "metronome_trainer_skipped_steps_total",
+            "steps whose update was refused (non-finite loss or gradient)",
+        ),
+    ];
+}
 
 pub(crate) fn accumulated(elapsed: Duration, tokens: u64, zero_advantage_groups: u64) {
     metrics::histogram!(ACCUMULATE_SECONDS.name).record(elapsed.as_secs_f64());

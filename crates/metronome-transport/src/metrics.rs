@@ -7,75 +7,70 @@
 
 use std::time::Duration;
 
-use metronome_core::{Metric, MetricUnit};
+use metronome_core::{Metric, MetricUnit, metric_catalogue};
 
-const MESSAGES_SENT: Metric = Metric::counter("metronome_transport_messages_sent_total", "messages sent")
-    .labels(&["transport", "kind"]);
-const BYTES_SENT: Metric = Metric::counter(
-    "metronome_transport_bytes_sent_total",
-    "encoded bytes sent (0 in process, nothing is encoded)",
-)
-.unit(MetricUnit::Bytes)
-.labels(&["transport", "kind"]);
-const PUBLISH_LATENCY: Metric = Metric::seconds(
-    "metronome_transport_publish_latency_seconds",
-    "from send until the transport confirmed it",
-)
-.labels(&["transport", "kind"]);
-const MESSAGES_RECEIVED: Metric =
-    Metric::counter("metronome_transport_messages_received_total", "messages received and delivered")
-        .labels(&["transport", "kind"]);
-const BYTES_RECEIVED: Metric = Metric::counter("metronome_transport_bytes_received_total", "bytes received")
-    .unit(MetricUnit::Bytes)
-    .labels(&["transport", "kind"]);
-const REDELIVERIES: Metric =
-    Metric::counter("metronome_transport_redeliveries_total", "deliveries the server marked as repeated")
-        .labels(&["transport", "kind"]);
-const DUPLICATES: Metric = Metric::counter(
-    "metronome_transport_duplicates_total",
-    "groups dropped because their (period, prompt) key was already delivered",
-)
-.labels(&["transport", "kind"]);
-const REJECTED: Metric = Metric::counter(
-    "metronome_transport_rejected_total",
-    "malformed or oversized messages refused, by reason",
-)
-.labels(&["transport", "kind", "reason"]);
-const WEIGHT_FETCH: Metric =
-    Metric::seconds("metronome_transport_weight_fetch_seconds", "fetching and decoding one weight snapshot")
-        .labels(&["transport"]);
-const DEAD_LETTERS: Metric = Metric::counter(
-    "metronome_transport_dead_letters_total",
-    "poison messages kept on the NATS dead-letter stream, by kind (group, claim)",
-)
-.labels(&["transport", "kind"]);
-const WEIGHTS_STREAMED: Metric = Metric::counter(
-    "metronome_transport_weights_streamed_fetches_total",
-    "weight versions decoded while they uploaded",
-)
-.labels(&["transport"]);
-const WEIGHTS_RESTORED: Metric = Metric::counter(
-    "metronome_transport_weights_restored_total",
-    "weight versions uploaded again after a restarted server had lost them",
-)
-.labels(&["transport"]);
-
-/// Every metric this crate emits (the dead letters and the streamed and restored
-/// weights only with the `nats` feature).
-pub const METRICS: &[Metric] = &[
-    MESSAGES_SENT,
-    BYTES_SENT,
-    PUBLISH_LATENCY,
-    MESSAGES_RECEIVED,
-    BYTES_RECEIVED,
-    REDELIVERIES,
-    DUPLICATES,
-    REJECTED,
-    WEIGHT_FETCH,
-    DEAD_LETTERS,
-    WEIGHTS_STREAMED,
-    WEIGHTS_RESTORED,
-];
+metric_catalogue! {
+    /// Every metric this crate emits (the dead letters and the streamed and restored
+    /// weights only with the `nats` feature).
+    pub const METRICS = [
+        MESSAGES_SENT =
+            Metric::counter("metronome_transport_messages_sent_total", "messages sent")
+                .labels(&["transport", "kind"]),
+        BYTES_SENT = Metric::counter(
+            "metronome_transport_bytes_sent_total",
+            "encoded bytes sent (0 in process, nothing is encoded)",
+        )
+        .unit(MetricUnit::Bytes)
+        .labels(&["transport", "kind"]),
+        PUBLISH_LATENCY = Metric::seconds(
+            "metronome_transport_publish_latency_seconds",
+            "from send until the transport confirmed it",
+        )
+        .labels(&["transport", "kind"]),
+        MESSAGES_RECEIVED =
+            Metric::counter("metronome_transport_messages_received_total", "messages received and delivered")
+                .labels(&["transport", "kind"]),
+        BYTES_RECEIVED =
+            Metric::counter("metronome_transport_bytes_received_total", "bytes received")
+                .unit(MetricUnit::Bytes)
+                .labels(&["transport", "kind"]),
+        REDELIVERIES = Metric::counter(
+            "metronome_transport_redeliveries_total",
+            "deliveries the server marked as repeated",
+        )
+        .labels(&["transport", "kind"]),
+        DUPLICATES = Metric::counter(
+            "metronome_transport_duplicates_total",
+            "groups dropped because their (period, prompt) key was already delivered",
+        )
+        .labels(&["transport", "kind"]),
+        REJECTED = Metric::counter(
+            "metronome_transport_rejected_total",
+            "malformed or oversized messages refused, by reason",
+        )
+        .labels(&["transport", "kind", "reason"]),
+        WEIGHT_FETCH = Metric::seconds(
+            "metronome_transport_weight_fetch_seconds",
+            "fetching and decoding one weight snapshot",
+        )
+        .labels(&["transport"]),
+        DEAD_LETTERS = Metric::counter(
+            "metronome_transport_dead_letters_total",
+            "poison messages kept on the NATS dead-letter stream, by kind (group, claim)",
+        )
+        .labels(&["transport", "kind"]),
+        WEIGHTS_STREAMED = Metric::counter(
+            "metronome_transport_weights_streamed_fetches_total",
+            "weight versions decoded while they uploaded",
+        )
+        .labels(&["transport"]),
+        WEIGHTS_RESTORED = Metric::counter(
+            "metronome_transport_weights_restored_total",
+            "weight versions uploaded again after a restarted server had lost them",
+        )
+        .labels(&["transport"]),
+    ];
+}
 
 pub(crate) fn sent(transport: &'static str, kind: &'static str, bytes: usize, latency: Duration) {
     let labels = [("transport", transport), ("kind", kind)];

@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use metronome_core::{ChatMessage, PromptBatch, RunSeed, TokenId, Tokenizer};
-use metronome_dataloader::{Dataset, PromptConfig, PromptLoader, ReleaseConfig};
+use metronome_dataloader::{
+    BadRecordPolicy, Dataset, FieldMapping, FileSourceConfig, LoaderConfig, PromptConfig, PromptLoader,
+    ReleaseConfig, SourceConfig,
+};
 
 /// One token per byte; `256` ends a response. With `template`, chat messages render
 /// as `<role>content\n` and the generation prompt as `<assistant>`.
@@ -62,6 +65,25 @@ pub(crate) fn release(batch_size: usize, epochs: Option<u64>) -> ReleaseConfig {
 
 pub(crate) fn loader(dataset: Arc<dyn Dataset>, seed: u64, release: ReleaseConfig) -> PromptLoader {
     PromptLoader::new(dataset, tokenizer(), RunSeed(seed), release, PromptConfig::default()).unwrap()
+}
+
+/// A loader built from config: the file at `path` read as `format` with `fields`,
+/// failing on a bad record, in batches of `batch_size` for `epochs` epochs.
+pub(crate) fn file_loader(
+    format: fn(FileSourceConfig) -> SourceConfig,
+    path: PathBuf,
+    fields: FieldMapping,
+    batch_size: usize,
+    epochs: u64,
+    seed: u64,
+) -> PromptLoader {
+    let source = FileSourceConfig { path, fields, on_bad_record: BadRecordPolicy::Fail };
+    let config = LoaderConfig {
+        source: format(source),
+        release: release(batch_size, Some(epochs)),
+        ..LoaderConfig::default()
+    };
+    config.build(RunSeed(seed), tokenizer()).unwrap()
 }
 
 /// Every batch until the loader is exhausted (or `limit` batches).

@@ -2,13 +2,12 @@
 
 use std::collections::BTreeMap;
 
-use metronome_core::{PromptId, RunSeed};
+use metronome_core::PromptId;
 use metronome_dataloader::{
-    BadRecordPolicy, Dataset, FieldMapping, FileDataset, FileSourceConfig, LoaderConfig, PromptContent,
-    ReleaseConfig, SourceConfig,
+    BadRecordPolicy, Dataset, FieldMapping, FileDataset, PromptContent, SourceConfig,
 };
 
-use crate::common::{tokenizer, write_file};
+use crate::common::{file_loader, write_file};
 
 fn mapping() -> FieldMapping {
     FieldMapping {
@@ -154,16 +153,7 @@ fn empty_files_and_all_bad_files_are_errors() {
 async fn a_jsonl_source_from_config_releases_mapped_prompts() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_file(&dir, "good.jsonl", GOOD);
-    let config = LoaderConfig {
-        source: SourceConfig::Jsonl(FileSourceConfig {
-            path,
-            fields: mapping(),
-            on_bad_record: BadRecordPolicy::Fail,
-        }),
-        release: ReleaseConfig { batch_size: 3, epochs: Some(1), ..ReleaseConfig::default() },
-        ..LoaderConfig::default()
-    };
-    let mut loader = config.build(RunSeed(1), tokenizer()).unwrap();
+    let mut loader = file_loader(SourceConfig::Jsonl, path, mapping(), 3, 1, 1);
     assert_eq!(loader.load_report().unwrap().kept, 3);
     let batch = loader.next().await.unwrap().unwrap();
     let mut answers: Vec<_> = batch.prompts.iter().map(|p| p.reference.clone().unwrap()).collect();

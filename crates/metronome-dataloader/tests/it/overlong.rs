@@ -8,24 +8,20 @@ use metronome_dataloader::{OverlongPolicy, PromptConfig, PromptLoader};
 
 use crate::common::{Numbered, drain, ids, release, tokenizer};
 
-fn dataset() -> Arc<Numbered> {
-    Arc::new(Numbered { len: 20, long: vec![3, 11, 17], long_len: 40 })
-}
-
 fn prompt(max: usize, policy: OverlongPolicy) -> PromptConfig {
     PromptConfig { max_tokens: Some(max), on_overlong: policy, ..PromptConfig::default() }
 }
 
+/// 20 prompts, of which 3, 11 and 17 have 40 tokens, limited to 16 tokens by `policy`.
+fn loader(batch_size: usize, epochs: u64, policy: OverlongPolicy) -> PromptLoader {
+    let dataset = Arc::new(Numbered { len: 20, long: vec![3, 11, 17], long_len: 40 });
+    let release = release(batch_size, Some(epochs));
+    PromptLoader::new(dataset, tokenizer(), RunSeed(2), release, prompt(16, policy)).unwrap()
+}
+
 #[tokio::test]
 async fn overlong_prompts_are_skipped_every_epoch_and_counted() {
-    let mut l = PromptLoader::new(
-        dataset(),
-        tokenizer(),
-        RunSeed(2),
-        release(6, Some(2)),
-        prompt(16, OverlongPolicy::Skip),
-    )
-    .unwrap();
+    let mut l = loader(6, 2, OverlongPolicy::Skip);
     let batches = drain(&mut l, usize::MAX).await;
     let flat: Vec<u64> = batches.iter().flat_map(ids).collect();
     assert_eq!(flat.len(), 2 * 17);
@@ -42,14 +38,7 @@ async fn overlong_prompts_are_skipped_every_epoch_and_counted() {
 
 #[tokio::test]
 async fn overlong_prompt_is_rejected_with_its_id_and_place() {
-    let mut l = PromptLoader::new(
-        dataset(),
-        tokenizer(),
-        RunSeed(2),
-        release(20, Some(1)),
-        prompt(16, OverlongPolicy::Reject),
-    )
-    .unwrap();
+    let mut l = loader(20, 1, OverlongPolicy::Reject);
     let err = l.next().await.unwrap_err().to_string();
     assert!(err.contains("has 40 tokens, more than the maximum of 16"), "{err}");
     assert!(

@@ -10,17 +10,16 @@ use arrow_array::{
     ArrayRef, DictionaryArray, Float64Array, Int64Array, ListArray, RecordBatch, StringArray, StructArray,
 };
 use arrow_schema::{DataType, Field, Fields};
-use metronome_core::{ChatMessage, PromptId, RunSeed};
+use metronome_core::{ChatMessage, PromptId};
 use metronome_dataloader::{
-    BadRecordPolicy, Dataset, FieldMapping, FileDataset, FileSourceConfig, LoaderConfig, PromptContent,
-    ReleaseConfig, SourceConfig,
+    BadRecordPolicy, Dataset, FieldMapping, FileDataset, PromptContent, SourceConfig,
 };
 use metronome_testkit::damage::{Damage, check_damaged};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::Compression;
 use parquet::file::properties::WriterProperties;
 
-use crate::common::tokenizer;
+use crate::common::file_loader;
 
 fn write(path: &Path, columns: Vec<(&str, ArrayRef)>, compression: Compression) {
     let batch = RecordBatch::try_from_iter(columns).unwrap();
@@ -203,16 +202,7 @@ async fn a_parquet_source_from_config_serves_every_row_once_per_epoch() {
     let dir = tempfile::tempdir().unwrap();
     let path = file(&dir, "train.parquet");
     write(&path, good_columns(30, &[]), Compression::SNAPPY);
-    let config = LoaderConfig {
-        source: SourceConfig::Parquet(FileSourceConfig {
-            path,
-            fields: mapping(),
-            on_bad_record: BadRecordPolicy::Fail,
-        }),
-        release: ReleaseConfig { batch_size: 8, epochs: Some(2), ..ReleaseConfig::default() },
-        ..LoaderConfig::default()
-    };
-    let mut loader = config.build(RunSeed(4), tokenizer()).unwrap();
+    let mut loader = file_loader(SourceConfig::Parquet, path, mapping(), 8, 2, 4);
     let mut seen = Vec::new();
     while let Some(batch) = loader.next().await.unwrap() {
         seen.extend(batch.prompts.iter().map(|p| p.id.0));

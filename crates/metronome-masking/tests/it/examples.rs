@@ -1,7 +1,9 @@
 //! Worked examples with every number written out by hand.
 
-use metronome_core::Segment;
-use metronome_masking::{LayoutKind, PackingConfig, dense_additive_mask, pack_period, padded, shared_prompt};
+use metronome_core::{ScoredGroup, Segment};
+use metronome_masking::{
+    Layout, LayoutKind, PackingConfig, dense_additive_mask, pack_period, padded, shared_prompt,
+};
 
 use crate::common::{self, Origin, PAD, token};
 
@@ -11,6 +13,13 @@ fn p(g: u32, index: u32) -> u32 {
 
 fn r(g: u32, response: u32, index: u32) -> u32 {
     token(Origin { group: g, response: Some(response), index })
+}
+
+/// `groups` in the default layout, packed into rows of `row_tokens` and micro-batches
+/// of `micro_batch_tokens` positions.
+fn pack(groups: &[ScoredGroup], row_tokens: usize, micro_batch_tokens: usize) -> Vec<Layout> {
+    let config = PackingConfig { row_tokens, micro_batch_tokens, ..Default::default() };
+    pack_period(groups, &config).unwrap()
 }
 
 #[test]
@@ -72,8 +81,7 @@ fn padded_rows_of_the_same_group() {
 fn packing_groups_side_by_side_and_into_micro_batches() {
     // Trees of 3+2+1 = 6, 2+2 = 4 and 4+3+3 = 10 positions; rows of 10, micro-batches of 10.
     let groups = [common::group(1, 3, &[2, 1]), common::group(2, 2, &[2]), common::group(3, 4, &[3, 3])];
-    let config = PackingConfig { row_tokens: 10, micro_batch_tokens: 10, ..Default::default() };
-    let layouts = pack_period(&groups, &config).unwrap();
+    let layouts = pack(&groups, 10, 10);
     assert_eq!(layouts.len(), 2);
     let row = &layouts[0].batch.rows[0];
     assert_eq!(row.len(), 10);
@@ -90,8 +98,7 @@ fn packing_groups_side_by_side_and_into_micro_batches() {
 fn an_over_budget_group_is_split_with_its_prompt_repeated() {
     // P = 4, responses 3, 3, 3, 3: the tree needs 16 positions, rows hold 11.
     let g = common::group(1, 4, &[3, 3, 3, 3]);
-    let config = PackingConfig { row_tokens: 11, micro_batch_tokens: 11, ..Default::default() };
-    let layouts = pack_period(std::slice::from_ref(&g), &config).unwrap();
+    let layouts = pack(std::slice::from_ref(&g), 11, 11);
     assert_eq!(layouts.len(), 2);
     for l in &layouts {
         assert_eq!(l.batch.num_positions(), 10);
@@ -111,8 +118,7 @@ fn an_over_budget_group_is_split_with_its_prompt_repeated() {
 fn split_parts_that_share_a_micro_batch_share_one_group_entry() {
     // Rows of 11 and micro-batches of 22: both parts land in one micro-batch, two rows.
     let g = common::group(1, 4, &[3, 3, 3, 3]);
-    let config = PackingConfig { row_tokens: 11, micro_batch_tokens: 22, ..Default::default() };
-    let layouts = pack_period(std::slice::from_ref(&g), &config).unwrap();
+    let layouts = pack(std::slice::from_ref(&g), 11, 22);
     assert_eq!(layouts.len(), 1);
     let b = &layouts[0].batch;
     assert_eq!(b.rows.len(), 2);
@@ -143,8 +149,7 @@ fn padded_micro_batches_count_their_pads() {
 fn a_group_one_token_over_the_row_goes_to_a_new_row_of_the_same_micro_batch() {
     // Trees of 6 and 5 positions; rows of 10, micro-batches of 20: two rows, one batch.
     let groups = [common::group(1, 3, &[2, 1]), common::group(2, 2, &[3])];
-    let config = PackingConfig { row_tokens: 10, micro_batch_tokens: 20, ..Default::default() };
-    let layouts = pack_period(&groups, &config).unwrap();
+    let layouts = pack(&groups, 10, 20);
     assert_eq!(layouts.len(), 1);
     let rows: Vec<usize> = layouts[0].batch.rows.iter().map(|r| r.len()).collect();
     assert_eq!(rows, vec![6, 5]);

@@ -4,7 +4,7 @@
 
 use candle_core::{CpuStorage, Layout, Tensor};
 
-use super::{FwdResult, SwiGlu, contiguous_f32};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32};
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
@@ -102,20 +102,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
-impl candle_core::CustomOp3 for DecodeAttention<'_> {
-    fn name(&self) -> &'static str {
-        "decode-attention"
-    }
+impl CpuOp3 for DecodeAttention<'_> {
+    const NAME: &'static str = "decode-attention";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> FwdResult {
+    fn forward(&self, [(s1, l1), (s2, l2), (s3, l3)]: [Operand<'_>; 3]) -> FwdResult {
         let (n, heads, hd) = l1.shape().dims3()?;
         let (rows, kvh, khd) = l2.shape().dims3()?;
         if l3.dims() != l2.dims() || khd != hd || kvh == 0 || heads % kvh != 0 {
@@ -126,10 +116,10 @@ impl candle_core::CustomOp3 for DecodeAttention<'_> {
                 l3.dims()
             )
         }
-        self.0.check(self.name(), n, rows)?;
-        let q = contiguous_f32(self.name(), s1, l1)?;
-        let k = contiguous_f32(self.name(), s2, l2)?;
-        let v = contiguous_f32(self.name(), s3, l3)?;
+        self.0.check(Self::NAME, n, rows)?;
+        let q = contiguous_f32(Self::NAME, s1, l1)?;
+        let k = contiguous_f32(Self::NAME, s2, l2)?;
+        let v = contiguous_f32(Self::NAME, s3, l3)?;
         let mut out = vec![0f32; n * heads * hd];
         // The same scalar code, compiled for the instruction set `pulp` detects (the
         // eight-lane dot products become one AVX vector): results are unchanged.
@@ -315,7 +305,7 @@ pub(crate) fn decode_attention(
     values: &Tensor,
     rows: DecodeRows<'_>,
 ) -> Result<Tensor> {
-    Ok(q.contiguous()?.apply_op3_no_bwd(keys, values, &DecodeAttention(rows))?)
+    Ok(q.contiguous()?.apply_op3_no_bwd(keys, values, &Op3(DecodeAttention(rows)))?)
 }
 
 /// `silu(gate) * up` for the first `rows` rows of `[n, d]` inputs, zero after, without

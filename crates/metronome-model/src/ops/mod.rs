@@ -40,6 +40,41 @@ fn contiguous_f32_pair<'a>(
     Ok((&s1.as_slice::<f32>()?[a0..a1], &s2.as_slice::<f32>()?[b0..b1]))
 }
 
+/// One operand of a custom op's CPU forward: its storage and layout.
+type Operand<'a> = (&'a CpuStorage, &'a Layout);
+
+/// A three-input op that runs on the CPU, made a [`candle_core::CustomOp3`] by [`Op3`]
+/// (which spells out candle's six-argument forward once for every such op).
+trait CpuOp3: Send + Sync {
+    /// The op's name, as its errors give it.
+    const NAME: &'static str;
+
+    /// The output and its shape from the three operands.
+    fn forward(&self, operands: [Operand<'_>; 3]) -> FwdResult;
+}
+
+/// A [`CpuOp3`] as a candle op.
+#[derive(Debug)]
+struct Op3<T>(T);
+
+impl<T: CpuOp3> candle_core::CustomOp3 for Op3<T> {
+    fn name(&self) -> &'static str {
+        T::NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> FwdResult {
+        self.0.forward([(s1, l1), (s2, l2), (s3, l3)])
+    }
+}
+
 /// The contiguous f32 elements of one custom-op operand.
 fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };

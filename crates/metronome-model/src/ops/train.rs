@@ -4,7 +4,7 @@
 
 use candle_core::{CpuStorage, D, Device, Layout, Tensor};
 
-use super::{FwdResult, SwiGlu, contiguous_f32, contiguous_f32_pair};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair};
 use crate::Result;
 
 /// RMSNorm over the last dimension, as Hugging Face computes it:
@@ -363,7 +363,7 @@ impl candle_core::CustomOp2 for SwiGluTrain {
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         // Both gradients in one pass, stacked as `[2, ..]`; each half is a contiguous view.
-        let both = gate.apply_op3_no_bwd(up, &grad.contiguous()?, &SwiGluGrad)?;
+        let both = gate.apply_op3_no_bwd(up, &grad.contiguous()?, &Op3(SwiGluGrad))?;
         Ok((Some(both.get(0)?), Some(both.get(1)?)))
     }
 }
@@ -374,22 +374,12 @@ impl candle_core::CustomOp2 for SwiGluTrain {
 #[derive(Debug, Clone, Copy)]
 struct SwiGluGrad;
 
-impl candle_core::CustomOp3 for SwiGluGrad {
-    fn name(&self) -> &'static str {
-        "swiglu-grad"
-    }
+impl CpuOp3 for SwiGluGrad {
+    const NAME: &'static str = "swiglu-grad";
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> FwdResult {
-        let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
-        let dy = contiguous_f32(self.name(), s3, l3)?;
+    fn forward(&self, [(s1, l1), (s2, l2), (s3, l3)]: [Operand<'_>; 3]) -> FwdResult {
+        let (g, u) = contiguous_f32_pair(Self::NAME, (s1, l1), (s2, l2))?;
+        let dy = contiguous_f32(Self::NAME, s3, l3)?;
         if l1.dims() != l2.dims() || l1.dims() != l3.dims() {
             candle_core::bail!(
                 "swiglu-grad: gate {:?}, up {:?} and gradient {:?} differ in shape",

@@ -50,3 +50,23 @@ pub(crate) fn separate_rows(prompt: &[u32], responses: &[Vec<u32>]) -> (Vec<Pack
     let batch = BatchBuilder::new().separate_rows(0, prompt, responses, &vec![0.0; responses.len()]).build();
     (batch.rows, batch.targets)
 }
+
+/// The mean target log-prob of `rows` before and after `steps` steps of plain SGD
+/// (rate 0.05) on it through `parameters()`: what an optimiser does.
+pub(crate) fn logprob_around_sgd(
+    model: &Model,
+    rows: &[PackedRow],
+    targets: &Targets,
+    steps: usize,
+) -> (f32, f32) {
+    let mean = || model.target_logprobs(rows, targets).unwrap().logprobs.mean_all().unwrap();
+    let before = mean().to_scalar::<f32>().unwrap();
+    for _ in 0..steps {
+        let grads = mean().neg().unwrap().backward().unwrap();
+        for (_, var) in model.parameters() {
+            let g = grads.get(var.as_tensor()).unwrap();
+            var.set(&(var.as_tensor() - (g * 0.05).unwrap()).unwrap()).unwrap();
+        }
+    }
+    (before, mean().to_scalar::<f32>().unwrap())
+}

@@ -9,7 +9,9 @@
 use metronome_core::Targets;
 use metronome_model::{Device, DeviceSpec, Kernels, Model, ModelConfig};
 
-use crate::common::{fixture, full_logits, max_abs_diff, separate_rows, shared_prompt_row, tokens};
+use crate::common::{
+    fixture, full_logits, logprob_around_sgd, max_abs_diff, separate_rows, shared_prompt_row, tokens,
+};
 use crate::decode::decode_matches_full_forward;
 use crate::reference::logits_equal_transformers;
 use crate::training::{every_parameter_gets_a_gradient, shared_prompt_equals_separate_rows};
@@ -216,15 +218,6 @@ fn cuda_training_step_moves_only_the_device_weights() {
     let model = Model::load_hf(&fixture("tiny_llama"), &gpu).unwrap();
     let seq = tokens(4, 8, 96);
     let (rows, targets): (_, Targets) = separate_rows(&seq[..3], &[seq[3..].to_vec()]);
-    let mean = || model.target_logprobs(&rows, &targets).unwrap().logprobs.mean_all().unwrap();
-    let before = mean().to_scalar::<f32>().unwrap();
-    for _ in 0..3 {
-        let grads = mean().neg().unwrap().backward().unwrap();
-        for (_, v) in model.parameters() {
-            let g = grads.get(v.as_tensor()).unwrap();
-            v.set(&(v.as_tensor() - (g * 0.05).unwrap()).unwrap()).unwrap();
-        }
-    }
-    let after = mean().to_scalar::<f32>().unwrap();
+    let (before, after) = logprob_around_sgd(&model, &rows, &targets, 3);
     assert!(after > before + 0.01, "{before} -> {after}");
 }

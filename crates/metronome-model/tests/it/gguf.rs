@@ -5,7 +5,7 @@
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use metronome_core::{ChatMessage, Tokenizer};
-use metronome_model::{Device, HfTokenizer, Model, Tensor, hf_to_gguf_name, permute_for_gguf};
+use metronome_model::{Device, GgufTokenizer, HfTokenizer, Model, Tensor, hf_to_gguf_name, permute_for_gguf};
 use metronome_testkit::damage::{Damage, check_damaged, positions};
 
 use crate::common::{expected, fixture, max_abs_diff};
@@ -68,22 +68,28 @@ fn write_gguf(path: &std::path::Path, dtype: GgmlDType) {
     gguf_file::write(&mut file, &md_refs, &t_refs).unwrap();
 }
 
-fn logits_of(model: &Model) -> (Vec<f32>, Vec<f32>) {
+/// The fixture written to `dir` as a GGUF file of `dtype`, loaded back.
+fn written(dir: &std::path::Path, dtype: GgmlDType) -> (Model, GgufTokenizer) {
+    let path = dir.join(format!("tiny-{dtype:?}.gguf"));
+    write_gguf(&path, dtype);
+    Model::load_gguf(&path, &Device::Cpu).unwrap()
+}
+
+/// The largest difference between `model`'s logits and transformers' on the fixture.
+fn logit_error(model: &Model) -> f32 {
     let (ids, want) = expected("tiny_llama");
     let got =
         model.forward_logits(&Tensor::new(ids, &Device::Cpu).unwrap()).unwrap().to_vec3::<f32>().unwrap();
-    (got.into_iter().flatten().flatten().collect(), want.into_iter().flatten().flatten().collect())
+    let flat = |x: Vec<Vec<Vec<f32>>>| -> Vec<f32> { x.into_iter().flatten().flatten().collect() };
+    max_abs_diff(&flat(got), &flat(want))
 }
 
 #[test]
 fn f32_gguf_loads_with_transformers_logits() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny.gguf");
-    write_gguf(&path, GgmlDType::F32);
-    let (model, tok) = Model::load_gguf(&path, &Device::Cpu).unwrap();
+    let (model, tok) = written(dir.path(), GgmlDType::F32);
     assert!(!model.config().tie_word_embeddings);
-    let (got, want) = logits_of(&model);
-    let d = max_abs_diff(&got, &want);
+    let d = logit_error(&model);
     assert!(d < 1e-4, "max |gguf logit - transformers| = {d}");
 
     // The embedded tokenizer: byte-level BPE with the merge, control tokens whole.
@@ -116,11 +122,8 @@ fn f32_gguf_loads_with_transformers_logits() {
 #[test]
 fn quantised_gguf_dequantises_close_to_f32() {
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("tiny-q8.gguf");
-    write_gguf(&path, GgmlDType::Q8_0);
-    let (model, _) = Model::load_gguf(&path, &Device::Cpu).unwrap();
-    let (got, want) = logits_of(&model);
-    let d = max_abs_diff(&got, &want);
+    let (model, _) = written(dir.path(), GgmlDType::Q8_0);
+    let d = logit_error(&model);
     // 8-bit blocks: close, not equal (the fixture's logits reach about 6).
     assert!(d > 0.0 && d < 0.3, "max |q8 logit - f32 logit| = {d}");
 }

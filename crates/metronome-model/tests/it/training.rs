@@ -4,7 +4,7 @@
 use metronome_core::Targets;
 use metronome_model::{Device, Model, ModelConfig};
 
-use crate::common::{fixture, max_abs_diff, separate_rows, shared_prompt_row, tokens};
+use crate::common::{fixture, logprob_around_sgd, max_abs_diff, separate_rows, shared_prompt_row, tokens};
 
 pub(crate) fn every_parameter_gets_a_gradient(model: &Model) {
     let vocab = model.config().vocab_size;
@@ -188,16 +188,6 @@ fn gradient_steps_raise_the_target_logprobs() {
     // Plain SGD on the log-prob loss through `parameters()`: what an optimiser does.
     let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 21).unwrap();
     let (row, targets) = shared_prompt_row(&tokens(1, 5, 99), &[tokens(2, 6, 99), tokens(3, 4, 99)]);
-    let rows = [row];
-    let mean_logprob = || model.target_logprobs(&rows, &targets).unwrap().logprobs.mean_all().unwrap();
-    let before = mean_logprob().to_scalar::<f32>().unwrap();
-    for _ in 0..5 {
-        let grads = mean_logprob().neg().unwrap().backward().unwrap();
-        for (_, var) in model.parameters() {
-            let g = grads.get(var.as_tensor()).unwrap();
-            var.set(&(var.as_tensor() - (g * 0.05).unwrap()).unwrap()).unwrap();
-        }
-    }
-    let after = mean_logprob().to_scalar::<f32>().unwrap();
+    let (before, after) = logprob_around_sgd(&model, &[row], &targets, 5);
     assert!(after > before + 0.1, "mean log-prob {before} -> {after}");
 }

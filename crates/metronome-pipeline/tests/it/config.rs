@@ -8,6 +8,22 @@ fn err(overrides: &[&str]) -> String {
     PipelineConfig::embedded(&overrides).unwrap_err().to_string()
 }
 
+/// Each override of `cases` is refused with an error that names its key.
+fn assert_named(cases: &[(&str, &str)]) {
+    for &(bad, key) in cases {
+        let e = err(&[bad]);
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+}
+
+/// The error of `overrides`, which must be an invalid configuration whose message
+/// starts with `start` (the key in backquotes, then what is wrong).
+fn invalid(overrides: &[&str], start: &str) -> String {
+    let e = err(overrides);
+    assert!(e.starts_with(&format!("invalid configuration {start}")), "{e}");
+    e
+}
+
 #[test]
 fn the_embedded_default_is_valid_and_round_trips() {
     let config = PipelineConfig::embedded(&[]).unwrap();
@@ -37,12 +53,11 @@ fn overrides_reach_every_section() {
 
 #[test]
 fn unknown_keys_are_named() {
-    let e = err(&["run.periodz=3"]);
-    assert!(e.contains("periodz"), "{e}");
-    let e = err(&["trainer.optimizer.betta1=0.9"]);
-    assert!(e.contains("betta1"), "{e}");
-    let e = err(&["nonsense.key=1"]);
-    assert!(e.contains("nonsense"), "{e}");
+    assert_named(&[
+        ("run.periodz=3", "periodz"),
+        ("trainer.optimizer.betta1=0.9", "betta1"),
+        ("nonsense.key=1", "nonsense"),
+    ]);
 }
 
 #[test]
@@ -102,15 +117,12 @@ fn a_lora_section_is_read_round_trips_and_names_its_bad_keys() {
     assert_eq!(again, config);
     let text = format!("{}\n{}", PipelineConfig::embedded(&[]).unwrap().to_toml().unwrap(), on.join("\n"));
     assert_eq!(PipelineConfig::parse(&text, "file", &[]).unwrap().trainer.lora.unwrap().rank, 4);
-    for (bad, key) in [
+    assert_named(&[
         ("trainer.lora={ rank = 0 }", "lora.rank"),
         ("trainer.lora={ dropout = 0.1 }", "lora.dropout"),
         ("trainer.lora={ target_modules = [\"lm_head\"] }", "lora.target_modules[0]"),
         ("trainer.lora={ rnak = 4 }", "rnak"),
-    ] {
-        let e = err(&[bad]);
-        assert!(e.contains(key), "{bad}: {e}");
-    }
+    ]);
 }
 
 #[test]
@@ -170,20 +182,17 @@ fn partial_files_are_laid_over_the_default_in_order_and_errors_name_the_file() {
 
 #[test]
 fn impossible_combinations_are_named() {
-    let e = err(&["trainer.mini_steps=256"]);
-    assert!(e.starts_with("invalid configuration `trainer.mini_steps`"), "{e}");
-    let e = err(&["run.schedule=\"stale:1\""]);
-    assert!(e.starts_with("invalid configuration `trainer.loss.tis_cap`"), "{e}");
+    invalid(&["trainer.mini_steps=256"], "`trainer.mini_steps`");
+    invalid(&["run.schedule=\"stale:1\""], "`trainer.loss.tis_cap`");
     for groups in [0, 129] {
-        let e = err(&[&format!("run.dynamic_sampling={{ groups = {groups} }}")]);
-        assert!(e.starts_with("invalid configuration `run.dynamic_sampling.groups`"), "{e}");
+        let e = invalid(
+            &[&format!("run.dynamic_sampling={{ groups = {groups} }}")],
+            "`run.dynamic_sampling.groups`",
+        );
         assert!(e.contains("data.release.batch_size = 128"), "{e}");
     }
-    let e = err(&["run.dynamic_sampling={ groups = 2 }", "trainer.mini_steps=4"]);
-    assert!(
-        e.starts_with("invalid configuration `trainer.mini_steps`") && e.contains("dynamic_sampling"),
-        "{e}"
-    );
+    let e = invalid(&["run.dynamic_sampling={ groups = 2 }", "trainer.mini_steps=4"], "`trainer.mini_steps`");
+    assert!(e.contains("dynamic_sampling"), "{e}");
     let ok = PipelineConfig::embedded(&["run.dynamic_sampling={ groups = 96 }".into()]).unwrap();
     assert_eq!(ok.runner_options().dynamic_sampling, Some(96));
     PipelineConfig::embedded(&[
@@ -191,36 +200,24 @@ fn impossible_combinations_are_named() {
         "trainer.loss.masked_is={ upper = 2.0 }".into(),
     ])
     .unwrap();
-    let e = err(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"]);
-    assert!(e.starts_with("invalid configuration `packing.row_tokens`"), "{e}");
-    let e = err(&["rollout.max_seq_len=20"]);
-    assert!(
-        e.starts_with(
-            "invalid configuration `rollout.max_seq_len`: is 20 but a prompt (data.prompt.max_tokens = 16)"
-        ),
-        "{e}"
+    invalid(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"], "`packing.row_tokens`");
+    invalid(
+        &["rollout.max_seq_len=20"],
+        "`rollout.max_seq_len`: is 20 but a prompt (data.prompt.max_tokens = 16)",
     );
-    let e = err(&["transport.kind=\"nats\"", "data.release.batch_size=5000"]);
-    assert!(e.starts_with("invalid configuration `transport.groups.max_pending`: is 4096"), "{e}");
-    let e = err(&[
-        "transport.kind=\"nats\"",
-        "transport.groups.max_ack_pending=1000",
-        "data.release.batch_size=1500",
-    ]);
-    assert!(e.starts_with("invalid configuration `transport.groups.max_ack_pending`: is 1000"), "{e}");
-    let e = err(&["run.group_size=0"]);
-    assert!(e.starts_with("invalid configuration `run.group_size`"), "{e}");
-    let e = err(&["data.source={ kind = \"jsonl\", path = \"x.jsonl\" }"]);
-    assert!(e.starts_with("invalid configuration `eval.source`"), "{e}");
-    let e = err(&["eval.temperature=0.0", "eval.samples=4"]);
-    assert!(e.starts_with("invalid configuration `eval.samples`"), "{e}");
-    let e = err(&["eval.every=0"]);
-    assert!(
-        e.starts_with("invalid configuration `eval.every`: is 0: to never evaluate set eval.prompts = 0"),
-        "{e}"
+    invalid(
+        &["transport.kind=\"nats\"", "data.release.batch_size=5000"],
+        "`transport.groups.max_pending`: is 4096",
     );
-    let e = err(&["eval.temperature=-1.0"]);
-    assert!(e.starts_with("invalid configuration `eval.temperature`"), "{e}");
+    invalid(
+        &["transport.kind=\"nats\"", "transport.groups.max_ack_pending=1000", "data.release.batch_size=1500"],
+        "`transport.groups.max_ack_pending`: is 1000",
+    );
+    invalid(&["run.group_size=0"], "`run.group_size`");
+    invalid(&["data.source={ kind = \"jsonl\", path = \"x.jsonl\" }"], "`eval.source`");
+    invalid(&["eval.temperature=0.0", "eval.samples=4"], "`eval.samples`");
+    invalid(&["eval.every=0"], "`eval.every`: is 0: to never evaluate set eval.prompts = 0");
+    invalid(&["eval.temperature=-1.0"], "`eval.temperature`");
 }
 
 /// Behaviour log-probs are recorded before truncation and after the repetition
@@ -290,13 +287,9 @@ fn devices_are_read_per_stage_and_named_when_wrong() {
         assert_eq!((c.trainer_device(), c.rollout_device()), (DeviceSpec::Cuda(1), DeviceSpec::Cpu));
     } else {
         // A GPU in a build without the `cuda` feature fails at validation, naming the key.
-        let e = err(&["trainer.device=\"cuda:0\""]);
-        assert!(
-            e.starts_with("invalid configuration `trainer.device`") && e.contains("`cuda` feature"),
-            "{e}"
-        );
-        let e = err(&["model.device=\"cuda\""]);
-        assert!(e.starts_with("invalid configuration `model.device`"), "{e}");
+        let e = invalid(&["trainer.device=\"cuda:0\""], "`trainer.device`");
+        assert!(e.contains("`cuda` feature"), "{e}");
+        invalid(&["model.device=\"cuda\""], "`model.device`");
     }
 }
 

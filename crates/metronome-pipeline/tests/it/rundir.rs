@@ -8,6 +8,20 @@ use metronome_pipeline::{Error, Interval, METRICS, PeriodReport, RunDir, StageKi
 
 const DASHBOARD: &str = include_str!("../../../../dashboards/grafana.json");
 
+/// Appends each of `reports` to `dir`'s record.
+fn append(dir: &RunDir, reports: &[PeriodReport]) {
+    for r in reports {
+        dir.append_period(r).unwrap();
+    }
+}
+
+/// The run directory `name` under `root`, created or reopened, with `reports` appended.
+fn recorded(root: &std::path::Path, name: &str, reports: &[PeriodReport]) -> RunDir {
+    let dir = RunDir::create(root, name).unwrap();
+    append(&dir, reports);
+    dir
+}
+
 /// A period of the `periodic` schedule starting at `t`: publication, generation
 /// overlapped by training in completion order, then the step.
 fn period(k: u64, t: f64) -> PeriodReport {
@@ -82,14 +96,8 @@ fn a_run_directory_holds_config_checkpoints_and_one_json_line_per_period() {
 fn reopening_a_run_directory_appends_to_its_record() {
     let root = tempfile::tempdir().unwrap();
     let reports = periods(4);
-    let first = RunDir::create(root.path(), "resumed").unwrap();
-    for r in &reports[..2] {
-        first.append_period(r).unwrap();
-    }
-    let again = RunDir::create(root.path(), "resumed").unwrap();
-    for r in &reports[2..] {
-        again.append_period(r).unwrap();
-    }
+    recorded(root.path(), "resumed", &reports[..2]);
+    let again = recorded(root.path(), "resumed", &reports[2..]);
     assert_eq!(again.read_periods().unwrap(), reports);
 }
 
@@ -97,10 +105,7 @@ fn reopening_a_run_directory_appends_to_its_record() {
 fn a_line_torn_by_a_crash_is_cut_before_the_next_append_and_a_resume_keeps_its_periods() {
     let root = tempfile::tempdir().unwrap();
     let reports = periods(4);
-    let dir = RunDir::create(root.path(), "torn").unwrap();
-    for r in &reports[..2] {
-        dir.append_period(r).unwrap();
-    }
+    let dir = recorded(root.path(), "torn", &reports[..2]);
     // Killed while writing period 2: half its line, no newline.
     let line = serde_json::to_string(&reports[2]).unwrap();
     let mut file = fs::OpenOptions::new().append(true).open(dir.metrics_path()).unwrap();
@@ -108,9 +113,7 @@ fn a_line_torn_by_a_crash_is_cut_before_the_next_append_and_a_resume_keeps_its_p
     drop(file);
     assert_eq!(dir.read_periods().unwrap(), reports[..2], "the torn line is not a period");
     // The resumed run repeats period 2: its line replaces the torn one.
-    for r in &reports[2..] {
-        dir.append_period(r).unwrap();
-    }
+    append(&dir, &reports[2..]);
     assert_eq!(dir.read_periods().unwrap(), reports);
     assert!(fs::read_to_string(dir.metrics_path()).unwrap().lines().all(|l| l.ends_with('}')));
     // A resume from the checkpoint before period 3 (written before its line was

@@ -68,10 +68,6 @@ COUNTDOWN_ITEMS = 50
 REASONING = "<think>Working step by step.</think>\n"
 
 
-def fmt_int(n: int) -> str:
-    return str(n)
-
-
 def thousands(n: int) -> str:
     return f"{n:,}"
 
@@ -84,6 +80,27 @@ def latex_fraction(x: Fraction) -> str:
 def plain(x: Fraction) -> str:
     """The value in the plain form the reasoning-gym scorers read."""
     return str(x.numerator) if x.denominator == 1 else f"{x.numerator}/{x.denominator}"
+
+
+def stated_styles(plain: str, boxed: str, stated, prefix: str = ""):
+    """The styles every right answer is written in: plain, boxed, in `<answer>` tags and
+    in a sentence; `boxed` is the form inside `\\boxed{}`."""
+    return [
+        (f"{prefix}plain", plain, stated),
+        (f"{prefix}boxed", f"{REASONING}So the result is \\boxed{{{boxed}}}.", stated),
+        (f"{prefix}answer_tag", f"{REASONING}<answer>{plain}</answer>", stated),
+        (f"{prefix}sentence", f"{REASONING}The answer is {plain}.", stated),
+    ]
+
+
+def boxed_misses(misses: dict, value, boxed=str, stated=lambda w: w):
+    """(style, completion, stated value) of each near miss (style: wrong value) that is
+    not `value`, boxed as `boxed` writes it."""
+    return [
+        (style, f"{REASONING}So the result is \\boxed{{{boxed(w)}}}.", stated(w))
+        for style, w in misses.items()
+        if w != value
+    ]
 
 
 def digit_edits(n: int, rng: random.Random) -> dict:
@@ -139,11 +156,8 @@ def math_styles(value: Fraction, task: str, entry: dict, rng: random.Random):
     out = []
     if value.denominator == 1:
         n = value.numerator
+        out += stated_styles(str(n), str(n), value)
         out += [
-            ("plain", fmt_int(n), value),
-            ("boxed", f"{REASONING}So the result is \\boxed{{{n}}}.", value),
-            ("answer_tag", f"{REASONING}<answer>{n}</answer>", value),
-            ("sentence", f"{REASONING}The answer is {n}.", value),
             ("hashes", f"{REASONING}#### {n}", value),
             ("bold_final", f"{REASONING}**Final Answer:** {n}", value),
             ("latex_inline", f"{REASONING}$\\boxed{{{n}}}$", value),
@@ -161,8 +175,7 @@ def math_styles(value: Fraction, task: str, entry: dict, rng: random.Random):
         }
         if n != 0:
             misses["sign_flipped"] = -n
-        for style, w in misses.items():
-            out.append((style, f"{REASONING}So the result is \\boxed{{{w}}}.", Fraction(w)))
+        out += boxed_misses(misses, value, stated=Fraction)
         out.append(("off_by_one_sentence", f"{REASONING}The answer is {n + 1}.", Fraction(n + 1)))
         # `n.5`: half added to the magnitude (`-4.5` for -4).
         out.append(("plus_half", f"{REASONING}\\boxed{{{n}.5}}", Fraction(2 * n + (1 if n >= 0 else -1), 2)))
@@ -170,22 +183,15 @@ def math_styles(value: Fraction, task: str, entry: dict, rng: random.Random):
                     Fraction(n + 1)))
     else:
         p, q = value.numerator, value.denominator
-        out += [
-            ("plain", f"{p}/{q}", value),
-            ("boxed", f"{REASONING}So the result is \\boxed{{{latex_fraction(value)}}}.", value),
-            ("answer_tag", f"{REASONING}<answer>{p}/{q}</answer>", value),
-            ("sentence", f"{REASONING}The answer is {p}/{q}.", value),
-            ("dfrac", f"{REASONING}\\boxed{{\\dfrac{{{p}}}{{{q}}}}}", value),
-        ]
+        out += stated_styles(f"{p}/{q}", latex_fraction(value), value)
+        out.append(("dfrac", f"{REASONING}\\boxed{{\\dfrac{{{p}}}{{{q}}}}}", value))
         misses = {
             "numerator_off_by_one": Fraction(p + 1, q),
             "denominator_off_by_one": Fraction(p, q + 1),
             "reciprocal": Fraction(q, p),
             "sign_flipped": -value,
         }
-        for style, w in misses.items():
-            if w != value:
-                out.append((style, f"{REASONING}So the result is \\boxed{{{latex_fraction(w)}}}.", w))
+        out += boxed_misses(misses, value, boxed=latex_fraction)
         rounded = round(p / q, 3)
         out.append(("rounded_decimal", f"{REASONING}\\boxed{{{rounded}}}", Fraction(str(rounded))))
     mid = intermediate_of(entry, task, value)
@@ -213,13 +219,8 @@ def decimal_styles(reference: str, task: str, entry: dict, rng: random.Random):
     value = Decimal(reference)
     places = -value.as_tuple().exponent
     unit = Decimal(1).scaleb(-places)
-    out = [
-        ("dec_plain", reference, reference),
-        ("dec_boxed", f"{REASONING}So the result is \\boxed{{{reference}}}.", reference),
-        ("dec_answer_tag", f"{REASONING}<answer>{reference}</answer>", reference),
-        ("dec_sentence", f"{REASONING}The answer is {reference}.", reference),
-        ("dec_trailing_zero", f"{REASONING}\\boxed{{{reference}0}}", reference + "0"),
-    ]
+    out = stated_styles(reference, reference, reference, prefix="dec_")
+    out.append(("dec_trailing_zero", f"{REASONING}\\boxed{{{reference}0}}", reference + "0"))
     if task == "decimal_arithmetic":
         # The unrounded value, which rounds to the reference.
         longer = significant(exact_value(entry["question"]), 16)
@@ -236,9 +237,7 @@ def decimal_styles(reference: str, task: str, entry: dict, rng: random.Random):
         misses["dec_last_digit_changed"] = value + unit * rng.choice([-2, -1, 1, 2])
         if places > 1:
             misses["dec_last_digit_dropped"] = Decimal(reference[:-1])
-    for style, w in misses.items():
-        if w != value:
-            out.append((style, f"{REASONING}So the result is \\boxed{{{w}}}.", str(w)))
+    out += boxed_misses(misses, value, stated=str)
     return out
 
 

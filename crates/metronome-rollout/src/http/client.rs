@@ -189,6 +189,7 @@ impl OpenAiEngine {
         body: &CompletionRequest,
         expected: PolicyVersion,
     ) -> Result<(CompletionResponse, String)> {
+        let json = body.to_json();
         let mut tried = Vec::new();
         let mut attempt = 0;
         loop {
@@ -203,7 +204,7 @@ impl OpenAiEngine {
             let url = format!("{}/v1/completions", endpoint.url);
             endpoint.in_flight.fetch_add(1, Ordering::Relaxed);
             let guard = InFlight(endpoint);
-            let err = match self.http.post(&url).json(body).send().await {
+            let err = match self.http.post(&url).json(&json).send().await {
                 Ok(resp) if resp.status().is_success() => {
                     let resp: CompletionResponse = resp
                         .json()

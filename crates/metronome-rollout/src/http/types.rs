@@ -38,7 +38,8 @@ impl StopInput {
     }
 }
 
-/// `POST /v1/completions` body. Unknown fields are ignored.
+/// `POST /v1/completions` body. Unknown fields are ignored. Serialized, an unset field
+/// is `null`; [`CompletionRequest::to_json`] leaves it out, as a client sends it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CompletionRequest {
     /// The model name; must be the one the server serves.
@@ -46,59 +47,54 @@ pub struct CompletionRequest {
     /// The prompt(s).
     pub prompt: Option<PromptInput>,
     /// Choices per prompt (default 1).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub n: Option<u32>,
     /// Maximum tokens per choice (default 16, as OpenAI).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<usize>,
     /// Temperature (default 1; 0 is greedy).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f32>,
     /// Nucleus sampling mass (default 1).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_p: Option<f32>,
     /// vLLM extension: top-k (`-1` or `0` disables).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub top_k: Option<i64>,
     /// vLLM extension: min-p.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub min_p: Option<f32>,
     /// vLLM extension: repetition penalty.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub repetition_penalty: Option<f32>,
     /// The run seed of the seed mapping (module docs).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
     /// Stop strings.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stop: Option<StopInput>,
     /// vLLM extension: stop token ids (added to the tokenizer's end-of-sequence tokens).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_token_ids: Option<Vec<u32>>,
     /// vLLM extension: ignore end-of-sequence tokens.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ignore_eos: Option<bool>,
     /// vLLM extension: keep the stop string in the text.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub include_stop_str_in_output: Option<bool>,
     /// Return log-probs (any value returns the sampled tokens' log-probs).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<u32>,
     /// vLLM extension: write log-prob tokens as `token_id:<id>`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub return_tokens_as_token_ids: Option<bool>,
     /// vLLM and SGLang extension: each choice carries its sampled ids in `token_ids`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub return_token_ids: Option<bool>,
     /// Metronome extension: the prompt ids of the seed mapping, one per prompt.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_ids: Option<Vec<u64>>,
     /// Server-sent-event streaming; our server rejects `true`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub stream: Option<bool>,
     /// Echo the prompt in the text; our server rejects `true`.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub echo: Option<bool>,
+}
+
+impl CompletionRequest {
+    /// The request as a client sends it: the JSON object without its unset fields, which
+    /// a server takes for its defaults (some refuse a `null`, as vLLM's integer `top_k`).
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut json = serde_json::to_value(self).expect("a completion request is plain JSON");
+        if let serde_json::Value::Object(fields) = &mut json {
+            fields.retain(|_, value| !value.is_null());
+        }
+        json
+    }
 }
 
 /// Per-token log-probs of a choice, in OpenAI's legacy completions layout.
@@ -229,5 +225,12 @@ mod tests {
             serde_json::from_str(r#"{"model": "m", "prompt": "x", "stop": "\n", "unknown_field": 1}"#)
                 .unwrap();
         assert_eq!(r.stop.map(StopInput::into_vec), Some(vec!["\n".to_owned()]));
+    }
+
+    #[test]
+    fn a_request_is_sent_without_its_unset_fields() {
+        let r =
+            CompletionRequest { model: "m".into(), n: Some(2), top_k: None, ..CompletionRequest::default() };
+        assert_eq!(r.to_json(), serde_json::json!({"model": "m", "n": 2}));
     }
 }

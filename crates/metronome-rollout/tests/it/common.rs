@@ -2,9 +2,11 @@
 
 use std::sync::Arc;
 
-use metronome_core::{Group, PolicyVersion, Prompt, PromptId, RunSeed, Tokenizer};
+use metronome_core::{
+    Group, PolicyVersion, Prompt, PromptId, RolloutEngine, RolloutRequest, RunSeed, Tokenizer,
+};
 use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
-use metronome_rollout::{EngineConfig, ModelEngine, SamplingConfig, model_engine};
+use metronome_rollout::{CollectSink, EngineConfig, ModelEngine, SamplingConfig, model_engine};
 
 /// The tiny model with random weights from `seed`, for inference.
 pub(crate) fn tiny_model(seed: u64) -> Model {
@@ -44,6 +46,13 @@ pub(crate) fn engine(workers: usize, slots: usize, sampling: SamplingConfig) -> 
         ..EngineConfig::default()
     };
     model_engine(tiny_model(7), PolicyVersion(0), tokenizer(), config, RunSeed(42)).expect("engine")
+}
+
+/// The groups `engine` generates for `request`, in arrival order.
+pub(crate) async fn generate(engine: &dyn RolloutEngine, request: RolloutRequest) -> Vec<Group> {
+    let sink = CollectSink::default();
+    engine.generate(request, &sink).await.unwrap();
+    sink.into_groups()
 }
 
 /// Groups sorted by prompt id, for comparisons that ignore completion order.

@@ -10,7 +10,7 @@ use metronome_rollout::http::{
 };
 use metronome_rollout::{CollectSink, ModelEngine, SamplingConfig};
 
-use crate::common::{engine, prompts, sampling, signature, tiny_model};
+use crate::common::{engine, generate, prompts, sampling, signature, tiny_model};
 
 /// Serves `engine` as `tiny` on a free loopback port; returns the base URL.
 async fn start(engine: Arc<ModelEngine>) -> String {
@@ -36,8 +36,7 @@ async fn client_against_our_server_equals_the_engine() {
     let base_url = start(Arc::clone(&engine)).await;
     let request = RolloutRequest { period: PeriodId(2), prompts: prompts(5), group_size: 3 };
 
-    let local = CollectSink::default();
-    engine.generate(request.clone(), &local).await.unwrap();
+    let local = generate(engine.as_ref(), request.clone()).await;
 
     let config = OpenAiClientConfig {
         endpoints: vec![base_url],
@@ -47,9 +46,7 @@ async fn client_against_our_server_equals_the_engine() {
         ..OpenAiClientConfig::default()
     };
     let client = OpenAiEngine::new(config, s, engine.seed(), PolicyVersion(0), NoWeightUpdate).unwrap();
-    let remote = CollectSink::default();
-    client.generate(request, &remote).await.unwrap();
-    let (local, remote) = (local.into_groups(), remote.into_groups());
+    let remote = generate(&client, request).await;
     assert_eq!(remote.len(), 5);
     for g in &remote {
         g.validate().unwrap();

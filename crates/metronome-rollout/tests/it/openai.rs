@@ -11,15 +11,17 @@ use std::sync::{Arc, Mutex};
 
 use axum::Json;
 use axum::routing::post;
-use metronome_core::{ErrorChain, PeriodId, PolicyVersion, PromptId, RolloutEngine, RolloutRequest, RunSeed};
+use metronome_core::{
+    ErrorChain, PeriodId, PolicyVersion, PromptId, RolloutEngine, RolloutRequest, RunSeed, WeightSnapshot,
+};
+use metronome_rollout::ModelEngine;
 use metronome_rollout::http::{
     NoWeightUpdate, OpenAiClientConfig, OpenAiEngine, SafetensorsReload, ServerConfig, WeightSync, router,
     serve, weight_sync_hook,
 };
-use metronome_rollout::{CollectSink, ModelEngine};
 use serde_json::{Value, json};
 
-use crate::common::{engine, prompts, sampling, signature, tiny_model};
+use crate::common::{engine, generate, prompts, sampling, signature, tiny_model};
 
 /// Serves `engine` as `tiny` (loading weights from `weights_dir`) on a free port.
 async fn start(engine: Arc<ModelEngine>, weights_dir: Option<PathBuf>) -> String {
@@ -48,8 +50,7 @@ async fn requests_spread_over_endpoints_and_fail_over_from_a_dead_one() {
     let endpoints =
         vec![dead_endpoint(), start(Arc::clone(&a), None).await, start(Arc::clone(&b), None).await];
     let request = RolloutRequest { period: PeriodId(1), prompts: prompts(6), group_size: 2 };
-    let local = CollectSink::default();
-    reference.generate(request.clone(), &local).await.unwrap();
+    let local = generate(reference.as_ref(), request.clone()).await;
 
     let config = OpenAiClientConfig {
         endpoints,
@@ -61,11 +62,10 @@ async fn requests_spread_over_endpoints_and_fail_over_from_a_dead_one() {
         ..OpenAiClientConfig::default()
     };
     let client = OpenAiEngine::new(config, s, reference.seed(), PolicyVersion(0), NoWeightUpdate).unwrap();
-    let remote = CollectSink::default();
-    client.generate(request, &remote).await.unwrap();
+    let remote = generate(&client, request).await;
     // Every group came back, from whichever live server took it, with the tokens the
     // in-process engine samples: the server a request lands on does not matter.
-    assert_eq!(signature(&local.into_groups()), signature(&remote.into_groups()));
+    assert_eq!(signature(&local), signature(&remote));
     assert!(
         generated(&a) > 0 && generated(&b) > 0,
         "both live endpoints served: {} {}",
@@ -95,10 +95,7 @@ async fn weights_reach_every_endpoint_and_a_server_on_other_weights_is_left_out(
         OpenAiEngine::new(config, s, RunSeed(42), PolicyVersion(0), SafetensorsReload::new(dir.path()))
             .unwrap();
     for v in [3, 4] {
-        client
-            .install_weights(Arc::new(tiny_model(30 + v).snapshot(PolicyVersion(v)).unwrap()))
-            .await
-            .unwrap();
+        client.install_weights(weights(30 + v, v)).await.unwrap();
     }
     assert_eq!((a.current_version(), b.current_version()), (PolicyVersion(4), PolicyVersion(4)));
     // Only the newest export stays.
@@ -110,17 +107,15 @@ async fn weights_reach_every_endpoint_and_a_server_on_other_weights_is_left_out(
 
     // Someone else swaps b's weights: b answers with version 9, which the client
     // refuses (it would be trained as version 4) and retries on a.
-    b.install_weights(Arc::new(tiny_model(99).snapshot(PolicyVersion(9)).unwrap())).await.unwrap();
-    let sink = CollectSink::default();
+    b.install_weights(weights(99, 9)).await.unwrap();
     let request = RolloutRequest { period: PeriodId(4), prompts: prompts(4), group_size: 2 };
-    client.generate(request, &sink).await.unwrap();
-    for g in sink.into_groups() {
+    for g in generate(&client, request).await {
         assert!(g.completions.iter().all(|c| c.version == PolicyVersion(4)), "{:?}", g.prompt.id);
     }
     let status = client.endpoint_status();
     assert_eq!(status, [(endpoints[0].clone(), true), (endpoints[1].clone(), false)]);
     // The next update brings b back.
-    client.install_weights(Arc::new(tiny_model(35).snapshot(PolicyVersion(5)).unwrap())).await.unwrap();
+    client.install_weights(weights(35, 5)).await.unwrap();
     assert!(client.endpoint_status().iter().all(|(_, synced)| *synced));
     assert_eq!(b.current_version(), PolicyVersion(5));
 }
@@ -143,11 +138,7 @@ async fn an_update_no_endpoint_takes_fails_naming_them() {
         SafetensorsReload::new(dir.path()),
     )
     .unwrap();
-    let err = client
-        .install_weights(Arc::new(tiny_model(1).snapshot(PolicyVersion(1)).unwrap()))
-        .await
-        .unwrap_err();
-    let err = ErrorChain(&err).to_string();
+    let err = refusal(&client, 1).await;
     assert!(err.contains("no endpoint took the weights of version 1") && err.contains(&dead), "{err}");
     assert_eq!(client.version(), PolicyVersion(0), "a failed update does not move the version");
 }
@@ -235,18 +226,33 @@ fn config_json() -> String {
     metronome_model::ModelConfig::tiny().to_hf_json()
 }
 
+/// A client of the stub `config` points at, updating its weights as `config` says.
+fn foreign_client(config: &OpenAiClientConfig) -> OpenAiEngine {
+    let hook = weight_sync_hook(config, config_json()).unwrap();
+    OpenAiEngine::new(config.clone(), sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap()
+}
+
+/// Weights of version `v`, from a tiny model seeded with `seed`.
+fn weights(seed: u64, v: u64) -> Arc<WeightSnapshot> {
+    Arc::new(tiny_model(seed).snapshot(PolicyVersion(v)).unwrap())
+}
+
+/// Why `engine` refused the weights of version `v` (a tiny model seeded with `v`).
+async fn refusal(engine: &impl RolloutEngine, v: u64) -> String {
+    ErrorChain(&engine.install_weights(weights(v, v)).await.unwrap_err()).to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_gets_an_hf_folder_per_version_and_a_request_per_response() {
     let dir = tempfile::tempdir().unwrap();
     let (url, calls) = stub(json!({"success": true, "message": "ok"}), true).await;
     let mut config = foreign_config(url, WeightSync::Sglang, dir.path());
     config.server_export_dir = Some("/srv/weights".into());
-    let hook = weight_sync_hook(&config, config_json()).unwrap();
-    let client = OpenAiEngine::new(config, sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap();
+    let client = foreign_client(&config);
     let snapshot = tiny_model(3).snapshot(PolicyVersion(3)).unwrap();
     let names: Vec<String> = snapshot.tensors.iter().map(|t| t.name.clone()).collect();
     client.install_weights(Arc::new(snapshot)).await.unwrap();
-    client.install_weights(Arc::new(tiny_model(4).snapshot(PolicyVersion(4)).unwrap())).await.unwrap();
+    client.install_weights(weights(4, 4)).await.unwrap();
 
     let updates: Vec<Value> = bodies_to(&calls, "/update_weights_from_disk");
     assert_eq!(
@@ -274,14 +280,13 @@ async fn sglang_gets_an_hf_folder_per_version_and_a_request_per_response() {
     assert_eq!(written, names);
     assert!(names.iter().any(|n| n == "model.layers.0.self_attn.q_proj.weight"), "{names:?}");
 
-    let sink = CollectSink::default();
     let request = RolloutRequest { period: PeriodId(4), prompts: prompts(1), group_size: 2 };
-    client.generate(request, &sink).await.unwrap();
+    let groups = generate(&client, request).await;
     // One request per response, each with that response's own seed, and the answers
     // in sample order.
     let seed =
         |j| metronome_core::sample_seed(RunSeed(42), PolicyVersion(4), PromptId(100), j) & ((1 << 62) - 1);
-    let group = &sink.into_groups()[0];
+    let group = &groups[0];
     for (j, c) in group.completions.iter().enumerate() {
         assert_eq!(c.sample_index, j as u32);
         assert_eq!(c.tokens, [(seed(j as u32) % 50) as u32, 7]);
@@ -310,13 +315,7 @@ async fn sglang_gets_an_hf_folder_per_version_and_a_request_per_response() {
     // SGLang's refusal is 200 with `"success": false`: the update fails, naming it.
     let (url, _) = stub(json!({"success": false, "message": "shape mismatch"}), true).await;
     let config = foreign_config(url.clone(), WeightSync::Sglang, dir.path());
-    let hook = weight_sync_hook(&config, config_json()).unwrap();
-    let client = OpenAiEngine::new(config, sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap();
-    let err = client
-        .install_weights(Arc::new(tiny_model(5).snapshot(PolicyVersion(5)).unwrap()))
-        .await
-        .unwrap_err();
-    let err = ErrorChain(&err).to_string();
+    let err = refusal(&foreign_client(&config), 5).await;
     assert!(err.contains("shape mismatch") && err.contains(&url), "{err}");
 }
 
@@ -325,9 +324,8 @@ async fn vllm_reloads_its_own_folder_in_dev_mode() {
     let dir = tempfile::tempdir().unwrap();
     let (url, calls) = stub(json!({}), false).await;
     let config = foreign_config(url, WeightSync::Vllm, dir.path());
-    let hook = weight_sync_hook(&config, config_json()).unwrap();
-    let client = OpenAiEngine::new(config.clone(), sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap();
-    client.install_weights(Arc::new(tiny_model(6).snapshot(PolicyVersion(6)).unwrap())).await.unwrap();
+    let client = foreign_client(&config);
+    client.install_weights(weights(6, 6)).await.unwrap();
     let seen = calls.lock().unwrap().clone();
     assert_eq!(
         seen,
@@ -339,23 +337,15 @@ async fn vllm_reloads_its_own_folder_in_dev_mode() {
     assert!(dir.path().join("config.json").is_file() && dir.path().join("model.safetensors").is_file());
     assert_eq!(client.version(), PolicyVersion(6));
     // vLLM's `token_id:<id>` log-prob tokens carry the ids.
-    let sink = CollectSink::default();
     let request = RolloutRequest { period: PeriodId(6), prompts: prompts(1), group_size: 1 };
-    client.generate(request, &sink).await.unwrap();
-    let c = &sink.into_groups()[0].completions[0];
+    let c = &generate(&client, request).await[0].completions[0];
     let seed = metronome_core::sample_seed(RunSeed(42), PolicyVersion(6), PromptId(100), 0) & ((1 << 62) - 1);
     assert_eq!(c.tokens, [(seed % 50) as u32, 7]);
     assert_eq!((c.finish_reason, c.version), (metronome_core::FinishReason::Length, PolicyVersion(6)));
 
     // A sharded folder would keep serving its shards: refused, naming the key.
     std::fs::write(dir.path().join("model.safetensors.index.json"), "{}").unwrap();
-    let hook = weight_sync_hook(&config, config_json()).unwrap();
-    let client = OpenAiEngine::new(config, sampling(8), RunSeed(42), PolicyVersion(0), hook).unwrap();
-    let err = client
-        .install_weights(Arc::new(tiny_model(7).snapshot(PolicyVersion(7)).unwrap()))
-        .await
-        .unwrap_err();
-    let err = ErrorChain(&err).to_string();
+    let err = refusal(&foreign_client(&config), 7).await;
     assert!(err.contains("openai.export_dir") && err.contains("model.safetensors.index.json"), "{err}");
 }
 

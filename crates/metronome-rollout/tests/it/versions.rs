@@ -5,27 +5,21 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use metronome_core::{Group, GroupSink, PeriodId, PolicyVersion, RolloutEngine, RolloutRequest};
 
-use crate::common::{engine, prompts, sampling, signature, tiny_model};
+use crate::common::{engine, generate, prompts, sampling, signature, tiny_model};
 
 fn request() -> RolloutRequest {
     RolloutRequest { period: PeriodId(0), prompts: prompts(6), group_size: 3 }
 }
 
-async fn collect(e: &metronome_rollout::ModelEngine) -> Vec<Group> {
-    let sink = metronome_rollout::CollectSink::default();
-    e.generate(request(), &sink).await.unwrap();
-    sink.into_groups()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn installed_weights_are_used_and_recorded() {
     let e = engine(1, 4, sampling(12));
-    let v0 = collect(&e).await;
+    let v0 = generate(&e, request()).await;
     assert!(v0.iter().flat_map(|g| &g.completions).all(|c| c.version == PolicyVersion(0)));
     let snapshot = tiny_model(99).snapshot(PolicyVersion(1)).unwrap();
     e.install_weights(Arc::new(snapshot)).await.unwrap();
     assert_eq!(e.version(), PolicyVersion(1));
-    let v1 = collect(&e).await;
+    let v1 = generate(&e, request()).await;
     assert!(v1.iter().flat_map(|g| &g.completions).all(|c| c.version == PolicyVersion(1)));
     assert_ne!(signature(&v0), signature(&v1));
 }
@@ -69,10 +63,10 @@ impl GroupSink for InstallOnFirst<'_> {
 async fn weights_installed_mid_generation_apply_to_new_sequences_only() {
     let snapshot = Arc::new(tiny_model(99).snapshot(PolicyVersion(1)).unwrap());
     // References: the whole request at version 0, and at version 1.
-    let only_v0 = collect(&engine(1, 2, sampling(12))).await;
+    let only_v0 = generate(&engine(1, 2, sampling(12)), request()).await;
     let e1 = engine(1, 2, sampling(12));
     e1.install_weights(Arc::clone(&snapshot)).await.unwrap();
-    let only_v1 = collect(&e1).await;
+    let only_v1 = generate(&e1, request()).await;
 
     let e = engine(1, 2, sampling(12));
     let sink = InstallOnFirst { engine: &e, snapshot, groups: std::sync::Mutex::new(Vec::new()) };

@@ -16,6 +16,27 @@ fn reseal(bytes: &mut [u8]) {
     bytes[16..24].copy_from_slice(&sum.to_le_bytes());
 }
 
+/// Decodes `bytes` with each byte in `range` flipped (by several masks) behind a valid
+/// checksum: whatever the decoder makes of it, it must not panic.
+fn decode_each_flip<T>(bytes: &[u8], range: std::ops::Range<usize>, decode: impl Fn(&[u8]) -> T) {
+    for i in range {
+        for x in [0xffu8, 0x80, 0x01] {
+            let mut bad = bytes.to_vec();
+            bad[i] ^= x;
+            reseal(&mut bad);
+            let _ = decode(&bad);
+        }
+    }
+}
+
+/// `bytes` with the `u32` at `at` claiming `u32::MAX`, behind a valid checksum.
+fn claiming_max(bytes: &[u8], at: usize) -> Vec<u8> {
+    let mut bad = bytes.to_vec();
+    bad[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+    reseal(&mut bad);
+    bad
+}
+
 #[test]
 fn every_truncation_of_a_group_is_an_error() {
     let bytes = encode_group(&scored_group(1, 2, 3, 5)).unwrap();
@@ -58,19 +79,9 @@ fn corrupted_fields_behind_a_valid_checksum_are_clear_errors() {
     // A hostile writer can compute the checksum: the decoder must still refuse
     // impossible counts without allocating them, and must never panic.
     let bytes = encode_group(&scored_group(1, 2, 3, 6)).unwrap();
-    for i in HEADER_LEN..bytes.len() {
-        for x in [0xffu8, 0x80, 0x01] {
-            let mut bad = bytes.clone();
-            bad[i] ^= x;
-            reseal(&mut bad);
-            let _ = decode_group(&bad);
-        }
-    }
-    let mut bad = bytes.clone();
+    decode_each_flip(&bytes, HEADER_LEN..bytes.len(), decode_group);
     // The prompt text length (first field after period and prompt id) claims 4 GiB.
-    bad[HEADER_LEN + 16..HEADER_LEN + 20].copy_from_slice(&u32::MAX.to_le_bytes());
-    reseal(&mut bad);
-    let err = decode_group(&bad).unwrap_err();
+    let err = decode_group(&claiming_max(&bytes, HEADER_LEN + 16)).unwrap_err();
     assert!(matches!(err, Error::Truncated { field: "prompt.text", .. }), "{err}");
     assert!(err.to_string().contains("prompt.text"), "{err}");
 }
@@ -78,18 +89,9 @@ fn corrupted_fields_behind_a_valid_checksum_are_clear_errors() {
 #[test]
 fn corrupted_weight_tables_are_clear_errors() {
     let bytes = encode_weights(&snapshot(2, 4)).unwrap();
-    for i in HEADER_LEN..bytes.len().min(HEADER_LEN + 400) {
-        for x in [0xffu8, 0x80, 0x01] {
-            let mut bad = bytes.clone();
-            bad[i] ^= x;
-            reseal(&mut bad);
-            let _ = decode_weights(&bad);
-        }
-    }
-    let mut bad = bytes.clone();
+    decode_each_flip(&bytes, HEADER_LEN..bytes.len().min(HEADER_LEN + 400), decode_weights);
     // The tensor count claims 4 billion tensors.
-    bad[HEADER_LEN + 8..HEADER_LEN + 12].copy_from_slice(&u32::MAX.to_le_bytes());
-    reseal(&mut bad);
+    let bad = claiming_max(&bytes, HEADER_LEN + 8);
     assert!(matches!(decode_weights(&bad), Err(Error::Truncated { field: "tensors", .. })));
 }
 

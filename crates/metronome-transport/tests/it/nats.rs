@@ -34,6 +34,13 @@ fn config(server: &NatsServer, prefix: &str) -> NatsConfig {
     NatsConfig::with_prefix(vec![server.url()], prefix)
 }
 
+/// A transport of `server` that redelivers a group not acknowledged within `ack_wait_ms`.
+async fn redelivering(server: &NatsServer, prefix: &str, ack_wait_ms: u64) -> NatsTransport {
+    let mut cfg = config(server, prefix);
+    cfg.groups.ack_wait_ms = ack_wait_ms;
+    NatsTransport::connect(cfg).await.unwrap()
+}
+
 async fn next(receiver: &mut dyn GroupReceiver) -> metronome_core::Delivery {
     tokio::time::timeout(PATIENCE, receiver.recv())
         .await
@@ -168,10 +175,8 @@ async fn weights_published_by_one_process_are_fetched_bit_identically_by_another
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_killed_before_acknowledging_gets_the_group_again_and_counts_it_once() {
     let server = NatsServer::start(&[]).expect("start nats-server");
-    let mut cfg = config(&server, "crash");
     // Redeliver quickly: the killed consumer never acknowledges.
-    cfg.groups.ack_wait_ms = 1_000;
-    let t = NatsTransport::connect(cfg).await.unwrap();
+    let t = redelivering(&server, "crash", 1_000).await;
     // Create the durable consumer with the short ack wait before the child uses it.
     drop(t.group_receiver().await.unwrap());
     let sender = t.group_sender().await.unwrap();
@@ -804,9 +809,7 @@ async fn streams_left_with_other_settings_are_updated_or_named_in_a_clear_error(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_group_is_kept_as_a_dead_letter_and_never_delivered_again() {
     let server = NatsServer::start(&[]).expect("start nats-server");
-    let mut cfg = config(&server, "poison");
-    cfg.groups.ack_wait_ms = 300;
-    let t = NatsTransport::connect(cfg).await.unwrap();
+    let t = redelivering(&server, "poison", 300).await;
     let mut receiver = t.group_receiver().await.unwrap();
     let sender = t.group_sender().await.unwrap();
     sender.send(scored_group(3, 1, 2, 4)).await.unwrap();
