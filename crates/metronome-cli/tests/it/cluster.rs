@@ -447,12 +447,13 @@ fn a_trainer_killed_mid_period_resumes_from_its_checkpoint_with_the_same_weights
     c.assert_as_one_process();
 }
 
-// Ignored in `cargo xtask ci` (run by `cargo xtask soak`) while a hang it found is
-// open: about one run in five on a loaded 2-core machine, a trainer restarted at a
-// period waits for ever with 4 of its 6 groups in (seen twice, 2026-11-26; the cause
-// is not known yet). On failure it now prints the workers' logs too.
+// It hung now and then on a loaded machine: a restarted trainer waited for ever with
+// 4 of its 6 groups in, because a worker reading the weights the dead trainer had
+// published waited for chunks the new trainer's put of the same version had purged,
+// renewing the leases of the two claims it held. A fetch now gives up on a chunk
+// after `weights.stall_timeout_ms` and reads the new object (transport's
+// `a_version_put_again_while_read_...`). On failure it prints every process's log.
 #[test]
-#[ignore = "hangs about one run in five under load: a restarted trainer waits for 2 groups that never come"]
 fn a_trainer_and_a_worker_killed_at_seeded_points_end_with_the_weights_of_one_process() {
     use crate::resume::{kills_wanted, mix};
     let wanted = kills_wanted();

@@ -287,9 +287,10 @@ pub struct WeightStoreConfig {
     /// announcement are written as without it; a subscriber that joins later, or an
     /// older one, reads the complete object.
     pub streaming: bool,
-    /// How long a streamed fetch waits for the next chunk before it gives up (the
-    /// publisher died or is stuck) and falls back to the newest complete version, in
-    /// milliseconds.
+    /// How long a fetch waits for the next chunk before it gives up, in
+    /// milliseconds: a streamed fetch when the publisher died or is stuck (it falls
+    /// back to the newest complete version), a fetch of a complete object when a new
+    /// put of the same version purged its chunks (it reads the new object).
     pub stall_timeout_ms: u64,
 }
 

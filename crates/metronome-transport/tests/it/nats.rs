@@ -355,6 +355,38 @@ async fn old_weight_versions_are_pruned_and_readable_by_any_object_store_client(
     assert_eq!(subscriber.latest().await.unwrap().unwrap().version, PolicyVersion(4));
 }
 
+/// A restarted trainer puts the version the dead one published again: the object
+/// store purges the old chunks, maybe while a worker reads them. The read used to
+/// wait for ever for chunks that were gone (holding the worker's claims: the cluster
+/// kill test's hang); it gives up after the stall timeout and reads the new object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_put_again_while_read_is_read_from_the_new_object_never_waited_on_forever() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    let mut cfg = config(&server, "reput");
+    cfg.weights.stall_timeout_ms = 300;
+    let t = NatsTransport::connect(cfg).await.unwrap();
+    let publisher = t.weight_publisher().await.unwrap();
+    publisher.publish(Arc::new(snapshot(2, 16))).await.unwrap();
+    // The chunks the announcement's object names go away, as the new put purges them.
+    let js = async_nats::jetstream::new(t.client().clone());
+    let bucket = t.config().weights.bucket.clone();
+    let store = js.get_object_store(&bucket).await.unwrap();
+    let info = store.info(format!("v{:020}", 2)).await.unwrap();
+    let stream = js.get_stream(format!("OBJ_{bucket}")).await.unwrap();
+    stream.purge().filter(format!("$O.{bucket}.C.{}", info.nuid)).await.unwrap();
+    // ... and the new put lands a little later.
+    let again = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        publisher.publish(Arc::new(snapshot(2, 16))).await.unwrap();
+    });
+    let mut subscriber = t.weight_subscriber().await.unwrap();
+    let got = tokio::time::timeout(PATIENCE, subscriber.latest())
+        .await
+        .expect("a read waited for chunks that are gone");
+    assert_eq!(got.unwrap().unwrap().version, PolicyVersion(2));
+    again.await.unwrap();
+}
+
 #[tokio::test]
 async fn connecting_to_nothing_is_a_clear_error() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -122,6 +122,10 @@ impl NatsWeightSubscriber {
             ));
         }
         let chunks = info.chunks as u64;
+        // Complete, yet a chunk may never come: the publisher may be putting the same
+        // version again (a restarted trainer), which purges these chunks mid-read. The
+        // stall timeout turns that into an error `newest` retries with the new object,
+        // instead of a wait that held the worker's claims for ever.
         let snapshot = self.read_chunks(&info.nuid, chunks, info.size as u64, recycle, None).await?;
         if snapshot.version.0 != announcement.version {
             return Err(Error::Malformed {
@@ -149,10 +153,9 @@ impl NatsWeightSubscriber {
                 ),
             });
         }
-        let stall = Duration::from_millis(self.transport.config.weights.stall_timeout_ms.max(1));
         let recycle = self.recyclable();
         let snapshot = self
-            .read_chunks(&begins.nuid, begins.chunks, begins.bytes, recycle, Some((stall, begins.checksum)))
+            .read_chunks(&begins.nuid, begins.chunks, begins.bytes, recycle, Some(begins.checksum))
             .await?;
         if snapshot.version.0 != begins.version {
             return Err(Error::Malformed {
@@ -173,17 +176,18 @@ impl NatsWeightSubscriber {
     /// Reads `count` chunks of `size` bytes in all from `$O.<bucket>.C.<nuid>` with an
     /// ordered consumer and decodes them as they arrive ([`WeightsDecoder`]): one copy
     /// into the tensors, checked by the format's own checksum (the object store reader
-    /// would add a SHA-256 pass and a copy). With `streamed` = (stall timeout, announced
-    /// checksum), waits at most the timeout for each chunk (the chunks may still be
-    /// uploading) and checks the header's checksum against the announced one.
+    /// would add a SHA-256 pass and a copy). Waits at most `stall_timeout_ms` for each
+    /// chunk (they may still be uploading, or be purged by a newer put of the object);
+    /// with `announced`, checks the header's checksum against it.
     async fn read_chunks(
         &self,
         nuid: &str,
         count: u64,
         size: u64,
         recycle: Vec<HostTensor>,
-        streamed: Option<(Duration, u64)>,
+        announced: Option<u64>,
     ) -> Result<WeightSnapshot> {
+        let stall = Duration::from_millis(self.transport.config.weights.stall_timeout_ms.max(1));
         let bucket = &self.transport.config.weights.bucket;
         let stream = self
             .transport
@@ -208,24 +212,19 @@ impl NatsWeightSubscriber {
         let mut decoder = WeightsDecoder::recycling(size, recycle);
         let mut received = 0u64;
         for index in 0..count {
-            let next = match streamed {
-                None => chunks.next().await,
-                Some((stall, _)) => {
-                    tokio::time::timeout(stall, chunks.next()).await.map_err(|_| Error::Stalled {
-                        what: format!("streamed weights object {nuid}"),
-                        waited_ms: stall.as_millis() as u64,
-                        received,
-                        expected: size,
-                    })?
-                }
-            };
+            let next = tokio::time::timeout(stall, chunks.next()).await.map_err(|_| Error::Stalled {
+                what: format!("weights object {nuid}"),
+                waited_ms: stall.as_millis() as u64,
+                received,
+                expected: size,
+            })?;
             let chunk = match next {
                 Some(Ok(m)) => m,
                 Some(Err(e)) => return Err(Error::nats("fetch weights", e)),
                 None => return Err(Error::Closed("weight chunk stream")),
             };
             if index == 0
-                && let Some((_, announced)) = streamed
+                && let Some(announced) = announced
                 && let Some(header) = chunk.payload.get(16..24)
                 && u64::from_le_bytes(header.try_into().unwrap_or_default()) != announced
             {
