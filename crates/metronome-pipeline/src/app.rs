@@ -276,8 +276,11 @@ async fn demonstrate(
             return Err(failed(format!("the environment ended the episode at turn {i} of {}", turns.len())));
         }
         let tokens = tokenizer.encode(&observation.render(tokenizer, chat_template)?)?;
-        example.context.push(TokenSpan { start: example.answer.len() as u32, len: tokens.len() as u32 });
-        example.answer.extend(tokens);
+        // As the engine records them: an empty observation leaves no span.
+        if !tokens.is_empty() {
+            example.context.push(TokenSpan { start: example.answer.len() as u32, len: tokens.len() as u32 });
+            example.answer.extend(tokens);
+        }
     }
     example.answer.extend(tokenizer.encode(last)?);
     Ok(Some(example))
