@@ -16,7 +16,6 @@
 //! `trainer` and `rollout-worker` share one config file with `transport.kind = "nats"`
 //! (see `deploy/README.md`); `run` is the single-process pipeline.
 
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -448,12 +447,26 @@ fn real_main() -> Result<()> {
                 let stop = metronome_pipeline::cluster::StopFlag::default();
                 let on_signal = stop.clone();
                 tokio::spawn(async move {
+                    use std::io::Write as _;
                     stop_signal().await;
                     on_signal.stop();
                     // Not `eprintln!`: with the supervisor gone, stderr is a closed pipe,
                     // and a panic here would have left the flag unset (a worker that
                     // never left).
-                    let _ = writeln!(std::io::stderr(), "leaving after the claims in hand");
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "leaving after the claims in hand (signal again to leave now)"
+                    );
+                    // Finishing the claims in hand may take long (a server gone, a
+                    // publish retried up to `transport.publish_timeout_ms`): a second
+                    // signal leaves at once, and the claims' leases expire for another
+                    // worker.
+                    stop_signal().await;
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "leaving now; claims in hand go back when their leases expire"
+                    );
+                    std::process::exit(130);
                 });
                 metronome_pipeline::cluster::run_worker(config, &worker_id, stop, observer).await?;
                 anyhow::Ok(())
