@@ -479,6 +479,17 @@ impl PipelineConfig {
                     );
                 }
             }
+            let claims = &nats.claims;
+            if claims.max_hold_ms > 0 && claims.max_hold_ms < claims.lease_ms {
+                return bad(
+                    "transport.claims.max_hold_ms",
+                    format!(
+                        "is {} ms, shorter than transport.claims.lease_ms = {} ms: every claim would be \
+                         given up before its first lease ends (0 holds without limit)",
+                        claims.max_hold_ms, claims.lease_ms
+                    ),
+                );
+            }
         }
         if self.sft.steps > 0 && self.sft.batch_size == 0 {
             return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());

@@ -105,6 +105,10 @@ metric_catalogue! {
             "metronome_cluster_claims_released_total",
             "claims given back by a worker leaving while it waited",
         ),
+        CLAIMS_ABANDONED = Metric::counter(
+            "metronome_cluster_claims_abandoned_total",
+            "claims a worker held past transport.claims.max_hold_ms and stopped renewing, for another worker",
+        ),
         CLAIMS_REJECTED = Metric::counter(
             "metronome_cluster_claims_rejected_total",
             "claims every worker failed on, published as rejected groups (transport.claims.max_deliveries)",
@@ -199,6 +203,11 @@ pub(crate) fn claims_obsolete(claims: usize) {
 #[cfg(feature = "nats")]
 pub(crate) fn claims_released(claims: usize) {
     counter!(CLAIMS_RELEASED.name).increment(claims as u64);
+}
+
+/// A worker stopped renewing the leases of claims it held too long.
+pub(crate) fn claims_abandoned(claims: usize) {
+    counter!(CLAIMS_ABANDONED.name).increment(claims as u64);
 }
 
 /// A worker published a claim every worker failed on as a rejected group.

@@ -69,6 +69,7 @@ pub async fn run_worker(
         taker: transport.claim_taker().await.map_err(err("transport"))?,
         sender: Arc::new(transport.group_sender().await.map_err(err("transport"))?),
         lease: Duration::from_millis(claims.lease_ms.max(1)),
+        max_hold: (claims.max_hold_ms > 0).then(|| Duration::from_millis(claims.max_hold_ms)),
         // Claims per take: enough prompts to fill the engine's slots.
         per_take: (config.rollout.max_num_seqs * config.rollout.workers.max(1) / group_size as usize).max(1),
         max_deliveries: claims.max_deliveries.max(1),
@@ -94,6 +95,8 @@ struct Worker {
     taker: NatsClaimTaker,
     sender: Arc<dyn GroupSender>,
     lease: Duration,
+    /// How long leases are renewed (`transport.claims.max_hold_ms`; `None`: no limit).
+    max_hold: Option<Duration>,
     per_take: usize,
     max_deliveries: u64,
     group_size: u32,
@@ -193,7 +196,7 @@ impl Worker {
     async fn generate(&mut self, batch: Batch, stop: &StopFlag) -> Result<()> {
         let Batch { period, version, claims } = batch;
         let claims = Arc::new(claims);
-        let keeper = tokio::spawn(keep_leases(claims.clone(), self.lease));
+        let keeper = tokio::spawn(keep_leases(claims.clone(), self.lease, self.max_hold));
         let result = self.generate_claims(period, version, &claims, stop).await;
         keeper.abort();
         if let Err(e) = &result
@@ -332,10 +335,25 @@ fn is_transport(e: &Error) -> bool {
     matches!(stage, metronome_core::Error::Stage { stage: "transport", .. })
 }
 
-/// Renews the leases of the claims in hand every third of the lease.
-async fn keep_leases(claims: Arc<Vec<Claim>>, lease: Duration) {
+/// Renews the leases of the claims in hand every third of the lease, for at most
+/// `max_hold`: a worker stuck on its claims then lets them go to another worker
+/// (whichever group is published first counts; the trainer counts each once).
+async fn keep_leases(claims: Arc<Vec<Claim>>, lease: Duration, max_hold: Option<Duration>) {
+    let start = tokio::time::Instant::now();
     loop {
         tokio::time::sleep(lease / 3).await;
+        if let Some(max) = max_hold
+            && start.elapsed() >= max
+        {
+            tracing::warn!(
+                claims = claims.len(),
+                "held claims for {}s (transport.claims.max_hold_ms); no longer renewing their leases, \
+                 so they go to another worker",
+                max.as_secs()
+            );
+            crate::metrics::claims_abandoned(claims.len());
+            return;
+        }
         for claim in claims.iter() {
             if let Err(e) = claim.extend().await {
                 tracing::warn!(error = %ErrorChain(&e), "cannot renew a claim's lease");
@@ -368,5 +386,36 @@ impl<S: GroupSink> GroupSink for CompleteClaims<S> {
         done.0 += 1;
         done.1 += tokens;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metronome_core::Prompt;
+    use metronome_testkit::server::NatsServer;
+    use metronome_transport::nats::{NatsConfig, NatsTransport};
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_held_past_max_hold_go_to_another_worker() {
+        let server = NatsServer::start(&[]).expect("start nats-server");
+        let mut cfg = NatsConfig::with_prefix(vec![server.url()], "hold");
+        cfg.claims.lease_ms = 1_500;
+        let lease = Duration::from_millis(cfg.claims.lease_ms);
+        let t = NatsTransport::connect(cfg).await.unwrap();
+        let prompt = Prompt { id: PromptId(1), text: "1+1=".into(), tokens: vec![1], ..Prompt::default() };
+        t.claim_offerer().await.unwrap().offer(PeriodId(0), PolicyVersion(0), &[prompt]).await.unwrap();
+        let stuck = t.claim_taker().await.unwrap();
+        let held = Arc::new(stuck.take(1, Duration::from_secs(10)).await.unwrap());
+        assert_eq!(held.len(), 1);
+        let keeper = tokio::spawn(keep_leases(held.clone(), lease, Some(Duration::from_secs(3))));
+        // Renewed: nobody else gets it within the hold, past the lease.
+        let other = t.claim_taker().await.unwrap();
+        assert!(other.take(1, Duration::from_secs(2)).await.unwrap().is_empty(), "a renewed claim was taken");
+        // Past the hold the keeper stops, the lease lapses and another worker takes it.
+        let again = other.take(1, Duration::from_secs(20)).await.unwrap();
+        assert_eq!(again.iter().map(|c| (c.prompt.id, c.deliveries)).collect::<Vec<_>>(), [(PromptId(1), 2)]);
+        keeper.await.unwrap();
     }
 }

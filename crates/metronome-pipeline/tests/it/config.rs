@@ -213,6 +213,10 @@ fn impossible_combinations_are_named() {
         &["transport.kind=\"nats\"", "transport.groups.max_ack_pending=1000", "data.release.batch_size=1500"],
         "`transport.groups.max_ack_pending`: is 1000",
     );
+    invalid(
+        &["transport.kind=\"nats\"", "transport.claims.lease_ms=5000", "transport.claims.max_hold_ms=1000"],
+        "`transport.claims.max_hold_ms`: is 1000 ms, shorter than transport.claims.lease_ms = 5000 ms",
+    );
     invalid(&["run.group_size=0"], "`run.group_size`");
     invalid(&["data.source={ kind = \"jsonl\", path = \"x.jsonl\" }"], "`eval.source`");
     invalid(&["eval.temperature=0.0", "eval.samples=4"], "`eval.samples`");

@@ -380,6 +380,11 @@ pub struct ClaimQueueConfig {
     /// it, or died) is poison: the worker that takes it next publishes its group as
     /// rejected instead of generating.
     pub max_deliveries: u64,
+    /// How long a worker renews the leases of claims it holds, in milliseconds; past
+    /// it the leases lapse and the claims go to another worker, so that a worker stuck
+    /// on them (a wait that never ends) cannot stall a period. Longer than any
+    /// generation should take; 0 renews without limit.
+    pub max_hold_ms: u64,
     /// Storage.
     pub storage: Storage,
 }
@@ -393,6 +398,7 @@ impl Default for ClaimQueueConfig {
             lease_ms: 30_000,
             duplicate_window_ms: 600_000,
             max_deliveries: 5,
+            max_hold_ms: 1_800_000,
             storage: Storage::File,
         }
     }
