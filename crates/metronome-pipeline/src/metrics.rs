@@ -206,6 +206,7 @@ pub(crate) fn claims_released(claims: usize) {
 }
 
 /// A worker stopped renewing the leases of claims it held too long.
+#[cfg(feature = "nats")]
 pub(crate) fn claims_abandoned(claims: usize) {
     counter!(CLAIMS_ABANDONED.name).increment(claims as u64);
 }
