@@ -297,6 +297,7 @@ fn devices_are_read_per_stage_and_named_when_wrong() {
     }
 }
 
+#[cfg(feature = "nats")]
 #[test]
 fn credentials_come_from_the_environment_or_a_file_and_never_show() {
     // Set nowhere: the error names it.
