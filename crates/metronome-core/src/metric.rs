@@ -2,9 +2,10 @@
 //!
 //! Every crate that emits metrics declares all of them in one `pub const METRICS:
 //! &[Metric]`, written with [`metric_catalogue!`](crate::metric_catalogue), and emits
-//! them through the `metrics` facade, from one module, by the entry's name. The catalogue is plain data: the binary that installs an exporter
-//! describes every catalogue to it (help text and unit), the dashboard tests check
-//! each entry is charted, and a library user with another recorder can do the same.
+//! them through the `metrics` facade, from one module, by the entry's name. The
+//! catalogue is plain data: the binary that installs an exporter describes every
+//! catalogue to it (help text and unit), the dashboard tests check each entry is
+//! charted, and a library user with another recorder can do the same.
 //! This crate does not depend on the `metrics` facade; the entries only name things.
 
 /// What kind of instrument a metric is.

@@ -133,35 +133,19 @@ impl NatsGroupReceiver {
     }
 
     /// Nothing arrived for [`IDLE_CHECK`]: says what the server holds for this
-    /// consumer, and pulls afresh when groups wait there undelivered (a pull stream
-    /// that stopped asking; the new one loses nothing, as what was delivered and not
-    /// acknowledged comes back after `ack_wait`).
-    async fn idle(&mut self) {
-        let info = match self.consumer.get_info().await {
-            Ok(info) => info,
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot read the group consumer's state");
-                return;
-            }
-        };
-        tracing::info!(
-            waiting = info.num_pending,
-            unacknowledged = info.num_ack_pending,
-            redelivered = info.num_redelivered,
-            pulls = info.num_waiting,
-            "no group for {}s; the server's count for this consumer",
-            IDLE_CHECK.as_secs()
-        );
-        if info.num_pending > 0 {
-            tracing::warn!(
+    /// consumer, so that an operator (or a test's log) can tell groups never
+    /// published from groups never delivered.
+    async fn idle(&self) {
+        match self.consumer.get_info().await {
+            Ok(info) => tracing::info!(
                 waiting = info.num_pending,
-                "groups wait on the server undelivered; pulling afresh"
-            );
-            match self.consumer.messages().await {
-                Ok(messages) => self.messages = messages,
-                // The server may be restarting: the next check tries again.
-                Err(e) => tracing::debug!(error = %e, "cannot pull the groups afresh"),
-            }
+                unacknowledged = info.num_ack_pending,
+                redelivered = info.num_redelivered,
+                pulls = info.num_waiting,
+                "no group for {}s; the server's count for this consumer",
+                IDLE_CHECK.as_secs()
+            ),
+            Err(e) => tracing::debug!(error = %e, "cannot read the group consumer's state"),
         }
     }
 
