@@ -679,3 +679,63 @@ pub(crate) fn rollout_config(e: metronome_rollout::Error) -> Error {
         other => Error::Stage(metronome_core::Error::stage("rollout", other)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use metronome_core::{Episode, Observation, PromptId};
+    use metronome_reward::{EnvConfig, ToolCallFormat};
+
+    use super::*;
+
+    fn prompt() -> Prompt {
+        Prompt {
+            id: PromptId(7),
+            text: "2+3=".into(),
+            tokens: CharTokenizer.encode("2+3=").unwrap(),
+            reference: Some("5".into()),
+            metadata: BTreeMap::from([("expression".to_owned(), "2+3".to_owned())]),
+        }
+    }
+
+    /// Shows two turns, but ends the episode at the first.
+    struct EndsEarly;
+
+    struct Done;
+
+    #[async_trait]
+    impl Episode for Done {
+        async fn step(&mut self, _turn: &str) -> metronome_core::Result<Observation> {
+            Ok(Observation::done(Some(1.0)))
+        }
+    }
+
+    impl Environment for EndsEarly {
+        fn start(&self, _: &Prompt, _: u32) -> metronome_core::Result<Box<dyn Episode>> {
+            Ok(Box::new(Done))
+        }
+
+        fn demonstration(&self, _: &Prompt) -> Option<Vec<String>> {
+            Some(vec!["call".into(), "answer".into()])
+        }
+    }
+
+    #[tokio::test]
+    async fn a_demonstration_trains_on_the_turns_and_reads_the_tool_results_as_context() {
+        let env = EnvConfig { format: ToolCallFormat::Tag, ..EnvConfig::default() }.build().unwrap();
+        let example = demonstrate(env.as_ref(), &prompt(), &CharTokenizer, false).await.unwrap().unwrap();
+        let text = |tokens: &[u32]| CharTokenizer.decode(tokens).unwrap();
+        assert_eq!(example.prompt, prompt().tokens);
+        assert_eq!(text(&example.answer), "<calculator>2+3</calculator><result>5</result>5");
+        // The environment's own answer, and only it, is context.
+        let [span] = example.context[..] else { panic!("{:?}", example.context) };
+        assert_eq!(text(&example.answer[span.start as usize..span.end() as usize]), "<result>5</result>");
+        // A prompt the environment cannot show is left to its reference answer.
+        let bare = Prompt { metadata: BTreeMap::new(), ..prompt() };
+        assert!(demonstrate(env.as_ref(), &bare, &CharTokenizer, false).await.unwrap().is_none());
+        // A demonstration the environment does not follow is an error naming the prompt.
+        let err = demonstrate(&EndsEarly, &prompt(), &CharTokenizer, false).await.unwrap_err().to_string();
+        assert!(err.contains("prompt 7") && err.contains("ended the episode at turn 0 of 2"), "{err}");
+    }
+}
