@@ -79,7 +79,11 @@ fn turn_sampling(max_new_tokens: usize) -> SamplingConfig {
 const TURN_ENDS: [u32; 10] = [2, 4, 33, 40, 50, 60, 70, 80, 90, 100];
 
 async fn run(workers: usize, slots: usize, s: SamplingConfig, ep: Episodes) -> Vec<Group> {
-    let e = engine(workers, slots, s);
+    run_on(&engine(workers, slots, s), ep).await
+}
+
+/// Episodes of 5 prompts x 4 responses on `e`.
+async fn run_on(e: &metronome_rollout::ModelEngine, ep: Episodes) -> Vec<Group> {
     let sub = Submission {
         period: PeriodId(1),
         prompts: prompts(5),
@@ -192,18 +196,9 @@ async fn in_a_chat_run_observations_are_tool_messages_as_the_template_writes_the
         metronome_core::RunSeed(42),
     )
     .unwrap();
-    let sub = Submission {
-        period: PeriodId(1),
-        prompts: prompts(3),
-        group_size: 2,
-        sampling: e.config().sampling.clone(),
-        seed: e.seed(),
-    };
-    let sink = metronome_rollout::CollectSink::default();
     let ep = Episodes { chat_template: true, ..episodes(Scripted { done_after: 3, fail_at: None }, 4) };
-    e.submit_episodes(sub, ep, &sink).await.unwrap();
     let mut seen = 0;
-    for c in sink.into_groups().iter().flat_map(|g| g.completions.clone()) {
+    for c in run_on(&e, ep).await.iter().flat_map(|g| g.completions.clone()) {
         let e = c.episode.as_ref().unwrap();
         for (k, span) in e.observations.iter().enumerate() {
             let obs = &c.tokens[span.start as usize..span.end() as usize];
