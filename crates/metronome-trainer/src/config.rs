@@ -18,8 +18,10 @@ use crate::{GrpoTrainer, Result, TrainerError};
 pub struct TrainerConfig {
     /// Seed of the trainer's own randomness (the mini-step partition).
     pub seed: u64,
-    /// Threads of the trainer's own rayon pool; candle's kernels run on it.
-    pub threads: usize,
+    /// Threads of the trainer's own rayon pool; candle's kernels run on it. Unset,
+    /// the pipeline's placement chooses (`run.auto_placement`), else 1
+    /// ([`TrainerConfig::threads`]).
+    pub threads: Option<usize>,
     /// Learning-rate schedule over optimiser steps.
     pub schedule: LrSchedule,
     /// AdamW hyper-parameters.
@@ -56,7 +58,7 @@ impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
             seed: 0,
-            threads: 1,
+            threads: None,
             schedule: LrSchedule::default(),
             optimizer: AdamWConfig::default(),
             max_grad_norm: Some(1.0),
@@ -81,7 +83,7 @@ impl TrainerConfig {
 
     /// Checks every range; the error names the dotted key at fault.
     pub fn validate(&self) -> Result<()> {
-        if self.threads == 0 {
+        if self.threads == Some(0) {
             return Err(TrainerError::config("threads", "is 0, expected at least 1"));
         }
         if self.mini_steps == 0 {
@@ -99,6 +101,12 @@ impl TrainerConfig {
             lora.validate().map_err(TrainerError::from_model_config)?;
         }
         Ok(())
+    }
+
+    /// Threads of the trainer's pool: `threads`, or 1 when unset.
+    #[must_use]
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or(1)
     }
 
     /// Validates and builds a trainer around `policy` (the reference model is a frozen
@@ -137,7 +145,7 @@ mod tests {
         assert_eq!(cfg.schedule.warmup_steps, 2);
         assert_eq!(cfg.loss.kl_coef, 0.05);
         assert_eq!(cfg.advantage, AdvantageEstimator::LeaveOneOut);
-        assert_eq!(cfg.threads, 1);
+        assert_eq!(cfg.threads(), 1);
         let cfg = TrainerConfig::from_json(
             r#"{"advantage": "reinforce_plus_plus_baseline",
                 "loss": {"ratio_level": "sequence", "aggregation": {"kind": "seq_mean_token_mean"},

@@ -305,7 +305,7 @@ impl GrpoTrainer {
         // What trains: the adapters alone with LoRA, else every weight.
         let params = if policy.lora().is_some() { policy.adapter_parameters() } else { policy.parameters() };
         let optimizer = AdamW::new(cfg.optimizer, &params)?;
-        let pool = build_pool(cfg.threads)?;
+        let pool = build_pool(cfg.threads())?;
         Ok(Self {
             rng_state: stream_seed(RunSeed(cfg.seed), TRAINER_STREAM, 0),
             accum: GradAccumulator::new(params.len()),
