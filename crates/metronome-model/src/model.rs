@@ -8,7 +8,7 @@ use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
 use crate::lora::{Projection, frozen_linear};
-use crate::ops::{DenseWeight, RopeTables, SegmentPlan, attention, linear, rope_tables, segment_plans};
+use crate::ops::{DenseWeight, RopeTables, SegmentPlan, linear, rope_tables, segment_plans};
 use crate::{Error, Kernels, Result};
 
 /// One decoder layer's parameters.
@@ -557,7 +557,7 @@ impl Model {
                         Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
                     };
                     let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                    outs.push(attention(ks, &q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
+                    outs.push(ks.attention(&q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
                 }
                 row_start += row_len;
             }

@@ -1,7 +1,7 @@
 //! The network's kernels on candle: the training kernels (differentiable, fused with
 //! their own backward) in `train`, the decode kernels (forward only, batch-invariant)
-//! in `decode`, and what both use here (rotary embeddings, the plain linear layer, the
-//! SwiGLU forward, access to custom-op operands).
+//! in `decode`, and what both use here (rotary embeddings and their tables' copy on a
+//! device, the plain linear layer, the SwiGLU forward, access to custom-op operands).
 //!
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `RmsNorm::forward` have no
 //! backward and silently cut gradients (docs/design.md §6), so the training
@@ -13,17 +13,19 @@
 mod decode;
 mod train;
 
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 
 pub(crate) use decode::{
     DecodeRows, DenseWeight, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
 };
+#[cfg(test)]
+pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
-    SegmentPlan, attention, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
+    SegmentPlan, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
     target_logprobs_entropy,
 };
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// What the CPU forward of a custom op returns: its output and the output's shape.
 type FwdResult = candle_core::Result<(CpuStorage, Shape)>;
@@ -162,25 +164,36 @@ pub(crate) fn rope_tables(positions: &[u32], head_dim: usize, theta: f64) -> Rop
 }
 
 /// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each, and their copy on
-/// a device once the portable kernels ask for it (`portable.rs`).
+/// a device once the portable kernels ask for it ([`RopeTables::on`]).
 #[derive(Debug, Clone)]
 pub(crate) struct RopeTables {
     cos: std::sync::Arc<Vec<f32>>,
     sin: std::sync::Arc<Vec<f32>>,
-    device: crate::portable::DeviceTables,
+    device: DeviceTables,
 }
 
+/// Rotary tables on a device, built once per forward from the host tables.
+#[derive(Debug, Default, Clone)]
+struct DeviceTables(std::sync::Arc<std::sync::OnceLock<(Tensor, Tensor)>>);
+
 impl RopeTables {
-    pub(crate) fn cos(&self) -> &[f32] {
-        &self.cos
-    }
-
-    pub(crate) fn sin(&self) -> &[f32] {
-        &self.sin
-    }
-
-    pub(crate) fn device_tables(&self) -> &crate::portable::DeviceTables {
-        &self.device
+    /// `cos` and `sin` as `[n, 1, half]` tensors on `device` (uploaded on first use).
+    pub(crate) fn on(&self, device: &Device, n: usize, half: usize) -> Result<(Tensor, Tensor)> {
+        if self.cos.len() != n * half {
+            return Err(Error::invalid(
+                "rope",
+                format!("tables for {} values, input needs {}", self.cos.len(), n * half),
+            ));
+        }
+        if let Some(t) = self.device.0.get()
+            && t.0.device().same_device(device)
+        {
+            return Ok(t.clone());
+        }
+        let up = |v: &[f32]| Tensor::from_slice(v, (n, 1, half), device);
+        let t = (up(&self.cos)?, up(&self.sin)?);
+        let _ = self.device.0.set(t.clone());
+        Ok(t)
     }
 }
 
@@ -221,12 +234,12 @@ impl candle_core::CustomOp2 for SwiGlu {
 
 /// `n` pseudo-random values in `[-2, 2)`, for the kernels' tests.
 #[cfg(test)]
-fn noise(seed: u64, n: usize) -> Vec<f32> {
+pub(crate) fn noise(seed: u64, n: usize) -> Vec<f32> {
     (0..n as u64).map(|i| (metronome_core::mix64(seed << 32 | i) % 4096) as f32 / 1024.0 - 2.0).collect()
 }
 
 /// The largest absolute difference between two tensors of one shape, for the kernels' tests.
 #[cfg(test)]
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
 }
