@@ -7,8 +7,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::lora::{Projection, frozen_linear};
-use crate::ops::{DenseWeight, RopeTables, SegmentPlan, linear, rope_tables, segment_plans};
+use crate::ops::{
+    DenseWeight, Projection, RopeTables, SegmentPlan, frozen_linear, linear, rope_tables, segment_plans,
+};
 use crate::{Error, Kernels, Result};
 
 /// One decoder layer's parameters.
@@ -26,6 +27,21 @@ pub(crate) struct Layer {
     pub(crate) gate: Var,
     pub(crate) up: Var,
     pub(crate) down: Var,
+}
+
+impl Layer {
+    /// The base weight of projection `p`.
+    pub(crate) fn weight(&self, p: Projection) -> &Var {
+        match p {
+            Projection::Q => &self.q,
+            Projection::K => &self.k,
+            Projection::V => &self.v,
+            Projection::O => &self.o,
+            Projection::Gate => &self.gate,
+            Projection::Up => &self.up,
+            Projection::Down => &self.down,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -108,7 +124,7 @@ pub struct Model {
     pub(crate) kernels: Kernels,
     /// Low-rank adapters on this handle's projections ([`Model::with_lora`]); with
     /// them the base weights are read detached, so only the adapters train.
-    pub(crate) lora: Option<Arc<crate::lora::Adapters>>,
+    pub(crate) lora: Option<Arc<crate::lora::adapters::Adapters>>,
 }
 
 /// What [`Model::target_logprobs`] returns, one entry per target.
@@ -385,7 +401,7 @@ impl Model {
                     out.push((format!("{p}.post_attention_layernorm.weight"), l.post_norm.clone(), None));
                 }
                 let name = format!("{p}.{}", proj.module_path());
-                out.push((format!("{name}.weight"), proj.weight(l).clone(), Some((i, proj))));
+                out.push((format!("{name}.weight"), l.weight(proj).clone(), Some((i, proj))));
                 let bias = match proj {
                     Projection::Q => &l.q_bias,
                     Projection::K => &l.k_bias,
@@ -534,7 +550,7 @@ impl Model {
             // frozen base then through `frozen_linear`, which skips its gradient).
             let base = self.base_linear();
             let proj = |p: Projection, x: &Tensor, bias: &Option<Var>| -> Result<Tensor> {
-                self.add_adapter(li, p, x, base(x, &w(p.weight(l)), wo(bias).as_ref())?)
+                self.add_adapter(li, p, x, base(x, &w(l.weight(p)), wo(bias).as_ref())?)
             };
             let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
             let q = proj(Projection::Q, &a, &l.q_bias)?.reshape((n, h, hd))?;

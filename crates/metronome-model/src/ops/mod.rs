@@ -1,7 +1,9 @@
 //! The network's kernels on candle: the training kernels (differentiable, fused with
 //! their own backward) in `train`, the decode kernels (forward only, batch-invariant)
-//! in `decode`, and what both use here (rotary embeddings and their tables' copy on a
-//! device, the plain linear layer, the SwiGLU forward, access to custom-op operands).
+//! in `decode`, the linear layers a decoder layer is made of in `linear` (its
+//! projections by name, the plain and the frozen-weight product), and what both use
+//! here (rotary embeddings and their tables' copy on a device, the SwiGLU forward,
+//! access to custom-op operands).
 //!
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `RmsNorm::forward` have no
 //! backward and silently cut gradients (docs/design.md §6), so the training
@@ -11,6 +13,7 @@
 //! that share its step.
 
 mod decode;
+mod linear;
 mod train;
 
 use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
@@ -18,6 +21,8 @@ use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 pub(crate) use decode::{
     DecodeRows, DenseWeight, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
 };
+pub use linear::Projection;
+pub(crate) use linear::{frozen_linear, linear};
 #[cfg(test)]
 pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
@@ -132,15 +137,6 @@ impl candle_core::CustomOp1 for Rope {
         let inv = Rope { inverse: !self.inverse, ..self.clone() };
         Ok(Some(g.contiguous()?.apply_op1(inv)?))
     }
-}
-
-/// `x @ wᵀ (+ b)` for `x: [n, in]`, `w: [out, in]`.
-pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.matmul(&w.t()?)?;
-    Ok(match b {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    })
 }
 
 /// Rotary tables for explicit positions: `cos` and `sin`, each `[n, head_dim / 2]`,
