@@ -969,6 +969,22 @@ impl GrpoTrainer {
     }
 }
 
+// The config's constructors live here, with the trainer they build, so that the
+// config knows nothing of the trainer.
+impl TrainerConfig {
+    /// Validates and builds a trainer around `policy` (the reference model is a frozen
+    /// copy of it, made now; with `lora`, the policy's base weights).
+    pub fn build(&self, policy: Model) -> Result<GrpoTrainer> {
+        GrpoTrainer::new(self.clone(), policy)
+    }
+
+    /// Builds a trainer resumed from a checkpoint directory written by
+    /// [`GrpoTrainer::save_checkpoint`].
+    pub fn resume(&self, dir: &Path, device: &Device) -> Result<GrpoTrainer> {
+        GrpoTrainer::resume(self.clone(), dir, device)
+    }
+}
+
 /// The frozen reference model of `policy`: with adapters its base handle, which no
 /// step writes (only the adapters train), so no copy is made; otherwise a frozen copy
 /// made now.
