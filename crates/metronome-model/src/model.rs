@@ -7,9 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::ops::{
-    DenseWeight, Projection, RopeTables, SegmentPlan, frozen_linear, linear, rope_tables, segment_plans,
-};
+use crate::ops::{DenseWeight, Projection, RopeTables, SegmentPlan, linear, rope_tables, segment_plans};
 use crate::{Error, Kernels, Result};
 
 /// One decoder layer's parameters.
@@ -54,9 +52,11 @@ pub(crate) struct Inner {
     /// `None` when the head is tied to the embedding.
     pub(crate) lm_head: Option<Var>,
     /// Whether this model may keep its linear layers a second time in decode layout:
-    /// set for models built never to train (non-trainable, on the CPU, e.g. by
+    /// set for models built never to train (non-trainable, e.g. by
     /// [`Model::frozen_copy`]), cleared for good by `with_trainable(true)`, so a model
-    /// whose weights an optimiser moves never decodes from a stale copy.
+    /// whose weights an optimiser moves never decodes from a stale copy. Whether the
+    /// copy is made is the kernels' choice ([`Model::decode_weights`]), not the
+    /// device's.
     pub(crate) frozen: std::sync::atomic::AtomicBool,
     /// That copy, built by the first decode step that needs it (a frozen reference model
     /// that only scores never pays its memory) and dropped by
@@ -292,8 +292,9 @@ impl Model {
             Some(var("lm_head.weight", &[cfg.vocab_size, d], Init::Normal)?)
         };
         // A model built to never train (a frozen copy, a rollout worker's) may keep its
-        // linear layers a second time in decode layout: that memory buys decode steps
-        // without repacking transposed weights (crate `ops`, `DecodeLinear`).
+        // linear layers a second time in decode layout: under the fused kernels that
+        // memory buys decode steps without repacking transposed weights (crate `ops`,
+        // `DecodeLinear`).
         let inner = Inner {
             cfg,
             device: device.clone(),
@@ -301,7 +302,7 @@ impl Model {
             layers,
             norm,
             lm_head,
-            frozen: std::sync::atomic::AtomicBool::new(!trainable && device.is_cpu()),
+            frozen: std::sync::atomic::AtomicBool::new(!trainable),
             decode: std::sync::RwLock::new(None),
         };
         Ok(Self { inner: Arc::new(inner), trainable, kernels: Kernels::for_device(device), lora: None })
@@ -547,10 +548,10 @@ impl Model {
             let w = |v: &Var| Self::w(v, grad);
             let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
             // A projection, plus its adapter's low-rank term when it has one (the
-            // frozen base then through `frozen_linear`, which skips its gradient).
-            let base = self.base_linear();
+            // frozen base then through `Kernels::frozen_linear`, which skips its
+            // gradient where it can).
             let proj = |p: Projection, x: &Tensor, bias: &Option<Var>| -> Result<Tensor> {
-                self.add_adapter(li, p, x, base(x, &w(l.weight(p)), wo(bias).as_ref())?)
+                self.add_adapter(li, p, x, self.base_linear(x, &w(l.weight(p)), wo(bias).as_ref())?)
             };
             let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
             let q = proj(Projection::Q, &a, &l.q_bias)?.reshape((n, h, hd))?;
@@ -591,10 +592,11 @@ impl Model {
         ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
     }
 
-    /// The product with a base weight: [`frozen_linear`] under adapters (the base is
-    /// frozen, and candle's matmul would compute its gradient anyway), else [`linear`].
-    fn base_linear(&self) -> fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> {
-        if self.lora.is_some() { frozen_linear } else { linear }
+    /// The product with a base weight: [`Kernels::frozen_linear`] under adapters (the
+    /// base is frozen, and candle's matmul would compute its gradient anyway), else
+    /// [`linear`].
+    fn base_linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        if self.lora.is_some() { self.kernels.frozen_linear(x, w, b) } else { linear(x, w, b) }
     }
 
     /// Whether the base weights record a graph: on a trainable handle without
@@ -642,7 +644,7 @@ impl Model {
         let grad = self.base_grad();
         let hidden = self.hidden_states(batch, grad)?;
         let picked = hidden.index_select(&batch.index, 0)?;
-        let logits = self.base_linear()(&picked, &self.lm_head(grad), None)?;
+        let logits = self.base_linear(&picked, &self.lm_head(grad), None)?;
         let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
         let both = self.kernels.target_logprobs_entropy(&logits, batch.targets.clone(), inv_temperature)?;
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
@@ -666,7 +668,7 @@ impl Model {
             .collect();
         let batch = self.prepare_batch(&rows, &Targets::default())?;
         let hidden = self.hidden_states(&batch, self.base_grad())?;
-        let logits = self.base_linear()(&hidden, &self.lm_head(self.base_grad()), None)?;
+        let logits = self.base_linear(&hidden, &self.lm_head(self.base_grad()), None)?;
         Ok(logits.reshape((b, s, self.inner.cfg.vocab_size))?)
     }
 

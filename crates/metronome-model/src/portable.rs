@@ -87,6 +87,17 @@ impl Kernels {
         }
     }
 
+    /// `x·Wᵀ + b` for a frozen `W` and `b` (a LoRA handle's base weights): fused, the
+    /// CPU product whose backward skips the weight's gradient; portable, the plain
+    /// product, whose backward also computes the unused weight gradient (no portable
+    /// op skips it yet).
+    pub(crate) fn frozen_linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        match self {
+            Self::Fused => ops::frozen_linear(x, w, b),
+            Self::Portable => ops::linear(x, w, b),
+        }
+    }
+
     /// `softmax(scores + mask)` over the last dimension, `mask: [lq, lk]` broadcast
     /// over the leading dimensions of `scores: [.., lq, lk]`.
     pub(crate) fn masked_softmax(self, scores: &Tensor, mask: &Tensor) -> Result<Tensor> {

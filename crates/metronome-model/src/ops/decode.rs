@@ -4,7 +4,7 @@
 
 use candle_core::{CpuStorage, Layout, Tensor};
 
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ran};
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
@@ -50,6 +50,7 @@ impl candle_core::InplaceOp2 for DecodeWrite<'_> {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<()> {
+        fused_op_ran();
         let new = contiguous_f32(self.name(), s2, l2)?;
         let (n, kvh, hd) = l2.shape().dims3()?;
         let (rows, ckvh, chd) = l1.shape().dims3()?;
@@ -379,6 +380,7 @@ impl candle_core::CustomOp1 for DecodeLinear<'_> {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let w = self.0;
         let x = contiguous_f32(self.name(), s, l)?;
         let (n, k) = l.shape().dims2()?;
@@ -535,6 +537,7 @@ impl candle_core::CustomOp1 for SwiGluStacked {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let gu = contiguous_f32(self.name(), s, l)?;
         let (n, two) = l.shape().dims2()?;
         if two % 2 != 0 {

@@ -6,6 +6,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
+use super::fused_op_ran;
 use crate::Result;
 
 /// A linear projection of a decoder layer that may carry an adapter, by its PEFT
@@ -94,6 +95,7 @@ impl CustomOp2 for FrozenMatmul {
         w: &CpuStorage,
         lw: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
+        fused_op_ran();
         let (m, k) = lx.shape().dims2()?;
         let (n, k2) = lw.shape().dims2()?;
         if k != k2 {
@@ -113,13 +115,10 @@ impl CustomOp2 for FrozenMatmul {
     }
 }
 
-/// `x·Wᵀ + b` for frozen `W` and `b` (detached): on the CPU through [`FrozenMatmul`],
-/// so the backward skips the weight's gradient; elsewhere (no kernel for it yet) the
-/// plain product, whose backward also computes the unused weight gradient.
+/// `x·Wᵀ + b` for frozen `W` and `b` (detached) through [`FrozenMatmul`], so the
+/// backward skips the weight's gradient. A fused CPU op: the model reaches it through
+/// `Kernels::frozen_linear`, which runs the plain product under the portable kernels.
 pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        return linear(x, w, b);
-    }
     let y = x.contiguous()?.apply_op2(w, FrozenMatmul)?;
     Ok(match b {
         Some(b) => y.broadcast_add(b)?,

@@ -32,6 +32,28 @@ pub(crate) use train::{
 
 use crate::{Error, Result};
 
+/// Counts a fused CPU op that ran on this thread: every `cpu_fwd` of `ops/` calls it
+/// first, so that the kernel-seam test (`kernel_seam.rs`) can check that
+/// [`crate::Kernels::Portable`] runs none of them (CI's portable run on the CPU is then
+/// the arithmetic a GPU runs). Outside tests it does nothing.
+#[inline(always)]
+fn fused_op_ran() {
+    #[cfg(test)]
+    FUSED_OPS_RUN.with(|n| n.set(n.get() + 1));
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The fused CPU ops [`fused_op_ran`] counted on this thread.
+    static FUSED_OPS_RUN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many fused CPU ops have run on this thread so far.
+#[cfg(test)]
+pub(crate) fn fused_ops_run() -> u64 {
+    FUSED_OPS_RUN.with(std::cell::Cell::get)
+}
+
 /// What the CPU forward of a custom op returns: its output and the output's shape.
 type FwdResult = candle_core::Result<(CpuStorage, Shape)>;
 
@@ -78,6 +100,7 @@ impl<T: CpuOp3> candle_core::CustomOp3 for Op3<T> {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> FwdResult {
+        fused_op_ran();
         self.0.forward([(s1, l1), (s2, l2), (s3, l3)])
     }
 }
@@ -105,6 +128,7 @@ impl candle_core::CustomOp1 for Rope {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let Some((a0, a1)) = l.contiguous_offsets() else {
             candle_core::bail!("rope needs a contiguous input")
         };
@@ -214,6 +238,7 @@ impl candle_core::CustomOp2 for SwiGlu {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         if l1.dims() != l2.dims() {
             candle_core::bail!("swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())

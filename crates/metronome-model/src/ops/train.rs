@@ -4,7 +4,7 @@
 
 use candle_core::{CpuStorage, D, Device, Layout, Tensor};
 
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair, fused_op_ran};
 use crate::Result;
 
 /// RMSNorm over the last dimension, as Hugging Face computes it:
@@ -26,6 +26,7 @@ impl candle_core::CustomOp2 for RmsNorm {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (x, w) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let d = w.len();
         if l1.dims().last() != Some(&d) {
@@ -86,6 +87,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (x, mask) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let dims = l1.dims();
         let lk = dims[dims.len() - 1];
@@ -139,6 +141,7 @@ impl candle_core::CustomOp2 for SoftmaxGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (p, g) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         if l1.dims() != l2.dims() {
             candle_core::bail!(
@@ -237,6 +240,7 @@ impl candle_core::CustomOp1 for TargetLogProbs {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let (z, vocab) = self.rows(self.name(), s, l)?;
         let n = self.targets.len();
         let mut out = vec![0f32; 2 * n];
@@ -266,6 +270,7 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (z, vocab) = self.0.rows(self.name(), s1, l1)?;
         let g = contiguous_f32(self.name(), s2, l2)?;
         let n = self.0.targets.len();
@@ -315,6 +320,7 @@ impl candle_core::CustomOp2 for SwiGluTrain {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         SwiGlu { rows: usize::MAX }.cpu_fwd(s1, l1, s2, l2)
     }
 
