@@ -1,13 +1,14 @@
-//! The trainer's serde configuration, validated before it builds a trainer.
+//! The trainer's serde configuration, validated before it builds a trainer
+//! (`TrainerConfig::build` and `resume` are beside the trainer they build).
 
 use metronome_core::AdvantageEstimator;
-use metronome_model::{Device, LoraConfig, Model};
+use metronome_model::LoraConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::loss::LossConfig;
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
-use crate::{GrpoTrainer, Result, TrainerError};
+use crate::{Result, TrainerError};
 
 /// Everything that shapes training, read from the run's config file.
 ///
@@ -107,18 +108,6 @@ impl TrainerConfig {
     #[must_use]
     pub fn threads(&self) -> usize {
         self.threads.unwrap_or(1)
-    }
-
-    /// Validates and builds a trainer around `policy` (the reference model is a frozen
-    /// copy of it, made now; with `lora`, the policy's base weights).
-    pub fn build(&self, policy: Model) -> Result<GrpoTrainer> {
-        GrpoTrainer::new(self.clone(), policy)
-    }
-
-    /// Builds a trainer resumed from a checkpoint directory written by
-    /// [`GrpoTrainer::save_checkpoint`].
-    pub fn resume(&self, dir: &std::path::Path, device: &Device) -> Result<GrpoTrainer> {
-        GrpoTrainer::resume(self.clone(), dir, device)
     }
 }
 
