@@ -12,7 +12,7 @@ use crate::file::{BadRecordPolicy, FieldMapping, FileDataset, FileFormat, LoadRe
 use crate::loader::PromptLoader;
 use crate::plan::ReleaseConfig;
 use crate::render::PromptConfig;
-use crate::tasks::{ArithmeticConfig, ArithmeticTask, CountdownConfig, CountdownTask};
+use crate::tasks::{ArithmeticConfig, ArithmeticTask, CopyConfig, CopyTask, CountdownConfig, CountdownTask};
 
 /// A file source: where it is, how its fields map, what to do with bad records.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -30,7 +30,7 @@ pub struct FileSourceConfig {
 }
 
 /// Where prompts come from.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum SourceConfig {
     /// A JSONL file.
@@ -41,6 +41,8 @@ pub enum SourceConfig {
     Arithmetic(ArithmeticConfig),
     /// The procedural countdown task.
     Countdown(CountdownConfig),
+    /// The procedural copy task with long-tail lengths.
+    Copy(CopyConfig),
     /// The built-in task of the embedded run: [`ArithmeticConfig::default`], short
     /// prompts like `12+7=` with answer `19`.
     #[default]
@@ -71,6 +73,7 @@ impl SourceConfig {
             Self::Parquet(c) => file(c, FileFormat::Parquet)?,
             Self::Arithmetic(c) => task(Arc::new(ArithmeticTask::new(c.clone(), run)?)),
             Self::Countdown(c) => task(Arc::new(CountdownTask::new(c.clone(), run)?)),
+            Self::Copy(c) => task(Arc::new(CopyTask::new(c.clone(), run)?)),
             Self::Default => task(Arc::new(ArithmeticTask::new(ArithmeticConfig::default(), run)?)),
         })
     }
@@ -96,7 +99,7 @@ impl SourceConfig {
 /// max_tokens = 512
 /// on_overlong = "skip"
 /// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoaderConfig {
     /// Where prompts come from.

@@ -66,6 +66,6 @@ pub use plan::ReleaseConfig;
 pub use render::{OverlongPolicy, PromptConfig};
 pub use rng::{SHUFFLE_STREAM, epoch_order};
 pub use tasks::{
-    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, COUNTDOWN_STREAM, CountdownConfig, CountdownItem,
-    CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
+    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, COPY_STREAM, COUNTDOWN_STREAM, CopyConfig, CopyTask,
+    CountdownConfig, CountdownItem, CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
 };

@@ -654,6 +654,11 @@ impl PipelineConfig {
                 c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
                 Some(SourceConfig::Countdown(c))
             }
+            SourceConfig::Copy(c) => {
+                let mut c = c.clone();
+                c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
+                Some(SourceConfig::Copy(c))
+            }
             SourceConfig::Default => {
                 let c = metronome_dataloader::ArithmeticConfig {
                     holdout: Holdout { split: Split::Heldout, percent: 10 },

@@ -100,8 +100,10 @@ impl RewardFn for ExactMatch {
             return Reward::failed(c.miss_score, format!("prompt {} has no reference answer", prompt.id));
         };
         let hit = self.matches(&completion.text, reference);
-        let mut reward = Reward::scalar(if hit { c.match_score } else { c.miss_score });
-        reward.parts.insert("match".into(), if hit { 1.0 } else { 0.0 });
+        let hit = if hit { 1.0 } else { 0.0 };
+        let mut reward =
+            Reward::scalar(if hit > 0.0 { c.match_score } else { c.miss_score }).with_correct(hit);
+        reward.parts.insert("match".into(), hit);
         reward
     }
 }

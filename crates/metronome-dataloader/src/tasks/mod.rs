@@ -8,12 +8,14 @@
 //! the run).
 
 mod arithmetic;
+mod copy;
 mod countdown;
 
 use metronome_core::mix64;
 use serde::{Deserialize, Serialize};
 
 pub use arithmetic::{ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask};
+pub use copy::{COPY_STREAM, CopyConfig, CopyTask};
 pub use countdown::{COUNTDOWN_STREAM, CountdownConfig, CountdownItem, CountdownTask};
 
 use crate::error::{Error, Result};
