@@ -56,6 +56,7 @@
 //! and the trainer (`metronome-trainer`); the data loader (`metronome-dataloader`)
 //! supplies each prompt's `reference` and metadata (countdown's `numbers` and `target`).
 
+pub mod code;
 mod composite;
 mod config;
 mod countdown;
@@ -71,6 +72,10 @@ mod rational;
 mod remote;
 mod text;
 
+pub use code::{
+    CodeConfig, CodeReward, CodeScoring, Extract, Sandbox, SandboxConfig, Verdict, VerdictKind,
+    extract_program,
+};
 pub use composite::{Component, Composite};
 pub use config::{ComponentConfig, CompositeConfig, RewardConfig, ScorerConfig};
 pub use countdown::{CountdownChecker, CountdownConfig, CountdownVerdict, Invalid};

@@ -1,5 +1,6 @@
 //! Integration tests of metronome-reward: one binary, one module per area.
 
+mod code;
 mod common;
 mod config;
 mod corpus;
