@@ -7,7 +7,9 @@ import sys
 
 
 def _describe(e):
-    text = (type(e).__name__ + ": " + str(e)).replace("\n", " ").replace("\r", " ")
+    message = str(e)
+    text = type(e).__name__ + (": " + message if message else "")
+    text = text.replace("\n", " ").replace("\r", " ")
     return text[:300]
 
 

@@ -126,16 +126,17 @@ pub fn suite(env: &HostileEnv) -> Vec<HostileCase> {
         },
         HostileCase {
             name: "write outside the working directory",
-            tries: "overwrites the run directory's files, drops a file in /tmp and /usr",
+            tries: "overwrites a file of the run directory, adds one, drops files in / and /usr",
             contained_by: "read-only root with no host path but the interpreter; /work and /tmp are private tmpfs",
             completion: fenced(
                 m,
                 &format!(
-                    "import os\nfor path in [{secret_path:?}, '/usr/{m}', '/{m}']:\n    with open(path, 'w') as f:\n        f.write('pwned')\nprint(open(os.path.expanduser('~/x'), 'w'))",
+                    "import sys\nwrote = 0\nfor path in [{secret_path:?}, {new_path:?}, '/usr/{m}', '/{m}']:\n    try:\n        with open(path, 'w') as f:\n            f.write('pwned')\n        wrote += 1\n    except OSError as e:\n        print(e, file=sys.stderr)\nprint(wrote)",
+                    new_path = format!("{}/{m}", env.run_dir),
                 ),
             ),
-            tests: echo_case("pwned"),
-            expected: &[VerdictKind::Error],
+            tests: echo_case("4"),
+            expected: &[VerdictKind::Failed],
         },
         HostileCase {
             name: "read the parent's environment",

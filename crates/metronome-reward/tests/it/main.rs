@@ -5,6 +5,7 @@ mod common;
 mod config;
 mod corpus;
 mod countdown;
+mod hostile;
 mod math;
 mod pool;
 mod props;
