@@ -27,6 +27,7 @@ use metronome_core::{AdvantageEstimator, GroupScorer, RewardFn};
 use crate::code::CodeConfig;
 use crate::composite::{Component, Composite};
 use crate::countdown::CountdownConfig;
+use crate::judge::JudgeConfig;
 use crate::length::LengthConfig;
 use crate::math::MathConfig;
 use crate::pool::{PoolConfig, PoolScorer};
@@ -146,6 +147,8 @@ pub enum RewardConfig {
     },
     /// A [`crate::RemoteScorer`].
     Remote(RemoteConfig),
+    /// A [`crate::JudgeScorer`]: a judge model grades each completion against a rubric.
+    Judge(JudgeConfig),
 }
 
 impl RewardConfig {
@@ -171,6 +174,7 @@ impl RewardConfig {
                 Box::new(PoolScorer::from_arc(scorer.build()?, pool.clone())?.with_estimator(estimator))
             }
             Self::Remote(c) => Box::new(c.build()?.with_estimator(estimator)),
+            Self::Judge(c) => Box::new(c.build()?.with_estimator(estimator)),
         })
     }
 }

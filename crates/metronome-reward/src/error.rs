@@ -27,6 +27,15 @@ pub enum Error {
         /// What is missing or failed.
         reason: String,
     },
+    /// The judge's server cannot be used: unreachable at start-up, or without the
+    /// configured model.
+    #[error("judge at {url} {reason}")]
+    Judge {
+        /// The judge's base URL (`judge.url`).
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The remote scorer could not be built. The HTTP client's error ends the chain:
     /// it is printed with its own sources, which hold the actual cause.
     #[error("remote scorer at {url}: {}", metronome_core::ErrorChain(error))]

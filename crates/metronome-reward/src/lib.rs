@@ -63,6 +63,8 @@ mod countdown;
 mod env;
 mod error;
 mod extract;
+mod http;
+mod judge;
 mod length;
 mod math;
 mod meter;
@@ -84,6 +86,7 @@ pub use env::{
 };
 pub use error::{Error, Result};
 pub use extract::{Extractor, extract, tail};
+pub use judge::{DEFAULT_TEMPLATE, JudgeConfig, JudgeFailure, JudgeScorer, parse_score};
 pub use length::{LengthConfig, LengthShaping, LengthUnit};
 pub use math::{Answer, MathConfig, MathVerdict, MathVerifier, Number, answers_match, parse_answer};
 pub use meter::Meter;

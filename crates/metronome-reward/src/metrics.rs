@@ -10,11 +10,12 @@ metric_catalogue! {
     /// Every metric this crate emits.
     pub const METRICS = [
         /// Scoring failures by reason: `timeout`, `panic`, `non_finite`, `unavailable`,
-        /// `scorer` (a scorer reported a failure itself, e.g. a missing reference) and `remote`.
+        /// `scorer` (a scorer reported a failure itself, e.g. a missing reference),
+        /// `remote` and `judge`.
         FAILURES = Metric::counter(
             "metronome_reward_failures_total",
             "completions scored as failed, by reason (timeout, panic, non_finite, unavailable, scorer, \
-             remote)",
+             remote, judge)",
         )
         .labels(&["reason"]),
         COMPLETIONS = Metric::counter("metronome_reward_completions_total", "completions scored"),

@@ -6,6 +6,7 @@ mod config;
 mod corpus;
 mod countdown;
 mod hostile;
+mod judge;
 mod math;
 mod pool;
 mod props;
