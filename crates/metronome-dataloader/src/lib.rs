@@ -59,13 +59,16 @@ mod tasks;
 pub use config::{FileSourceConfig, LoaderConfig, OpenedSource, SourceConfig};
 pub use dataset::{Dataset, PromptContent, Record};
 pub use error::{Error, Location, Result};
-pub use file::{BadRecordPolicy, FieldMapping, FileDataset, FileFormat, LoadReport};
+pub use file::{
+    BadRecordPolicy, CodeFileConfig, CodeFormat, FieldMapping, FileDataset, FileFormat, LoadReport,
+};
 pub use loader::{LoaderStats, PromptLoader};
 pub use metrics::METRICS;
 pub use plan::ReleaseConfig;
 pub use render::{OverlongPolicy, PromptConfig};
 pub use rng::{SHUFFLE_STREAM, epoch_order};
 pub use tasks::{
-    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, COUNTDOWN_STREAM, CountdownConfig, CountdownItem,
-    CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
+    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, CODE_STREAM, COUNTDOWN_STREAM, CodeFamily, CodeItem,
+    CodeTask, CodeTaskConfig, CountdownConfig, CountdownItem, CountdownTask, Holdout, Operator, Span, Split,
+    holdout_bucket,
 };

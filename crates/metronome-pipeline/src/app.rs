@@ -86,7 +86,7 @@ pub fn load_model(config: &PipelineConfig, device: DeviceSpec) -> Result<(Model,
 fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
     let scorer = match &config.reward {
         RewardConfig::Local { scorer, .. } => scorer.clone(),
-        RewardConfig::Remote(_) => ScorerConfig::Math(Default::default()),
+        RewardConfig::Remote(_) | RewardConfig::Judge(_) => ScorerConfig::Math(Default::default()),
     };
     scorer.build().map_err(err("reward"))
 }

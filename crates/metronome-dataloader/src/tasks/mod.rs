@@ -8,12 +8,14 @@
 //! the run).
 
 mod arithmetic;
+mod code;
 mod countdown;
 
 use metronome_core::mix64;
 use serde::{Deserialize, Serialize};
 
 pub use arithmetic::{ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask};
+pub use code::{CODE_STREAM, CodeFamily, CodeItem, CodeTask, CodeTaskConfig};
 pub use countdown::{COUNTDOWN_STREAM, CountdownConfig, CountdownItem, CountdownTask};
 
 use crate::error::{Error, Result};
