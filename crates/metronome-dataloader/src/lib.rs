@@ -14,7 +14,11 @@
 //!   [`CountdownTask`] (instances built from a solution, so always solvable), each with
 //!   its reference answer in `Prompt::reference` and task fields in
 //!   `Prompt::metadata` (countdown: `numbers` as `3,7,25`, `target` as `88`;
-//!   both: `task`). A [`Holdout`] partitions a task's item space by content, so a
+//!   both: `task`). Code tasks: [`CodeTask`] (small functions and programs), and
+//!   HumanEval or MBPP files ([`CodeFileConfig`], `kind = "humaneval"` / `"mbpp"`),
+//!   each prompt's tests in its reference as a [`metronome_core::CodeTests`] (JSON)
+//!   for the code-execution reward, the canonical solution in the `solution`
+//!   metadata field. A [`Holdout`] partitions a task's item space by content, so a
 //!   training split and a held-out evaluation split never share a problem. The
 //!   built-in default task for the embedded run is short sums, `12+7=` → `19`. Any
 //!   other [`Dataset`] implementation plugs in too.

@@ -36,13 +36,15 @@ fn kind_of(reward: &Reward) -> VerdictKind {
         .unwrap_or_else(|| panic!("no verdict in {reward:?}"))
 }
 
-/// Processes whose command line holds `marker`.
+/// The command lines (arguments joined by NULs) of the processes whose command line
+/// holds `marker`.
 fn survivors(marker: &str) -> Vec<String> {
     let mut found = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
-        if String::from_utf8_lossy(&cmdline).contains(marker) {
-            found.push(entry.file_name().to_string_lossy().into_owned());
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains(marker) {
+            found.push(cmdline.into_owned());
         }
     }
     found
@@ -83,6 +85,24 @@ fn hostile_programs_are_contained_scored_and_leave_nothing_behind() {
         )
         .unwrap(),
     );
+    // While the suite runs, the fork bomb's processes (its program text is in their
+    // command lines) are counted: the process limit must hold them down.
+    let bomb = cases.iter().find(|c| c.name == "fork bomb").unwrap();
+    let bomb_text = "os.fork()\n    except".to_owned();
+    assert!(bomb.completion.contains(&bomb_text));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (stop, marker) = (Arc::clone(&stop), marker.clone());
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let bombs = survivors(&marker).iter().filter(|cmdline| cmdline.contains(&bomb_text)).count();
+                most = most.max(bombs);
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            most
+        })
+    };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let scored = runtime.block_on(async {
         let mut tasks = tokio::task::JoinSet::new();
@@ -95,6 +115,16 @@ fn hostile_programs_are_contained_scored_and_leave_nothing_behind() {
         scored.sort_by_key(|(i, _)| *i);
         scored
     });
+
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let most_bombs = sampler.join().unwrap();
+    // The limit counts the namespace's processes, bwrap's init among them; bwrap
+    // itself, outside, carries the program text too.
+    let limit = hostile_config().sandbox.processes as usize;
+    assert!(
+        (3..=limit + 1).contains(&most_bombs),
+        "the fork bomb ran {most_bombs} processes at once (limit {limit})"
+    );
 
     for ((_, s), case) in scored.iter().zip(&cases) {
         let reward = &s.rewards[0];
