@@ -344,6 +344,9 @@ pub struct RunOptions {
 pub async fn run(mut config: PipelineConfig, options: RunOptions) -> Result<RunOutcome> {
     config.place();
     config.validate()?;
+    // A reward that cannot start (no sandbox, an unreachable judge) fails the run now,
+    // not after the warm start; the scorer is built again with the other stages.
+    drop(group_scorer(&config)?);
     let session = Session::open(&config, "periods", &options)?;
     let (model, tokenizer) = load_model(&config, config.trainer_device())?;
     let start = session.start(&config, model, tokenizer.clone()).await?;

@@ -118,3 +118,24 @@ async fn an_unreachable_judge_drops_its_groups_and_the_periods_complete() {
         assert_eq!((p.groups, p.rejected), (0, 3), "{p:?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reward_that_cannot_start_fails_the_run_before_the_warm_start() {
+    let out = tempfile::tempdir().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let overrides = [
+        format!("run.out_dir={:?}", out.path().display().to_string()),
+        "sft.steps=5".into(),
+        format!("reward={{kind = \"judge\", url = \"http://{closed}\", model = \"judge\"}}"),
+    ];
+    let config = PipelineConfig::embedded(&overrides).unwrap();
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = Arc::clone(&events);
+    let observer = metronome_pipeline::Observer::new(move |e| sink.lock().unwrap().push(format!("{e:?}")));
+    let e =
+        metronome_pipeline::run(config, RunOptions { observer, ..RunOptions::default() }).await.unwrap_err();
+    let e = metronome_core::ErrorChain(&e).to_string();
+    assert!(e.contains(&format!("judge at http://{closed} did not answer GET /v1/models")), "{e}");
+    let events = events.lock().unwrap();
+    assert!(!events.iter().any(|e| e.contains("WarmStart")), "the warm start ran first: {events:?}");
+}
