@@ -193,10 +193,13 @@ fn check_asserts(
 ) -> std::io::Result<Verdict> {
     let total = tests.len();
     let nonce = nonce();
-    let mut args = vec!["-c".to_owned(), HARNESS.to_owned(), program.to_owned(), setup.to_owned()];
-    args.extend(tests.iter().cloned());
+    let args = ["-c".to_owned(), HARNESS.to_owned(), program.to_owned()];
+    // The tests go on standard input, not the command line, where the program could
+    // read them (`/proc/self/cmdline`) and answer them from a table.
+    let spec = serde_json::json!({ "setup": setup, "tests": tests });
+    let input = format!("{nonce}\n{spec}\n");
     let wall = budget.min(Duration::from_millis(sandbox.config().wall_ms));
-    let run = sandbox.run(&args, format!("{nonce}\n").as_bytes(), wall)?;
+    let run = sandbox.run(&args, input.as_bytes(), wall)?;
 
     // The harness's reports: lines that start with the nonce.
     let stdout = String::from_utf8_lossy(&run.stdout);
@@ -210,10 +213,8 @@ fn check_asserts(
         let mut words = line.splitn(3, ' ');
         match (words.next(), words.next(), words.next()) {
             (Some("pass"), Some(_), _) => passed += 1,
-            (Some("fail"), Some(i), reason) => {
-                if first_failure.is_none() {
-                    first_failure = Some((i.parse().unwrap_or(0), reason.unwrap_or("").to_owned()));
-                }
+            (Some("fail"), Some(i), reason) if first_failure.is_none() => {
+                first_failure = Some((i.parse().unwrap_or(0), reason.unwrap_or("").to_owned()));
             }
             (Some("error"), Some(part), reason) => error = Some(format!("{part}: {}", reason.unwrap_or(""))),
             (Some("ready"), _, _) => ready = true,

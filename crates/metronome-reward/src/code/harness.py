@@ -1,7 +1,9 @@
 # metronome code harness: runs a program, then its assert-style tests one by one, and
-# reports each on a saved copy of standard output behind a nonce read from standard
-# input before the program starts (the program sees /dev/null there). Printing, exiting
-# early, killing the process or raising SystemExit cannot report a pass.
+# reports each on a saved copy of standard output behind a nonce. The nonce and the
+# tests come on standard input, read before the program starts (which then sees
+# /dev/null there), so neither is on the command line. Printing, exiting early,
+# killing the process or raising SystemExit cannot report a pass.
+import json
 import os
 import sys
 
@@ -15,12 +17,15 @@ def _describe(e):
 
 def _main():
     nonce = sys.stdin.readline().strip()
+    spec = json.loads(sys.stdin.readline())
+    setup, tests = spec["setup"], spec["tests"]
+    del spec
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     report = os.dup(1)
     write = os.write
-    program, setup, tests = sys.argv[1], sys.argv[2], sys.argv[3:]
+    program = sys.argv[1]
     del sys.argv[1:]
     compile_ = compile
     exec_ = exec

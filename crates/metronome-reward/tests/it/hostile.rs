@@ -76,7 +76,7 @@ fn hostile_programs_are_contained_scored_and_leave_nothing_behind() {
         env: host_variable(),
     };
     let cases = hostile::suite(&env);
-    assert!(cases.len() >= 13);
+    assert!(cases.len() >= 14);
 
     let scorer = Arc::new(
         PoolScorer::new(

@@ -278,7 +278,7 @@ fn requests_in_flight_stay_under_the_limit() {
 #[test]
 fn bad_configs_and_unreachable_judges_are_errors_naming_the_place() {
     let (_, url) = stub(Mode::Grade { fail_first: 0 });
-    let err = |c: JudgeConfig| c.build().err().expect("an error").to_string();
+    let err = |c: JudgeConfig| c.build().expect_err("an error").to_string();
     let no_slot =
         JudgeConfig { template: Some("Grade {completion} from 0 to 10.".into()), ..config(url.clone()) };
     let e = err(no_slot);
