@@ -10,7 +10,8 @@ use metronome_core::{
     WeightSnapshot,
 };
 use metronome_pipeline::{
-    Packer, PeriodReport, PipelineConfig, Runner, Schedule, Stages, build_stages, load_model, local_transport,
+    Packer, PeriodReport, PipelineConfig, Runner, RunnerOptions, Schedule, Stages, build_stages, load_model,
+    local_transport,
 };
 use metronome_reward::{PoolConfig, PoolScorer};
 
@@ -80,7 +81,7 @@ async fn run_scored(
     }
     overrides.extend(extra.iter().map(|s| (*s).to_owned()));
     let mut config = PipelineConfig::embedded(&overrides).unwrap();
-    config.place();
+    config.prepare().unwrap();
     let (model, tokenizer) = load_model(&config, config.trainer_device()).unwrap();
     assert!(tokenizer.vocab_size() > 0);
     let (mut stages, _trainer) = build_stages(&config, model, tokenizer).unwrap();
@@ -89,7 +90,7 @@ async fn run_scored(
     stages.scorer = Arc::new(Recording { inner: Arc::new(pool), seen: seen.clone() });
     wrap(&mut stages, &config);
     let transport = (schedule != Schedule::Sync).then(|| local_transport(&config));
-    let run = Runner::new(stages, transport, config.runner_options()).unwrap().run();
+    let run = Runner::new(stages, transport, RunnerOptions::from(&config)).unwrap().run();
     let end = tokio::time::timeout(std::time::Duration::from_secs(300), run)
         .await
         .unwrap_or_else(|_| panic!("{schedule} hung"))

@@ -15,6 +15,7 @@ use anyhow::{Context, Result, bail};
 
 mod deps;
 mod gpu;
+mod modules;
 
 const USAGE: &str = "usage: cargo xtask <task>
 
@@ -62,16 +63,26 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// The dependency invariants between crates, and no loops between a crate's files.
 fn check_deps(manifest: &Path) -> Result<()> {
     let violations = deps::check_workspace(manifest)?;
-    if violations.is_empty() {
-        println!("deps: every dependency invariant holds");
+    let root = manifest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let loops = modules::check_workspace(root)?;
+    if violations.is_empty() && loops.is_empty() {
+        println!("deps: every dependency invariant holds, and no crate's files import each other in a loop");
         return Ok(());
     }
     for v in &violations {
         eprintln!("deps: {v}");
     }
-    bail!("{} dependency invariant(s) broken (see ARCHITECTURE.md)", violations.len())
+    for l in &loops {
+        eprintln!("deps: files that import each other in a loop: {l}");
+    }
+    bail!(
+        "{} dependency invariant(s) broken and {} loop(s) between files (see ARCHITECTURE.md)",
+        violations.len(),
+        loops.len()
+    )
 }
 
 fn ci(root: &Path) -> Result<()> {

@@ -80,3 +80,23 @@ fn core_gaining_a_runtime_fails() {
     let stderr = deps_failure(&manifest);
     assert!(stderr.contains("metronome-core depends on tokio"), "{stderr}");
 }
+
+#[test]
+fn files_that_import_each_other_fail_and_the_fix_passes() {
+    let (tmp, manifest) = scratch_workspace(&[("metronome-core", "")]);
+    let src = tmp.path().join("crates/metronome-core/src");
+    fs::write(src.join("lib.rs"), "mod data;\nmod env;\npub use env::Trace;\n").unwrap();
+    fs::write(src.join("data.rs"), "pub struct Completion(pub Option<crate::Trace>);\n").unwrap();
+    fs::write(src.join("env.rs"), "use crate::data::Completion;\npub struct Trace;\n").unwrap();
+
+    let stderr = deps_failure(&manifest);
+    assert!(stderr.contains("data.rs → env.rs → data.rs"), "{stderr}");
+    assert!(stderr.contains("1 loop(s) between files"), "{stderr}");
+
+    // The record moved beside the type that holds it: env.rs imports data.rs only.
+    fs::write(src.join("lib.rs"), "mod data;\nmod env;\npub use data::Trace;\n").unwrap();
+    fs::write(src.join("data.rs"), "pub struct Completion(pub Option<Trace>);\npub struct Trace;\n").unwrap();
+    fs::write(src.join("env.rs"), "use crate::data::Completion;\n").unwrap();
+    let out = deps(&manifest);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

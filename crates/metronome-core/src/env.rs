@@ -5,8 +5,8 @@
 //! `</tool_call>`); the environment answers with an [`Observation`]: text to append
 //! (a tool result, feedback), or `done`, and at the end optionally a reward. The
 //! rollout engine appends the observation's tokens to the same sequence and lets the
-//! policy continue, so one [`Completion`] holds the whole trajectory: the policy's
-//! tokens and the observations' tokens interleaved. [`EpisodeTrace::observations`]
+//! policy continue, so one [`crate::Completion`] holds the whole trajectory: the policy's
+//! tokens and the observations' tokens interleaved. [`crate::EpisodeTrace::observations`]
 //! says which tokens the environment wrote: they are context for later turns and
 //! never loss targets.
 //!
@@ -18,93 +18,7 @@
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::{ChatMessage, Completion, Prompt, Result, Tokenizer};
-
-/// A contiguous run of a completion's tokens, `start..start + len`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct TokenSpan {
-    /// Index (in [`Completion::tokens`]) of the first token.
-    pub start: u32,
-    /// Number of tokens.
-    pub len: u32,
-}
-
-impl TokenSpan {
-    /// One past the last token, saturating: spans come off the wire, and one that
-    /// overflows must read as past the tokens (and be refused), not wrap into range.
-    #[must_use]
-    pub fn end(&self) -> u32 {
-        self.start.saturating_add(self.len)
-    }
-}
-
-/// How a multi-turn episode went, recorded on the completion that holds it.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct EpisodeTrace {
-    /// The spans of [`Completion::tokens`] the environment wrote, in order, disjoint:
-    /// context for the turns after them, masked out of the loss. Their log-probs are
-    /// recorded as 0.
-    pub observations: Vec<TokenSpan>,
-    /// Policy turns taken (the environment was called after each but possibly the last).
-    pub turns: u32,
-    /// The environment's reward, when it gave one at the end; `None` leaves scoring
-    /// to the reward stage.
-    pub reward: Option<f32>,
-    /// Why the episode ended before the environment said `done`: a limit
-    /// (`max_turns`, `max_tokens`) or a failing tool (`tool_timeout`, `tool_panic`,
-    /// `tool_error: …`). `None` when it ended normally.
-    pub failure: Option<String>,
-}
-
-impl EpisodeTrace {
-    /// Checks the observation spans against a completion of `tokens` tokens: each
-    /// non-empty, in order, disjoint and within the tokens. The reason otherwise, to
-    /// follow the place that holds the trace ("… has observation span 1 over …").
-    pub fn check_spans(&self, tokens: usize) -> std::result::Result<(), String> {
-        let mut next = 0;
-        for (j, s) in self.observations.iter().enumerate() {
-            if s.start < next || s.len == 0 || s.end() as usize > tokens {
-                return Err(format!(
-                    "has observation span {j} over tokens {}..{}: expected a non-empty span from {next} \
-                     within its {tokens} tokens",
-                    s.start,
-                    s.end()
-                ));
-            }
-            next = s.end();
-        }
-        Ok(())
-    }
-
-    /// Tokens the environment wrote.
-    #[must_use]
-    pub fn observation_tokens(&self) -> usize {
-        self.observations.iter().map(|s| s.len as usize).sum()
-    }
-}
-
-impl Completion {
-    /// Per token, whether the policy sampled it (`true`) or an environment wrote it
-    /// (`false`, an observation). Only policy tokens are loss targets.
-    #[must_use]
-    pub fn policy_mask(&self) -> Vec<bool> {
-        let mut mask = vec![true; self.tokens.len()];
-        if let Some(trace) = &self.episode {
-            for s in &trace.observations {
-                let end = (s.end() as usize).min(mask.len());
-                let start = (s.start as usize).min(end);
-                mask[start..end].fill(false);
-            }
-        }
-        mask
-    }
-
-    /// Number of tokens the policy sampled (all of them without an episode).
-    #[must_use]
-    pub fn num_policy_tokens(&self) -> usize {
-        self.tokens.len() - self.episode.as_ref().map_or(0, EpisodeTrace::observation_tokens)
-    }
-}
+use crate::{ChatMessage, Prompt, Result, Tokenizer};
 
 /// What an environment answers to one policy turn.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -273,22 +187,5 @@ mod tests {
         }
         let err = obs.render(&NoTemplate, true).unwrap_err().to_string();
         assert!(err.contains("no chat template"), "{err}");
-    }
-
-    #[test]
-    fn the_policy_mask_clears_exactly_the_observation_spans() {
-        let c = Completion {
-            tokens: vec![1, 2, 3, 4, 5, 6, 7],
-            episode: Some(EpisodeTrace {
-                observations: vec![TokenSpan { start: 2, len: 2 }, TokenSpan { start: 6, len: 1 }],
-                ..EpisodeTrace::default()
-            }),
-            ..Completion::default()
-        };
-        assert_eq!(c.policy_mask(), [true, true, false, false, true, true, false]);
-        assert_eq!(c.num_policy_tokens(), 4);
-        let plain = Completion { tokens: vec![1, 2], ..Completion::default() };
-        assert_eq!(plain.policy_mask(), [true, true]);
-        assert_eq!(plain.num_policy_tokens(), 2);
     }
 }

@@ -30,6 +30,13 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
+    /// The transport between processes failed (a connection, a publish, a fetch):
+    /// unlike a stage's failure, a reconnection may heal it, so a caller that can wait
+    /// (a rollout worker whose claims come back after their lease) retries instead of
+    /// giving up. Transport crates convert their errors to it through
+    /// [`Error::transport`].
+    #[error("transport")]
+    Transport(#[source] Box<dyn std::error::Error + Send + Sync + 'static>),
 }
 
 impl Error {
@@ -44,6 +51,17 @@ impl Error {
         source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
     ) -> Self {
         Self::Stage { stage, source: source.into() }
+    }
+
+    /// An [`Error::Transport`] wrapping the transport's own error.
+    pub fn transport(source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        Self::Transport(source.into())
+    }
+
+    /// Whether this is the transport's failure, which a reconnection may heal.
+    #[must_use]
+    pub fn is_transport(&self) -> bool {
+        matches!(self, Self::Transport(_))
     }
 }
 

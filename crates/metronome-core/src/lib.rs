@@ -41,10 +41,10 @@ mod weights;
 
 pub use code::{CodeTests, IoCase};
 pub use data::{
-    ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, FinishReason, Group, GroupKey, GroupStats,
-    GroupTiming, Prompt, Reward, ScoredGroup, TokenId,
+    ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, EpisodeTrace, FinishReason, Group, GroupKey,
+    GroupStats, GroupTiming, Prompt, Reward, ScoredGroup, TokenId, TokenSpan,
 };
-pub use env::{Environment, Episode, EpisodeTrace, Observation, TokenSpan, render_reply};
+pub use env::{Environment, Episode, Observation, render_reply};
 pub use error::{Error, ErrorChain, Result};
 pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};

@@ -42,7 +42,9 @@
 //! every backend implements forward and backward ([`Kernels::Portable`]), tested
 //! against the fused ones on the CPU (log-probs and entropies within 1e-5, gradients
 //! within 1e-4, relative to the larger of 1 and their largest magnitude), so CI
-//! checks the GPU's arithmetic without a GPU.
+//! checks the GPU's arithmetic without a GPU. The model's kernels, never its device,
+//! choose every fused op (a LoRA handle's frozen base product and a frozen copy's
+//! decode layout included), and a test counts that [`Kernels::Portable`] runs none.
 //!
 //! Batch invariance: a decode step's logits for a slot are bitwise the same whoever
 //! shares the step. Attention runs per slot over its own cache in a fixed order. A
@@ -66,6 +68,8 @@ mod device;
 mod error;
 mod gguf;
 mod io;
+#[cfg(test)]
+mod kernel_seam;
 mod kv_cache;
 mod lora;
 mod model;
@@ -79,7 +83,8 @@ pub use device::DeviceSpec;
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use kv_cache::{DECODE_MIN_ROWS, KvCache};
-pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig, Projection};
+pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
 pub use model::{Model, ScoringBatch, TargetOutput};
+pub use ops::Projection;
 pub use portable::Kernels;
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};

@@ -7,8 +7,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, PolicyVersion, Targets};
 
 use crate::config::ModelConfig;
-use crate::lora::{Projection, frozen_linear};
-use crate::ops::{DenseWeight, RopeTables, SegmentPlan, attention, linear, rope_tables, segment_plans};
+use crate::ops::{DenseWeight, Projection, RopeTables, SegmentPlan, linear, rope_tables, segment_plans};
 use crate::{Error, Kernels, Result};
 
 /// One decoder layer's parameters.
@@ -28,6 +27,21 @@ pub(crate) struct Layer {
     pub(crate) down: Var,
 }
 
+impl Layer {
+    /// The base weight of projection `p`.
+    pub(crate) fn weight(&self, p: Projection) -> &Var {
+        match p {
+            Projection::Q => &self.q,
+            Projection::K => &self.k,
+            Projection::V => &self.v,
+            Projection::O => &self.o,
+            Projection::Gate => &self.gate,
+            Projection::Up => &self.up,
+            Projection::Down => &self.down,
+        }
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Inner {
     pub(crate) cfg: ModelConfig,
@@ -38,9 +52,11 @@ pub(crate) struct Inner {
     /// `None` when the head is tied to the embedding.
     pub(crate) lm_head: Option<Var>,
     /// Whether this model may keep its linear layers a second time in decode layout:
-    /// set for models built never to train (non-trainable, on the CPU, e.g. by
+    /// set for models built never to train (non-trainable, e.g. by
     /// [`Model::frozen_copy`]), cleared for good by `with_trainable(true)`, so a model
-    /// whose weights an optimiser moves never decodes from a stale copy.
+    /// whose weights an optimiser moves never decodes from a stale copy. Whether the
+    /// copy is made is the kernels' choice ([`Model::decode_weights`]), not the
+    /// device's.
     pub(crate) frozen: std::sync::atomic::AtomicBool,
     /// That copy, built by the first decode step that needs it (a frozen reference model
     /// that only scores never pays its memory) and dropped by
@@ -108,7 +124,7 @@ pub struct Model {
     pub(crate) kernels: Kernels,
     /// Low-rank adapters on this handle's projections ([`Model::with_lora`]); with
     /// them the base weights are read detached, so only the adapters train.
-    pub(crate) lora: Option<Arc<crate::lora::Adapters>>,
+    pub(crate) lora: Option<Arc<crate::lora::adapters::Adapters>>,
 }
 
 /// What [`Model::target_logprobs`] returns, one entry per target.
@@ -276,8 +292,9 @@ impl Model {
             Some(var("lm_head.weight", &[cfg.vocab_size, d], Init::Normal)?)
         };
         // A model built to never train (a frozen copy, a rollout worker's) may keep its
-        // linear layers a second time in decode layout: that memory buys decode steps
-        // without repacking transposed weights (crate `ops`, `DecodeLinear`).
+        // linear layers a second time in decode layout: under the fused kernels that
+        // memory buys decode steps without repacking transposed weights (crate `ops`,
+        // `DecodeLinear`).
         let inner = Inner {
             cfg,
             device: device.clone(),
@@ -285,7 +302,7 @@ impl Model {
             layers,
             norm,
             lm_head,
-            frozen: std::sync::atomic::AtomicBool::new(!trainable && device.is_cpu()),
+            frozen: std::sync::atomic::AtomicBool::new(!trainable),
             decode: std::sync::RwLock::new(None),
         };
         Ok(Self { inner: Arc::new(inner), trainable, kernels: Kernels::for_device(device), lora: None })
@@ -385,7 +402,7 @@ impl Model {
                     out.push((format!("{p}.post_attention_layernorm.weight"), l.post_norm.clone(), None));
                 }
                 let name = format!("{p}.{}", proj.module_path());
-                out.push((format!("{name}.weight"), proj.weight(l).clone(), Some((i, proj))));
+                out.push((format!("{name}.weight"), l.weight(proj).clone(), Some((i, proj))));
                 let bias = match proj {
                     Projection::Q => &l.q_bias,
                     Projection::K => &l.k_bias,
@@ -531,10 +548,10 @@ impl Model {
             let w = |v: &Var| Self::w(v, grad);
             let wo = |v: &Option<Var>| v.as_ref().map(|v| Self::w(v, grad));
             // A projection, plus its adapter's low-rank term when it has one (the
-            // frozen base then through `frozen_linear`, which skips its gradient).
-            let base = self.base_linear();
+            // frozen base then through `Kernels::frozen_linear`, which skips its
+            // gradient where it can).
             let proj = |p: Projection, x: &Tensor, bias: &Option<Var>| -> Result<Tensor> {
-                self.add_adapter(li, p, x, base(x, &w(p.weight(l)), wo(bias).as_ref())?)
+                self.add_adapter(li, p, x, self.base_linear(x, &w(l.weight(p)), wo(bias).as_ref())?)
             };
             let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
             let q = proj(Projection::Q, &a, &l.q_bias)?.reshape((n, h, hd))?;
@@ -557,7 +574,7 @@ impl Model {
                         Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
                     };
                     let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                    outs.push(attention(ks, &q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
+                    outs.push(ks.attention(&q, &gather(&k)?, &gather(&v)?, Some(&plan.mask))?);
                 }
                 row_start += row_len;
             }
@@ -575,10 +592,11 @@ impl Model {
         ks.rms_norm(&x, &Self::w(&m.norm, grad), cfg.rms_norm_eps)
     }
 
-    /// The product with a base weight: [`frozen_linear`] under adapters (the base is
-    /// frozen, and candle's matmul would compute its gradient anyway), else [`linear`].
-    fn base_linear(&self) -> fn(&Tensor, &Tensor, Option<&Tensor>) -> Result<Tensor> {
-        if self.lora.is_some() { frozen_linear } else { linear }
+    /// The product with a base weight: [`Kernels::frozen_linear`] under adapters (the
+    /// base is frozen, and candle's matmul would compute its gradient anyway), else
+    /// [`linear`].
+    fn base_linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        if self.lora.is_some() { self.kernels.frozen_linear(x, w, b) } else { linear(x, w, b) }
     }
 
     /// Whether the base weights record a graph: on a trainable handle without
@@ -626,7 +644,7 @@ impl Model {
         let grad = self.base_grad();
         let hidden = self.hidden_states(batch, grad)?;
         let picked = hidden.index_select(&batch.index, 0)?;
-        let logits = self.base_linear()(&picked, &self.lm_head(grad), None)?;
+        let logits = self.base_linear(&picked, &self.lm_head(grad), None)?;
         let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
         let both = self.kernels.target_logprobs_entropy(&logits, batch.targets.clone(), inv_temperature)?;
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
@@ -650,7 +668,7 @@ impl Model {
             .collect();
         let batch = self.prepare_batch(&rows, &Targets::default())?;
         let hidden = self.hidden_states(&batch, self.base_grad())?;
-        let logits = self.base_linear()(&hidden, &self.lm_head(self.base_grad()), None)?;
+        let logits = self.base_linear(&hidden, &self.lm_head(self.base_grad()), None)?;
         Ok(logits.reshape((b, s, self.inner.cfg.vocab_size))?)
     }
 

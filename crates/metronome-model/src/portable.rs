@@ -1,7 +1,7 @@
-//! The element-wise ops of the network in two implementations, and the switch between
-//! them.
+//! The element-wise ops of the network in two implementations, the switch between
+//! them, and the attention composed from them.
 //!
-//! [`Kernels::Fused`] are the CPU custom ops of `ops.rs`: one pass per op with their
+//! [`Kernels::Fused`] are the CPU custom ops of `ops/`: one pass per op with their
 //! own backward, and the batch-invariant decode kernels. They have no GPU
 //! implementation. [`Kernels::Portable`] compose the same functions from candle-core
 //! primitives that every backend implements forward and backward (CUDA included), so a
@@ -9,7 +9,7 @@
 //! buffers per op, each a kernel the backend already optimises.
 //!
 //! The portable forms are tested against the fused ones on the CPU (values and
-//! gradients, `ops.rs` tests and the model's integration tests with
+//! gradients, this file's tests and the model's integration tests with
 //! [`Kernels::Portable`]), so CI without a GPU checks the arithmetic the GPU runs; the
 //! GPU tests check the same assertions on the device.
 //!
@@ -17,8 +17,6 @@
 //! is ever built, only each segment's `[len, ancestors + len]` block. The portable
 //! decode attention gathers each row's cached prefix, padded to the longest row of the
 //! step with `-inf` scores, in one batched product per layer.
-
-use std::sync::{Arc, OnceLock};
 
 use candle_core::{D, DType, Device, Tensor};
 
@@ -89,6 +87,17 @@ impl Kernels {
         }
     }
 
+    /// `x·Wᵀ + b` for a frozen `W` and `b` (a LoRA handle's base weights): fused, the
+    /// CPU product whose backward skips the weight's gradient; portable, the plain
+    /// product, whose backward also computes the unused weight gradient (no portable
+    /// op skips it yet).
+    pub(crate) fn frozen_linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        match self {
+            Self::Fused => ops::frozen_linear(x, w, b),
+            Self::Portable => ops::linear(x, w, b),
+        }
+    }
+
     /// `softmax(scores + mask)` over the last dimension, `mask: [lq, lk]` broadcast
     /// over the leading dimensions of `scores: [.., lq, lk]`.
     pub(crate) fn masked_softmax(self, scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
@@ -96,6 +105,43 @@ impl Kernels {
             Self::Fused => ops::masked_softmax(scores, mask),
             Self::Portable => ops::softmax_last_dim(&scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?),
         }
+    }
+
+    /// Scaled dot-product attention of one sequence with grouped-query heads.
+    ///
+    /// `q: [lq, heads, hd]`, `k`, `v: [lk, kv_heads, hd]`, `mask`: additive `[lq, lk]`
+    /// (`None` when every query sees every key). Returns `[lq, heads * hd]`. Query heads
+    /// are grouped by their key/value head instead of repeating keys and values.
+    pub(crate) fn attention(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let (lq, heads, hd) = q.dims3()?;
+        let (lk, kv_heads, _) = k.dims3()?;
+        let rep = heads / kv_heads;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let k = k.transpose(0, 1)?;
+        let v = v.transpose(0, 1)?;
+        // candle's CPU matmul takes any strides; cuBLAS wants each operand contiguous in
+        // its last two dimensions (or their transpose), so the GPU copies these two.
+        let (k, v) = if self == Self::Fused { (k, v) } else { (k.contiguous()?, v.contiguous()?) };
+        let probs = match mask {
+            Some(m) => {
+                // Scaling the queries is cheaper than scaling the `[.., lq, lk]` scores.
+                let q = (q * scale)?.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
+                let scores = q.matmul(&k.t()?)?.reshape((kv_heads, rep, lq, lk))?;
+                self.masked_softmax(&scores, m)?.reshape((kv_heads, rep * lq, lk))?
+            }
+            None => {
+                let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
+                ops::softmax_last_dim(&(q.matmul(&k.t()?)? * scale)?)?
+            }
+        };
+        let out = probs.matmul(&v)?; // [kv, rep * lq, hd]
+        Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
     }
 
     /// `silu(gate) * up`, differentiable in both.
@@ -231,27 +277,242 @@ fn portable_decode_attention(
     Ok(probs.matmul(&v)?.reshape((n, heads * hd))?)
 }
 
-/// Rotary tables on a device, built once per forward from the host tables.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct DeviceTables(Arc<OnceLock<(Tensor, Tensor)>>);
+/// The portable forms against the fused ones on the CPU, values and gradients (both
+/// forms meet here, where the switch between them is).
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{
+        apply_rope, decode_attention, log_softmax_last_dim, masked_softmax, max_diff, noise, rms_norm,
+        rope_tables, swiglu, swiglu_train, target_logprobs_entropy,
+    };
 
-impl ops::RopeTables {
-    /// `cos` and `sin` as `[n, 1, half]` tensors on `device` (uploaded on first use).
-    fn on(&self, device: &Device, n: usize, half: usize) -> Result<(Tensor, Tensor)> {
-        if self.cos().len() != n * half {
-            return Err(Error::invalid(
-                "rope",
-                format!("tables for {} values, input needs {}", self.cos().len(), n * half),
-            ));
+    #[test]
+    fn masked_softmax_matches_composed_ops_and_gradient() {
+        let dev = Device::Cpu;
+        let x = candle_core::Var::from_tensor(
+            &Tensor::new(
+                &[[[0.3f32, -1.0, 2.0], [1.5, 0.2, -0.7]], [[0.0, 0.1, 0.2], [3.0, -2.0, 1.0]]],
+                &dev,
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let mask = Tensor::new(&[[0f32, f32::NEG_INFINITY, 0.0], [0.0, 0.0, 0.0]], &dev).unwrap();
+        let w = Tensor::new(&[1f32, -2.0, 0.5], &dev).unwrap();
+        let fused = masked_softmax(x.as_tensor(), &mask).unwrap();
+        let composed = Kernels::Portable.masked_softmax(x.as_tensor(), &mask).unwrap();
+        assert!(max_diff(&fused, &composed) < 1e-6);
+        let gf = fused.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gc = composed.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(max_diff(gf.get(x.as_tensor()).unwrap(), gc.get(x.as_tensor()).unwrap()) < 1e-6);
+    }
+
+    #[test]
+    fn fused_rms_norm_and_rope_match_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let xs: Vec<f32> = (0..48).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
+        let x = candle_core::Var::from_tensor(&Tensor::from_vec(xs, (3, 2, 8), &dev).unwrap()).unwrap();
+        let w = candle_core::Var::from_tensor(
+            &Tensor::new(&[0.5f32, 1.0, 1.5, 2.0, -1.0, 0.3, 0.7, 1.1], &dev).unwrap(),
+        )
+        .unwrap();
+        let probe =
+            Tensor::from_vec((0..48).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>(), (3, 2, 8), &dev)
+                .unwrap();
+        let t = rope_tables(&[0, 5, 2], 8, 10_000.0);
+        let run = |fused: bool| {
+            let y = if fused {
+                rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            } else {
+                Kernels::Portable.rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            };
+            let y = if fused { apply_rope(&y, &t).unwrap() } else { Kernels::Portable.rope(&y, &t).unwrap() };
+            let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            (y, g.get(x.as_tensor()).unwrap().clone(), g.get(w.as_tensor()).unwrap().clone())
+        };
+        let (yf, gxf, gwf) = run(true);
+        let (yc, gxc, gwc) = run(false);
+        assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
+        assert!(max_diff(&gxf, &gxc) < 1e-5, "dx {}", max_diff(&gxf, &gxc));
+        assert!(max_diff(&gwf, &gwc) < 1e-5, "dw {}", max_diff(&gwf, &gwc));
+    }
+
+    #[test]
+    fn fused_training_swiglu_matches_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let var = |seed, shape: (usize, usize)| {
+            let t = Tensor::from_vec(noise(seed, shape.0 * shape.1), shape, &dev).unwrap();
+            candle_core::Var::from_tensor(&(t * 3.0).unwrap()).unwrap()
+        };
+        let (g, u) = (var(11, (5, 37)), var(12, (5, 37)));
+        let probe = Tensor::from_vec(noise(13, 5 * 37), (5, 37), &dev).unwrap();
+        let run = |fused: bool| {
+            let y = if fused {
+                swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
+            } else {
+                Kernels::Portable.swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
+            };
+            let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+            (y, grads.get(g.as_tensor()).unwrap().clone(), grads.get(u.as_tensor()).unwrap().clone())
+        };
+        let (yf, dgf, duf) = run(true);
+        let (yc, dgc, duc) = run(false);
+        assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
+        assert!(max_diff(&dgf, &dgc) < 1e-5, "d gate {}", max_diff(&dgf, &dgc));
+        assert!(max_diff(&duf, &duc) < 1e-5, "d up {}", max_diff(&duf, &duc));
+        assert!(swiglu_train(g.as_tensor(), &u.as_tensor().narrow(1, 0, 36).unwrap()).is_err());
+    }
+
+    #[test]
+    fn fused_target_logprobs_match_composed_ops_and_gradients() {
+        let dev = Device::Cpu;
+        let (n, vocab) = (6, 41);
+        let z = Tensor::from_vec(noise(21, n * vocab), (n, vocab), &dev).unwrap();
+        let z = candle_core::Var::from_tensor(&(z * 2.5).unwrap()).unwrap();
+        let targets: Vec<u32> = vec![0, 40, 7, 7, 19, 3];
+        let (wl, we) = (
+            Tensor::from_vec(noise(22, n), n, &dev).unwrap(),
+            Tensor::from_vec(noise(23, n), n, &dev).unwrap(),
+        );
+        let split = |both: &Tensor| {
+            (
+                both.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
+                both.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
+            )
+        };
+        let loss =
+            |l: &Tensor, e: &Tensor| ((l * &wl).unwrap() + (e * &we).unwrap()).unwrap().sum_all().unwrap();
+        for temperature in [1.0f32, 0.7, 1.6] {
+            let inv = 1.0 / temperature;
+            let (lf, ef) = split(&target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap());
+            let (lc, ec) = split(
+                &Kernels::Portable.target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap(),
+            );
+            assert!(max_diff(&lf, &lc) < 1e-5, "T={temperature}: log-probs {}", max_diff(&lf, &lc));
+            assert!(max_diff(&ef, &ec) < 1e-5, "T={temperature}: entropy {}", max_diff(&ef, &ec));
+            // Both against the plain log-softmax of the scaled logits.
+            let logp = log_softmax_last_dim(&(z.as_tensor() * f64::from(inv)).unwrap()).unwrap();
+            let index = Tensor::from_vec(targets.clone(), (n, 1), &dev).unwrap();
+            let want = logp.gather(&index, 1).unwrap().squeeze(1).unwrap();
+            assert!(max_diff(&lf, &want) < 1e-5, "T={temperature}: against log_softmax(z / T)");
+            let gf = loss(&lf, &ef).backward().unwrap();
+            let gc = loss(&lc, &ec).backward().unwrap();
+            let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
+            assert!(max_diff(gf, gc) < 1e-5, "T={temperature}: d logits {}", max_diff(gf, gc));
         }
-        if let Some(t) = self.device_tables().0.get()
-            && t.0.device().same_device(device)
-        {
-            return Ok(t.clone());
+        for k in [Kernels::Fused, Kernels::Portable] {
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![0; n - 1], 1.0).is_err());
+            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![41; n], 1.0).is_err());
         }
-        let up = |v: &[f32]| Tensor::from_slice(v, (n, 1, half), device);
-        let t = (up(self.cos())?, up(self.sin())?);
-        let _ = self.device_tables().0.set(t.clone());
-        Ok(t)
+    }
+
+    #[test]
+    fn decode_attention_matches_reference_on_ragged_rows() {
+        // Head sizes of 4 and 8 SIMD vectors (registers held across keys), of 5 (the
+        // general loop) and of a fraction of one (the scalar loops).
+        for kernels in [Kernels::Fused, Kernels::Portable] {
+            for hd in [32, 64, 40, 6] {
+                decode_attention_matches_reference(kernels, hd);
+            }
+        }
+    }
+
+    fn decode_attention_matches_reference(kernels: Kernels, hd: usize) {
+        let dev = Device::Cpu;
+        // 4 query heads over 2 key/value heads.
+        let (heads, kvh, slots, max_len) = (4, 2, 6, 50);
+        let shape = (slots * max_len, kvh, hd);
+        let keys = Tensor::from_vec(noise(1, slots * max_len * kvh * hd), shape, &dev).unwrap();
+        let values = Tensor::from_vec(noise(2, slots * max_len * kvh * hd), shape, &dev).unwrap();
+        // Ragged lengths, slots out of order, one row of length 1 and one filling its slot.
+        let slot_of = [4usize, 0, 5, 2, 1];
+        let len = [17usize, 1, 50, 33, 8];
+        let base: Vec<usize> = slot_of.iter().map(|s| s * max_len).collect();
+        let rows = DecodeRows { base: &base, len: &len };
+        let n = slot_of.len();
+        let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
+        let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        let new_v = Tensor::from_vec(noise(5, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        kernels.write_decode_rows(&keys, &new_k, rows).unwrap();
+        kernels.write_decode_rows(&values, &new_v, rows).unwrap();
+        let fused = kernels.decode_attention(&q, &keys, &values, rows).unwrap();
+        assert_eq!(fused.dims(), [n, heads * hd]);
+        for i in 0..n {
+            let last = base[i] + len[i] - 1;
+            let written = keys.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(written, new_k.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let written = values.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(written, new_v.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let reference = Kernels::Fused
+                .attention(
+                    &q.narrow(0, i, 1).unwrap(),
+                    &keys.narrow(0, base[i], len[i]).unwrap(),
+                    &values.narrow(0, base[i], len[i]).unwrap(),
+                    None,
+                )
+                .unwrap();
+            let got = fused.narrow(0, i, 1).unwrap();
+            let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-5, "{kernels:?}, head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
+        }
+        if kernels == Kernels::Portable {
+            return; // batch-invariant only within 1e-5 (padding changes its reduction length)
+        }
+        // Each row alone gives bitwise the batch's result.
+        let all = fused.to_vec2::<f32>().unwrap();
+        for i in 0..n {
+            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i] };
+            let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
+        }
+    }
+
+    #[test]
+    fn fused_swiglu_matches_composed_ops() {
+        let dev = Device::Cpu;
+        let g = Tensor::from_vec(noise(7, 3 * 37), (3, 37), &dev).unwrap();
+        let u = Tensor::from_vec(noise(8, 3 * 37), (3, 37), &dev).unwrap();
+        let composed = Kernels::Portable.swiglu(&g, &u, 3).unwrap();
+        let d = (swiglu(&g, &u, 3).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
+        let two = swiglu(&g, &u, 2).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(two[1], swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap()[1]);
+        assert!(two[2].iter().all(|&x| x == 0.0), "rows past `rows` are zero");
+        assert!(swiglu(&g, &u.narrow(1, 0, 36).unwrap(), 3).is_err());
+    }
+
+    #[test]
+    fn decode_ops_reject_rows_outside_the_cache() {
+        for k in [Kernels::Fused, Kernels::Portable] {
+            decode_ops_reject_rows_outside_the_cache_with(k);
+        }
+    }
+
+    fn decode_ops_reject_rows_outside_the_cache_with(kernels: Kernels) {
+        let dev = Device::Cpu;
+        let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
+        let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
+        let new = Tensor::zeros((1, 1, 4), candle_core::DType::F32, &dev).unwrap();
+        let past_end = DecodeRows { base: &[4], len: &[5] };
+        let empty = DecodeRows { base: &[0], len: &[0] };
+        let two = DecodeRows { base: &[0, 1], len: &[1, 1] };
+        for rows in [past_end, empty, two] {
+            assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
+            assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
+        }
+        if kernels == Kernels::Portable {
+            return;
+        }
+        let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
+        let ok = DecodeRows { base: &[0], len: &[1] };
+        let err = decode_attention(
+            &wrong_heads,
+            &cache.repeat((1, 2, 1)).unwrap(),
+            &cache.repeat((1, 2, 1)).unwrap(),
+            ok,
+        );
+        assert!(err.unwrap_err().to_string().contains("decode-attention"));
     }
 }

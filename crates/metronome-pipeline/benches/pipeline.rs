@@ -36,11 +36,11 @@ async fn run(workload: &[String], schedule: Schedule, periods: u64) -> Vec<Perio
         overrides.push("trainer.loss.tis_cap=2.0".into());
     }
     let mut config = PipelineConfig::embedded(&overrides).expect("bench config is valid");
-    config.place();
+    config.prepare().expect("bench config is valid");
     let (model, tokenizer) = metronome_pipeline::load_model(&config, config.trainer_device()).expect("model");
     let (stages, _) = metronome_pipeline::build_stages(&config, model, tokenizer).expect("stages");
     let transport = (schedule != Schedule::Sync).then(|| metronome_pipeline::local_transport(&config));
-    let options = RunnerOptions { schedule, periods, ..config.runner_options() };
+    let options = RunnerOptions { schedule, periods, ..RunnerOptions::from(&config) };
     Runner::new(stages, transport, options).expect("runner").run().await.expect("run").reports
 }
 

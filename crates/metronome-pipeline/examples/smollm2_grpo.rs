@@ -27,7 +27,7 @@ use std::time::Instant;
 use anyhow::Context;
 use metronome_core::{ChatMessage, PolicyVersion};
 use metronome_model::{Device, Tensor};
-use metronome_pipeline::{PeriodEnd, PipelineConfig, Runner};
+use metronome_pipeline::{PeriodEnd, PipelineConfig, Runner, RunnerOptions};
 
 /// The run: every section is a stage's own serde config. The model path is filled in
 /// at start-up.
@@ -131,7 +131,7 @@ fn main() -> anyhow::Result<()> {
     overrides.insert(1, format!("model.path={:?}", path.display().to_string()));
     let mut config = PipelineConfig::parse(CONFIG, "smollm2_grpo", &overrides)?;
     // Split the cores between generation and training (the overlap needs both).
-    config.place();
+    config.prepare()?;
 
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     runtime.block_on(train(config, out))
@@ -153,7 +153,7 @@ async fn train(config: PipelineConfig, out: PathBuf) -> anyhow::Result<()> {
     );
     let (stages, trainer) = metronome_pipeline::build_stages(&config, model, tokenizer.clone())?;
     let transport = metronome_pipeline::local_transport(&config);
-    let options = config.runner_options();
+    let options = RunnerOptions::from(&config);
 
     // Print each period as it ends.
     let hook = move |end: &PeriodEnd<'_>| {

@@ -205,6 +205,34 @@ impl Default for EvalConfig {
 }
 
 impl EvalConfig {
+    /// Checks the section's own values; the error names the `eval.` key.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad("eval.temperature", format!("is {}, expected a number >= 0", self.temperature));
+        }
+        if self.prompts > 0 && self.every == 0 {
+            return bad(
+                "eval.every",
+                "is 0: to never evaluate set eval.prompts = 0; to evaluate only after the warm start and \
+                 the last period, set eval.every to run.periods"
+                    .into(),
+            );
+        }
+        if self.samples == 0 {
+            return bad("eval.samples", "is 0, expected at least 1".into());
+        }
+        if self.samples > 1 && self.temperature == 0.0 {
+            return bad(
+                "eval.samples",
+                format!(
+                    "is {} with eval.temperature = 0: greedy answers are all the same, sample once or set a temperature",
+                    self.samples
+                ),
+            );
+        }
+        Ok(())
+    }
+
     /// How the accuracy was measured, for logs: `greedy` or `T=1, mean@4`.
     #[must_use]
     pub fn describe(&self) -> String {
@@ -237,6 +265,47 @@ pub struct SftConfig {
 impl Default for SftConfig {
     fn default() -> Self {
         Self { steps: 0, batch_size: 32, learning_rate: 1e-3, tool_demonstrations: 1.0 }
+    }
+}
+
+impl SftConfig {
+    /// Checks the section's own values; the error names the `sft.` key.
+    pub fn validate(&self) -> Result<()> {
+        if self.steps > 0 && self.batch_size == 0 {
+            return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());
+        }
+        let share = self.tool_demonstrations;
+        if !(0.0..=1.0).contains(&share) {
+            return bad("sft.tool_demonstrations", format!("is {share}, expected a share from 0 to 1"));
+        }
+        Ok(())
+    }
+}
+
+impl RunConfig {
+    /// Checks the section's own values; the error names the `run.` key.
+    pub fn validate(&self) -> Result<()> {
+        if self.group_size == 0 {
+            return bad("run.group_size", "must be at least 1".into());
+        }
+        if self.periods == 0 {
+            return bad("run.periods", "must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// A configuration error at `key`.
+fn bad<T>(key: &str, reason: String) -> Result<T> {
+    Err(Error::Config { key: key.into(), reason })
+}
+
+/// `rollout.backend = "openai"` in a build without the `http` feature.
+#[cfg(not(feature = "http"))]
+pub(crate) fn openai_needs_http() -> Error {
+    Error::Config {
+        key: "rollout.backend".into(),
+        reason: "is \"openai\", which needs the `http` feature, left out of this build".into(),
     }
 }
 
@@ -285,19 +354,6 @@ impl PipelineConfig {
             .map_err(|e| Error::Config { key: "config".into(), reason: format!("cannot be written: {e}") })
     }
 
-    /// The runner's options: the schedule, periods and group size of `[run]`, the
-    /// advantage estimator of `[trainer]`.
-    #[must_use]
-    pub fn runner_options(&self) -> crate::RunnerOptions {
-        crate::RunnerOptions {
-            schedule: self.run.schedule,
-            periods: self.run.periods,
-            group_size: self.run.group_size,
-            advantage: self.trainer.advantage,
-            dynamic_sampling: self.run.dynamic_sampling.map(|d| d.groups),
-        }
-    }
-
     /// Where the trainer runs: `trainer.device`, else `model.device`.
     #[must_use]
     pub fn trainer_device(&self) -> DeviceSpec {
@@ -310,24 +366,46 @@ impl PipelineConfig {
         self.rollout.device.unwrap_or(self.model.device())
     }
 
-    /// Checks each section and the combinations between them; the error names the key.
+    /// Places the stages' thread pools where the config leaves them unset
+    /// (`run.auto_placement`), then validates: what every entry point does with a
+    /// config before it builds anything.
+    pub fn prepare(&mut self) -> Result<()> {
+        self.place();
+        self.validate()
+    }
+
+    /// Checks each section with its own validator, then the combinations between
+    /// them; the error names the key (both keys, for a combination).
     pub fn validate(&self) -> Result<()> {
         let stage =
             |key: &str, e: &dyn std::fmt::Display| Error::Config { key: key.into(), reason: e.to_string() };
+        self.run.validate()?;
         self.data.validate().map_err(|e| stage("data", &e))?;
-        self.rollout.validate().map_err(crate::app::rollout_config)?;
+        self.rollout.validate()?;
         #[cfg(not(feature = "http"))]
         if self.rollout.backend == metronome_rollout::Backend::Openai {
-            return Err(Error::Config {
-                key: "rollout.backend".into(),
-                reason: "is \"openai\", which needs the `http` feature, left out of this build".into(),
-            });
+            return Err(openai_needs_http());
         }
         self.trainer.validate().map_err(|e| stage("trainer", &e))?;
         self.packing.validate().map_err(|e| stage("packing", &e))?;
-        let bad = |key: &str, reason: String| Err(Error::Config { key: key.into(), reason });
+        self.eval.validate()?;
+        self.sft.validate()?;
+        self.check_env()?;
+        self.check_devices()?;
+        let groups = self.check_groups_per_period()?;
+        self.check_behaviour_logprobs()?;
+        self.check_lengths()?;
+        #[cfg(feature = "nats")]
+        self.check_transport(groups)?;
+        #[cfg(not(feature = "nats"))]
+        let _ = groups;
+        self.check_heldout()
+    }
+
+    /// `[env]` with the engine that can run it.
+    fn check_env(&self) -> Result<()> {
         if let Some(env) = &self.env {
-            env.validate().map_err(|e| stage("env", &e))?;
+            env.validate().map_err(|e| Error::Config { key: "env".into(), reason: e.to_string() })?;
             // Episodes keep a slot's KV cache between turns: only the native engine can.
             if self.rollout.backend != metronome_rollout::Backend::Native {
                 return bad(
@@ -338,6 +416,11 @@ impl PipelineConfig {
                 );
             }
         }
+        Ok(())
+    }
+
+    /// Every device named is one this build can open.
+    fn check_devices(&self) -> Result<()> {
         for (key, device) in [
             ("model.device", Some(self.model.device())),
             ("rollout.device", self.rollout.device),
@@ -347,13 +430,13 @@ impl PipelineConfig {
                 return bad(key, e.to_string());
             }
         }
+        Ok(())
+    }
+
+    /// Dynamic sampling and mini-steps against the period's groups; the groups a
+    /// period trains.
+    fn check_groups_per_period(&self) -> Result<usize> {
         let run = &self.run;
-        if run.group_size == 0 {
-            return bad("run.group_size", "must be at least 1".into());
-        }
-        if run.periods == 0 {
-            return bad("run.periods", "must be at least 1".into());
-        }
         let batch = self.data.release.batch_size;
         if let Some(DynamicSampling { groups }) = run.dynamic_sampling
             && !(1..=batch).contains(&groups)
@@ -377,6 +460,13 @@ impl PipelineConfig {
                 ),
             );
         }
+        Ok(batch)
+    }
+
+    /// Importance sampling where samples are stale, and sampling whose recorded
+    /// behaviour log-probs are the distribution it samples wherever they are read.
+    fn check_behaviour_logprobs(&self) -> Result<()> {
+        let run = &self.run;
         let stale = !run.schedule.is_on_policy();
         let loss = &self.trainer.loss;
         if stale && loss.tis_cap.is_none() && loss.masked_is.is_none() {
@@ -439,6 +529,11 @@ impl PipelineConfig {
                 ),
             );
         }
+        Ok(())
+    }
+
+    /// A prompt and its response fit a packed row and a KV-cache slot.
+    fn check_lengths(&self) -> Result<()> {
         let longest = self.data.prompt.max_tokens.unwrap_or(0) + self.rollout.sampling.max_new_tokens;
         if self.data.prompt.max_tokens.is_some() && longest > self.packing.row_tokens {
             return bad(
@@ -462,18 +557,24 @@ impl PipelineConfig {
                 ),
             );
         }
-        #[cfg(feature = "nats")]
+        Ok(())
+    }
+
+    /// The NATS limits hold a period's `groups` until the trainer's checkpoint, and
+    /// claims are held at least one lease.
+    #[cfg(feature = "nats")]
+    fn check_transport(&self, groups: usize) -> Result<()> {
         if let TransportConfig::Nats(nats) = &self.transport {
             // The trainer holds a period's groups unacknowledged until its checkpoint.
             for (key, limit) in [
                 ("transport.groups.max_pending", nats.groups.max_pending),
                 ("transport.groups.max_ack_pending", nats.groups.max_ack_pending),
             ] {
-                if usize::try_from(limit).is_ok_and(|limit| limit < batch) {
+                if usize::try_from(limit).is_ok_and(|limit| limit < groups) {
                     return bad(
                         key,
                         format!(
-                            "is {limit} but a period's data.release.batch_size = {batch} groups stay \
+                            "is {limit} but a period's data.release.batch_size = {groups} groups stay \
                              unacknowledged until the trainer's checkpoint"
                         ),
                     );
@@ -491,36 +592,11 @@ impl PipelineConfig {
                 );
             }
         }
-        if self.sft.steps > 0 && self.sft.batch_size == 0 {
-            return bad("sft.batch_size", "must be at least 1 when sft.steps > 0".into());
-        }
-        let share = self.sft.tool_demonstrations;
-        if !(0.0..=1.0).contains(&share) {
-            return bad("sft.tool_demonstrations", format!("is {share}, expected a share from 0 to 1"));
-        }
-        if !(self.eval.temperature.is_finite() && self.eval.temperature >= 0.0) {
-            return bad("eval.temperature", format!("is {}, expected a number >= 0", self.eval.temperature));
-        }
-        if self.eval.prompts > 0 && self.eval.every == 0 {
-            return bad(
-                "eval.every",
-                "is 0: to never evaluate set eval.prompts = 0; to evaluate only after the warm start and \
-                 the last period, set eval.every to run.periods"
-                    .into(),
-            );
-        }
-        if self.eval.samples == 0 {
-            return bad("eval.samples", "is 0, expected at least 1".into());
-        }
-        if self.eval.samples > 1 && self.eval.temperature == 0.0 {
-            return bad(
-                "eval.samples",
-                format!(
-                    "is {} with eval.temperature = 0: greedy answers are all the same, sample once or set a temperature",
-                    self.eval.samples
-                ),
-            );
-        }
+        Ok(())
+    }
+
+    /// Evaluation has a held-out source.
+    fn check_heldout(&self) -> Result<()> {
         if self.eval.prompts > 0 && self.eval.source.is_none() && self.heldout_source().is_none() {
             return bad(
                 "eval.source",
@@ -617,8 +693,11 @@ impl PipelineConfig {
             .collect())
     }
 
-    /// Sets the stages' thread counts from the cores when `run.auto_placement` is on.
-    pub fn place(&mut self) {
+    /// Sizes the stages' thread pools from the cores when `run.auto_placement` is on,
+    /// filling only what the config leaves unset: a `trainer.threads` or
+    /// `rollout.threads_per_worker` the user set is kept, and the other takes the
+    /// cores it leaves.
+    fn place(&mut self) {
         if !self.run.auto_placement {
             return;
         }
@@ -630,13 +709,13 @@ impl PipelineConfig {
         let workers = self.rollout.workers.max(1);
         if self.run.schedule == Schedule::Sync {
             // Phases take turns, so each may use every core.
-            self.trainer.threads = cores;
-            self.rollout.threads_per_worker = (cores / workers).max(1);
+            self.trainer.threads.get_or_insert(cores);
+            self.rollout.threads_per_worker.get_or_insert((cores / workers).max(1));
         } else {
             // Stages overlap: give the trainer half and the workers the rest, one
             // thread each at least, so no core runs two busy threads.
-            self.trainer.threads = (cores / 2).max(1);
-            self.rollout.threads_per_worker = (cores.saturating_sub(self.trainer.threads) / workers).max(1);
+            let trainer = *self.trainer.threads.get_or_insert((cores / 2).max(1));
+            self.rollout.threads_per_worker.get_or_insert((cores.saturating_sub(trainer) / workers).max(1));
         }
     }
 }

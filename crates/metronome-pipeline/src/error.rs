@@ -78,5 +78,61 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// A stage's failure, named `stage`.
+    pub(crate) fn stage(
+        stage: &'static str,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>,
+    ) -> Self {
+        Self::Stage(metronome_core::Error::stage(stage, source))
+    }
+
+    /// Whether this is the transport's failure (directly, or under the generation that
+    /// was publishing a group), which a reconnection may heal.
+    #[must_use]
+    pub fn is_transport(&self) -> bool {
+        match self {
+            Self::Stage(e) | Self::Generation { source: e, .. } => e.is_transport(),
+            _ => false,
+        }
+    }
+}
+
+/// Each stage crate's error is that stage's failure, named after it; the rollout
+/// engine's config errors are config errors, naming their `rollout.` key.
+macro_rules! stage_errors {
+    ($($error:ty => $stage:literal),* $(,)?) => {$(
+        impl From<$error> for Error {
+            fn from(e: $error) -> Self {
+                Self::stage($stage, e)
+            }
+        }
+    )*};
+}
+
+stage_errors! {
+    metronome_model::Error => "model",
+    metronome_dataloader::Error => "dataloader",
+    metronome_reward::Error => "reward",
+    metronome_trainer::TrainerError => "trainer",
+}
+
+impl From<metronome_rollout::Error> for Error {
+    fn from(e: metronome_rollout::Error) -> Self {
+        match e {
+            metronome_rollout::Error::Config { field, reason } => {
+                Self::Config { key: format!("rollout.{field}"), reason }
+            }
+            other => Self::stage("rollout", other),
+        }
+    }
+}
+
+impl From<metronome_transport::Error> for Error {
+    fn from(e: metronome_transport::Error) -> Self {
+        Self::Stage(e.into())
+    }
+}
+
 /// `Result` with the pipeline's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

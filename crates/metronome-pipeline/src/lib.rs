@@ -19,12 +19,15 @@
 //! claims under leases so that workers may join and leave at any time.
 
 mod app;
+mod builders;
 mod checkpoint;
 #[cfg(feature = "nats")]
 pub mod cluster;
 mod config;
 mod error;
+mod evaluate;
 mod events;
+mod generator;
 mod html;
 mod metrics;
 mod plots;
@@ -35,13 +38,13 @@ mod runner;
 mod schedule;
 #[cfg(feature = "http")]
 mod serve;
+mod session;
 mod summary;
 pub mod tensorboard;
+mod warm_start;
 
-pub use app::{
-    EvalPoint, RunOptions, RunOutcome, TrainerHandle, build_stages, load_model, local_transport, run,
-    with_env,
-};
+pub use app::run;
+pub use builders::{TrainerHandle, build_stages, load_model, local_transport, with_env};
 pub use config::{
     DEFAULT_CONFIG, DynamicSampling, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig,
     TransportConfig,
@@ -54,7 +57,7 @@ pub use metronome_core::Secret;
 #[cfg(feature = "http")]
 pub use metronome_rollout::http::ServerConfig;
 pub use release::{Release, Released};
-pub use report::{Clock, Interval, PeriodReport, StageKind};
+pub use report::{Clock, EvalPoint, Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;
 pub use runner::{
     Checkpointing, Packer, Parts, PeriodEnd, PeriodHook, RunEnd, Runner, RunnerOptions, Stages, Transport,
@@ -62,6 +65,7 @@ pub use runner::{
 pub use schedule::{ParseScheduleError, Schedule};
 #[cfg(feature = "http")]
 pub use serve::serve;
+pub use session::{RunOptions, RunOutcome};
 pub use summary::summary_table;
 
 /// Every metrics catalogue a run's processes may emit from, this crate's own first,

@@ -4,7 +4,8 @@
 //! The [`Runner`](crate::Runner) drives every period the same way on the trainer's
 //! side. It asks a [`Release`] to release each period's prompts (after it has started
 //! publishing the period's weights) and, while it waits for the period's groups, to
-//! report a failure of the generating side. Three releases exist:
+//! report a failure of the generating side. Three releases exist (the two that
+//! generate in this process do it through a [`Generator`], as a rollout worker does):
 //!
 //! - [`SyncRelease`] (`sync`): installs the weights, generates and scores the whole
 //!   period when it is released, and hands the groups over in release order, so that
@@ -25,12 +26,12 @@ use std::time::Instant;
 use async_trait::async_trait;
 use metronome_core::{
     Cursor, Group, GroupKey, GroupScorer, GroupSender, GroupSink, PeriodId, PolicyVersion, PromptId,
-    PromptSource, RolloutEngine, RolloutRequest, ScoredGroup, WeightSnapshot, WeightSubscriber,
+    PromptSource, ScoredGroup, WeightSnapshot,
 };
-use metronome_rollout::CollectSink;
 use tokio::sync::mpsc;
 
 use crate::error::{Error, Result};
+use crate::generator::Generator;
 use crate::report::{Clock, Interval, StageKind};
 
 /// Releases each period's prompts for generation; see the `release` module docs.
@@ -112,17 +113,16 @@ fn not_started() -> Error {
 
 /// `sync`: the whole period is generated and scored when it is released.
 pub(crate) struct SyncRelease {
-    engine: Arc<dyn RolloutEngine>,
+    generator: Generator,
     scorer: Arc<dyn GroupScorer>,
-    group_size: u32,
     source: Option<Box<dyn PromptSource>>,
     clock: Clock,
     intervals: BTreeMap<PeriodId, Vec<Interval>>,
 }
 
 impl SyncRelease {
-    pub(crate) fn new(engine: Arc<dyn RolloutEngine>, scorer: Arc<dyn GroupScorer>, group_size: u32) -> Self {
-        Self { engine, scorer, group_size, source: None, clock: Clock::start(), intervals: BTreeMap::new() }
+    pub(crate) fn new(generator: Generator, scorer: Arc<dyn GroupScorer>) -> Self {
+        Self { generator, scorer, source: None, clock: Clock::start(), intervals: BTreeMap::new() }
     }
 }
 
@@ -141,21 +141,19 @@ impl Release for SyncRelease {
         let mut intervals = Vec::with_capacity(3);
 
         let t = Instant::now();
-        self.engine.install_weights(weights.clone()).await?;
+        self.generator.install(weights.clone()).await?;
         intervals.push(self.clock.interval(StageKind::Publication, period, t));
 
         let order: BTreeMap<GroupKey, usize> =
             batch.prompts.iter().enumerate().map(|(i, p)| (GroupKey { period, prompt: p.id }, i)).collect();
         let prompts = batch.prompts.iter().map(|p| p.id).collect();
-        let request = RolloutRequest { period, prompts: batch.prompts, group_size: self.group_size };
         let t = Instant::now();
-        let sink = CollectSink::default();
-        self.engine.generate(request, &sink).await.map_err(|source| Error::Generation { period, source })?;
+        let generated = self.generator.collect(period, batch.prompts).await?;
         intervals.push(self.clock.interval(StageKind::Generation, period, t));
 
         let t = Instant::now();
         let mut groups = Vec::with_capacity(order.len());
-        for group in sink.into_groups() {
+        for group in generated {
             groups.push(self.scorer.score(group).await?);
         }
         intervals.push(self.clock.interval(StageKind::Scoring, period, t));
@@ -174,9 +172,6 @@ impl Release for SyncRelease {
     }
 }
 
-/// How long the producer waits for weights before it logs that it is waiting.
-const WAIT_NOTICE: std::time::Duration = std::time::Duration::from_secs(60);
-
 /// What the producer task tells its [`ProducerRelease`].
 enum Event {
     Released(PeriodId, Released),
@@ -187,12 +182,11 @@ enum Event {
 
 /// `periodic` and `stale:s`: a producer task generates while the runner trains.
 pub(crate) struct ProducerRelease {
-    engine: Arc<dyn RolloutEngine>,
+    /// Moves into the producer task when the run starts.
+    generator: Option<Generator>,
     scorer: Arc<dyn GroupScorer>,
     sender: Arc<dyn GroupSender>,
-    subscriber: Option<Box<dyn WeightSubscriber>>,
     lag: u64,
-    group_size: u32,
     task: Option<tokio::task::JoinHandle<Box<dyn PromptSource>>>,
     events: Option<mpsc::UnboundedReceiver<Event>>,
     released: BTreeMap<PeriodId, Released>,
@@ -202,21 +196,19 @@ pub(crate) struct ProducerRelease {
 }
 
 impl ProducerRelease {
+    /// Generates with `generator`, which waits for the published weights, at most
+    /// `lag` versions behind the period.
     pub(crate) fn new(
-        engine: Arc<dyn RolloutEngine>,
+        generator: Generator,
         scorer: Arc<dyn GroupScorer>,
         sender: Arc<dyn GroupSender>,
-        subscriber: Box<dyn WeightSubscriber>,
         lag: u64,
-        group_size: u32,
     ) -> Self {
         Self {
-            engine,
+            generator: Some(generator),
             scorer,
             sender,
-            subscriber: Some(subscriber),
             lag,
-            group_size,
             task: None,
             events: None,
             released: BTreeMap::new(),
@@ -256,17 +248,15 @@ impl Release for ProducerRelease {
         periods: Range<u64>,
         clock: Clock,
     ) -> Result<()> {
-        let subscriber = self.subscriber.take().ok_or_else(not_started)?;
+        let generator = self.generator.take().ok_or_else(not_started)?;
         let (events_tx, events) = mpsc::unbounded_channel();
         let producer = Producer {
             source,
-            engine: self.engine.clone(),
+            generator,
             scorer: self.scorer.clone(),
             sender: self.sender.clone(),
-            subscriber,
             lag: self.lag,
             periods,
-            group_size: self.group_size,
             events: events_tx,
             clock,
         };
@@ -315,13 +305,11 @@ impl Release for ProducerRelease {
 
 struct Producer {
     source: Box<dyn PromptSource>,
-    engine: Arc<dyn RolloutEngine>,
+    generator: Generator,
     scorer: Arc<dyn GroupScorer>,
     sender: Arc<dyn GroupSender>,
-    subscriber: Box<dyn WeightSubscriber>,
     lag: u64,
     periods: Range<u64>,
-    group_size: u32,
     events: mpsc::UnboundedSender<Event>,
     clock: Clock,
 }
@@ -340,7 +328,6 @@ impl Producer {
     }
 
     async fn periods_loop(&mut self) -> Result<()> {
-        let mut installed: Option<PolicyVersion> = None;
         for k in self.periods.clone() {
             let period = PeriodId(k);
             let Some(batch) = next_batch(self.source.as_mut(), period).await? else { return Ok(()) };
@@ -352,31 +339,15 @@ impl Producer {
             let _ = self.events.send(Event::Released(period, released));
             // The controller: never generate more than `lag` versions ahead of training.
             let min = PolicyVersion(k.saturating_sub(self.lag));
-            let wait = self.subscriber.wait_for(min);
-            tokio::pin!(wait);
-            // A long wait is the trainer's (a slow step, or one that hangs): say so
-            // instead of waiting in silence.
-            let weights = loop {
-                tokio::select! {
-                    weights = &mut wait => break weights?,
-                    () = tokio::time::sleep(WAIT_NOTICE) => tracing::warn!(
-                        period = k,
-                        "generation waits for weights of version {min} after {}s; is the trainer stepping?",
-                        WAIT_NOTICE.as_secs()
-                    ),
-                }
+            let what = format!("generation of period {k}");
+            // A wait that nothing stops ends with weights (or the subscriber's error).
+            let Some(weights) = self.generator.wait(min, &what, std::future::pending()).await? else {
+                return Ok(());
             };
-            if installed != Some(weights.version) {
-                self.engine.install_weights(weights.clone()).await?;
-                installed = Some(weights.version);
-            }
-            let request = RolloutRequest { period, prompts: batch.prompts, group_size: self.group_size };
+            self.generator.install(weights).await?;
             let sink = ScoreAndSend { scorer: self.scorer.clone(), sender: self.sender.clone() };
             let start = Instant::now();
-            self.engine
-                .generate(request, &sink)
-                .await
-                .map_err(|source| Error::Generation { period, source })?;
+            self.generator.generate(period, batch.prompts, &sink).await?;
             let _ =
                 self.events.send(Event::Generated(self.clock.interval(StageKind::Generation, period, start)));
         }

@@ -1,5 +1,5 @@
 //! What a run records per period: the numbers behind `metrics.jsonl`, the summary
-//! table, the plots and the benchmark.
+//! table, the plots and the benchmark; and held-out accuracy at points of the run.
 
 use metronome_core::{PeriodId, StepReport};
 use serde::{Deserialize, Serialize};
@@ -38,6 +38,18 @@ impl Interval {
     pub fn seconds(&self) -> f64 {
         self.end_s - self.start_s
     }
+}
+
+/// Held-out accuracy at one point of the run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalPoint {
+    /// Optimiser steps of RL taken before the evaluation (0: after the warm start).
+    pub after_periods: u64,
+    /// Fraction of held-out answers that are correct (greedy, or sampled as `eval` says).
+    pub accuracy: f64,
+    /// With `[env]`: the fraction of held-out trajectories in which the policy
+    /// called a tool (took more than one turn).
+    pub tool_use: Option<f64>,
 }
 
 /// Everything measured in one period.

@@ -18,6 +18,8 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, BufRead, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Component, Path, PathBuf};
 
+use crate::checkpoint::Checkpoints;
+use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::plots;
 use crate::report::PeriodReport;
@@ -59,6 +61,17 @@ pub(crate) const TIMELINE_PLOT: &str = "timeline.svg";
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RunDir {
     path: PathBuf,
+}
+
+/// A run directory opened for a run ([`RunDir::open_run`]).
+#[derive(Debug)]
+pub(crate) struct OpenRun {
+    /// The run directory.
+    pub(crate) dir: RunDir,
+    /// The folder of the run's period checkpoints.
+    pub(crate) checkpoints: PathBuf,
+    /// The checkpoint the run resumes from and the period it resumes at.
+    pub(crate) resume: Option<(PathBuf, u64)>,
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
@@ -107,6 +120,62 @@ impl RunDir {
             });
         }
         Ok(Self { path: path.to_owned() })
+    }
+
+    /// The run directory of a run of `config` (`run.out_dir/run.name`, a fresh
+    /// timestamped name when unset), whose period checkpoints go to
+    /// `checkpoints/<store>`, opened in one step: a checkpoint there means a resume,
+    /// refused when `config` would make a different run unless `allow_config_change`;
+    /// the resolved config is written, and the period record is cut back to where the
+    /// run resumes (or emptied for a fresh start).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the keys that differ from the stored config;
+    /// [`Error::Io`] naming the file at fault.
+    pub(crate) fn open_run(
+        config: &PipelineConfig,
+        store: &str,
+        allow_config_change: bool,
+    ) -> Result<OpenRun> {
+        let name = config.run.name.clone().unwrap_or_else(|| {
+            let secs =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+            format!("{}-{secs}", config.run.schedule).replace(':', "")
+        });
+        let dir = Self::create(&config.run.out_dir, &name)?;
+        let checkpoints = dir.checkpoints().join(store);
+        let latest = Checkpoints::new(checkpoints.clone()).latest()?;
+        if latest.is_some() {
+            dir.check_resumable(config, allow_config_change)?;
+        }
+        dir.write_config(&config.to_toml()?)?;
+        // A directory without a checkpoint holds nothing to continue: start over.
+        let resume = latest.map(|(checkpoint, state)| (checkpoint, state.next_period));
+        dir.resume_record(resume.as_ref().map_or(0, |r| r.1))?;
+        Ok(OpenRun { dir, checkpoints, resume })
+    }
+
+    /// Refuses to resume a run whose stored config differs from `config` in a key
+    /// that changes what is trained, unless `allow`ed.
+    fn check_resumable(&self, config: &PipelineConfig, allow: bool) -> Result<()> {
+        let path = self.path.join(CONFIG_FILE);
+        let stored = fs::read_to_string(&path).map_err(io_error(&path))?;
+        let changed = config.resume_changes(&stored)?;
+        if changed.is_empty() {
+            return Ok(());
+        }
+        if allow {
+            tracing::warn!(?changed, "resuming with a changed config, as asked");
+            return Ok(());
+        }
+        Err(Error::Config {
+            key: changed.join(", "),
+            reason: format!(
+                "differs from the config of the run being resumed ({}): it would make a different run; \
+                 keep the stored values, start a new run.name, or resume anyway (--allow-config-change)",
+                path.display()
+            ),
+        })
     }
 
     /// The run's folder.

@@ -25,13 +25,14 @@ use std::time::{Duration, Instant};
 
 use metronome_core::{
     Acker, AdvantageEstimator, Cursor, Delivery, ErrorChain, GroupKey, GroupReceiver, GroupScorer,
-    GroupSender, NoAck, PeriodId, PromptSource, RolloutEngine, ScoredGroup, StepReport, TrainBatch, Trainer,
-    WeightPublisher, WeightSnapshot, WeightSubscriber,
+    GroupSender, NoAck, PeriodId, PromptSource, Reward, RolloutEngine, ScoredGroup, StepReport, TrainBatch,
+    Trainer, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 
 use crate::checkpoint::{Checkpoints, RunState};
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
+use crate::generator::Generator;
 use crate::metrics::record_period;
 use crate::release::{ProducerRelease, Release, Released, SyncRelease};
 use crate::report::{Clock, Interval, PeriodReport, StageKind};
@@ -222,7 +223,7 @@ impl Runner {
                 source,
                 trainer,
                 packer,
-                release: Box::new(SyncRelease::new(engine, scorer, options.group_size)),
+                release: Box::new(SyncRelease::new(Generator::new(engine, options.group_size), scorer)),
                 receiver: None,
                 publisher: None,
             },
@@ -231,12 +232,10 @@ impl Runner {
                 trainer,
                 packer,
                 release: Box::new(ProducerRelease::new(
-                    engine,
+                    Generator::new(engine, options.group_size).subscribed(subscriber),
                     scorer,
                     sender,
-                    subscriber,
                     schedule.max_lag(),
-                    options.group_size,
                 )),
                 receiver: Some(receiver),
                 publisher: Some(publisher),
@@ -811,8 +810,7 @@ fn note_group(report: &mut PeriodReport, group: &ScoredGroup, staleness: u64) {
     let mean = group.rewards.iter().map(|r| f64::from(r.total)).sum::<f64>() / n;
     // Running sums; finalise_report turns them into means over groups.
     report.reward_mean += mean;
-    let correct: Vec<f64> =
-        group.rewards.iter().filter_map(|r| r.parts.get("correct")).map(|&c| f64::from(c)).collect();
+    let correct: Vec<f64> = group.rewards.iter().filter_map(Reward::correct).map(f64::from).collect();
     if !correct.is_empty() {
         *report.accuracy.get_or_insert(0.0) += correct.iter().sum::<f64>() / correct.len() as f64;
     }

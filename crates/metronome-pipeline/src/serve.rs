@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use metronome_rollout::http::{ServerConfig, router, serve_until};
 
-use crate::app::{err, load_model};
+use crate::builders::load_model;
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
@@ -27,17 +27,13 @@ pub async fn serve(
     // The server is what an `openai` backend talks to: it serves the native engine of
     // `[rollout]` whatever the backend, so one config serves both sides.
     config.rollout.backend = metronome_rollout::Backend::Native;
-    config.place();
-    config.validate()?;
+    config.prepare()?;
     server.validate(addr).map_err(|e| Error::Config { key: "serve".into(), reason: e.to_string() })?;
     let (model, tokenizer) = load_model(&config, config.rollout_device())?;
-    let inference = model.frozen_copy().map_err(err("model"))?;
+    let inference = model.frozen_copy()?;
     drop(model);
     let seed = metronome_core::RunSeed(config.run.seed);
-    let engine = config
-        .rollout
-        .build(inference, metronome_core::PolicyVersion(0), tokenizer, seed)
-        .map_err(err("rollout"))?;
+    let engine = config.rollout.build(inference, metronome_core::PolicyVersion(0), tokenizer, seed)?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| Error::Config { key: "addr".into(), reason: format!("cannot listen on {addr}: {e}") })?;

@@ -16,9 +16,8 @@ use std::path::{Path, PathBuf};
 
 use prost::Message;
 
-use crate::app::EvalPoint;
 use crate::error::{Error, Result};
-use crate::report::PeriodReport;
+use crate::report::{EvalPoint, PeriodReport};
 
 /// `tensorflow.Event`, the fields Metronome writes.
 #[derive(Clone, PartialEq, prost::Message)]

@@ -439,8 +439,7 @@ impl RewardFn for CountdownChecker {
             CountdownVerdict::WrongValue(_) => (c.format_score, 0.0, 1.0),
             CountdownVerdict::Invalid(_) => (c.invalid_score, 0.0, 0.0),
         };
-        let mut reward = Reward::scalar(total);
-        reward.parts.insert("correct".into(), correct);
+        let mut reward = Reward::scalar(total).with_correct(correct);
         reward.parts.insert("valid".into(), valid);
         reward
     }

@@ -226,8 +226,7 @@ impl RewardFn for MathVerifier {
                 );
             }
         };
-        let mut reward = Reward::scalar(total);
-        reward.parts.insert("correct".into(), correct);
+        let mut reward = Reward::scalar(total).with_correct(correct);
         reward.parts.insert("answered".into(), answered);
         reward
     }

@@ -436,9 +436,7 @@ impl PoolScorer {
                     // An environment that rewarded its episode has the last word; an
                     // episode without one is scored like any completion.
                     match c.episode.as_ref().and_then(|e| e.reward) {
-                        Some(r) => {
-                            Reward { total: r, parts: [("correct".to_owned(), r)].into(), failure: None }
-                        }
+                        Some(r) => Reward::scalar(r).with_correct(r),
                         None => scorer.score(&group.prompt, c),
                     }
                 })

@@ -61,7 +61,7 @@ fn engine_with(slots: usize, batching: Batching, frozen: bool) -> ModelEngine {
     let model = if frozen { model.frozen_copy().unwrap() } else { model.with_trainable(false) };
     let config = EngineConfig {
         workers: 1,
-        threads_per_worker: 1,
+        threads_per_worker: Some(1),
         max_num_seqs: slots,
         max_seq_len: 256,
         batching,

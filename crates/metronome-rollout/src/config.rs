@@ -228,8 +228,10 @@ pub enum Batching {
 pub struct EngineConfig {
     /// Engine workers, each an OS thread with its own KV cache and thread pool.
     pub workers: usize,
-    /// Threads of each worker's rayon pool (the matmuls of its decode steps run there).
-    pub threads_per_worker: usize,
+    /// Threads of each worker's rayon pool (the matmuls of its decode steps run
+    /// there). Unset, the pipeline's placement chooses (`run.auto_placement`), else 1
+    /// ([`EngineConfig::threads_per_worker`]).
+    pub threads_per_worker: Option<usize>,
     /// KV-cache slots per worker: the most sequences one worker decodes at once.
     pub max_num_seqs: usize,
     /// Longest sequence (prompt + response) a slot holds; capped by the model's context.
@@ -253,7 +255,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             workers: 1,
-            threads_per_worker: 1,
+            threads_per_worker: None,
             max_num_seqs: 16,
             max_seq_len: 1024,
             batching: Batching::Continuous,
@@ -266,12 +268,18 @@ impl Default for EngineConfig {
 }
 
 impl EngineConfig {
+    /// Threads of each worker's pool: `threads_per_worker`, or 1 when unset.
+    #[must_use]
+    pub fn threads_per_worker(&self) -> usize {
+        self.threads_per_worker.unwrap_or(1)
+    }
+
     /// Checks every field's range.
     pub fn validate(&self) -> Result<()> {
         if self.workers == 0 {
             return Err(Error::config("workers", "is 0 (expected >= 1)"));
         }
-        if self.threads_per_worker == 0 {
+        if self.threads_per_worker == Some(0) {
             return Err(Error::config("threads_per_worker", "is 0 (expected >= 1)"));
         }
         if self.max_num_seqs == 0 {

@@ -46,11 +46,9 @@ pub fn scored_group(period: u64, prompt: u64, g: u32, len: usize) -> ScoredGroup
             if i == 1 {
                 Reward::failed(-1.0, "timeout after 5s")
             } else {
-                Reward {
-                    total,
-                    parts: BTreeMap::from([("correct".to_owned(), total), ("format".to_owned(), 1.0)]),
-                    failure: None,
-                }
+                let mut reward = Reward::scalar(total).with_correct(total);
+                reward.parts.insert("format".to_owned(), 1.0);
+                reward
             }
         })
         .collect();

@@ -188,7 +188,7 @@ impl GroupScorer for MockScorer {
                 let even =
                     c.tokens.iter().filter(|&&t| t % 2 == 0).count() as f32 / c.tokens.len().max(1) as f32;
                 let correct = if c.tokens.first().is_some_and(|t| t % 2 == 0) { 1.0 } else { 0.0 };
-                Reward { total: even, parts: BTreeMap::from([("correct".into(), correct)]), failure: None }
+                Reward::scalar(even).with_correct(correct)
             })
             .collect();
         ScoredGroup::new(group, rewards, AdvantageEstimator::GroupNorm)

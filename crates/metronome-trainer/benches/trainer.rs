@@ -169,7 +169,7 @@ impl TwoPass {
             reference,
             params,
             tokens: 0,
-            pool: rayon::ThreadPoolBuilder::new().num_threads(cfg.threads).build().expect("pool"),
+            pool: rayon::ThreadPoolBuilder::new().num_threads(cfg.threads()).build().expect("pool"),
         }
     }
 
@@ -217,7 +217,7 @@ fn kl_config(threads: usize) -> TrainerConfig {
     let mut cfg = TrainerConfig::default();
     cfg.schedule.lr = 1e-4;
     cfg.loss.kl_coef = 0.05;
-    cfg.threads = threads;
+    cfg.threads = Some(threads);
     cfg
 }
 

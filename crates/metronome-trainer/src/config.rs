@@ -1,13 +1,14 @@
-//! The trainer's serde configuration, validated before it builds a trainer.
+//! The trainer's serde configuration, validated before it builds a trainer
+//! (`TrainerConfig::build` and `resume` are beside the trainer they build).
 
 use metronome_core::AdvantageEstimator;
-use metronome_model::{Device, LoraConfig, Model};
+use metronome_model::LoraConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::loss::LossConfig;
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
-use crate::{GrpoTrainer, Result, TrainerError};
+use crate::{Result, TrainerError};
 
 /// Everything that shapes training, read from the run's config file.
 ///
@@ -18,8 +19,10 @@ use crate::{GrpoTrainer, Result, TrainerError};
 pub struct TrainerConfig {
     /// Seed of the trainer's own randomness (the mini-step partition).
     pub seed: u64,
-    /// Threads of the trainer's own rayon pool; candle's kernels run on it.
-    pub threads: usize,
+    /// Threads of the trainer's own rayon pool; candle's kernels run on it. Unset,
+    /// the pipeline's placement chooses (`run.auto_placement`), else 1
+    /// ([`TrainerConfig::threads`]).
+    pub threads: Option<usize>,
     /// Learning-rate schedule over optimiser steps.
     pub schedule: LrSchedule,
     /// AdamW hyper-parameters.
@@ -56,7 +59,7 @@ impl Default for TrainerConfig {
     fn default() -> Self {
         Self {
             seed: 0,
-            threads: 1,
+            threads: None,
             schedule: LrSchedule::default(),
             optimizer: AdamWConfig::default(),
             max_grad_norm: Some(1.0),
@@ -81,7 +84,7 @@ impl TrainerConfig {
 
     /// Checks every range; the error names the dotted key at fault.
     pub fn validate(&self) -> Result<()> {
-        if self.threads == 0 {
+        if self.threads == Some(0) {
             return Err(TrainerError::config("threads", "is 0, expected at least 1"));
         }
         if self.mini_steps == 0 {
@@ -101,16 +104,10 @@ impl TrainerConfig {
         Ok(())
     }
 
-    /// Validates and builds a trainer around `policy` (the reference model is a frozen
-    /// copy of it, made now; with `lora`, the policy's base weights).
-    pub fn build(&self, policy: Model) -> Result<GrpoTrainer> {
-        GrpoTrainer::new(self.clone(), policy)
-    }
-
-    /// Builds a trainer resumed from a checkpoint directory written by
-    /// [`GrpoTrainer::save_checkpoint`].
-    pub fn resume(&self, dir: &std::path::Path, device: &Device) -> Result<GrpoTrainer> {
-        GrpoTrainer::resume(self.clone(), dir, device)
+    /// Threads of the trainer's pool: `threads`, or 1 when unset.
+    #[must_use]
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or(1)
     }
 }
 
@@ -137,7 +134,7 @@ mod tests {
         assert_eq!(cfg.schedule.warmup_steps, 2);
         assert_eq!(cfg.loss.kl_coef, 0.05);
         assert_eq!(cfg.advantage, AdvantageEstimator::LeaveOneOut);
-        assert_eq!(cfg.threads, 1);
+        assert_eq!(cfg.threads(), 1);
         let cfg = TrainerConfig::from_json(
             r#"{"advantage": "reinforce_plus_plus_baseline",
                 "loss": {"ratio_level": "sequence", "aggregation": {"kind": "seq_mean_token_mean"},

@@ -55,6 +55,11 @@
 //! (`metronome-transport`); `metronome-pipeline` wires it to them and checks that the
 //! sampling settings give behaviour log-probs the trainer can match.
 //!
+//! The trainer's code is in `trainer/`: the step (`mod.rs`), the loss variants as a
+//! step meets them (`variants.rs`: which targets enter, the loss of a micro-batch,
+//! the step-time scales, mini-steps), LoRA (`lora.rs`), the supervised warm start
+//! (`sft.rs`) and checkpoints (`checkpoint.rs`).
+//!
 //! Metrics: every one it emits is in [`METRICS`]. Per-step values (loss, KL, clip
 //! fraction, …) are returned in `metronome_core::StepReport`; whoever drives the
 //! trainer (the pipeline) records them as gauges, so each gauge has one writer.

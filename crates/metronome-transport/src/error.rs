@@ -183,7 +183,7 @@ impl From<Error> for metronome_core::Error {
     fn from(error: Error) -> Self {
         match error {
             Error::Closed(what) => metronome_core::Error::Closed(what.to_owned()),
-            other => metronome_core::Error::stage("transport", other),
+            other => metronome_core::Error::transport(other),
         }
     }
 }

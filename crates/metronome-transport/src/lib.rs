@@ -22,7 +22,8 @@
 //! a dead worker's claims go to another worker when the lease expires.
 //!
 //! Both count a group once per (period, prompt) key, keep [`Stats`] and emit the
-//! metrics of [`METRICS`]. The [`wire`] module defines the versioned binary formats.
+//! metrics of [`METRICS`]. The [`wire`] module defines the versioned binary formats:
+//! one framing (header, format version, checksum) and a module per kind of message.
 //! Both transports pass the transport suite of `metronome-testkit`
 //! (`tests/it/conformance.rs`), as any future transport should.
 //!

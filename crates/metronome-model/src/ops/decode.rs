@@ -4,7 +4,7 @@
 
 use candle_core::{CpuStorage, Layout, Tensor};
 
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ran};
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
@@ -50,6 +50,7 @@ impl candle_core::InplaceOp2 for DecodeWrite<'_> {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<()> {
+        fused_op_ran();
         let new = contiguous_f32(self.name(), s2, l2)?;
         let (n, kvh, hd) = l2.shape().dims3()?;
         let (rows, ckvh, chd) = l1.shape().dims3()?;
@@ -298,7 +299,8 @@ fn attention_rows_scalar(a: AttentionRows<'_>) {
 
 /// Attention of a decode step's queries `q: [n, heads, head_dim]` over each row's
 /// cached prefix in `keys`, `values: [rows, kv_heads, head_dim]` (see
-/// [`DecodeAttention`]). Returns `[n, heads * head_dim]`, as [`super::attention`] does.
+/// [`DecodeAttention`]). Returns `[n, heads * head_dim]`, as
+/// [`crate::Kernels::attention`] does.
 pub(crate) fn decode_attention(
     q: &Tensor,
     keys: &Tensor,
@@ -378,6 +380,7 @@ impl candle_core::CustomOp1 for DecodeLinear<'_> {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let w = self.0;
         let x = contiguous_f32(self.name(), s, l)?;
         let (n, k) = l.shape().dims2()?;
@@ -534,6 +537,7 @@ impl candle_core::CustomOp1 for SwiGluStacked {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let gu = contiguous_f32(self.name(), s, l)?;
         let (n, two) = l.shape().dims2()?;
         if two % 2 != 0 {
@@ -602,10 +606,8 @@ pub(crate) fn swiglu_stacked(gate_up: &Tensor) -> Result<Tensor> {
 mod tests {
     use candle_core::Device;
 
-    use super::super::{linear, noise};
+    use super::super::linear;
     use super::*;
-    use crate::Kernels;
-    use crate::ops::attention;
 
     /// Deterministic values in `[-1, 1)`.
     fn values(seed: u64, n: usize) -> Vec<f32> {
@@ -677,114 +679,5 @@ mod tests {
         assert!(worst < 3e-7, "max relative error {worst}");
         assert!(exp_vectorisable(-1e4) > 0.0 && exp_vectorisable(1e4).is_finite());
         assert_eq!(exp_vectorisable(0.0), 1.0);
-    }
-
-    #[test]
-    fn decode_attention_matches_reference_on_ragged_rows() {
-        // Head sizes of 4 and 8 SIMD vectors (registers held across keys), of 5 (the
-        // general loop) and of a fraction of one (the scalar loops).
-        for kernels in [Kernels::Fused, Kernels::Portable] {
-            for hd in [32, 64, 40, 6] {
-                decode_attention_matches_reference(kernels, hd);
-            }
-        }
-    }
-
-    fn decode_attention_matches_reference(kernels: Kernels, hd: usize) {
-        let dev = Device::Cpu;
-        // 4 query heads over 2 key/value heads.
-        let (heads, kvh, slots, max_len) = (4, 2, 6, 50);
-        let shape = (slots * max_len, kvh, hd);
-        let keys = Tensor::from_vec(noise(1, slots * max_len * kvh * hd), shape, &dev).unwrap();
-        let values = Tensor::from_vec(noise(2, slots * max_len * kvh * hd), shape, &dev).unwrap();
-        // Ragged lengths, slots out of order, one row of length 1 and one filling its slot.
-        let slot_of = [4usize, 0, 5, 2, 1];
-        let len = [17usize, 1, 50, 33, 8];
-        let base: Vec<usize> = slot_of.iter().map(|s| s * max_len).collect();
-        let rows = DecodeRows { base: &base, len: &len };
-        let n = slot_of.len();
-        let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
-        let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
-        let new_v = Tensor::from_vec(noise(5, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
-        kernels.write_decode_rows(&keys, &new_k, rows).unwrap();
-        kernels.write_decode_rows(&values, &new_v, rows).unwrap();
-        let fused = kernels.decode_attention(&q, &keys, &values, rows).unwrap();
-        assert_eq!(fused.dims(), [n, heads * hd]);
-        for i in 0..n {
-            let last = base[i] + len[i] - 1;
-            let written = keys.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert_eq!(written, new_k.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            let written = values.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert_eq!(written, new_v.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
-            let reference = attention(
-                Kernels::Fused,
-                &q.narrow(0, i, 1).unwrap(),
-                &keys.narrow(0, base[i], len[i]).unwrap(),
-                &values.narrow(0, base[i], len[i]).unwrap(),
-                None,
-            )
-            .unwrap();
-            let got = fused.narrow(0, i, 1).unwrap();
-            let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d < 1e-5, "{kernels:?}, head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
-        }
-        if kernels == Kernels::Portable {
-            return; // batch-invariant only within 1e-5 (padding changes its reduction length)
-        }
-        // Each row alone gives bitwise the batch's result.
-        let all = fused.to_vec2::<f32>().unwrap();
-        for i in 0..n {
-            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i] };
-            let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
-        }
-    }
-
-    #[test]
-    fn fused_swiglu_matches_composed_ops() {
-        let dev = Device::Cpu;
-        let g = Tensor::from_vec(noise(7, 3 * 37), (3, 37), &dev).unwrap();
-        let u = Tensor::from_vec(noise(8, 3 * 37), (3, 37), &dev).unwrap();
-        let composed = Kernels::Portable.swiglu(&g, &u, 3).unwrap();
-        let d = (swiglu(&g, &u, 3).unwrap() - composed).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(d.to_scalar::<f32>().unwrap() < 1e-6);
-        let two = swiglu(&g, &u, 2).unwrap().to_vec2::<f32>().unwrap();
-        assert_eq!(two[1], swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap()[1]);
-        assert!(two[2].iter().all(|&x| x == 0.0), "rows past `rows` are zero");
-        assert!(swiglu(&g, &u.narrow(1, 0, 36).unwrap(), 3).is_err());
-    }
-
-    #[test]
-    fn decode_ops_reject_rows_outside_the_cache() {
-        for k in [Kernels::Fused, Kernels::Portable] {
-            decode_ops_reject_rows_outside_the_cache_with(k);
-        }
-    }
-
-    fn decode_ops_reject_rows_outside_the_cache_with(kernels: Kernels) {
-        let dev = Device::Cpu;
-        let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
-        let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
-        let new = Tensor::zeros((1, 1, 4), candle_core::DType::F32, &dev).unwrap();
-        let past_end = DecodeRows { base: &[4], len: &[5] };
-        let empty = DecodeRows { base: &[0], len: &[0] };
-        let two = DecodeRows { base: &[0, 1], len: &[1, 1] };
-        for rows in [past_end, empty, two] {
-            assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
-            assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
-        }
-        if kernels == Kernels::Portable {
-            return;
-        }
-        let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
-        let ok = DecodeRows { base: &[0], len: &[1] };
-        let err = decode_attention(
-            &wrong_heads,
-            &cache.repeat((1, 2, 1)).unwrap(),
-            &cache.repeat((1, 2, 1)).unwrap(),
-            ok,
-        );
-        assert!(err.unwrap_err().to_string().contains("decode-attention"));
     }
 }

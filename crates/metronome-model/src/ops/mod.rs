@@ -1,7 +1,9 @@
 //! The network's kernels on candle: the training kernels (differentiable, fused with
 //! their own backward) in `train`, the decode kernels (forward only, batch-invariant)
-//! in `decode`, and what both use here (rotary embeddings, the plain linear layer, the
-//! SwiGLU forward, access to custom-op operands).
+//! in `decode`, the linear layers a decoder layer is made of in `linear` (its
+//! projections by name, the plain and the frozen-weight product), and what both use
+//! here (rotary embeddings and their tables' copy on a device, the SwiGLU forward,
+//! access to custom-op operands).
 //!
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `RmsNorm::forward` have no
 //! backward and silently cut gradients (docs/design.md §6), so the training
@@ -11,19 +13,46 @@
 //! that share its step.
 
 mod decode;
+mod linear;
 mod train;
 
-use candle_core::{CpuStorage, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 
 pub(crate) use decode::{
     DecodeRows, DenseWeight, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
 };
+pub use linear::Projection;
+pub(crate) use linear::{frozen_linear, linear};
+#[cfg(test)]
+pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
-    SegmentPlan, attention, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
+    SegmentPlan, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
     target_logprobs_entropy,
 };
 
-use crate::Result;
+use crate::{Error, Result};
+
+/// Counts a fused CPU op that ran on this thread: every `cpu_fwd` of `ops/` calls it
+/// first, so that the kernel-seam test (`kernel_seam.rs`) can check that
+/// [`crate::Kernels::Portable`] runs none of them (CI's portable run on the CPU is then
+/// the arithmetic a GPU runs). Outside tests it does nothing.
+#[inline(always)]
+fn fused_op_ran() {
+    #[cfg(test)]
+    FUSED_OPS_RUN.with(|n| n.set(n.get() + 1));
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The fused CPU ops [`fused_op_ran`] counted on this thread.
+    static FUSED_OPS_RUN: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many fused CPU ops have run on this thread so far.
+#[cfg(test)]
+pub(crate) fn fused_ops_run() -> u64 {
+    FUSED_OPS_RUN.with(std::cell::Cell::get)
+}
 
 /// What the CPU forward of a custom op returns: its output and the output's shape.
 type FwdResult = candle_core::Result<(CpuStorage, Shape)>;
@@ -71,6 +100,7 @@ impl<T: CpuOp3> candle_core::CustomOp3 for Op3<T> {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> FwdResult {
+        fused_op_ran();
         self.0.forward([(s1, l1), (s2, l2), (s3, l3)])
     }
 }
@@ -98,6 +128,7 @@ impl candle_core::CustomOp1 for Rope {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let Some((a0, a1)) = l.contiguous_offsets() else {
             candle_core::bail!("rope needs a contiguous input")
         };
@@ -132,15 +163,6 @@ impl candle_core::CustomOp1 for Rope {
     }
 }
 
-/// `x @ wᵀ (+ b)` for `x: [n, in]`, `w: [out, in]`.
-pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.matmul(&w.t()?)?;
-    Ok(match b {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    })
-}
-
 /// Rotary tables for explicit positions: `cos` and `sin`, each `[n, head_dim / 2]`,
 /// computed in f32 the way `transformers` does (`inv_freq = 1 / theta^(2i/d)`, then
 /// `position * inv_freq`), so positions that restart mid-row rotate exactly as
@@ -162,25 +184,36 @@ pub(crate) fn rope_tables(positions: &[u32], head_dim: usize, theta: f64) -> Rop
 }
 
 /// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each, and their copy on
-/// a device once the portable kernels ask for it (`portable.rs`).
+/// a device once the portable kernels ask for it ([`RopeTables::on`]).
 #[derive(Debug, Clone)]
 pub(crate) struct RopeTables {
     cos: std::sync::Arc<Vec<f32>>,
     sin: std::sync::Arc<Vec<f32>>,
-    device: crate::portable::DeviceTables,
+    device: DeviceTables,
 }
 
+/// Rotary tables on a device, built once per forward from the host tables.
+#[derive(Debug, Default, Clone)]
+struct DeviceTables(std::sync::Arc<std::sync::OnceLock<(Tensor, Tensor)>>);
+
 impl RopeTables {
-    pub(crate) fn cos(&self) -> &[f32] {
-        &self.cos
-    }
-
-    pub(crate) fn sin(&self) -> &[f32] {
-        &self.sin
-    }
-
-    pub(crate) fn device_tables(&self) -> &crate::portable::DeviceTables {
-        &self.device
+    /// `cos` and `sin` as `[n, 1, half]` tensors on `device` (uploaded on first use).
+    pub(crate) fn on(&self, device: &Device, n: usize, half: usize) -> Result<(Tensor, Tensor)> {
+        if self.cos.len() != n * half {
+            return Err(Error::invalid(
+                "rope",
+                format!("tables for {} values, input needs {}", self.cos.len(), n * half),
+            ));
+        }
+        if let Some(t) = self.device.0.get()
+            && t.0.device().same_device(device)
+        {
+            return Ok(t.clone());
+        }
+        let up = |v: &[f32]| Tensor::from_slice(v, (n, 1, half), device);
+        let t = (up(&self.cos)?, up(&self.sin)?);
+        let _ = self.device.0.set(t.clone());
+        Ok(t)
     }
 }
 
@@ -205,6 +238,7 @@ impl candle_core::CustomOp2 for SwiGlu {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (g, u) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         if l1.dims() != l2.dims() {
             candle_core::bail!("swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())
@@ -221,12 +255,12 @@ impl candle_core::CustomOp2 for SwiGlu {
 
 /// `n` pseudo-random values in `[-2, 2)`, for the kernels' tests.
 #[cfg(test)]
-fn noise(seed: u64, n: usize) -> Vec<f32> {
+pub(crate) fn noise(seed: u64, n: usize) -> Vec<f32> {
     (0..n as u64).map(|i| (metronome_core::mix64(seed << 32 | i) % 4096) as f32 / 1024.0 - 2.0).collect()
 }
 
 /// The largest absolute difference between two tensors of one shape, for the kernels' tests.
 #[cfg(test)]
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
 }

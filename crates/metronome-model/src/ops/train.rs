@@ -1,10 +1,10 @@
 //! The training kernels: fused ops with their own backward (RMSNorm, the masked
-//! softmax, SwiGLU, the log-prob and entropy head) and the per-segment attention of a
-//! packed row.
+//! softmax, SwiGLU, the log-prob and entropy head) and the plans of a packed row's
+//! per-segment attention (`Kernels::attention` computes it).
 
 use candle_core::{CpuStorage, D, Device, Layout, Tensor};
 
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair, fused_op_ran};
 use crate::Result;
 
 /// RMSNorm over the last dimension, as Hugging Face computes it:
@@ -26,6 +26,7 @@ impl candle_core::CustomOp2 for RmsNorm {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (x, w) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let d = w.len();
         if l1.dims().last() != Some(&d) {
@@ -86,6 +87,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (x, mask) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         let dims = l1.dims();
         let lk = dims[dims.len() - 1];
@@ -139,6 +141,7 @@ impl candle_core::CustomOp2 for SoftmaxGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (p, g) = contiguous_f32_pair(self.name(), (s1, l1), (s2, l2))?;
         if l1.dims() != l2.dims() {
             candle_core::bail!(
@@ -164,7 +167,7 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
 
 /// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
 #[cfg(test)]
-fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     let z = x.broadcast_sub(&max)?;
     let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
@@ -237,6 +240,7 @@ impl candle_core::CustomOp1 for TargetLogProbs {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
         let (z, vocab) = self.rows(self.name(), s, l)?;
         let n = self.targets.len();
         let mut out = vec![0f32; 2 * n];
@@ -266,6 +270,7 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         let (z, vocab) = self.0.rows(self.name(), s1, l1)?;
         let g = contiguous_f32(self.name(), s2, l2)?;
         let n = self.0.targets.len();
@@ -302,43 +307,6 @@ pub(crate) fn target_logprobs_entropy(
     Ok(logits.contiguous()?.apply_op1(op)?)
 }
 
-/// Scaled dot-product attention of one sequence with grouped-query heads.
-///
-/// `q: [lq, heads, hd]`, `k`, `v: [lk, kv_heads, hd]`, `mask`: additive `[lq, lk]`
-/// (`None` when every query sees every key). Returns `[lq, heads * hd]`. Query heads
-/// are grouped by their key/value head instead of repeating keys and values.
-pub(crate) fn attention(
-    kernels: crate::Kernels,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    mask: Option<&Tensor>,
-) -> Result<Tensor> {
-    let (lq, heads, hd) = q.dims3()?;
-    let (lk, kv_heads, _) = k.dims3()?;
-    let rep = heads / kv_heads;
-    let scale = 1.0 / (hd as f64).sqrt();
-    let k = k.transpose(0, 1)?;
-    let v = v.transpose(0, 1)?;
-    // candle's CPU matmul takes any strides; cuBLAS wants each operand contiguous in
-    // its last two dimensions (or their transpose), so the GPU copies these two.
-    let (k, v) = if kernels == crate::Kernels::Fused { (k, v) } else { (k.contiguous()?, v.contiguous()?) };
-    let probs = match mask {
-        Some(m) => {
-            // Scaling the queries is cheaper than scaling the `[.., lq, lk]` scores.
-            let q = (q * scale)?.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
-            let scores = q.matmul(&k.t()?)?.reshape((kv_heads, rep, lq, lk))?;
-            kernels.masked_softmax(&scores, m)?.reshape((kv_heads, rep * lq, lk))?
-        }
-        None => {
-            let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
-            softmax_last_dim(&(q.matmul(&k.t()?)? * scale)?)?
-        }
-    };
-    let out = probs.matmul(&v)?; // [kv, rep * lq, hd]
-    Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
-}
-
 /// `silu(gate) * up` with its backward, for training: as candle ops the SiLU and the
 /// product each allocate and walk an `[n, intermediate]` buffer forward, and their
 /// backwards take several more (SiLU's alone is five ops); here the forward is one
@@ -352,6 +320,7 @@ impl candle_core::CustomOp2 for SwiGluTrain {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> FwdResult {
+        fused_op_ran();
         SwiGlu { rows: usize::MAX }.cpu_fwd(s1, l1, s2, l2)
     }
 
@@ -453,9 +422,8 @@ pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) ->
 mod tests {
     use metronome_core::{PackedRow, Segment};
 
-    use super::super::{apply_rope, max_diff, noise, rope_tables};
+    use super::super::noise;
     use super::*;
-    use crate::Kernels;
 
     #[test]
     fn segment_plans_cover_exactly_what_can_attend_allows() {
@@ -484,126 +452,6 @@ mod tests {
             for (k, &a) in line.iter().enumerate() {
                 assert_eq!(a, row.can_attend(q, k), "query {q} key {k}");
             }
-        }
-    }
-
-    #[test]
-    fn masked_softmax_matches_composed_ops_and_gradient() {
-        let dev = Device::Cpu;
-        let x = candle_core::Var::from_tensor(
-            &Tensor::new(
-                &[[[0.3f32, -1.0, 2.0], [1.5, 0.2, -0.7]], [[0.0, 0.1, 0.2], [3.0, -2.0, 1.0]]],
-                &dev,
-            )
-            .unwrap(),
-        )
-        .unwrap();
-        let mask = Tensor::new(&[[0f32, f32::NEG_INFINITY, 0.0], [0.0, 0.0, 0.0]], &dev).unwrap();
-        let w = Tensor::new(&[1f32, -2.0, 0.5], &dev).unwrap();
-        let fused = masked_softmax(x.as_tensor(), &mask).unwrap();
-        let composed = Kernels::Portable.masked_softmax(x.as_tensor(), &mask).unwrap();
-        assert!(max_diff(&fused, &composed) < 1e-6);
-        let gf = fused.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        let gc = composed.broadcast_mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
-        assert!(max_diff(gf.get(x.as_tensor()).unwrap(), gc.get(x.as_tensor()).unwrap()) < 1e-6);
-    }
-
-    #[test]
-    fn fused_rms_norm_and_rope_match_composed_ops_and_gradients() {
-        let dev = Device::Cpu;
-        let xs: Vec<f32> = (0..48).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3).collect();
-        let x = candle_core::Var::from_tensor(&Tensor::from_vec(xs, (3, 2, 8), &dev).unwrap()).unwrap();
-        let w = candle_core::Var::from_tensor(
-            &Tensor::new(&[0.5f32, 1.0, 1.5, 2.0, -1.0, 0.3, 0.7, 1.1], &dev).unwrap(),
-        )
-        .unwrap();
-        let probe =
-            Tensor::from_vec((0..48).map(|i| (i as f32 * 0.7).sin()).collect::<Vec<_>>(), (3, 2, 8), &dev)
-                .unwrap();
-        let t = rope_tables(&[0, 5, 2], 8, 10_000.0);
-        let run = |fused: bool| {
-            let y = if fused {
-                rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
-            } else {
-                Kernels::Portable.rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
-            };
-            let y = if fused { apply_rope(&y, &t).unwrap() } else { Kernels::Portable.rope(&y, &t).unwrap() };
-            let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-            (y, g.get(x.as_tensor()).unwrap().clone(), g.get(w.as_tensor()).unwrap().clone())
-        };
-        let (yf, gxf, gwf) = run(true);
-        let (yc, gxc, gwc) = run(false);
-        assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
-        assert!(max_diff(&gxf, &gxc) < 1e-5, "dx {}", max_diff(&gxf, &gxc));
-        assert!(max_diff(&gwf, &gwc) < 1e-5, "dw {}", max_diff(&gwf, &gwc));
-    }
-
-    #[test]
-    fn fused_training_swiglu_matches_composed_ops_and_gradients() {
-        let dev = Device::Cpu;
-        let var = |seed, shape: (usize, usize)| {
-            let t = Tensor::from_vec(noise(seed, shape.0 * shape.1), shape, &dev).unwrap();
-            candle_core::Var::from_tensor(&(t * 3.0).unwrap()).unwrap()
-        };
-        let (g, u) = (var(11, (5, 37)), var(12, (5, 37)));
-        let probe = Tensor::from_vec(noise(13, 5 * 37), (5, 37), &dev).unwrap();
-        let run = |fused: bool| {
-            let y = if fused {
-                swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
-            } else {
-                Kernels::Portable.swiglu_train(g.as_tensor(), u.as_tensor()).unwrap()
-            };
-            let grads = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
-            (y, grads.get(g.as_tensor()).unwrap().clone(), grads.get(u.as_tensor()).unwrap().clone())
-        };
-        let (yf, dgf, duf) = run(true);
-        let (yc, dgc, duc) = run(false);
-        assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
-        assert!(max_diff(&dgf, &dgc) < 1e-5, "d gate {}", max_diff(&dgf, &dgc));
-        assert!(max_diff(&duf, &duc) < 1e-5, "d up {}", max_diff(&duf, &duc));
-        assert!(swiglu_train(g.as_tensor(), &u.as_tensor().narrow(1, 0, 36).unwrap()).is_err());
-    }
-
-    #[test]
-    fn fused_target_logprobs_match_composed_ops_and_gradients() {
-        let dev = Device::Cpu;
-        let (n, vocab) = (6, 41);
-        let z = Tensor::from_vec(noise(21, n * vocab), (n, vocab), &dev).unwrap();
-        let z = candle_core::Var::from_tensor(&(z * 2.5).unwrap()).unwrap();
-        let targets: Vec<u32> = vec![0, 40, 7, 7, 19, 3];
-        let (wl, we) = (
-            Tensor::from_vec(noise(22, n), n, &dev).unwrap(),
-            Tensor::from_vec(noise(23, n), n, &dev).unwrap(),
-        );
-        let split = |both: &Tensor| {
-            (
-                both.narrow(1, 0, 1).unwrap().squeeze(1).unwrap(),
-                both.narrow(1, 1, 1).unwrap().squeeze(1).unwrap(),
-            )
-        };
-        let loss =
-            |l: &Tensor, e: &Tensor| ((l * &wl).unwrap() + (e * &we).unwrap()).unwrap().sum_all().unwrap();
-        for temperature in [1.0f32, 0.7, 1.6] {
-            let inv = 1.0 / temperature;
-            let (lf, ef) = split(&target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap());
-            let (lc, ec) = split(
-                &Kernels::Portable.target_logprobs_entropy(z.as_tensor(), targets.clone(), inv).unwrap(),
-            );
-            assert!(max_diff(&lf, &lc) < 1e-5, "T={temperature}: log-probs {}", max_diff(&lf, &lc));
-            assert!(max_diff(&ef, &ec) < 1e-5, "T={temperature}: entropy {}", max_diff(&ef, &ec));
-            // Both against the plain log-softmax of the scaled logits.
-            let logp = log_softmax_last_dim(&(z.as_tensor() * f64::from(inv)).unwrap()).unwrap();
-            let index = Tensor::from_vec(targets.clone(), (n, 1), &dev).unwrap();
-            let want = logp.gather(&index, 1).unwrap().squeeze(1).unwrap();
-            assert!(max_diff(&lf, &want) < 1e-5, "T={temperature}: against log_softmax(z / T)");
-            let gf = loss(&lf, &ef).backward().unwrap();
-            let gc = loss(&lc, &ec).backward().unwrap();
-            let (gf, gc) = (gf.get(z.as_tensor()).unwrap(), gc.get(z.as_tensor()).unwrap());
-            assert!(max_diff(gf, gc) < 1e-5, "T={temperature}: d logits {}", max_diff(gf, gc));
-        }
-        for k in [Kernels::Fused, Kernels::Portable] {
-            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![0; n - 1], 1.0).is_err());
-            assert!(k.target_logprobs_entropy(z.as_tensor(), vec![41; n], 1.0).is_err());
         }
     }
 

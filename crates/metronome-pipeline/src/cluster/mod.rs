@@ -179,6 +179,24 @@ mod tests {
         assert_eq!(scope_name("exp 7"), "exp_7_db8c8c12");
     }
 
+    #[tokio::test]
+    async fn the_trainer_refuses_a_schedule_other_than_the_one_it_runs() {
+        let out = tempfile::tempdir().unwrap();
+        for schedule in ["sync", "stale:1"] {
+            let c = config(&[
+                "transport.kind=nats",
+                "run.name=x",
+                &format!("run.out_dir={:?}", out.path().display().to_string()),
+                &format!("run.schedule=\"{schedule}\""),
+                "trainer.loss.tis_cap=2.0",
+            ]);
+            let err = run_trainer(c, crate::RunOptions::default()).await.unwrap_err().to_string();
+            assert!(err.contains("`run.schedule`") && err.contains(&format!("is `{schedule}`")), "{err}");
+        }
+        // Refused before anything is written: no run directory claims the name.
+        assert!(!out.path().join("x").exists());
+    }
+
     #[test]
     fn the_roles_need_nats_and_a_run_name() {
         let err = nats_config(&config(&["run.name=x"]), "trainer").unwrap_err().to_string();

@@ -11,26 +11,28 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use metronome_core::{ControlMessage, ControlSender, PeriodId, PromptSource, RunSeed, WeightSnapshot};
 
-use crate::app::{RunOptions, RunOutcome, Session, err, load_model, packer};
+use crate::builders::{load_model, packer};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::release::{Release, Released, next_batch};
 use crate::report::Clock;
-use crate::runner::{Checkpointing, Parts, Runner};
+use crate::runner::{Checkpointing, Parts, Runner, RunnerOptions};
 use crate::schedule::Schedule;
+use crate::session::{RunOptions, RunOutcome, Session};
 
 /// Runs the trainer of a multi-process run: connects to NATS (failing fast on bad
 /// credentials or a dead server), warm-starts or resumes from the run directory's
 /// last period checkpoint, then drives the period protocol of [`crate::cluster`].
 /// `run.name` must be set for a restart to find its run directory.
 pub async fn run_trainer(mut config: PipelineConfig, options: RunOptions) -> Result<RunOutcome> {
-    config.place();
-    config.validate()?;
-    if let Schedule::Stale(_) = config.run.schedule {
+    config.prepare()?;
+    // Workers generate the `periodic` protocol; a run directory must not say otherwise.
+    if config.run.schedule != Schedule::Periodic {
         return Err(Error::Config {
             key: "run.schedule".into(),
             reason: format!(
-                "is `{}`, but `metronome trainer` runs the on-policy `periodic` protocol",
+                "is `{}`, but `metronome trainer` runs the `periodic` protocol (whose results equal `sync`'s): \
+                 set run.schedule = \"periodic\"",
                 config.run.schedule
             ),
         });
@@ -48,11 +50,11 @@ pub async fn run_trainer(mut config: PipelineConfig, options: RunOptions) -> Res
     }
     let (model, tokenizer) = load_model(&config, config.trainer_device())?;
     let start = session.start(&config, model, tokenizer.clone()).await?;
-    let source = config.data.build(RunSeed(config.run.seed), tokenizer).map_err(err("dataloader"))?;
+    let source = config.data.build(RunSeed(config.run.seed), tokenizer)?;
 
     let release = ClaimRelease {
-        offerer: transport.claim_offerer().await.map_err(err("transport"))?,
-        control: transport.control_sender().await.map_err(err("transport"))?,
+        offerer: transport.claim_offerer().await?,
+        control: transport.control_sender().await?,
         source: None,
     };
     let parts = Parts {
@@ -60,11 +62,10 @@ pub async fn run_trainer(mut config: PipelineConfig, options: RunOptions) -> Res
         trainer: Box::new(start.trainer),
         packer: Arc::new(packer(config.packing)),
         release: Box::new(release),
-        receiver: Some(Box::new(transport.group_receiver().await.map_err(err("transport"))?)),
-        publisher: Some(Arc::new(transport.weight_publisher().await.map_err(err("transport"))?)),
+        receiver: Some(Box::new(transport.group_receiver().await?)),
+        publisher: Some(Arc::new(transport.weight_publisher().await?)),
     };
-    // Workers generate the `periodic` protocol whatever the config says.
-    let options = crate::runner::RunnerOptions { schedule: Schedule::Periodic, ..config.runner_options() };
+    let options = RunnerOptions::from(&config);
     // A checkpoint after every period: its groups are acknowledged only then.
     let checkpointing =
         Checkpointing { dir: session.checkpoints.clone(), every: 1, interval: std::time::Duration::ZERO };
@@ -97,7 +98,7 @@ impl Release for ClaimRelease {
         let Some(batch) = next_batch(source.as_mut(), period).await? else { return Ok(None) };
         let version = weights.version;
         // Offered again after a restart, the server drops them as duplicates.
-        self.offerer.offer(period, version, &batch.prompts).await.map_err(err("transport"))?;
+        self.offerer.offer(period, version, &batch.prompts).await?;
         crate::metrics::claims_offered(period.0, batch.prompts.len());
         let prompts: Vec<_> = batch.prompts.iter().map(|p| p.id).collect();
         self.control.send(ControlMessage::PeriodStart { period, version, prompts: prompts.clone() }).await?;
@@ -120,7 +121,7 @@ impl Release for ClaimRelease {
 /// run directory is gone or elsewhere), and would be trained or generated as this
 /// run's.
 async fn refuse_leftovers(transport: &metronome_transport::nats::NatsTransport, name: &str) -> Result<()> {
-    let queued = transport.queued().await.map_err(err("transport"))?;
+    let queued = transport.queued().await?;
     let left: Vec<String> =
         queued.iter().filter(|(_, n)| *n > 0).map(|(stream, n)| format!("{n} in {stream}")).collect();
     if left.is_empty() {

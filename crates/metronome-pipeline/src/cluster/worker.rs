@@ -12,22 +12,20 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use metronome_core::{
     ControlMessage, ControlReceiver, ErrorChain, Group, GroupScorer, GroupSender, GroupSink, PeriodId,
-    PolicyVersion, PromptId, RolloutEngine, RolloutRequest, WeightSnapshot, WeightSubscriber,
+    PolicyVersion, PromptId, WeightSnapshot,
 };
 use metronome_transport::claims::{Claim, NatsClaimTaker};
 
 use super::StopFlag;
-use crate::app::{err, group_scorer, load_model};
+use crate::builders::{group_scorer, load_model, rollout_engine};
 use crate::config::PipelineConfig;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::events::{Event, Observer, WorkerOutcome};
+use crate::generator::Generator;
 use crate::release::ScoreAndSend;
 
 /// How long one wait for a claim lasts before the worker checks whether to stop.
 const CLAIM_WAIT: Duration = Duration::from_millis(500);
-
-/// How often a worker waiting for weights says so.
-const WEIGHTS_NOTICE: Duration = Duration::from_secs(10);
 
 /// Runs a rollout worker until the trainer sends `Shutdown` or `stop` is set: take
 /// claims, fetch the weights they name, generate, score, publish each group and then
@@ -40,16 +38,15 @@ pub async fn run_worker(
     stop: StopFlag,
     observer: Observer,
 ) -> Result<WorkerOutcome> {
-    config.place();
-    config.validate()?;
+    config.prepare()?;
     let transport =
         super::connect(&config, "rollout-worker", format!("metronome-worker-{worker_id}")).await?;
 
     let (model, tokenizer) = load_model(&config, config.rollout_device())?;
-    let engine = crate::app::rollout_engine(&config, &model, PolicyVersion(0), tokenizer)?;
+    let engine = rollout_engine(&config, &model, PolicyVersion(0), tokenizer)?;
     drop(model);
 
-    let mut control = transport.control_receiver().await.map_err(err("transport"))?;
+    let mut control = transport.control_receiver().await?;
     let listener_stop = stop.clone();
     let listener = tokio::spawn(async move {
         while let Ok(Some(message)) = control.recv().await {
@@ -61,20 +58,19 @@ pub async fn run_worker(
     });
     let group_size = config.run.group_size.max(1);
     let claims = transport.config().claims.clone();
+    let subscriber = Box::new(transport.weight_subscriber().await?);
     let mut worker = Worker {
         id: worker_id.to_owned(),
-        engine,
+        generator: Generator::new(engine, group_size).subscribed(subscriber),
         scorer: Arc::from(group_scorer(&config)?),
-        subscriber: Box::new(transport.weight_subscriber().await.map_err(err("transport"))?),
-        taker: transport.claim_taker().await.map_err(err("transport"))?,
-        sender: Arc::new(transport.group_sender().await.map_err(err("transport"))?),
+        taker: transport.claim_taker().await?,
+        sender: Arc::new(transport.group_sender().await?),
         lease: Duration::from_millis(claims.lease_ms.max(1)),
         max_hold: (claims.max_hold_ms > 0).then(|| Duration::from_millis(claims.max_hold_ms)),
         // Claims per take: enough prompts to fill the engine's slots.
         per_take: (config.rollout.max_num_seqs * config.rollout.workers.max(1) / group_size as usize).max(1),
         max_deliveries: claims.max_deliveries.max(1),
         group_size,
-        installed: None,
         outcome: WorkerOutcome::default(),
         observer,
     };
@@ -89,9 +85,8 @@ pub async fn run_worker(
 /// One worker's stages and books.
 struct Worker {
     id: String,
-    engine: Arc<dyn RolloutEngine>,
+    generator: Generator,
     scorer: Arc<dyn GroupScorer>,
-    subscriber: Box<dyn WeightSubscriber>,
     taker: NatsClaimTaker,
     sender: Arc<dyn GroupSender>,
     lease: Duration,
@@ -100,7 +95,6 @@ struct Worker {
     per_take: usize,
     max_deliveries: u64,
     group_size: u32,
-    installed: Option<PolicyVersion>,
     outcome: WorkerOutcome,
     observer: Observer,
 }
@@ -135,7 +129,7 @@ impl Worker {
                     // The server may be restarting (a fetch, a group or an acknowledgement
                     // failed): the claims not completed come back when their lease
                     // expires, to this worker or another, so keep working.
-                    Err(e) if is_transport(&e) => {
+                    Err(e) if e.is_transport() => {
                         tracing::warn!(error = %ErrorChain(&e), "transport failed during period {period}; taking claims again");
                         tokio::time::sleep(CLAIM_WAIT).await;
                     }
@@ -200,7 +194,7 @@ impl Worker {
         let result = self.generate_claims(period, version, &claims, stop).await;
         keeper.abort();
         if let Err(e) = &result
-            && !is_transport(e)
+            && !e.is_transport()
         {
             for claim in claims.iter() {
                 // A claim whose group went out is complete; nothing to give back.
@@ -229,14 +223,12 @@ impl Worker {
             // The period was stepped already (a claim offered again after a trainer
             // restart, say): its groups are trained.
             for claim in claims.iter() {
-                claim.complete().await.map_err(err("transport"))?;
+                claim.complete().await?;
             }
             crate::metrics::claims_obsolete(claims.len());
             return Ok(());
         }
-        if self.installed != Some(version) {
-            self.engine.install_weights(weights).await?;
-            self.installed = Some(version);
+        if self.generator.install(weights).await? {
             crate::metrics::weights_fetched(start.elapsed().as_secs_f64());
             self.observer.emit(&Event::WeightsInstalled {
                 worker: self.id.clone(),
@@ -251,12 +243,8 @@ impl Worker {
             all: claims.clone(),
             done: Mutex::new((0, 0)),
         };
-        let request = RolloutRequest {
-            period,
-            prompts: claims.iter().map(|c| c.prompt.clone()).collect(),
-            group_size: self.group_size,
-        };
-        self.engine.generate(request, &sink).await.map_err(|source| Error::Generation { period, source })?;
+        let prompts = claims.iter().map(|c| c.prompt.clone()).collect();
+        self.generator.generate(period, prompts, &sink).await?;
         let (groups, tokens) = *sink.done.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         self.outcome.groups += groups;
         self.outcome.tokens += tokens;
@@ -275,36 +263,22 @@ impl Worker {
         claims: &[Claim],
         stop: &StopFlag,
     ) -> Result<Option<Arc<WeightSnapshot>>> {
-        if let Some(w) = self.subscriber.latest().await?.filter(|w| w.version >= version) {
-            return Ok(Some(w));
-        }
         let stopped = async {
-            let start = Instant::now();
-            let mut told = Duration::ZERO;
             while !stop.is_stopped() {
                 tokio::time::sleep(CLAIM_WAIT).await;
-                // Claims held while weights never come would stall the period.
-                if start.elapsed() >= told + WEIGHTS_NOTICE {
-                    told = start.elapsed();
-                    tracing::info!(
-                        version = version.0,
-                        claims = claims.len(),
-                        "waited {}s for the weights these claims name",
-                        told.as_secs()
-                    );
-                }
             }
         };
-        tokio::select! {
-            w = self.subscriber.wait_for(version) => Ok(Some(w?)),
-            () = stopped => {
-                for claim in claims {
-                    claim.release().await.map_err(err("transport"))?;
-                }
-                crate::metrics::claims_released(claims.len());
-                Ok(None)
+        // Claims held while weights never come would stall the period: the generator
+        // says so as it waits.
+        let what = format!("worker {} holding {} claims", self.id, claims.len());
+        let weights = self.generator.wait(version, &what, stopped).await?;
+        if weights.is_none() {
+            for claim in claims {
+                claim.release().await?;
             }
+            crate::metrics::claims_released(claims.len());
         }
+        Ok(weights)
     }
 
     /// Publishes the group of a poison claim as [`metronome_core::Group::rejected`],
@@ -320,19 +294,9 @@ impl Worker {
         let group = Group::rejected(claim.period, claim.prompt.clone(), self.group_size, claim.version);
         let scored = self.scorer.score(group).await?;
         self.sender.send(scored).await?;
-        claim.complete().await.map_err(err("transport"))?;
+        claim.complete().await?;
         Ok(())
     }
-}
-
-/// Whether `e` is the transport's failure (directly, or under the generation that
-/// was publishing a group), which a reconnection can heal.
-fn is_transport(e: &Error) -> bool {
-    let stage = match e {
-        Error::Stage(s) | Error::Generation { source: s, .. } => s,
-        _ => return false,
-    };
-    matches!(stage, metronome_core::Error::Stage { stage: "transport", .. })
 }
 
 /// Renews the leases of the claims in hand every third of the lease, for at most

@@ -1,7 +1,7 @@
 //! Bad configuration fails before any work, naming the key.
 
 use metronome_model::DeviceSpec;
-use metronome_pipeline::{PipelineConfig, Schedule};
+use metronome_pipeline::{PipelineConfig, RunnerOptions, Schedule};
 
 fn err(overrides: &[&str]) -> String {
     let overrides: Vec<String> = overrides.iter().map(|s| (*s).to_owned()).collect();
@@ -194,7 +194,7 @@ fn impossible_combinations_are_named() {
     let e = invalid(&["run.dynamic_sampling={ groups = 2 }", "trainer.mini_steps=4"], "`trainer.mini_steps`");
     assert!(e.contains("dynamic_sampling"), "{e}");
     let ok = PipelineConfig::embedded(&["run.dynamic_sampling={ groups = 96 }".into()]).unwrap();
-    assert_eq!(ok.runner_options().dynamic_sampling, Some(96));
+    assert_eq!(RunnerOptions::from(&ok).dynamic_sampling, Some(96));
     PipelineConfig::embedded(&[
         "run.schedule=\"stale:1\"".into(),
         "trainer.loss.masked_is={ upper = 2.0 }".into(),
@@ -420,4 +420,33 @@ fn the_openai_backend_names_its_bad_keys() {
     assert_eq!(moved.resume_changes(&stored).unwrap(), Vec::<String>::new());
     let other = openai(&["rollout.openai.endpoints=[\"http://a:1\"]", "rollout.openai.model=\"other\""]);
     assert_eq!(other.resume_changes(&stored).unwrap(), ["rollout.openai.model"]);
+}
+
+#[test]
+fn placement_fills_the_thread_counts_left_unset_and_keeps_those_set() {
+    let placed = |overrides: &[&str]| {
+        let mut overrides: Vec<String> = overrides.iter().map(|s| (*s).to_owned()).collect();
+        overrides.push("run.cores=4".into());
+        let mut config = PipelineConfig::embedded(&overrides).unwrap();
+        config.prepare().unwrap();
+        (config.trainer.threads, config.rollout.threads_per_worker)
+    };
+    // Unset: overlapped schedules split the cores, `sync` gives each stage all of them.
+    assert_eq!(placed(&[]), (Some(2), Some(2)));
+    assert_eq!(placed(&["run.schedule=\"sync\""]), (Some(4), Some(4)));
+    assert_eq!(placed(&["rollout.workers=2"]), (Some(2), Some(1)));
+    // A value the user set is kept, and the other stage takes the cores it leaves.
+    assert_eq!(placed(&["trainer.threads=3"]), (Some(3), Some(1)));
+    assert_eq!(placed(&["rollout.threads_per_worker=3"]), (Some(2), Some(3)));
+    assert_eq!(placed(&["trainer.threads=1", "rollout.threads_per_worker=1"]), (Some(1), Some(1)));
+    // Without placement nothing is filled: each stage runs one thread.
+    let mut config = PipelineConfig::embedded(&["run.auto_placement=false".to_owned()]).unwrap();
+    config.prepare().unwrap();
+    assert_eq!((config.trainer.threads, config.rollout.threads_per_worker), (None, None));
+    assert_eq!((config.trainer.threads(), config.rollout.threads_per_worker()), (1, 1));
+    // Zero is refused, naming the key.
+    assert_named(&[
+        ("trainer.threads=0", "threads"),
+        ("rollout.threads_per_worker=0", "rollout.threads_per_worker"),
+    ]);
 }

@@ -37,7 +37,7 @@ fn failure_counts(recorder: &DebuggingRecorder) -> Vec<(String, u64)> {
 fn misbehaving(_: &Prompt, c: &Completion) -> Reward {
     match c.text.as_str() {
         "sleep" => {
-            std::thread::sleep(Duration::from_secs(5));
+            std::thread::sleep(Duration::from_secs(10));
             Reward::scalar(100.0)
         }
         "panic" => panic!("scorer bug on purpose"),
@@ -48,7 +48,10 @@ fn misbehaving(_: &Prompt, c: &Completion) -> Reward {
 
 #[test]
 fn timeout_and_panic_fail_alone_while_the_group_is_scored() {
-    let config = PoolConfig { workers: 2, time_limit_ms: 300, failure_score: -1.0, ..PoolConfig::default() };
+    // A panic's hook (a backtrace, with RUST_BACKTRACE set) runs inside the time limit:
+    // on a loaded machine it took longer than 300 ms and read as a timeout. The
+    // sleeper sleeps well past this limit, which bounds the test's time.
+    let config = PoolConfig { workers: 2, time_limit_ms: 2_000, failure_score: -1.0, ..PoolConfig::default() };
     let scorer = PoolScorer::new(misbehaving, config).unwrap();
     let recorder = DebuggingRecorder::new();
     let g = group(prompt(None, &[]), &["a", "sleep", "panic", "abcd", "nan", "ab"]);
@@ -58,7 +61,7 @@ fn timeout_and_panic_fail_alone_while_the_group_is_scored() {
     assert_eq!(totals, [1.0, -1.0, -1.0, 4.0, -1.0, 2.0]);
     let failures: Vec<Option<&str>> = scored.rewards.iter().map(|r| r.failure.as_deref()).collect();
     assert_eq!(failures[0], None);
-    assert_eq!(failures[1], Some("scorer exceeded its time limit of 300 ms"));
+    assert_eq!(failures[1], Some("scorer exceeded its time limit of 2000 ms"));
     assert_eq!(failures[2], Some("scorer panicked: scorer bug on purpose"));
     assert!(failures[4].unwrap().contains("non-finite"));
     assert_eq!(

@@ -39,7 +39,7 @@ pub(crate) fn sampling(max_new_tokens: usize) -> SamplingConfig {
 pub(crate) fn engine(workers: usize, slots: usize, sampling: SamplingConfig) -> ModelEngine {
     let config = EngineConfig {
         workers,
-        threads_per_worker: 1,
+        threads_per_worker: Some(1),
         max_num_seqs: slots,
         max_seq_len: 128,
         sampling,

@@ -168,7 +168,7 @@ async fn frozen_copies_are_layout_independent_too() {
     let run = |workers: usize, slots: usize, threads: usize, batching: Batching| {
         let cfg = EngineConfig {
             workers,
-            threads_per_worker: threads,
+            threads_per_worker: Some(threads),
             batching,
             max_num_seqs: slots,
             max_seq_len: 128,

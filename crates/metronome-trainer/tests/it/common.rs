@@ -118,7 +118,7 @@ pub(crate) fn two_periods(device: &Device, order: [usize; 4]) -> (Vec<f32>, Vec<
 pub(crate) fn two_periods_on(device: &Device, order: [usize; 4], threads: usize) -> (Vec<f32>, Vec<f64>) {
     let groups = period_groups();
     let mut cfg = config();
-    cfg.threads = threads;
+    cfg.threads = Some(threads);
     cfg.loss.kl_coef = 0.02;
     cfg.loss.kl_estimator = KlEstimator::K3;
     cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;

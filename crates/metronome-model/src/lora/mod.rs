@@ -21,16 +21,19 @@
 //! latency), so the rollout engine decodes a plain model. Decoding through an adapted
 //! handle is refused rather than computed on a path no test covers.
 
-use std::collections::{BTreeSet, HashMap};
+pub(crate) mod adapters;
+
+use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Shape, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use safetensors::SafeTensors;
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::model::{Layer, Model};
+pub use self::adapters::LoraConfig;
+use self::adapters::{Adapter, Adapters};
+use crate::model::Model;
+use crate::ops::Projection;
 use crate::{Error, Result};
 
 /// The PEFT adapter config file.
@@ -40,198 +43,6 @@ pub const ADAPTER_WEIGHTS_FILE: &str = "adapter_model.safetensors";
 
 /// Stream id of adapter initialisation in [`metronome_core::stream_seed`].
 const LORA_STREAM: u64 = 0x6c6f_7261_5f69_6e69; // "lora_ini"
-
-/// A linear projection of a decoder layer that may carry an adapter, by its PEFT
-/// (Hugging Face module) name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Projection {
-    /// `self_attn.q_proj`.
-    Q,
-    /// `self_attn.k_proj`.
-    K,
-    /// `self_attn.v_proj`.
-    V,
-    /// `self_attn.o_proj`.
-    O,
-    /// `mlp.gate_proj`.
-    Gate,
-    /// `mlp.up_proj`.
-    Up,
-    /// `mlp.down_proj`.
-    Down,
-}
-
-impl Projection {
-    /// Every projection, in layer order.
-    pub const ALL: [Projection; 7] = [Self::Q, Self::K, Self::V, Self::O, Self::Gate, Self::Up, Self::Down];
-
-    /// The PEFT `target_modules` name (`q_proj`, …, `down_proj`).
-    #[must_use]
-    pub fn peft_name(self) -> &'static str {
-        match self {
-            Self::Q => "q_proj",
-            Self::K => "k_proj",
-            Self::V => "v_proj",
-            Self::O => "o_proj",
-            Self::Gate => "gate_proj",
-            Self::Up => "up_proj",
-            Self::Down => "down_proj",
-        }
-    }
-
-    /// The projection a PEFT `target_modules` name denotes.
-    #[must_use]
-    pub fn from_peft_name(name: &str) -> Option<Self> {
-        Self::ALL.into_iter().find(|p| p.peft_name() == name)
-    }
-
-    /// The Hugging Face module path inside a layer (`self_attn.q_proj`).
-    pub(crate) fn module_path(self) -> String {
-        let block = if matches!(self, Self::Gate | Self::Up | Self::Down) { "mlp" } else { "self_attn" };
-        format!("{block}.{}", self.peft_name())
-    }
-
-    /// The layer's base weight of this projection.
-    pub(crate) fn weight(self, l: &Layer) -> &Var {
-        match self {
-            Self::Q => &l.q,
-            Self::K => &l.k,
-            Self::V => &l.v,
-            Self::O => &l.o,
-            Self::Gate => &l.gate,
-            Self::Up => &l.up,
-            Self::Down => &l.down,
-        }
-    }
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Which projections get adapters, of what rank and scale: the `[trainer.lora]`
-/// section of a run config, with PEFT's names for the fields it shares.
-///
-/// Errors of [`LoraConfig::validate`] and [`Model::with_lora`] name the key under
-/// `lora.` (`lora.rank`, `lora.target_modules[1]`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct LoraConfig {
-    /// The rank `r` of every adapter (PEFT's `r`).
-    pub rank: usize,
-    /// The scale numerator: adapters add `(alpha / rank)·B·A` (PEFT's `lora_alpha`).
-    pub alpha: f64,
-    /// Must be 0 (or omitted). Dropout on the adapters' input draws a random mask in
-    /// every forward, which would make a step depend on how and where its groups were
-    /// computed; `sync == periodic` and bit-identical resumes rest on it not doing so.
-    pub dropout: f64,
-    /// PEFT names of the projections that get adapters: `q_proj`, `k_proj`, `v_proj`,
-    /// `o_proj`, `gate_proj`, `up_proj`, `down_proj`. The default is all seven: on
-    /// every linear layer of a block LoRA matches full fine-tuning better than on the
-    /// attention alone (Dettmers et al. 2023, "QLoRA", arXiv 2305.14314).
-    pub target_modules: Vec<String>,
-}
-
-impl Default for LoraConfig {
-    fn default() -> Self {
-        Self {
-            rank: 8,
-            alpha: 16.0,
-            dropout: 0.0,
-            target_modules: Projection::ALL.iter().map(|p| p.peft_name().to_owned()).collect(),
-        }
-    }
-}
-
-impl LoraConfig {
-    /// Checks every field; the error names the key (`lora.rank`, …). Whether the rank
-    /// fits the model's projections is checked by [`Model::with_lora`].
-    pub fn validate(&self) -> Result<()> {
-        if self.rank == 0 {
-            return Err(Error::config("lora.rank", "is 0, expected at least 1"));
-        }
-        if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            return Err(Error::config(
-                "lora.alpha",
-                format!("is {}, expected a positive number", self.alpha),
-            ));
-        }
-        if self.dropout != 0.0 {
-            return Err(Error::config(
-                "lora.dropout",
-                format!(
-                    "is {}, only 0 is supported: a random dropout mask per forward would make steps depend \
-                     on the order and place groups are computed in (sync == periodic, bit-identical resumes)",
-                    self.dropout
-                ),
-            ));
-        }
-        self.targets().map(drop)
-    }
-
-    /// The targeted projections in layer order, each once.
-    pub fn targets(&self) -> Result<Vec<Projection>> {
-        if self.target_modules.is_empty() {
-            return Err(Error::config("lora.target_modules", "is empty, expected at least one projection"));
-        }
-        let mut out = BTreeSet::new();
-        for (i, name) in self.target_modules.iter().enumerate() {
-            let p = Projection::from_peft_name(name).ok_or_else(|| {
-                let known: Vec<&str> = Projection::ALL.iter().map(|p| p.peft_name()).collect();
-                Error::config(
-                    format!("lora.target_modules[{i}]"),
-                    format!("is `{name}`, expected one of {}", known.join(", ")),
-                )
-            })?;
-            if !out.insert(p) {
-                return Err(Error::config(format!("lora.target_modules[{i}]"), format!("repeats `{name}`")));
-            }
-        }
-        Ok(out.into_iter().collect())
-    }
-
-    /// `alpha / rank`, the factor of `B·A` (Hu et al. §4.1).
-    #[must_use]
-    pub fn scale(&self) -> f64 {
-        self.alpha / self.rank as f64
-    }
-
-    /// The first key in which `self` and `other` describe different adapters (rank,
-    /// alpha, or the set of targets, in any order), with both values; `None` when
-    /// they describe the same.
-    pub fn difference(&self, other: &LoraConfig) -> Option<(&'static str, String, String)> {
-        if self.rank != other.rank {
-            return Some(("lora.rank", self.rank.to_string(), other.rank.to_string()));
-        }
-        if self.alpha.to_bits() != other.alpha.to_bits() {
-            return Some(("lora.alpha", self.alpha.to_string(), other.alpha.to_string()));
-        }
-        // In layer order, so that the order a config lists them in does not matter.
-        let names = |c: &LoraConfig| match c.targets() {
-            Ok(t) => format!("[{}]", t.iter().map(|p| p.peft_name()).collect::<Vec<_>>().join(", ")),
-            Err(e) => e.to_string(),
-        };
-        let (a, b) = (names(self), names(other));
-        (a != b).then_some(("lora.target_modules", a, b))
-    }
-}
-
-/// One adapter: `A` `[r, in]` and `B` `[out, r]`.
-#[derive(Debug)]
-pub(crate) struct Adapter {
-    a: Var,
-    b: Var,
-}
-
-/// The adapters of a model handle.
-#[derive(Debug)]
-pub(crate) struct Adapters {
-    /// Validated, with the targets in layer order.
-    cfg: LoraConfig,
-    scale: f64,
-    /// Per layer, per [`Projection::index`].
-    layers: Vec<[Option<Adapter>; 7]>,
-}
 
 /// The PEFT key of a tensor of layer `layer`'s adapter on `p` (`A` or `B`).
 fn peft_key(layer: usize, p: Projection, which: char) -> String {
@@ -249,60 +60,6 @@ fn uniform_vec(seed: u64, n: usize, bound: f32) -> Vec<f32> {
             (2.0 * u - 1.0) * bound
         })
         .collect()
-}
-
-/// `x·Wᵀ` for a frozen weight `W` (`[out, in]`) whose backward gives the gradient of
-/// `x` only. candle's matmul backward computes the gradient of both operands even
-/// when one is detached: a frozen base would still pay a weight-gradient product per
-/// projection and hold an `[out, in]` gradient of every layer until the step (on
-/// SmolLM2-135M's shape that was ~1 GB of the LoRA step's peak memory). The forward
-/// is the same storage matmul `Tensor::matmul` runs, so the values are bitwise those
-/// of [`crate::ops::linear`].
-struct FrozenMatmul;
-
-impl CustomOp2 for FrozenMatmul {
-    fn name(&self) -> &'static str {
-        "frozen-matmul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        x: &CpuStorage,
-        lx: &Layout,
-        w: &CpuStorage,
-        lw: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, k) = lx.shape().dims2()?;
-        let (n, k2) = lw.shape().dims2()?;
-        if k != k2 {
-            candle_core::bail!("frozen matmul: input of width {k} for a weight of width {k2}");
-        }
-        Ok((x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?, (m, n).into()))
-    }
-
-    fn bwd(
-        &self,
-        _x: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.matmul(w)?), None))
-    }
-}
-
-/// `x·Wᵀ + b` for frozen `W` and `b` (detached): on the CPU through [`FrozenMatmul`],
-/// so the backward skips the weight's gradient; elsewhere (no kernel for it yet) the
-/// plain product, whose backward also computes the unused weight gradient.
-pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        return crate::ops::linear(x, w, b);
-    }
-    let y = x.contiguous()?.apply_op2(w, FrozenMatmul)?;
-    Ok(match b {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    })
 }
 
 impl Model {
@@ -351,7 +108,7 @@ impl Model {
         for (i, l) in self.inner.layers.iter().enumerate() {
             let mut slots: [Option<Adapter>; 7] = Default::default();
             for &p in &targets {
-                let (out_dim, in_dim) = p.weight(l).dims2()?;
+                let (out_dim, in_dim) = l.weight(p).dims2()?;
                 if r > out_dim.min(in_dim) {
                     return Err(Error::config(
                         "lora.rank",
@@ -618,52 +375,13 @@ mod tests {
         let b = t(3, (1, 80)).squeeze(0).unwrap();
         let up = t(4, (37, 80));
         let plain = crate::ops::linear(x.as_tensor(), w.as_tensor(), Some(&b)).unwrap();
-        let frozen = frozen_linear(x.as_tensor(), w.as_tensor(), Some(&b)).unwrap();
+        let frozen = crate::ops::frozen_linear(x.as_tensor(), w.as_tensor(), Some(&b)).unwrap();
         let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(bits(&plain), bits(&frozen));
         let gp = (plain * &up).unwrap().sum_all().unwrap().backward().unwrap();
         let gf = (frozen * &up).unwrap().sum_all().unwrap().backward().unwrap();
         assert_eq!(bits(gp.get(x.as_tensor()).unwrap()), bits(gf.get(x.as_tensor()).unwrap()));
         assert!(gp.get(w.as_tensor()).is_some() && gf.get(w.as_tensor()).is_none());
-    }
-
-    #[test]
-    fn config_errors_name_the_key() {
-        let cases: [(LoraConfig, &str); 6] = [
-            (LoraConfig { rank: 0, ..LoraConfig::default() }, "lora.rank"),
-            (LoraConfig { alpha: 0.0, ..LoraConfig::default() }, "lora.alpha"),
-            (LoraConfig { alpha: f64::NAN, ..LoraConfig::default() }, "lora.alpha"),
-            (LoraConfig { dropout: 0.05, ..LoraConfig::default() }, "lora.dropout"),
-            (LoraConfig { target_modules: vec![], ..LoraConfig::default() }, "lora.target_modules"),
-            (
-                LoraConfig {
-                    target_modules: vec!["q_proj".into(), "qkv_proj".into()],
-                    ..LoraConfig::default()
-                },
-                "lora.target_modules[1]",
-            ),
-        ];
-        for (cfg, key) in cases {
-            let err = cfg.validate().unwrap_err().to_string();
-            assert!(err.starts_with(key), "{err}");
-        }
-        let twice =
-            LoraConfig { target_modules: vec!["v_proj".into(), "v_proj".into()], ..LoraConfig::default() };
-        assert!(twice.validate().unwrap_err().to_string().contains("lora.target_modules[1]: repeats"));
-        LoraConfig::default().validate().unwrap();
-    }
-
-    #[test]
-    fn difference_ignores_the_order_of_targets() {
-        let a =
-            LoraConfig { target_modules: vec!["q_proj".into(), "v_proj".into()], ..LoraConfig::default() };
-        let b = LoraConfig { target_modules: vec!["v_proj".into(), "q_proj".into()], ..a.clone() };
-        assert_eq!(a.difference(&b), None);
-        assert_eq!(a.difference(&LoraConfig { rank: 4, ..a.clone() }).map(|d| d.0), Some("lora.rank"));
-        assert_eq!(a.difference(&LoraConfig { alpha: 8.0, ..a.clone() }).map(|d| d.0), Some("lora.alpha"));
-        let c = LoraConfig { target_modules: vec!["q_proj".into()], ..a.clone() };
-        let d = a.difference(&c).unwrap();
-        assert_eq!(d, ("lora.target_modules", "[q_proj, v_proj]".into(), "[q_proj]".into()));
     }
 
     #[test]
