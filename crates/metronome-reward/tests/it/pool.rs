@@ -51,7 +51,8 @@ fn timeout_and_panic_fail_alone_while_the_group_is_scored() {
     // A panic's hook (a backtrace, with RUST_BACKTRACE set) runs inside the time limit:
     // on a loaded machine it took longer than 300 ms and read as a timeout. The
     // sleeper sleeps well past this limit, which bounds the test's time.
-    let config = PoolConfig { workers: 2, time_limit_ms: 2_000, failure_score: -1.0, ..PoolConfig::default() };
+    let config =
+        PoolConfig { workers: 2, time_limit_ms: 2_000, failure_score: -1.0, ..PoolConfig::default() };
     let scorer = PoolScorer::new(misbehaving, config).unwrap();
     let recorder = DebuggingRecorder::new();
     let g = group(prompt(None, &[]), &["a", "sleep", "panic", "abcd", "nan", "ab"]);
