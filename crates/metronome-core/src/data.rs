@@ -61,13 +61,62 @@ pub struct Completion {
     pub text: String,
     /// Why the response ended.
     pub finish_reason: FinishReason,
-    /// The policy version whose weights sampled every token of this response.
+    /// The policy version whose weights sampled the response's first token: every
+    /// token, unless [`Completion::switches`] says newer weights took over.
     pub version: PolicyVersion,
+    /// Partial rollouts: where newer weights took over mid-response, in order (the
+    /// tokens from `at` on were sampled under `version`, until the next switch). Empty
+    /// when one version sampled every token; absent from older messages.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub switches: Vec<VersionSwitch>,
     /// For a multi-turn episode, which tokens the environment wrote and how it ended;
     /// `None` for a single-turn response (every token the policy's). Absent from
     /// older messages, which decode as `None`.
     #[serde(default)]
     pub episode: Option<EpisodeTrace>,
+}
+
+/// Newer weights taking over a response mid-way (a partial rollout): its tokens from
+/// index `at` on were sampled under `version`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct VersionSwitch {
+    /// Index (in [`Completion::tokens`]) of the first token the new weights sampled.
+    pub at: u32,
+    /// The version that sampled it.
+    pub version: PolicyVersion,
+}
+
+impl Completion {
+    /// The version whose weights sampled token `index`.
+    #[must_use]
+    pub fn version_of(&self, index: usize) -> PolicyVersion {
+        self.switches.iter().take_while(|s| s.at as usize <= index).last().map_or(self.version, |s| s.version)
+    }
+
+    /// The newest version that sampled any of its tokens.
+    #[must_use]
+    pub fn newest_version(&self) -> PolicyVersion {
+        self.switches.last().map_or(self.version, |s| s.version)
+    }
+
+    /// Checks the switches: each within the tokens, after the one before, to a newer
+    /// version. The reason otherwise, to follow the place that holds the completion.
+    pub fn check_switches(&self) -> std::result::Result<(), String> {
+        let (mut at, mut version) = (0u32, self.version);
+        for (j, s) in self.switches.iter().enumerate() {
+            if s.at <= at || s.at as usize >= self.tokens.len() || s.version <= version {
+                return Err(format!(
+                    "has version switch {j} to version {} at token {}: expected a token after {at} within its \
+                     {} tokens and a version newer than {version}",
+                    s.version,
+                    s.at,
+                    self.tokens.len()
+                ));
+            }
+            (at, version) = (s.at, s.version);
+        }
+        Ok(())
+    }
 }
 
 /// A contiguous run of a completion's tokens, `start..start + len`.
@@ -186,11 +235,18 @@ impl Group {
         GroupKey { period: self.period, prompt: self.prompt.id }
     }
 
-    /// The oldest policy version among the responses (the group's staleness is
-    /// measured from it), or `None` for an empty group.
+    /// The oldest policy version that sampled any token of the responses (the
+    /// group's staleness is measured from it), or `None` for an empty group.
     #[must_use]
     pub fn oldest_version(&self) -> Option<PolicyVersion> {
         self.completions.iter().map(|c| c.version).min()
+    }
+
+    /// The newest policy version that sampled any token of the responses, or `None`
+    /// for an empty group.
+    #[must_use]
+    pub fn newest_version(&self) -> Option<PolicyVersion> {
+        self.completions.iter().map(Completion::newest_version).max()
     }
 
     /// The group standing for a prompt that cannot be generated from: `group_size`
@@ -242,6 +298,8 @@ impl Group {
                     .check_spans(c.tokens.len())
                     .map_err(|reason| Error::invalid(format!("group {key}, completion {i}"), reason))?;
             }
+            c.check_switches()
+                .map_err(|reason| Error::invalid(format!("group {key}, completion {i}"), reason))?;
         }
         Ok(())
     }
@@ -480,5 +538,30 @@ mod tests {
         let plain = Completion { tokens: vec![1, 2], ..Completion::default() };
         assert_eq!(plain.policy_mask(), [true, true]);
         assert_eq!(plain.num_policy_tokens(), 2);
+    }
+
+    #[test]
+    fn switches_give_each_token_its_version_and_bad_ones_are_named() {
+        let switch = |at, version| VersionSwitch { at, version: PolicyVersion(version) };
+        let mut c = Completion {
+            tokens: vec![1; 6],
+            version: PolicyVersion(3),
+            switches: vec![switch(2, 4), switch(5, 6)],
+            ..Completion::default()
+        };
+        let versions: Vec<u64> = (0..6).map(|i| c.version_of(i).0).collect();
+        assert_eq!(versions, [3, 3, 4, 4, 4, 6]);
+        assert_eq!(c.newest_version(), PolicyVersion(6));
+        c.check_switches().unwrap();
+        for bad in [
+            vec![switch(0, 4)],               // the first token is the start version's
+            vec![switch(2, 3)],               // not newer
+            vec![switch(3, 4), switch(3, 5)], // not after the one before
+            vec![switch(6, 4)],               // past the tokens
+        ] {
+            c.switches = bad;
+            let err = c.check_switches().unwrap_err();
+            assert!(err.starts_with("has version switch"), "{err}");
+        }
     }
 }

@@ -42,7 +42,7 @@ mod weights;
 pub use code::{CodeTests, IoCase};
 pub use data::{
     ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, EpisodeTrace, FinishReason, Group, GroupKey,
-    GroupStats, GroupTiming, Prompt, Reward, ScoredGroup, TokenId, TokenSpan,
+    GroupStats, GroupTiming, Prompt, Reward, ScoredGroup, TokenId, TokenSpan, VersionSwitch,
 };
 pub use env::{Environment, Episode, Observation, render_reply};
 pub use error::{Error, ErrorChain, Result};

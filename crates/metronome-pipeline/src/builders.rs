@@ -42,7 +42,8 @@ pub fn load_model(config: &PipelineConfig, device: DeviceSpec) -> Result<(Model,
 }
 
 /// The runner's options of a run: the schedule, periods, group size and dynamic
-/// sampling of `[run]`, the advantage estimator of `[trainer]`.
+/// sampling of `[run]`, the advantage estimator of `[trainer]`, partial rollouts of
+/// `[rollout]`.
 impl From<&PipelineConfig> for RunnerOptions {
     fn from(config: &PipelineConfig) -> Self {
         Self {
@@ -51,6 +52,7 @@ impl From<&PipelineConfig> for RunnerOptions {
             group_size: config.run.group_size,
             advantage: config.trainer.advantage,
             dynamic_sampling: config.run.dynamic_sampling.map(|d| d.groups),
+            partial_rollouts: config.rollout.partial_rollouts,
         }
     }
 }

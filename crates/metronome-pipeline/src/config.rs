@@ -391,6 +391,7 @@ impl PipelineConfig {
         self.eval.validate()?;
         self.sft.validate()?;
         self.check_env()?;
+        self.check_partial_rollouts()?;
         self.check_devices()?;
         let groups = self.check_groups_per_period()?;
         self.check_behaviour_logprobs()?;
@@ -415,6 +416,34 @@ impl PipelineConfig {
                         .into(),
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// Partial rollouts change weights mid-response: only off-policy schedules, whose
+    /// importance sampling corrects per token, take them, and only the native engine
+    /// runs them.
+    fn check_partial_rollouts(&self) -> Result<()> {
+        if !self.rollout.partial_rollouts {
+            return Ok(());
+        }
+        if self.run.schedule.is_on_policy() {
+            return bad(
+                "rollout.partial_rollouts",
+                format!(
+                    "is true with run.schedule = \"{}\", which samples each period with one version of the \
+                     weights: partial rollouts need an off-policy schedule (\"stale:<s>\")",
+                    self.run.schedule
+                ),
+            );
+        }
+        if self.rollout.backend != metronome_rollout::Backend::Native {
+            return bad(
+                "rollout.partial_rollouts",
+                "is true with rollout.backend = \"openai\": the servers finish each request with the weights \
+                 it started with; partial rollouts run in the native engine only"
+                    .into(),
+            );
         }
         Ok(())
     }

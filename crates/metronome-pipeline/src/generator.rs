@@ -107,6 +107,24 @@ impl Generator {
         self.engine.generate(request, sink).await.map_err(|source| Error::Generation { period, source })
     }
 
+    /// [`Generator::generate`] as a future that holds nothing of the generator, so that
+    /// several periods generate at once on its engine (partial rollouts).
+    pub(crate) fn detached(
+        &self,
+        period: PeriodId,
+        prompts: Vec<Prompt>,
+        sink: Arc<dyn GroupSink>,
+    ) -> impl Future<Output = Result<()>> + Send + 'static {
+        let engine = Arc::clone(&self.engine);
+        let request = RolloutRequest { period, prompts, group_size: self.group_size };
+        async move {
+            engine
+                .generate(request, sink.as_ref())
+                .await
+                .map_err(|source| Error::Generation { period, source })
+        }
+    }
+
     /// [`Generator::generate`] into a list, in completion order.
     pub(crate) async fn collect(&mut self, period: PeriodId, prompts: Vec<Prompt>) -> Result<Vec<Group>> {
         let sink = CollectSink::default();

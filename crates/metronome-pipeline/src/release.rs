@@ -187,6 +187,7 @@ pub(crate) struct ProducerRelease {
     scorer: Arc<dyn GroupScorer>,
     sender: Arc<dyn GroupSender>,
     lag: u64,
+    overlap: bool,
     task: Option<tokio::task::JoinHandle<Box<dyn PromptSource>>>,
     events: Option<mpsc::UnboundedReceiver<Event>>,
     released: BTreeMap<PeriodId, Released>,
@@ -197,18 +198,21 @@ pub(crate) struct ProducerRelease {
 
 impl ProducerRelease {
     /// Generates with `generator`, which waits for the published weights, at most
-    /// `lag` versions behind the period.
+    /// `lag` versions behind the period; with `overlap` (partial rollouts) a period
+    /// starts generating while earlier ones still do.
     pub(crate) fn new(
         generator: Generator,
         scorer: Arc<dyn GroupScorer>,
         sender: Arc<dyn GroupSender>,
         lag: u64,
+        overlap: bool,
     ) -> Self {
         Self {
             generator: Some(generator),
             scorer,
             sender,
             lag,
+            overlap,
             task: None,
             events: None,
             released: BTreeMap::new(),
@@ -256,6 +260,7 @@ impl Release for ProducerRelease {
             scorer: self.scorer.clone(),
             sender: self.sender.clone(),
             lag: self.lag,
+            overlap: self.overlap,
             periods,
             events: events_tx,
             clock,
@@ -309,6 +314,9 @@ struct Producer {
     scorer: Arc<dyn GroupScorer>,
     sender: Arc<dyn GroupSender>,
     lag: u64,
+    /// Partial rollouts: a period is not held back by the slowest response of the one
+    /// before it (see [`ProducerRelease::new`]).
+    overlap: bool,
     periods: Range<u64>,
     events: mpsc::UnboundedSender<Event>,
     clock: Clock,
@@ -328,6 +336,10 @@ impl Producer {
     }
 
     async fn periods_loop(&mut self) -> Result<()> {
+        // With `overlap`, the periods still generating, and whether one failed: the
+        // producer then stops waiting for weights that will not come.
+        let mut running = tokio::task::JoinSet::new();
+        let (failed, failure) = tokio::sync::watch::channel(false);
         for k in self.periods.clone() {
             let period = PeriodId(k);
             let Some(batch) = next_batch(self.source.as_mut(), period).await? else { return Ok(()) };
@@ -340,16 +352,37 @@ impl Producer {
             // The controller: never generate more than `lag` versions ahead of training.
             let min = PolicyVersion(k.saturating_sub(self.lag));
             let what = format!("generation of period {k}");
-            // A wait that nothing stops ends with weights (or the subscriber's error).
-            let Some(weights) = self.generator.wait(min, &what, std::future::pending()).await? else {
-                return Ok(());
+            let mut failure = failure.clone();
+            let stop = async move {
+                let _ = failure.wait_for(|failed| *failed).await;
             };
+            // Stopped, a period's generation failed and said so: nothing more to do.
+            let Some(weights) = self.generator.wait(min, &what, stop).await? else { break };
             self.generator.install(weights).await?;
             let sink = ScoreAndSend { scorer: self.scorer.clone(), sender: self.sender.clone() };
             let start = Instant::now();
+            if self.overlap {
+                // The period joins the engine's queue behind what still runs; a failure
+                // is reported at once, or the runner would wait for its groups.
+                let generation = self.generator.detached(period, batch.prompts, Arc::new(sink));
+                let (events, clock, failed) = (self.events.clone(), self.clock, failed.clone());
+                running.spawn(async move {
+                    let _ = events.send(match generation.await {
+                        Ok(()) => Event::Generated(clock.interval(StageKind::Generation, period, start)),
+                        Err(e) => {
+                            failed.send_replace(true);
+                            Event::Failed(e)
+                        }
+                    });
+                });
+                continue;
+            }
             self.generator.generate(period, batch.prompts, &sink).await?;
             let _ =
                 self.events.send(Event::Generated(self.clock.interval(StageKind::Generation, period, start)));
+        }
+        while let Some(done) = running.join_next().await {
+            done.map_err(|_| Error::TaskLost("generation"))?;
         }
         Ok(())
     }

@@ -131,6 +131,11 @@ pub struct RunnerOptions {
     /// DAPO's dynamic sampling: of each period's groups, train the first this many
     /// (in release order) whose rewards vary; `None` trains every group.
     pub dynamic_sampling: Option<usize>,
+    /// Partial rollouts (`stale:s` only, `rollout.partial_rollouts`): the producer
+    /// releases a period as soon as its weights are published instead of after the
+    /// previous period's slowest response, and responses still running continue
+    /// under the newest weights (the engine's side of the setting).
+    pub partial_rollouts: bool,
 }
 
 impl Default for RunnerOptions {
@@ -142,6 +147,7 @@ impl Default for RunnerOptions {
             group_size: 1,
             advantage: AdvantageEstimator::default(),
             dynamic_sampling: None,
+            partial_rollouts: false,
         }
     }
 }
@@ -236,6 +242,7 @@ impl Runner {
                     scorer,
                     sender,
                     schedule.max_lag(),
+                    options.partial_rollouts,
                 )),
                 receiver: Some(receiver),
                 publisher: Some(publisher),
@@ -694,15 +701,13 @@ impl Driver {
         }
         let version = self.trainer.version();
         let lag = self.options.schedule.max_lag();
-        let staleness = match group.group.oldest_version() {
-            Some(sampled) if sampled > version => {
-                return settle(format!(
-                    "it was sampled with weights of version {sampled}, newer than the trainer's {version}"
-                ));
-            }
-            Some(sampled) => sampled.staleness(version),
-            None => 0,
-        };
+        if let Some(sampled) = group.group.newest_version().filter(|&v| v > version) {
+            return settle(format!(
+                "it was sampled with weights of version {sampled}, newer than the trainer's {version}"
+            ));
+        }
+        // A partial rollout's tokens span several versions: the oldest counts.
+        let staleness = group.group.oldest_version().map_or(0, |sampled| sampled.staleness(version));
         if staleness > lag {
             // The release's wait makes this unreachable with a well-behaved engine; a
             // misbehaving one (or another trainer's) must not sneak old samples in.

@@ -238,6 +238,13 @@ pub struct EngineConfig {
     pub max_seq_len: usize,
     /// Continuous (default), row-skipping static, or padded static batching.
     pub batching: Batching,
+    /// Partial rollouts: when newer weights are installed, running responses continue
+    /// under them (their KV cache rebuilt by one prefill of their tokens so far)
+    /// instead of finishing with the weights they started with; every completion
+    /// records where the weights changed. Off (the default) keeps a response on one
+    /// version. Only for off-policy schedules (`stale:s`): the pipeline refuses it
+    /// with `sync` and `periodic`, which sample each period with one version.
+    pub partial_rollouts: bool,
     /// Sampling used by [`metronome_core::RolloutEngine::generate`].
     pub sampling: SamplingConfig,
     /// The device the engine decodes on; absent, the model's (`model.device` in a run
@@ -259,6 +266,7 @@ impl Default for EngineConfig {
             max_num_seqs: 16,
             max_seq_len: 1024,
             batching: Batching::Continuous,
+            partial_rollouts: false,
             sampling: SamplingConfig::default(),
             device: None,
             backend: Backend::Native,

@@ -29,6 +29,11 @@ metric_catalogue! {
              tool_timeout, tool_panic, tool_error, tool_unavailable, observation)",
         )
         .labels(&["reason"]),
+        WEIGHT_SWITCHES = Metric::counter(
+            "metronome_rollout_weight_switches_total",
+            "running responses that continued under newer weights (partial rollouts), per worker",
+        )
+        .labels(&["worker"]),
         HTTP_RETRIES = Metric::counter(
             "metronome_rollout_http_retries_total",
             "completion requests to a server retried",
@@ -44,6 +49,11 @@ pub(crate) fn generated_tokens(worker: usize) -> metrics::Counter {
 /// The handle a worker sets its active slots on.
 pub(crate) fn active_slots(worker: &str) -> metrics::Gauge {
     metrics::gauge!(ACTIVE_SLOTS.name, "worker" => worker.to_owned())
+}
+
+/// Counts `n` running responses of `worker` that continued under newer weights.
+pub(crate) fn weight_switches(worker: &str, n: usize) {
+    metrics::counter!(WEIGHT_SWITCHES.name, "worker" => worker.to_owned()).increment(n as u64);
 }
 
 pub(crate) fn queue_depth(pending: usize) {

@@ -36,6 +36,7 @@ pub fn scored_group(period: u64, prompt: u64, g: u32, len: usize) -> ScoredGroup
                 text: format!("réponse {i} → {}", s % 997),
                 finish_reason: if i.is_multiple_of(2) { FinishReason::Stop } else { FinishReason::Length },
                 version: PolicyVersion(period),
+                switches: Vec::new(),
                 episode: None,
             }
         })

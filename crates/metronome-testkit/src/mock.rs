@@ -75,6 +75,10 @@ pub struct MockEngine {
     pub generating: Arc<AtomicBool>,
     /// When set, completions claim this version whatever is installed (a broken engine).
     pub force_version: Option<PolicyVersion>,
+    /// With `force_version`: the second half of each completion's tokens claims the
+    /// installed version when it is newer, as a partial rollout whose first tokens
+    /// came from old weights.
+    pub switch_to_installed: bool,
     /// Groups in the order the engine emitted them: the completion order.
     pub emitted: Arc<Mutex<Vec<GroupKey>>>,
     /// Prompts it cannot generate from: their groups come out rejected.
@@ -95,6 +99,7 @@ impl MockEngine {
             tick,
             generating: Arc::new(AtomicBool::new(false)),
             force_version: None,
+            switch_to_installed: false,
             emitted: Arc::default(),
             reject: BTreeSet::new(),
             twice: BTreeSet::new(),
@@ -138,6 +143,11 @@ impl RolloutEngine for MockEngine {
                             tokens,
                             finish_reason: FinishReason::Stop,
                             version,
+                            switches: if self.switch_to_installed && weights.version > version {
+                                vec![VersionSwitch { at: len as u32 / 2, version: weights.version }]
+                            } else {
+                                Vec::new()
+                            },
                             episode: None,
                         }
                     })

@@ -32,6 +32,7 @@ fn completion(i: u32) -> Completion {
         text: "5".into(),
         finish_reason: FinishReason::StopString,
         version: PolicyVersion(3),
+        switches: Vec::new(),
         episode: None,
     }
 }

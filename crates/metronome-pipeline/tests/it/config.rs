@@ -222,6 +222,16 @@ fn impossible_combinations_are_named() {
     invalid(&["eval.temperature=0.0", "eval.samples=4"], "`eval.samples`");
     invalid(&["eval.every=0"], "`eval.every`: is 0: to never evaluate set eval.prompts = 0");
     invalid(&["eval.temperature=-1.0"], "`eval.temperature`");
+    for schedule in ["sync", "periodic"] {
+        let e = invalid(
+            &["rollout.partial_rollouts=true", &format!("run.schedule=\"{schedule}\"")],
+            "`rollout.partial_rollouts`",
+        );
+        assert!(e.contains(&format!("run.schedule = \"{schedule}\"")), "{e}");
+    }
+    let stale = ["rollout.partial_rollouts=true", "run.schedule=\"stale:2\"", "trainer.loss.tis_cap=2.0"];
+    let ok = PipelineConfig::embedded(&stale.map(String::from)).unwrap();
+    assert!(RunnerOptions::from(&ok).partial_rollouts);
 }
 
 /// Behaviour log-probs are recorded before truncation and after the repetition

@@ -20,6 +20,12 @@ fn options(schedule: Schedule, periods: u64) -> RunnerOptions {
     RunnerOptions { schedule, periods, group_size: 4, ..RunnerOptions::default() }
 }
 
+/// Every schedule, and `stale:1` with partial rollouts (periods generating at once).
+fn layouts(periods: u64) -> Vec<RunnerOptions> {
+    let partial = RunnerOptions { partial_rollouts: true, ..options(Schedule::Stale(1), periods) };
+    SCHEDULES.iter().map(|&s| options(s, periods)).chain([partial]).collect()
+}
+
 fn stages(engine: MockEngine, trainer: MockTrainer, scorer: Arc<dyn GroupScorer>) -> Stages {
     Stages {
         source: Box::new(MockSource { next: 0, n: 1000, batch: 6, period: 0 }),
@@ -51,15 +57,16 @@ fn checkpointing(dir: &std::path::Path, every: u64) -> Checkpointing {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_continued_from_its_checkpoint_ends_with_the_weights_of_an_uninterrupted_one() {
-    for schedule in SCHEDULES {
+    for layout in layouts(0) {
+        let schedule = layout.schedule;
         let run = |periods: u64, dir: std::path::PathBuf| async move {
             let engine = MockEngine::new(Duration::from_millis(1));
             let trainer = MockTrainer::new(engine.generating.clone());
             let stages = stages(engine, trainer, Arc::new(MockScorer));
-            let runner = Runner::new(stages, Some(channel_transport(4)), options(schedule, periods))
+            let runner = Runner::new(stages, Some(channel_transport(4)), RunnerOptions { periods, ..layout })
                 .unwrap()
                 .checkpoint(checkpointing(&dir, 2));
-            finish(runner, &format!("{schedule}")).await
+            finish(runner, &format!("{layout:?}")).await
         };
         let whole = tempfile::tempdir().unwrap();
         let uninterrupted = run(5, whole.path().to_owned()).await;
@@ -85,17 +92,17 @@ async fn a_run_continued_from_its_checkpoint_ends_with_the_weights_of_an_uninter
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_are_acknowledged_only_once_a_checkpoint_contains_them() {
-    for schedule in [Schedule::Periodic, Schedule::Stale(1)] {
+    for layout in layouts(5).into_iter().filter(|l| l.schedule != Schedule::Sync) {
+        let schedule = format!("{} (partial rollouts: {})", layout.schedule, layout.partial_rollouts);
         let engine = MockEngine::new(Duration::from_millis(1));
         let trainer = MockTrainer::new(engine.generating.clone());
         let events = trainer.events.clone();
         let dir = tempfile::tempdir().unwrap();
         let transport = recording_transport(4, Some(events.clone()));
-        let runner =
-            Runner::new(stages(engine, trainer, Arc::new(MockScorer)), Some(transport), options(schedule, 5))
-                .unwrap()
-                .checkpoint(checkpointing(dir.path(), 2));
-        finish(runner, &format!("{schedule}")).await;
+        let runner = Runner::new(stages(engine, trainer, Arc::new(MockScorer)), Some(transport), layout)
+            .unwrap()
+            .checkpoint(checkpointing(dir.path(), 2));
+        finish(runner, &schedule).await;
         let events = events.lock().unwrap().clone();
         let checkpoints: Vec<u64> = events
             .iter()

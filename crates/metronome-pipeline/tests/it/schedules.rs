@@ -249,6 +249,33 @@ async fn groups_older_than_the_bound_are_never_trained() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_partial_rollouts_the_oldest_token_decides_and_every_period_completes() {
+    // A partial rollout's first tokens claim version 0 and the rest the weights
+    // installed when its period generated, which are within the bound: the group's
+    // staleness is its oldest token's. With the producer releasing each period as
+    // soon as its weights allow (periods generating at once), every period completes.
+    let mut engine = MockEngine::new(Duration::from_millis(1));
+    engine.force_version = Some(metronome_core::PolicyVersion(0));
+    engine.switch_to_installed = true;
+    let trainer = MockTrainer::new(engine.generating.clone());
+    let log = trainer.log.clone();
+    let stages = mock_stages(MockSource { next: 0, n: 1000, batch: 3, period: 0 }, engine, trainer);
+    let options = RunnerOptions {
+        schedule: Schedule::Stale(1),
+        periods: 4,
+        group_size: 2,
+        partial_rollouts: true,
+        ..RunnerOptions::default()
+    };
+    let run = Runner::new(stages, Some(channel_transport(4)), options).unwrap().run();
+    let reports = tokio::time::timeout(Duration::from_secs(60), run).await.expect("hung").unwrap().reports;
+    let dropped: Vec<usize> = reports.iter().map(|r| r.dropped_stale).collect();
+    assert_eq!(dropped, vec![0, 0, 3, 3]);
+    let trained: Vec<usize> = log.lock().unwrap().steps.iter().map(Vec::len).collect();
+    assert_eq!(trained, vec![3, 3, 0, 0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_options_fail_before_any_work_naming_the_key() {
     let engine = MockEngine::new(Duration::from_millis(1));
     let trainer = MockTrainer::new(engine.generating.clone());

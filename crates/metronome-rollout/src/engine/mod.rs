@@ -138,6 +138,7 @@ impl<M: InferenceModel> Engine<M> {
             max_num_seqs: config.max_num_seqs,
             max_seq_len,
             batching: config.batching,
+            partial_rollouts: config.partial_rollouts,
         });
         let mut engine = Self {
             shared,

@@ -122,6 +122,8 @@ pub(super) struct Shared<M> {
     pub(super) max_num_seqs: usize,
     pub(super) max_seq_len: usize,
     pub(super) batching: Batching,
+    /// Running responses continue under newly installed weights (partial rollouts).
+    pub(super) partial_rollouts: bool,
 }
 
 impl<M> Shared<M> {

@@ -9,7 +9,8 @@ use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use metronome_core::{
-    Completion, Episode, EpisodeTrace, ErrorChain, FinishReason, Observation, TokenId, TokenSpan, sample_seed,
+    Completion, Episode, EpisodeTrace, ErrorChain, FinishReason, Observation, PolicyVersion, TokenId,
+    TokenSpan, VersionSwitch, sample_seed,
 };
 
 use super::episodes::{EpisodeState, ToolCall, spawn_tool_call};
@@ -32,6 +33,8 @@ pub(super) struct Seq<M> {
     pub(super) prompt: usize,
     pub(super) sample_index: u32,
     pub(super) model: Arc<Versioned<M>>,
+    /// The version that sampled the first token (the response's seed is keyed by it).
+    pub(super) version: PolicyVersion,
     pub(super) rng: TokenRng,
     /// The prompt followed by the response so far (the repetition penalty's context).
     pub(super) context: Vec<TokenId>,
@@ -46,6 +49,8 @@ pub(super) struct Seq<M> {
     pub(super) sampled: u64,
     /// The episode, for multi-turn generation.
     pub(super) episode: Option<EpisodeState>,
+    /// Where newer weights took over (partial rollouts), for the completion.
+    pub(super) switches: Vec<VersionSwitch>,
 }
 
 /// A finished sequence kept in the decode forward under [`Batching::StaticPadded`]
@@ -128,6 +133,7 @@ impl<M: InferenceModel> Worker<M> {
         let active_gauge = crate::metrics::active_slots(&self.label);
         while let Some(jobs) = self.admit() {
             self.start(jobs);
+            self.catch_up();
             let decoded = self.step();
             let observed = self.poll_tools();
             if !decoded && !observed && self.active() > 0 {
@@ -195,8 +201,7 @@ impl<M: InferenceModel> Worker<M> {
             return;
         }
         let model = self.shared.current();
-        let mut chunk: Vec<usize> = Vec::with_capacity(jobs.len());
-        let mut chunk_tokens = 0;
+        let mut started = Vec::with_capacity(jobs.len());
         for (slot, job) in jobs {
             let request = job.request;
             let prompt = &request.prompts[job.prompt];
@@ -228,12 +233,7 @@ impl<M: InferenceModel> Worker<M> {
                 .min(self.max_seq_len.saturating_sub(prompt.tokens.len()).max(1));
             let mut context = Vec::with_capacity(prompt.tokens.len() + budget);
             context.extend_from_slice(&prompt.tokens);
-            if !chunk.is_empty() && chunk_tokens + context.len() > PREFILL_TOKENS {
-                self.prefill(&model, &std::mem::take(&mut chunk));
-                chunk_tokens = 0;
-            }
-            chunk_tokens += context.len();
-            chunk.push(slot);
+            started.push(slot);
             self.slots[slot] = Some(Seq {
                 prompt: job.prompt,
                 sample_index: job.sample_index,
@@ -245,16 +245,68 @@ impl<M: InferenceModel> Worker<M> {
                 text_checked: 0,
                 sampled: 0,
                 episode,
+                switches: Vec::new(),
+                version: model.version,
                 model: Arc::clone(&model),
                 request: Arc::clone(&request),
             });
         }
-        self.prefill(&model, &chunk);
+        self.prefill_chunked(&model, &started);
     }
 
-    /// Prefills the freshly started sequences in `slots` together and samples their
-    /// first tokens. If the joint forward fails, each is retried alone, so one bad
-    /// prompt fails only its own request.
+    /// Partial rollouts (`rollout.partial_rollouts`): every live sequence not waiting on
+    /// its environment whose weights are older than the installed ones continues
+    /// under them. Its KV cache is rebuilt by prefilling its whole context (prompt and
+    /// tokens so far) with the new weights, which also gives its next token: the
+    /// cached keys and values are functions of the weights, and keeping the old ones
+    /// would attend with two models at once. The switch is recorded on the completion.
+    /// The response's random stream goes on where it was (its seed is fixed at its
+    /// start), so a response continued under new weights equals one given those
+    /// weights at that token.
+    fn catch_up(&mut self) {
+        if !self.shared.partial_rollouts {
+            return;
+        }
+        let current = self.shared.current();
+        let behind: Vec<usize> = (0..self.slots.len())
+            .filter(|&s| {
+                self.slots[s]
+                    .as_ref()
+                    .is_some_and(|seq| !seq.waiting() && seq.model.version < current.version)
+            })
+            .collect();
+        if behind.is_empty() {
+            return;
+        }
+        for &slot in &behind {
+            current.model.free(&mut self.cache, slot);
+            let Some(seq) = self.slots[slot].as_mut() else { continue };
+            seq.switches.push(VersionSwitch { at: seq.generated().len() as u32, version: current.version });
+            seq.model = Arc::clone(&current);
+        }
+        crate::metrics::weight_switches(&self.label, behind.len());
+        self.prefill_chunked(&current, &behind);
+    }
+
+    /// [`Worker::prefill`] in as few forwards as [`PREFILL_TOKENS`] allows.
+    fn prefill_chunked(&mut self, model: &Versioned<M>, slots: &[usize]) {
+        let mut chunk: Vec<usize> = Vec::with_capacity(slots.len());
+        let mut chunk_tokens = 0;
+        for &slot in slots {
+            let Some(tokens) = self.slots[slot].as_ref().map(|seq| seq.context.len()) else { continue };
+            if !chunk.is_empty() && chunk_tokens + tokens > PREFILL_TOKENS {
+                self.prefill(model, &std::mem::take(&mut chunk));
+                chunk_tokens = 0;
+            }
+            chunk_tokens += tokens;
+            chunk.push(slot);
+        }
+        self.prefill(model, &chunk);
+    }
+
+    /// Prefills the whole contexts of the (empty) slots `slots` together and samples
+    /// each one's next token. If the joint forward fails, each is retried alone, so one
+    /// bad prompt fails only its own request.
     fn prefill(&mut self, model: &Versioned<M>, slots: &[usize]) {
         let seqs: Vec<(usize, &[TokenId])> = slots
             .iter()
@@ -594,7 +646,8 @@ impl<M: InferenceModel> Worker<M> {
             logprobs: seq.logprobs,
             text,
             finish_reason: finish.reason,
-            version: seq.model.version,
+            version: seq.version,
+            switches: seq.switches,
             episode: seq.episode.map(|e| EpisodeTrace {
                 observations: e.observations,
                 turns: e.turns,

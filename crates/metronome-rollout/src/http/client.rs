@@ -344,6 +344,7 @@ fn completion_of(i: u32, choice: Choice, version: PolicyVersion, url: &str) -> R
         text: choice.text,
         finish_reason,
         version,
+        switches: Vec::new(),
         episode: None,
     })
 }

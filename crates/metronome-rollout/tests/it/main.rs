@@ -11,6 +11,7 @@ mod http;
 mod metrics;
 #[cfg(feature = "http")]
 mod openai;
+mod partial;
 mod rejected;
 mod stops;
 mod streaming;

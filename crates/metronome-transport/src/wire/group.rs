@@ -1,12 +1,12 @@
 //! The scored-group format (`MTRG`): hand-laid binary, token ids and log-probs as
 //! packed little-endian arrays, text length-prefixed; version 2 appends each
-//! completion's episode.
+//! completion's episode, version 3 each completion's version switches.
 
 use std::collections::BTreeMap;
 
 use metronome_core::{
     Completion, EpisodeTrace, FinishReason, Group, GroupStats, GroupTiming, PeriodId, PolicyVersion, Prompt,
-    PromptId, Reward, ScoredGroup, TokenSpan,
+    PromptId, Reward, ScoredGroup, TokenSpan, VersionSwitch,
 };
 
 use super::framing::{Reader, Writer};
@@ -74,6 +74,9 @@ pub fn encode_group(scored: &ScoredGroup) -> Result<Vec<u8>> {
     for c in &group.completions {
         write_episode(&mut w, c.episode.as_ref())?;
     }
+    for c in &group.completions {
+        write_switches(&mut w, &c.switches)?;
+    }
     Ok(w.finish())
 }
 
@@ -121,6 +124,7 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
             text,
             finish_reason,
             version,
+            switches: Vec::new(),
             episode: None,
         });
     }
@@ -157,6 +161,11 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
             c.episode = read_episode(&mut r)?;
         }
     }
+    if r.version >= 3 {
+        for c in &mut completions {
+            c.switches = read_switches(&mut r)?;
+        }
+    }
     r.finish()?;
     let scored = ScoredGroup {
         group: Group {
@@ -171,6 +180,28 @@ pub fn decode_group(bytes: &[u8]) -> Result<ScoredGroup> {
     };
     validate_scored(&scored)?;
     Ok(scored)
+}
+
+/// A completion's version switches: a count, then per switch the token index (`u32`)
+/// and the version (`u64`).
+fn write_switches(w: &mut Writer, switches: &[VersionSwitch]) -> Result<()> {
+    w.len32(switches.len(), "completion.switches")?;
+    for s in switches {
+        w.u32(s.at);
+        w.u64(s.version.0);
+    }
+    Ok(())
+}
+
+fn read_switches(r: &mut Reader<'_>) -> Result<Vec<VersionSwitch>> {
+    let n = r.count("completion.switches", 12)?;
+    let mut switches = Vec::with_capacity(n);
+    for _ in 0..n {
+        let at = r.u32("completion.switches.at")?;
+        let version = PolicyVersion(r.u64("completion.switches.version")?);
+        switches.push(VersionSwitch { at, version });
+    }
+    Ok(switches)
 }
 
 /// A completion's episode: a tag (0 none, 1 some), then the observation spans as a

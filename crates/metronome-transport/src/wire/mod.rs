@@ -51,8 +51,10 @@ pub const CONTROL_MAGIC: [u8; 4] = *b"MTRC";
 
 /// The group format version this crate writes (and the newest it reads). Version 2
 /// appends each completion's episode (observation spans, turns, reward, failure)
-/// after the group statistics; a version 1 group decodes with no episodes.
-pub const GROUP_FORMAT_VERSION: u16 = 2;
+/// after the group statistics; version 3 then appends each completion's version
+/// switches (partial rollouts). A version 1 group decodes with no episodes, and
+/// versions 1 and 2 with no switches.
+pub const GROUP_FORMAT_VERSION: u16 = 3;
 /// The weights format version this crate writes (and the newest it reads).
 pub const WEIGHTS_FORMAT_VERSION: u16 = 1;
 /// The control format version this crate writes (and the newest it reads).

@@ -172,14 +172,10 @@ fn episodes_round_trip_and_version_1_groups_still_decode() {
         assert!(decode_group(&bytes[..len]).is_err(), "length {len} decoded");
     }
 
-    // A version 1 message is a version 2 one without the episode section.
+    // A version 1 message is a version 3 one without the episode section (a tag per
+    // completion) and the switch section (a count per completion).
     let plain = scored_group(1, 2, 3, 6);
-    let mut v1 = encode_group(&plain).unwrap();
-    v1.truncate(v1.len() - plain.group.completions.len());
-    v1[4..6].copy_from_slice(&1u16.to_le_bytes());
-    let body = (v1.len() - HEADER_LEN) as u64;
-    v1[8..16].copy_from_slice(&body.to_le_bytes());
-    reseal(&mut v1);
+    let v1 = older_group(&plain, 1, plain.group.completions.len() * 5);
     assert_eq!(decode_group(&v1).unwrap(), plain);
 
     // A span past the tokens is refused, naming it.
@@ -189,4 +185,47 @@ fn episodes_round_trip_and_version_1_groups_still_decode() {
         let err = encode_group(&bad).unwrap_err().to_string();
         assert!(err.contains("observation span 1"), "{span:?}: {err}");
     }
+}
+
+/// `scored` encoded, then rewritten as a message of format `version`: its last `cut`
+/// bytes (the sections that version lacks) dropped, the header fixed and resealed.
+fn older_group(scored: &metronome_core::ScoredGroup, version: u16, cut: usize) -> Vec<u8> {
+    let mut bytes = encode_group(scored).unwrap();
+    bytes.truncate(bytes.len() - cut);
+    bytes[4..6].copy_from_slice(&version.to_le_bytes());
+    let body = (bytes.len() - HEADER_LEN) as u64;
+    bytes[8..16].copy_from_slice(&body.to_le_bytes());
+    reseal(&mut bytes);
+    bytes
+}
+
+#[test]
+fn version_switches_round_trip_bad_ones_are_refused_and_version_2_groups_still_decode() {
+    use metronome_core::{PolicyVersion, VersionSwitch};
+    let mut scored = scored_group(1, 2, 3, 6);
+    let c = &mut scored.group.completions[2];
+    c.switches = vec![
+        VersionSwitch { at: 2, version: c.version.next() },
+        VersionSwitch { at: 5, version: PolicyVersion(c.version.0 + 3) },
+    ];
+    let bytes = encode_group(&scored).unwrap();
+    assert_eq!(decode_group(&bytes).unwrap(), scored);
+    for len in 0..bytes.len() {
+        assert!(decode_group(&bytes[..len]).is_err(), "length {len} decoded");
+    }
+
+    // A version 2 message is a version 3 one without the switch section.
+    let plain = scored_group(1, 2, 3, 6);
+    let v2 = older_group(&plain, 2, plain.group.completions.len() * 4);
+    assert_eq!(decode_group(&v2).unwrap(), plain);
+
+    // A switch to an older version, or past the tokens, is refused, naming the
+    // completion and the switch (the writer and the reader run the same check).
+    let mut bad = scored.clone();
+    bad.group.completions[2].switches[1].version = PolicyVersion(0);
+    let err = encode_group(&bad).unwrap_err().to_string();
+    assert!(err.contains("completion 2") && err.contains("version switch 1"), "{err}");
+    let mut past = scored.clone();
+    past.group.completions[2].switches[1].at = 6;
+    assert!(encode_group(&past).unwrap_err().to_string().contains("version switch 1"));
 }
