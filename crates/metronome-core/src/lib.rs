@@ -9,6 +9,8 @@
 //!   seeded-randomness rule [`sample_seed`];
 //! - the data that flows between stages ([`Prompt`], [`Completion`], [`Group`],
 //!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
+//! - the tests of a code task ([`CodeTests`]), which a data loader writes into a
+//!   prompt's reference and a code-execution reward runs;
 //! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
 //! - the typed entry of a crate's metrics catalogue ([`Metric`]) and the macro that
 //!   declares one ([`metric_catalogue!`]);
@@ -25,6 +27,7 @@
 //! `-transport`), share the network (`metronome-model`) and layouts
 //! (`metronome-masking`), and `metronome-pipeline` wires them.
 
+mod code;
 mod data;
 mod env;
 mod error;
@@ -36,6 +39,7 @@ mod stage;
 mod text;
 mod weights;
 
+pub use code::{CodeTests, IoCase};
 pub use data::{
     ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, EpisodeTrace, FinishReason, Group, GroupKey,
     GroupStats, GroupTiming, Prompt, Reward, ScoredGroup, TokenId, TokenSpan, VersionSwitch,

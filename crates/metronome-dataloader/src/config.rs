@@ -8,11 +8,16 @@ use serde::{Deserialize, Serialize};
 
 use crate::dataset::Dataset;
 use crate::error::Result;
-use crate::file::{BadRecordPolicy, FieldMapping, FileDataset, FileFormat, LoadReport};
+use crate::file::{
+    BadRecordPolicy, CodeFileConfig, CodeFormat, FieldMapping, FileDataset, FileFormat, LoadReport,
+};
 use crate::loader::PromptLoader;
 use crate::plan::ReleaseConfig;
 use crate::render::PromptConfig;
-use crate::tasks::{ArithmeticConfig, ArithmeticTask, CopyConfig, CopyTask, CountdownConfig, CountdownTask};
+use crate::tasks::{
+    ArithmeticConfig, ArithmeticTask, CodeTask, CodeTaskConfig, CopyConfig, CopyTask, CountdownConfig,
+    CountdownTask,
+};
 
 /// A file source: where it is, how its fields map, what to do with bad records.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,6 +48,12 @@ pub enum SourceConfig {
     Countdown(CountdownConfig),
     /// The procedural copy task with long-tail lengths.
     Copy(CopyConfig),
+    /// The procedural code task: small functions and programs with their tests.
+    Code(CodeTaskConfig),
+    /// HumanEval's JSONL: code tasks whose tests are the reference.
+    Humaneval(CodeFileConfig),
+    /// MBPP's JSONL: code tasks whose tests are the reference.
+    Mbpp(CodeFileConfig),
     /// The built-in task of the embedded run: [`ArithmeticConfig::default`], short
     /// prompts like `12+7=` with answer `19`.
     #[default]
@@ -68,12 +79,20 @@ impl SourceConfig {
             Ok(OpenedSource { dataset: Arc::new(dataset), report })
         };
         let task = |dataset: Arc<dyn Dataset>| OpenedSource { dataset, report: None };
+        let code = |c: &CodeFileConfig, format| -> Result<OpenedSource> {
+            let dataset = FileDataset::open_code(&c.path, format, c)?;
+            let report = Some(dataset.report().clone());
+            Ok(OpenedSource { dataset: Arc::new(dataset), report })
+        };
         Ok(match self {
             Self::Jsonl(c) => file(c, FileFormat::Jsonl)?,
             Self::Parquet(c) => file(c, FileFormat::Parquet)?,
             Self::Arithmetic(c) => task(Arc::new(ArithmeticTask::new(c.clone(), run)?)),
             Self::Countdown(c) => task(Arc::new(CountdownTask::new(c.clone(), run)?)),
             Self::Copy(c) => task(Arc::new(CopyTask::new(c.clone(), run)?)),
+            Self::Code(c) => task(Arc::new(CodeTask::new(c.clone(), run)?)),
+            Self::Humaneval(c) => code(c, CodeFormat::Humaneval)?,
+            Self::Mbpp(c) => code(c, CodeFormat::Mbpp)?,
             Self::Default => task(Arc::new(ArithmeticTask::new(ArithmeticConfig::default(), run)?)),
         })
     }

@@ -19,6 +19,12 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A file is compressed (gzip), as `HumanEval.jsonl.gz` ships.
+    #[error("{} is gzip-compressed: decompress it first (gunzip -k {})", path.display(), path.display())]
+    Compressed {
+        /// The file.
+        path: PathBuf,
+    },
     /// A file holds no records at all.
     #[error("{} is empty: it holds no records", path.display())]
     EmptyFile {

@@ -14,7 +14,11 @@
 //!   [`CountdownTask`] (instances built from a solution, so always solvable), each with
 //!   its reference answer in `Prompt::reference` and task fields in
 //!   `Prompt::metadata` (countdown: `numbers` as `3,7,25`, `target` as `88`;
-//!   both: `task`). A [`Holdout`] partitions a task's item space by content, so a
+//!   both: `task`). Code tasks: [`CodeTask`] (small functions and programs), and
+//!   HumanEval or MBPP files ([`CodeFileConfig`], `kind = "humaneval"` / `"mbpp"`),
+//!   each prompt's tests in its reference as a [`metronome_core::CodeTests`] (JSON)
+//!   for the code-execution reward, the canonical solution in the `solution`
+//!   metadata field. A [`Holdout`] partitions a task's item space by content, so a
 //!   training split and a held-out evaluation split never share a problem. The
 //!   built-in default task for the embedded run is short sums, `12+7=` → `19`. Any
 //!   other [`Dataset`] implementation plugs in too.
@@ -59,13 +63,16 @@ mod tasks;
 pub use config::{FileSourceConfig, LoaderConfig, OpenedSource, SourceConfig};
 pub use dataset::{Dataset, PromptContent, Record};
 pub use error::{Error, Location, Result};
-pub use file::{BadRecordPolicy, FieldMapping, FileDataset, FileFormat, LoadReport};
+pub use file::{
+    BadRecordPolicy, CodeFileConfig, CodeFormat, FieldMapping, FileDataset, FileFormat, LoadReport,
+};
 pub use loader::{LoaderStats, PromptLoader};
 pub use metrics::METRICS;
 pub use plan::ReleaseConfig;
 pub use render::{OverlongPolicy, PromptConfig};
 pub use rng::{SHUFFLE_STREAM, epoch_order};
 pub use tasks::{
-    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, COPY_STREAM, COUNTDOWN_STREAM, CopyConfig, CopyTask,
-    CountdownConfig, CountdownItem, CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
+    ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, CODE_STREAM, COPY_STREAM, COUNTDOWN_STREAM,
+    CodeFamily, CodeItem, CodeTask, CodeTaskConfig, CopyConfig, CopyTask, CountdownConfig, CountdownItem,
+    CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
 };

@@ -4,7 +4,7 @@
 //! [`run`]; `session.rs` is what it shares with the trainer of many processes,
 //! `builders.rs` how stages come from the config.
 
-use crate::builders::{load_model, local_transport, stages_around};
+use crate::builders::{group_scorer, load_model, local_transport, stages_around};
 use crate::config::PipelineConfig;
 use crate::error::Result;
 use crate::runner::{Checkpointing, Runner, RunnerOptions};
@@ -19,6 +19,9 @@ use crate::session::{RunOptions, RunOutcome, Session};
 /// weights where the uninterrupted one sampled older ones).
 pub async fn run(mut config: PipelineConfig, options: RunOptions) -> Result<RunOutcome> {
     config.prepare()?;
+    // A reward that cannot start (no sandbox, an unreachable judge) fails the run now,
+    // not after the warm start; the scorer is built again with the other stages.
+    drop(group_scorer(&config)?);
     let session = Session::open(&config, "periods", &options)?;
     let (model, tokenizer) = load_model(&config, config.trainer_device())?;
     let start = session.start(&config, model, tokenizer.clone()).await?;

@@ -666,7 +666,15 @@ impl PipelineConfig {
                 };
                 Some(SourceConfig::Arithmetic(c))
             }
-            SourceConfig::Jsonl(_) | SourceConfig::Parquet(_) => None,
+            SourceConfig::Code(c) => {
+                let mut c = c.clone();
+                c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
+                Some(SourceConfig::Code(c))
+            }
+            SourceConfig::Jsonl(_)
+            | SourceConfig::Parquet(_)
+            | SourceConfig::Humaneval(_)
+            | SourceConfig::Mbpp(_) => None,
         }
     }
 

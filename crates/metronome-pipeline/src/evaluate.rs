@@ -18,7 +18,7 @@ use crate::report::EvalPoint;
 fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
     let scorer = match &config.reward {
         RewardConfig::Local { scorer, .. } => scorer.clone(),
-        RewardConfig::Remote(_) => ScorerConfig::Math(Default::default()),
+        RewardConfig::Remote(_) | RewardConfig::Judge(_) => ScorerConfig::Math(Default::default()),
     };
     Ok(scorer.build()?)
 }

@@ -24,8 +24,10 @@ use serde::{Deserialize, Serialize};
 
 use metronome_core::{AdvantageEstimator, GroupScorer, RewardFn};
 
+use crate::code::CodeConfig;
 use crate::composite::{Component, Composite};
 use crate::countdown::CountdownConfig;
+use crate::judge::JudgeConfig;
 use crate::length::LengthConfig;
 use crate::math::MathConfig;
 use crate::pool::{PoolConfig, PoolScorer};
@@ -49,6 +51,8 @@ pub enum ScorerConfig {
     Length(LengthConfig),
     /// [`crate::Composite`].
     Composite(CompositeConfig),
+    /// [`crate::CodeReward`]: the program run against the prompt's tests in a sandbox.
+    Code(CodeConfig),
 }
 
 /// A weighted sum of scorers.
@@ -92,6 +96,7 @@ impl ScorerConfig {
             Self::Format(c) => Arc::new(c.build()?),
             Self::Countdown(c) => Arc::new(c.build()?),
             Self::Length(c) => Arc::new(c.build()?),
+            Self::Code(c) => Arc::new(c.build()?),
             Self::Composite(c) => {
                 if depth >= MAX_NESTING {
                     return Err(Error::config("composite", format!("nests deeper than {MAX_NESTING}")));
@@ -113,6 +118,21 @@ impl ScorerConfig {
     }
 }
 
+impl ScorerConfig {
+    /// The longest one call of the scorer is designed to take, when it bounds its own
+    /// time (the code reward's sandbox); the pool's time limit must be longer.
+    #[must_use]
+    pub fn worst_case(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::Code(c) => Some(c.worst_case()),
+            Self::Composite(c) => {
+                c.components.iter().filter_map(|p| p.scorer.worst_case()).reduce(|a, b| a + b)
+            }
+            _ => None,
+        }
+    }
+}
+
 /// The reward stage: local scorers on a worker pool, or a remote scorer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -127,6 +147,8 @@ pub enum RewardConfig {
     },
     /// A [`crate::RemoteScorer`].
     Remote(RemoteConfig),
+    /// A [`crate::JudgeScorer`]: a judge model grades each completion against a rubric.
+    Judge(JudgeConfig),
 }
 
 impl RewardConfig {
@@ -136,9 +158,23 @@ impl RewardConfig {
     pub fn build(&self, estimator: AdvantageEstimator) -> Result<Box<dyn GroupScorer>> {
         Ok(match self {
             Self::Local { scorer, pool } => {
+                if let Some(needed) = scorer.worst_case()
+                    && u128::from(pool.time_limit_ms) <= needed.as_millis()
+                {
+                    return Err(Error::config(
+                        "pool.time_limit_ms",
+                        format!(
+                            "must be longer than the {} ms a code scorer may take (its time_budget_ms and the \
+                             time to stop its sandbox), got {}",
+                            needed.as_millis(),
+                            pool.time_limit_ms
+                        ),
+                    ));
+                }
                 Box::new(PoolScorer::from_arc(scorer.build()?, pool.clone())?.with_estimator(estimator))
             }
             Self::Remote(c) => Box::new(c.build()?.with_estimator(estimator)),
+            Self::Judge(c) => Box::new(c.build()?.with_estimator(estimator)),
         })
     }
 }

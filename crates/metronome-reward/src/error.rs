@@ -19,6 +19,23 @@ pub enum Error {
     /// The worker pool could not start its threads.
     #[error("reward worker pool could not start a thread")]
     Spawn(#[source] std::io::Error),
+    /// The code sandbox cannot be created on this machine (a missing binary, user
+    /// namespaces disabled, a probe program that fails). Never worked around by
+    /// running programs unsandboxed.
+    #[error("code sandbox cannot start on this machine: {reason}")]
+    Sandbox {
+        /// What is missing or failed.
+        reason: String,
+    },
+    /// The judge's server cannot be used: unreachable at start-up, or without the
+    /// configured model.
+    #[error("judge at {url} {reason}")]
+    Judge {
+        /// The judge's base URL (`judge.url`).
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// The remote scorer could not be built. The HTTP client's error ends the chain:
     /// it is printed with its own sources, which hold the actual cause.
     #[error("remote scorer at {url}: {}", metronome_core::ErrorChain(error))]

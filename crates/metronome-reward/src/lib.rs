@@ -1,5 +1,5 @@
-//! Metronome's reward stage: verifiable, rule-based rewards for reasoning tasks that
-//! never stall or crash a run.
+//! Metronome's reward stage: verifiable rewards for reasoning and code, and judge
+//! models, that never stall or crash a run.
 //!
 //! - Scorers are synchronous [`metronome_core::RewardFn`]s (closures are scorers too):
 //!   [`MathVerifier`] (final-answer extraction, normalisation and exact comparison; only
@@ -16,7 +16,25 @@
 //!   one thread, which is replaced up to a bound (see [`pool`]).
 //! - [`RemoteScorer`] is a [`metronome_core::GroupScorer`] for reward models served
 //!   over HTTP (JSON), with timeout, retries with backoff and a concurrency limit.
-//! - [`RewardConfig`] / [`ScorerConfig`] are serde configs that build all of the above.
+//! - [`CodeReward`] ([`code`]) runs the program of a completion against the task's
+//!   tests ([`metronome_core::CodeTests`] in the prompt's reference: asserts or
+//!   stdin/stdout cases) in a **bubblewrap** sandbox, with rlimits set by `prlimit`:
+//!   no network, a private tmpfs working directory, a read-only view of the
+//!   interpreter and nothing else of the host, limits on CPU, wall time, memory,
+//!   processes, open files, file size and output, and every process of it killed at
+//!   the end (the module docs say why bubblewrap). It runs on the [`PoolScorer`]'s
+//!   threads; a failing program is a [`Verdict`] with its reason, counted in
+//!   `metronome_reward_code_executions_total{verdict}`; a machine that cannot create
+//!   the sandbox fails at start-up ([`Error::Sandbox`]). [`code::hostile`] is the suite
+//!   of hostile programs the tests hold it to.
+//! - [`JudgeScorer`] is a [`metronome_core::GroupScorer`] that asks a judge model
+//!   behind an OpenAI-compatible completions endpoint to grade each completion
+//!   against a rubric template, reads a strict `SCORE: <n>`, caches judgements, and
+//!   applies a [`JudgeFailure`] policy (the failure score, or dropping the group) to
+//!   what it could not grade, within per-request timeouts, bounded retries and a
+//!   per-group deadline.
+//! - [`RewardConfig`] / [`ScorerConfig`] are serde configs that build all of the above
+//!   (`kind = "code"` is a scorer; `kind = "judge"` a reward stage of its own).
 //! - Multi-turn environments ([`metronome_core::Environment`]): [`CalculatorEnv`] (a
 //!   calculator tool for arithmetic word problems) and [`CountdownEnv`] (feedback on
 //!   invalid or wrong expressions), built from [`EnvConfig`], with tool calls parsed
@@ -54,14 +72,18 @@
 //! stage crates: it sees only `metronome-core` types. The pipeline
 //! (`metronome-pipeline`) puts a scorer between the rollout stage (`metronome-rollout`)
 //! and the trainer (`metronome-trainer`); the data loader (`metronome-dataloader`)
-//! supplies each prompt's `reference` and metadata (countdown's `numbers` and `target`).
+//! supplies each prompt's `reference` and metadata (countdown's `numbers` and `target`;
+//! a code task's tests).
 
+pub mod code;
 mod composite;
 mod config;
 mod countdown;
 mod env;
 mod error;
 mod extract;
+mod http;
+mod judge;
 mod length;
 mod math;
 mod meter;
@@ -71,6 +93,10 @@ mod rational;
 mod remote;
 mod text;
 
+pub use code::{
+    CodeConfig, CodeReward, CodeScoring, Extract, Sandbox, SandboxConfig, Verdict, VerdictKind,
+    extract_program,
+};
 pub use composite::{Component, Composite};
 pub use config::{ComponentConfig, CompositeConfig, RewardConfig, ScorerConfig};
 pub use countdown::{CountdownChecker, CountdownConfig, CountdownVerdict, Invalid};
@@ -79,6 +105,7 @@ pub use env::{
 };
 pub use error::{Error, Result};
 pub use extract::{Extractor, extract, tail};
+pub use judge::{DEFAULT_TEMPLATE, JudgeConfig, JudgeFailure, JudgeScorer, parse_score};
 pub use length::{LengthConfig, LengthShaping, LengthUnit};
 pub use math::{Answer, MathConfig, MathVerdict, MathVerifier, Number, answers_match, parse_answer};
 pub use meter::Meter;

@@ -19,10 +19,9 @@ use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use metronome_core::{
-    AdvantageEstimator, ErrorChain, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64,
-};
+use metronome_core::{AdvantageEstimator, Group, GroupScorer, PromptId, Reward, ScoredGroup, mix64};
 
+use crate::http::{self, Attempt, Backoff};
 use crate::{Error, Result, metrics};
 
 /// Configuration of [`RemoteScorer`].
@@ -149,12 +148,6 @@ pub struct RemoteScorer {
     estimator: AdvantageEstimator,
 }
 
-enum Attempt {
-    Done(Vec<Reward>),
-    Retry(String),
-    Fatal(String),
-}
-
 impl RemoteScorer {
     /// Computes advantages with `estimator` (GRPO's by default). Not a key of
     /// [`RemoteConfig`]: a run has one estimator, and it is the trainer's.
@@ -170,44 +163,26 @@ impl RemoteScorer {
     /// together.
     #[must_use]
     pub fn backoff(&self, retry: u32, key: u64) -> Duration {
-        let c = &self.config;
-        let base = c.backoff_initial_ms.saturating_mul(1u64 << retry.min(32)).min(c.backoff_max_ms);
-        let spread = mix64(key ^ u64::from(retry)) % (base / 2 + 1);
-        Duration::from_millis(base - base / 2 + spread)
+        self.backoff_policy().delay(retry, key)
     }
 
-    async fn attempt(&self, request: &RemoteRequest<'_>, expected: usize) -> Attempt {
+    fn backoff_policy(&self) -> Backoff {
+        Backoff { initial_ms: self.config.backoff_initial_ms, max_ms: self.config.backoff_max_ms }
+    }
+
+    async fn attempt(&self, request: &RemoteRequest<'_>, expected: usize) -> Attempt<Vec<Reward>> {
         // The semaphore is never closed, so acquiring only waits.
         let Ok(_permit) = self.limit.acquire().await else {
             return Attempt::Fatal("concurrency limiter closed".into());
         };
-        let response = match self.client.post(&self.config.url).json(request).send().await {
+        let response = match http::response(self.client.post(&self.config.url).json(request).send().await) {
             Ok(r) => r,
-            Err(e) => return Attempt::Retry(ErrorChain(&e).to_string()),
+            Err(failed) => return failed,
         };
-        let status = response.status();
-        if status.as_u16() == 429 || status.is_server_error() {
-            return Attempt::Retry(format!("status {status}"));
-        }
-        if !status.is_success() {
-            return Attempt::Fatal(format!("status {status}"));
-        }
-        // Read chunk by chunk so an oversized answer is refused before it is held whole.
-        let mut response = response;
-        let mut body = Vec::new();
-        loop {
-            match response.chunk().await {
-                Ok(Some(chunk)) if body.len() + chunk.len() > self.config.max_response_bytes => {
-                    return Attempt::Fatal(format!(
-                        "response larger than max_response_bytes ({})",
-                        self.config.max_response_bytes
-                    ));
-                }
-                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
-                Ok(None) => break,
-                Err(e) => return Attempt::Retry(ErrorChain(&e).to_string()),
-            }
-        }
+        let body = match http::body(response, self.config.max_response_bytes).await {
+            Ok(body) => body,
+            Err(failed) => return failed,
+        };
         let parsed: RemoteResponse = match serde_json::from_slice(&body) {
             Ok(p) => p,
             Err(e) => return Attempt::Fatal(format!("malformed response: {e}")),
@@ -243,22 +218,15 @@ impl RemoteScorer {
             completions: group.completions.iter().map(|c| c.text.as_str()).collect(),
         };
         let key = mix64(group.period.0 ^ mix64(group.prompt.id.0));
-        let mut retry = 0;
-        loop {
-            match self.attempt(&request, group.completions.len()).await {
-                Attempt::Done(rewards) => return Ok(rewards),
-                Attempt::Fatal(reason) => return Err(reason),
-                Attempt::Retry(reason) if retry >= self.config.max_retries => {
-                    return Err(format!("{reason} (after {} attempts)", retry + 1));
-                }
-                Attempt::Retry(reason) => {
-                    tracing::debug!(url = %self.config.url, %reason, retry, "retrying remote reward");
-                    metrics::remote_retry();
-                    tokio::time::sleep(self.backoff(retry, key)).await;
-                    retry += 1;
-                }
-            }
-        }
+        let on_retry = |reason: &str| {
+            tracing::debug!(url = %self.config.url, %reason, "retrying remote reward");
+            metrics::remote_retry();
+        };
+        let n = group.completions.len();
+        http::with_retries(self.config.max_retries, self.backoff_policy(), key, on_retry, || {
+            self.attempt(&request, n)
+        })
+        .await
     }
 }
 

@@ -5,4 +5,5 @@ mod config;
 mod openai;
 mod prometheus;
 mod resume;
+mod rewards;
 mod serve;

@@ -45,7 +45,7 @@ impl FieldError {
         Self { field: None, reason: reason.into() }
     }
 
-    fn field(field: &str, reason: impl Into<String>) -> Self {
+    pub(crate) fn field(field: &str, reason: impl Into<String>) -> Self {
         Self { field: Some(field.to_owned()), reason: reason.into() }
     }
 }

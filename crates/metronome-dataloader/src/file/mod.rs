@@ -7,6 +7,7 @@
 //! RL prompt sets are small (thousands to a few hundred thousand prompts), so holding
 //! them in memory is cheap.
 
+mod code;
 mod columnar;
 mod jsonl;
 mod mapping;
@@ -16,6 +17,7 @@ use std::path::{Path, PathBuf};
 use metronome_core::PromptId;
 use serde::{Deserialize, Serialize};
 
+pub use code::{CodeFileConfig, CodeFormat};
 pub use mapping::FieldMapping;
 
 use crate::dataset::{Dataset, Record};

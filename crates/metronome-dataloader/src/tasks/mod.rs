@@ -8,6 +8,7 @@
 //! the run).
 
 mod arithmetic;
+mod code;
 mod copy;
 mod countdown;
 
@@ -15,6 +16,7 @@ use metronome_core::mix64;
 use serde::{Deserialize, Serialize};
 
 pub use arithmetic::{ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask};
+pub use code::{CODE_STREAM, CodeFamily, CodeItem, CodeTask, CodeTaskConfig};
 pub use copy::{COPY_STREAM, CopyConfig, CopyTask};
 pub use countdown::{COUNTDOWN_STREAM, CountdownConfig, CountdownItem, CountdownTask};
 

@@ -1,6 +1,7 @@
 //! Integration tests of the data loader: one binary, one module per concern.
 
 mod chat;
+mod code;
 mod common;
 mod files;
 mod metrics;
