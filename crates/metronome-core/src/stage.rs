@@ -158,6 +158,49 @@ pub struct StepReport {
     pub zero_advantage_groups: u64,
     /// Mean absolute difference between trainer and rollout log-probs of the same tokens.
     pub logprob_gap: f64,
+    /// The train–rollout mismatch of the step's scored tokens (absent in reports
+    /// written before it was measured: read as all zeros).
+    #[serde(default)]
+    pub mismatch: LogprobMismatch,
+    /// On-policy distillation: the mean per-token reverse KL from the policy to the
+    /// teacher on the policy's own sampled tokens, `log π(y_t) − log π_teacher(y_t)`
+    /// over the scored targets (its single-sample estimate); `None` without a teacher.
+    #[serde(default)]
+    pub distill_kl: Option<f64>,
+}
+
+/// How far the trainer's log-probs of the sampled tokens are from the behaviour
+/// log-probs the rollout engine recorded for them: the train–rollout mismatch of one
+/// step, over every target the trainer scored (before masked importance sampling
+/// drops any).
+///
+/// With `d = log π_trainer(y_t) − log π_behaviour(y_t)` per token: the mean, 99th
+/// percentile and maximum of `|d|` (nats), and the mean of `k3 = exp(d) − 1 − d`,
+/// Schulman's non-negative unbiased estimator of `KL(behaviour ‖ trainer)` from the
+/// behaviour's own samples. For a token sampled by the weights the trainer holds,
+/// `d` is the engine's numerical mismatch alone (different kernels, precision,
+/// temperature handling); for a stale token it also holds the policy's movement since
+/// it was sampled (it is then the log of the importance ratio the corrections read).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LogprobMismatch {
+    /// Target tokens measured.
+    pub tokens: u64,
+    /// Mean `|d|`, in nats.
+    pub mean_abs: f64,
+    /// 99th percentile of `|d|`, in nats (a trainer may report it from a histogram:
+    /// then an upper bound, never above `max_abs`).
+    pub p99_abs: f64,
+    /// Largest `|d|`, in nats.
+    pub max_abs: f64,
+    /// Mean `exp(d) − 1 − d`: the k3 estimate of `KL(behaviour ‖ trainer)`.
+    pub kl_k3: f64,
+    /// Share of the tokens whose truncated importance weight was capped (`tis_cap`);
+    /// 0 without truncated IS.
+    pub truncated_share: f64,
+    /// Share of the tokens masked importance sampling dropped from the loss; 0
+    /// without masked IS.
+    pub masked_share: f64,
 }
 
 /// The training stage: accumulates micro-batches in any order, then steps.

@@ -5,6 +5,7 @@ use metronome_core::AdvantageEstimator;
 use metronome_model::LoraConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::distill::DistillConfig;
 use crate::loss::LossConfig;
 use crate::optim::AdamWConfig;
 use crate::schedule::LrSchedule;
@@ -53,6 +54,12 @@ pub struct TrainerConfig {
     /// base weights stay frozen and serve as the KL reference, and published weights
     /// are merged. Absent (the default), every weight trains.
     pub lora: Option<LoraConfig>,
+    /// On-policy distillation (`[trainer.distill]`, see [`crate::distill`]): a teacher
+    /// scored in the reference slot, whose per-token reverse KL to the policy on the
+    /// policy's own samples is the advantage, alone or added to the rewards'. Absent
+    /// (the default), no teacher.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distill: Option<DistillConfig>,
 }
 
 impl Default for TrainerConfig {
@@ -69,6 +76,7 @@ impl Default for TrainerConfig {
             skip_zero_advantage_groups: true,
             device: None,
             lora: None,
+            distill: None,
         }
     }
 }
@@ -100,6 +108,31 @@ impl TrainerConfig {
         self.loss.validate("loss")?;
         if let Some(lora) = &self.lora {
             lora.validate().map_err(TrainerError::from_model_config)?;
+        }
+        if let Some(distill) = &self.distill {
+            distill.validate("distill")?;
+            // The reference slot holds the teacher, and the teacher's reverse KL is
+            // already the pull towards a reference: a KL term too would need a third
+            // model.
+            if self.loss.kl_coef > 0.0 {
+                return Err(TrainerError::config(
+                    "distill",
+                    format!(
+                        "is set with loss.kl_coef = {}: the teacher takes the reference model's slot, and its \
+                         reverse KL is the regulariser; set loss.kl_coef = 0 or remove distill",
+                        self.loss.kl_coef
+                    ),
+                ));
+            }
+            // The batch normaliser would divide the teacher's signal by the spread of
+            // the rewards' advantages.
+            if self.advantage == AdvantageEstimator::ReinforcePlusPlusBaseline {
+                return Err(TrainerError::config(
+                    "distill",
+                    "is set with advantage = \"reinforce_plus_plus_baseline\", whose batch normaliser would \
+                     scale the teacher's per-token signal by the rewards' spread; choose another advantage",
+                ));
+            }
         }
         Ok(())
     }
@@ -176,6 +209,25 @@ mod tests {
         }
         let err = TrainerConfig::from_json(r#"{"lora": {"rnak": 4}}"#).unwrap_err().to_string();
         assert!(err.contains("rnak"), "{err}");
+        let teacher = r#""distill": {"kind": "hf", "path": "teacher"}"#;
+        let cfg = TrainerConfig::from_json(&format!("{{{teacher}}}")).unwrap();
+        let distill = cfg.distill.unwrap();
+        assert_eq!((distill.mode, distill.weight), (crate::distill::DistillMode::Alone, 1.0));
+        let err = TrainerConfig::from_json(&format!(r#"{{{teacher}, "loss": {{"kl_coef": 0.1}}}}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`distill`") && err.contains("loss.kl_coef"), "{err}");
+        let err =
+            TrainerConfig::from_json(&format!(r#"{{{teacher}, "advantage": "reinforce_plus_plus_baseline"}}"#))
+                .unwrap_err()
+                .to_string();
+        assert!(err.contains("`distill`") && err.contains("advantage"), "{err}");
+        let err = TrainerConfig::from_json(r#"{"distill": {"kind": "hf", "path": "t", "weight": -1}}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`distill.weight`"), "{err}");
+        let err = TrainerConfig::from_json(r#"{"distill": {"kind": "onnx", "path": "t"}}"#).unwrap_err().to_string();
+        assert!(err.contains("onnx"), "{err}");
     }
 
     #[test]

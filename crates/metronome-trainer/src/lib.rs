@@ -40,6 +40,14 @@
 //!   accumulator, AdamW moments); the base stays frozen and its handle is the KL
 //!   reference, without a copy; snapshots publish the merged weights; checkpoints
 //!   keep the base and the adapters (PEFT format) apart.
+//! - On-policy distillation ([`TrainerConfig::distill`], [`distill`]; Agarwal et al.
+//!   2024, arXiv 2306.13649): a teacher scored in the reference slot, whose per-token
+//!   reverse KL to the policy on the policy's own samples is the advantage, alone or
+//!   added to the rewards'.
+//! - The train–rollout mismatch of every step (`metronome_core::LogprobMismatch` in
+//!   the `StepReport`): mean, p99 and maximum `|log π_trainer − log π_behaviour|` over
+//!   the scored targets, the k3 KL between the two, and the shares of tokens whose
+//!   importance weight was truncated or masked.
 //! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]), scored
 //!   at temperature 1.
 //! - Checkpoints ([`GrpoTrainer::save_checkpoint`], [`GrpoTrainer::resume`]): Hugging
@@ -65,14 +73,17 @@
 //! trainer (the pipeline) records them as gauges, so each gauge has one writer.
 
 mod config;
+pub mod distill;
 mod error;
 pub mod loss;
 mod metrics;
+mod mismatch;
 pub mod optim;
 pub mod schedule;
 mod trainer;
 
 pub use config::TrainerConfig;
+pub use distill::{DistillConfig, DistillMode, TeacherFormat};
 pub use error::{Result, TrainerError};
 pub use metrics::METRICS;
 pub use trainer::{GrpoTrainer, PhaseTimes, SftExample, sft_batch};

@@ -332,6 +332,9 @@ pub struct LossTerms {
     pub logprob_gap_sum: f64,
     /// Kept targets whose clipped branch was selected.
     pub clipped: u64,
+    /// Kept targets whose truncated importance weight was capped (`exp(old −
+    /// behaviour) > tis_cap`); 0 without `tis_cap`.
+    pub truncated: u64,
     /// Targets kept in the loss (all of them without masked IS).
     pub tokens: u64,
     /// Targets masked IS dropped.
@@ -491,6 +494,7 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
     let mut coef = Vec::with_capacity(n);
     let mut constant = Vec::with_capacity(n);
     let mut clipped = 0u64;
+    let mut truncated = 0u64;
     let mut policy_sum = 0f64;
     let mut logprob_gap_sum = 0f64;
     for t in 0..n {
@@ -501,7 +505,11 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
             continue;
         }
         let is = match cfg.tis_cap {
-            Some(cap) => (log_rho[t].exp() as f32).min(cap),
+            Some(cap) => {
+                let weight = log_rho[t].exp() as f32;
+                truncated += u64::from(weight > cap);
+                weight.min(cap)
+            }
             None => 1.0,
         };
         let unclipped = r * a;
@@ -572,6 +580,7 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
         entropy_sum,
         logprob_gap_sum,
         clipped,
+        truncated,
         tokens: n as u64 - masked_tokens,
         masked_tokens,
         masked_sequences,
@@ -736,6 +745,7 @@ mod tests {
         let g = grad(&out.loss, &lp);
         assert!((f64::from(g[0]) + is0).abs() < 1e-5 && (g[1] + 2.0).abs() < 1e-5, "{g:?}");
         assert!((out.logprob_gap_sum - 2.5).abs() < 1e-6);
+        assert_eq!(out.truncated, 1, "only the second weight, e^2, is capped");
     }
 
     #[test]

@@ -11,6 +11,8 @@ use metronome_model::Device;
 use serde::{Deserialize, Serialize};
 
 use super::{GrpoTrainer, Mode, Sums};
+use crate::distill::Teacher;
+use crate::mismatch::MismatchSums;
 use crate::{Result, TrainerConfig, TrainerError};
 
 /// Version of the checkpoint layout written by [`GrpoTrainer::save_checkpoint`].
@@ -28,6 +30,9 @@ struct PendingState {
     sums: Sums,
     seen_groups: BTreeSet<GroupKey>,
     buffered: Vec<TrainBatch>,
+    /// The step's train–rollout mismatch so far (absent in older checkpoints).
+    #[serde(default)]
+    mismatch: MismatchSums,
 }
 
 /// What a checkpoint's `trainer_state.json` holds besides the tensors.
@@ -102,6 +107,7 @@ impl GrpoTrainer {
             sums: self.sums,
             seen_groups: self.seen_groups.clone(),
             buffered: self.buffered.clone(),
+            mismatch: self.mismatch.clone(),
         };
         let path = dir.join("accumulator.json");
         let text = serde_json::to_string(&pending).map_err(|e| TrainerError::checkpoint(&path, e))?;
@@ -151,23 +157,31 @@ impl GrpoTrainer {
         self.sums = pending.sums;
         self.seen_groups = pending.seen_groups;
         self.buffered = pending.buffered;
+        self.mismatch = pending.mismatch;
         Ok(())
     }
 
     /// Becomes the trainer the checkpoint in `dir` holds, keeping this trainer's
-    /// configuration, device and sampling temperature (which are the run's, not the
-    /// checkpoint's).
+    /// configuration, device, sampling temperature (which are the run's, not the
+    /// checkpoint's) and distillation teacher (loaded from its path, never from a
+    /// checkpoint).
     pub fn restore(&mut self, dir: &Path) -> Result<()> {
         let device = self.policy.device().clone();
         let temperature = self.temperature;
-        *self = Self::resume(self.cfg.clone(), dir, &device)?;
+        *self = Self::resume_with(self.cfg.clone(), dir, &device, self.teacher.clone())?;
         self.temperature = temperature;
         Ok(())
     }
 
     /// A trainer restored from [`GrpoTrainer::save_checkpoint`]'s directory: the
     /// steps that follow are bit-identical to those of the trainer that wrote it.
+    /// A distillation teacher (`cfg.distill`) is loaded from its path again.
     pub fn resume(cfg: TrainerConfig, dir: &Path, device: &Device) -> Result<Self> {
+        Self::resume_with(cfg, dir, device, None)
+    }
+
+    /// [`GrpoTrainer::resume`] with the teacher already loaded, if given.
+    fn resume_with(cfg: TrainerConfig, dir: &Path, device: &Device, teacher: Option<Teacher>) -> Result<Self> {
         let st_path = dir.join("trainer_state.json");
         let text = std::fs::read_to_string(&st_path).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
         let st: CheckpointState =
@@ -180,7 +194,7 @@ impl GrpoTrainer {
         }
         cfg.validate()?;
         let (policy, reference) = super::lora::load_models(&cfg, dir, device)?;
-        let mut t = Self::with_reference(cfg, policy, reference)?;
+        let mut t = Self::with_reference(cfg, policy, reference, teacher)?;
         let opt_path = dir.join("optimizer.safetensors");
         let mut state = candle_core::safetensors::load(&opt_path, device)
             .map_err(|e| TrainerError::checkpoint(&opt_path, e))?;

@@ -26,6 +26,8 @@ use metronome_model::{Device, Model};
 use serde::{Deserialize, Serialize};
 
 pub use self::sft::{SftExample, sft_batch};
+use crate::distill::Teacher;
+use crate::mismatch::MismatchSums;
 use crate::optim::{AdamW, GradAccumulator, clip_grad_norm};
 use crate::{Result, TrainerConfig, TrainerError};
 
@@ -58,6 +60,10 @@ struct Sums {
     entropy: f64,
     gap: f64,
     clipped: u64,
+    /// Targets scored against the distillation teacher and the sum of their
+    /// reverse KL `log π − log π_teacher`.
+    distill_tokens: u64,
+    distill_kl: f64,
     /// Responses in the loss before masking, and the sum and sum of squares of their
     /// advantages: REINFORCE++'s batch standard deviation.
     adv_count: u64,
@@ -77,6 +83,8 @@ impl Sums {
         self.entropy += o.entropy;
         self.gap += o.gap;
         self.clipped += o.clipped;
+        self.distill_tokens += o.distill_tokens;
+        self.distill_kl += o.distill_kl;
         self.adv_count += o.adv_count;
         self.adv_sum += o.adv_sum;
         self.adv_sq_sum += o.adv_sq_sum;
@@ -115,6 +123,9 @@ pub struct GrpoTrainer {
     policy: Model,
     params: Vec<(String, Var)>,
     reference: Option<Model>,
+    /// The distillation teacher (`trainer.distill`), scored in the reference's slot
+    /// (the two never coexist); loaded from its path, never checkpointed.
+    teacher: Option<Teacher>,
     optimizer: AdamW,
     /// The accumulated gradient; with REINFORCE++'s batch normaliser and a KL or
     /// entropy term, that of the policy-gradient term only (the normaliser scales it
@@ -132,6 +143,8 @@ pub struct GrpoTrainer {
     rng_state: u64,
     skipped_steps: u64,
     sums: Sums,
+    /// The train–rollout mismatch of the step under way.
+    mismatch: MismatchSums,
     mode: Option<Mode>,
     buffered: Vec<TrainBatch>,
     /// Groups seen this step: a group split across micro-batches counts once.
@@ -146,6 +159,7 @@ impl std::fmt::Debug for GrpoTrainer {
             .field("optimizer_steps", &self.optimizer.steps())
             .field("parameters", &self.params.len())
             .field("reference", &self.reference.is_some())
+            .field("teacher", &self.teacher.is_some())
             .field("pending_micro_batches", &self.accum.micro_batches())
             .finish_non_exhaustive()
     }
@@ -170,21 +184,36 @@ impl GrpoTrainer {
     /// policy's base handle on the same storage, not a copy: no step writes the base
     /// (Hu et al. 2021, arXiv 2106.09685, §4.1). A policy that already has adapters is
     /// refused.
+    ///
+    /// With `cfg.distill`, the teacher is loaded from its path now (see
+    /// [`crate::distill`]); one that does not load, or has another vocabulary than
+    /// the policy, is refused naming `distill.path`.
     pub fn new(cfg: TrainerConfig, policy: Model) -> Result<Self> {
         cfg.validate()?;
         let policy = lora::policy_to_train(&cfg, policy)?;
         let reference = if cfg.loss.kl_coef > 0.0 { Some(lora::reference_of(&policy)?) } else { None };
-        Self::with_reference(cfg, policy, reference)
+        Self::with_reference(cfg, policy, reference, None)
     }
 
-    /// The trainer around `policy` and `reference` as given; `cfg` is validated.
-    fn with_reference(cfg: TrainerConfig, policy: Model, reference: Option<Model>) -> Result<Self> {
+    /// The trainer around `policy` and `reference` as given, and `teacher` (loaded
+    /// from `cfg.distill` when `None` and the config names one); `cfg` is validated.
+    fn with_reference(
+        cfg: TrainerConfig,
+        policy: Model,
+        reference: Option<Model>,
+        teacher: Option<Teacher>,
+    ) -> Result<Self> {
         if !policy.is_trainable() {
             return Err(TrainerError::invalid(
                 "policy model",
                 "is frozen; the trainer needs a trainable model",
             ));
         }
+        let teacher = match (&cfg.distill, teacher) {
+            (Some(_), Some(teacher)) => Some(teacher),
+            (Some(distill), None) => Some(Teacher::load(distill, &policy)?),
+            (None, _) => None,
+        };
         let params = lora::trained_parameters(&policy);
         let optimizer = AdamW::new(cfg.optimizer, &params)?;
         let pool = build_pool(cfg.threads())?;
@@ -198,11 +227,13 @@ impl GrpoTrainer {
             policy,
             params,
             reference,
+            teacher,
             optimizer,
             pool,
             version: PolicyVersion(0),
             skipped_steps: 0,
             sums: Sums::default(),
+            mismatch: MismatchSums::default(),
             mode: None,
             buffered: Vec::new(),
             seen_groups: BTreeSet::new(),
@@ -315,7 +346,7 @@ impl GrpoTrainer {
             return Ok(AccumulateReport { tokens: prepared.counts.tokens, loss_sum: 0.0 });
         }
         let start = Instant::now();
-        let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false))?;
+        let sums = self.run(|t| t.forward_backward(&batch.rows, &prepared, false, true))?;
         self.mode = Some(Mode::Rl);
         self.seen_groups.extend(batch.groups.iter().map(|g| g.key));
         self.sums.add(&sums);
@@ -335,6 +366,7 @@ impl GrpoTrainer {
         };
         self.mode = None;
         self.seen_groups.clear();
+        self.mismatch = MismatchSums::default();
         self.version = self.version.next();
         let report = StepReport { version: self.version, ..report };
         crate::metrics::stepped(start.elapsed());
@@ -364,6 +396,10 @@ impl GrpoTrainer {
             groups: s.groups,
             zero_advantage_groups: s.zero_groups,
             logprob_gap: per_token(s.gap),
+            mismatch: self.mismatch.summary(),
+            distill_kl: self.teacher.as_ref().map(|_| {
+                if s.distill_tokens == 0 { 0.0 } else { s.distill_kl / s.distill_tokens as f64 }
+            }),
         };
         let result = (|| {
             if self.accum.micro_batches() == 0 || s.tokens == 0 {

@@ -7,9 +7,10 @@
 //! aggregation's normaliser, REINFORCE++'s `1 / (std + eps)`), and mini-steps,
 //! several updates per period with the behaviour log-probs as the old policy.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use metronome_core::{AdvantageEstimator, PackedRow, StepReport, Targets, TrainBatch, mix64};
 
 use super::{GrpoTrainer, Mode, Sums};
@@ -68,8 +69,11 @@ impl GrpoTrainer {
     /// Keeps the targets that enter the loss and counts them.
     pub(super) fn prepare(&self, batch: &TrainBatch) -> Result<Prepared> {
         batch.validate()?;
+        // A distillation teacher has a signal for every token, whatever the rewards.
         let skip_group = |g: usize| {
-            self.cfg.skip_zero_advantage_groups && batch.groups.get(g).is_some_and(|g| g.all_equal)
+            self.cfg.skip_zero_advantage_groups
+                && self.teacher.is_none()
+                && batch.groups.get(g).is_some_and(|g| g.all_equal)
         };
         // Sampled by another version than the one being trained means off-policy:
         // only allowed when truncated or masked importance sampling corrects it.
@@ -117,12 +121,15 @@ impl GrpoTrainer {
         Ok(Prepared { targets: kept, counts })
     }
 
-    /// Forward, loss and backward of one prepared batch; adds the gradient.
+    /// Forward, loss and backward of one prepared batch; adds the gradient. With
+    /// `measure`, the targets also enter the step's train–rollout mismatch (the
+    /// weights scoring them are those of the step's version).
     pub(super) fn forward_backward(
         &mut self,
         rows: &[PackedRow],
         p: &Prepared,
         old_is_behaviour: bool,
+        measure: bool,
     ) -> Result<Sums> {
         let mut sums = p.counts;
         if p.targets.is_empty() {
@@ -134,18 +141,41 @@ impl GrpoTrainer {
         // the two are independent until the loss, so on a pool of two or more threads
         // they run side by side (whole forwards in parallel keep the cores busier than
         // splitting each small op across them, docs/design.md §6); on one thread they run
-        // in turn. The reference builds no graph (it is frozen).
+        // in turn. The reference builds no graph (it is frozen). A distillation teacher
+        // takes the reference's slot (the two never coexist), laying the batch out
+        // itself only when its rotary tables differ.
         let batch = self.policy.prepare_batch(rows, &p.targets)?;
-        let temperature = self.temperature;
-        let (out, reference) = match &self.reference {
-            Some(r) if self.cfg.loss.kl_coef > 0.0 => {
-                let (out, reference) =
-                    rayon::join(|| self.policy.score(&batch, temperature), || r.score(&batch, temperature));
-                (out?, Some(reference?.logprobs))
-            }
-            _ => (self.policy.score(&batch, temperature)?, None),
+        let teacher_batch = match &self.teacher {
+            Some(t) if !t.shares_layout => Some(t.model.prepare_batch(rows, &p.targets)?),
+            _ => None,
         };
-        drop(batch);
+        let temperature = self.temperature;
+        let second = match (&self.reference, &self.teacher) {
+            (Some(r), _) if self.cfg.loss.kl_coef > 0.0 => Some(r),
+            (_, Some(t)) => Some(&t.model),
+            _ => None,
+        };
+        let (out, second) = match second {
+            Some(m) => {
+                let (out, second) = rayon::join(
+                    || self.policy.score(&batch, temperature),
+                    || m.score(teacher_batch.as_ref().unwrap_or(&batch), temperature),
+                );
+                (out?, Some(second?.logprobs))
+            }
+            None => (self.policy.score(&batch, temperature)?, None),
+        };
+        drop((batch, teacher_batch));
+        let (reference, teacher) = if self.teacher.is_some() { (None, second) } else { (second, None) };
+        let logprobs_host = out.logprobs.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let (advantages, distill_kl) = match (&self.teacher, &teacher) {
+            (Some(t), Some(teacher)) => {
+                let teacher = teacher.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let (advantages, kl) = t.advantages(&p.targets.advantage, &logprobs_host, &teacher);
+                (Cow::Owned(advantages), kl)
+            }
+            _ => (Cow::Borrowed(p.targets.advantage.as_slice()), 0.0),
+        };
         let behaviour = Tensor::from_slice(&p.targets.behaviour_logprob, n, self.policy.device())?;
         let old = if old_is_behaviour { behaviour.clone() } else { out.logprobs.detach() };
         let terms = grpo_loss(
@@ -156,10 +186,14 @@ impl GrpoTrainer {
                 behaviour_logprobs: &behaviour,
                 ref_logprobs: reference.as_ref(),
                 entropy: Some(&out.entropy),
-                advantages: &p.targets.advantage,
+                advantages: advantages.as_ref(),
                 sequences: &p.targets.sequence,
             },
         )?;
+        if measure {
+            let behaviour = &p.targets.behaviour_logprob;
+            self.mismatch.record(&logprobs_host, behaviour, terms.truncated, terms.masked_tokens);
+        }
         let mid = Instant::now();
         match &terms.regulariser {
             // REINFORCE++'s normaliser scales the policy-gradient term alone, known
@@ -182,6 +216,10 @@ impl GrpoTrainer {
         sums.entropy = terms.entropy_sum;
         sums.gap = terms.logprob_gap_sum;
         sums.clipped = terms.clipped;
+        if self.teacher.is_some() {
+            sums.distill_tokens = n as u64;
+            sums.distill_kl = distill_kl;
+        }
         Ok(sums)
     }
 
@@ -221,11 +259,13 @@ impl GrpoTrainer {
         let k = (self.cfg.mini_steps as usize).min(batches.len()).max(1);
         let mut reports = Vec::with_capacity(k);
         let per_chunk = batches.len().div_ceil(k).max(1);
-        for chunk in batches.chunks(per_chunk) {
+        for (i, chunk) in batches.chunks(per_chunk).enumerate() {
             for b in chunk {
                 let prepared = self.prepare(b)?;
                 self.seen_groups.extend(b.groups.iter().map(|g| g.key));
-                let sums = self.forward_backward(&b.rows, &prepared, true)?;
+                // The mismatch is the engine's only until the first update moves the
+                // weights away from those that sampled.
+                let sums = self.forward_backward(&b.rows, &prepared, true, i == 0)?;
                 self.sums.add(&sums);
             }
             reports.push(self.apply_step()?);
@@ -262,5 +302,7 @@ fn combine(reports: &[StepReport]) -> StepReport {
         groups: reports.iter().map(|r| r.groups).sum(),
         zero_advantage_groups: reports.iter().map(|r| r.zero_advantage_groups).sum(),
         logprob_gap: mean(|r| r.logprob_gap),
+        mismatch: last.mismatch,
+        distill_kl: last.distill_kl.map(|_| mean(|r| r.distill_kl.unwrap_or(0.0))),
     }
 }

@@ -1,0 +1,208 @@
+//! On-policy distillation (`trainer.distill`): the student samples, a teacher scores
+//! the student's own tokens, and the per-token reverse KL is the learning signal.
+//!
+//! The technique: Agarwal et al. 2024, "On-Policy Distillation of Language Models:
+//! Learning from Self-Generated Mistakes" (GKD, ICLR 2024, arXiv 2306.13649), train
+//! the student on its own samples against the teacher's distribution instead of on a
+//! fixed dataset, so it learns where its own mistakes lead; Thinking Machines Lab,
+//! "On-Policy Distillation" (2025), uses the single-sample reverse KL
+//! `log π_student(y_t) − log π_teacher(y_t)` of each sampled token, negated and
+//! without gradient, as that token's advantage in the ordinary policy-gradient loss.
+//! That is what this module computes: with weight `w`,
+//!
+//! `A_t = −w · (log π_student(y_t) − log π_teacher(y_t))` (stop-gradient),
+//!
+//! either alone (`mode = "alone"`: the rewards' advantages are not used) or added to
+//! the GRPO advantage of the token's response (`mode = "add"`). On-policy the ratio is
+//! 1 and the policy-gradient term's gradient is `w · Σ_t (log π − log π_teacher) ∇log π`:
+//! the gradient of the sampled reverse KL, `KL(student ‖ teacher)`, which pulls the
+//! student towards the teacher on the tokens it actually produces.
+//!
+//! The teacher is scored in the trainer's reference slot: it shares the policy's
+//! layout of each micro-batch (token ids, rotary tables, segment masks) when it has
+//! the same head size and rotary base, and runs beside the policy's forward, without
+//! an autograd graph, at the sampling temperature the policy is scored at. It must
+//! have the student's vocabulary (the same tokenizer): one of another size is refused
+//! when it loads. It is never written into a checkpoint: a resumed trainer loads it
+//! from its path again.
+
+use std::path::PathBuf;
+
+use metronome_core::ErrorChain;
+use metronome_model::{Device, Model, ModelConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::{Result, TrainerError};
+
+/// The file format of a teacher checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TeacherFormat {
+    /// A Hugging Face folder (`config.json`, `model.safetensors` or its shards), as
+    /// `[model] kind = "hf"` reads, e.g. a run's `checkpoints/final/policy`.
+    Hf,
+    /// A GGUF file, as `[model] kind = "gguf"` reads.
+    Gguf,
+}
+
+/// How the teacher's signal meets the rewards'.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillMode {
+    /// Pure on-policy distillation: each token's advantage is the teacher's signal
+    /// alone; the rewards are still scored and reported, not trained on.
+    #[default]
+    Alone,
+    /// The teacher's signal added to the GRPO advantage of the token's response.
+    Add,
+}
+
+/// `[trainer.distill]`: the teacher and how its signal is used.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistillConfig {
+    /// The teacher's format.
+    pub kind: TeacherFormat,
+    /// Where the teacher is: a folder (`hf`) or a file (`gguf`).
+    pub path: PathBuf,
+    /// Alone, or added to the GRPO advantage.
+    #[serde(default)]
+    pub mode: DistillMode,
+    /// `w` in `A_t = −w · (log π_student − log π_teacher)`.
+    #[serde(default = "default_weight")]
+    pub weight: f32,
+}
+
+fn default_weight() -> f32 {
+    1.0
+}
+
+impl DistillConfig {
+    /// Checks the values; errors name the key under `prefix` (`distill`).
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        if !(self.weight.is_finite() && self.weight > 0.0) {
+            return Err(TrainerError::config(
+                format!("{prefix}.weight"),
+                format!("is {}, expected a positive number", self.weight),
+            ));
+        }
+        if self.path.as_os_str().is_empty() {
+            return Err(TrainerError::config(format!("{prefix}.path"), "is empty"));
+        }
+        Ok(())
+    }
+
+    /// Loads the teacher on `device`, frozen, and checks that it has the vocabulary
+    /// of `student`; an error names `distill.path` and what went wrong.
+    pub fn load_teacher(&self, student: &ModelConfig, device: &Device) -> Result<Model> {
+        let key = "distill.path";
+        let path = &self.path;
+        let loaded = match self.kind {
+            TeacherFormat::Hf => Model::load_hf(path, device),
+            TeacherFormat::Gguf => Model::load_gguf(path, device).map(|(model, _)| model),
+        };
+        let teacher = loaded.map_err(|e| {
+            TrainerError::config(
+                key,
+                format!("= {}: the teacher does not load as {:?}: {}", path.display(), self.kind, ErrorChain(&e)),
+            )
+        })?;
+        let (have, want) = (teacher.config().vocab_size, student.vocab_size);
+        if have != want {
+            return Err(TrainerError::config(
+                key,
+                format!(
+                    "= {}: the teacher has a vocabulary of {have} tokens, the student {want}; a teacher must \
+                     share the student's tokenizer",
+                    path.display()
+                ),
+            ));
+        }
+        Ok(teacher.with_trainable(false))
+    }
+}
+
+/// A loaded teacher, as the trainer holds it (a clone shares its weights).
+#[derive(Clone, Debug)]
+pub(crate) struct Teacher {
+    pub(crate) model: Model,
+    pub(crate) mode: DistillMode,
+    pub(crate) weight: f32,
+    /// Whether it scores from the policy's layout of a micro-batch (same head size
+    /// and rotary base); otherwise it lays the batch out itself.
+    pub(crate) shares_layout: bool,
+}
+
+impl Teacher {
+    /// Loads `cfg`'s teacher for `policy`, on its device.
+    pub(crate) fn load(cfg: &DistillConfig, policy: &Model) -> Result<Self> {
+        let model = cfg.load_teacher(policy.config(), policy.device())?;
+        let (t, s) = (model.config(), policy.config());
+        let shares_layout = t.head_dim == s.head_dim && t.rope_theta == s.rope_theta;
+        Ok(Self { model, mode: cfg.mode, weight: cfg.weight, shares_layout })
+    }
+
+    /// Each target's advantage (see the module docs) from the rewards' advantages,
+    /// the student's and the teacher's log-probs of the targets; and the sum of the
+    /// per-token reverse KL `log π_student − log π_teacher`.
+    pub(crate) fn advantages(&self, rewards: &[f32], student: &[f32], teacher: &[f32]) -> (Vec<f32>, f64) {
+        per_token_advantages(self.mode, self.weight, rewards, student, teacher)
+    }
+}
+
+/// [`Teacher::advantages`] as a function of its settings.
+fn per_token_advantages(
+    mode: DistillMode,
+    weight: f32,
+    rewards: &[f32],
+    student: &[f32],
+    teacher: &[f32],
+) -> (Vec<f32>, f64) {
+    let mut reverse_kl = 0f64;
+    let advantages = rewards
+        .iter()
+        .zip(student.iter().zip(teacher))
+        .map(|(&a, (&s, &t))| {
+            let kl = f64::from(s) - f64::from(t);
+            reverse_kl += kl;
+            let signal = (-f64::from(weight) * kl) as f32;
+            match mode {
+                DistillMode::Alone => signal,
+                DistillMode::Add => a + signal,
+            }
+        })
+        .collect();
+    (advantages, reverse_kl)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_advantage_is_the_negated_weighted_reverse_kl_alone_or_added() {
+        let rewards = [1.0f32, 1.0, -0.5];
+        let student = [-0.5f32, -2.0, -1.0];
+        let teacher = [-1.5f32, -0.5, -1.0];
+        let (alone, kl) = per_token_advantages(DistillMode::Alone, 0.5, &rewards, &student, &teacher);
+        assert_eq!(alone, vec![-0.5, 0.75, 0.0]);
+        assert!((kl - (1.0 - 1.5 + 0.0)).abs() < 1e-12);
+        let (added, _) = per_token_advantages(DistillMode::Add, 0.5, &rewards, &student, &teacher);
+        assert_eq!(added, vec![0.5, 1.75, -0.5]);
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let cfg = DistillConfig {
+            kind: TeacherFormat::Hf,
+            path: "teacher".into(),
+            mode: DistillMode::Add,
+            weight: 1.0,
+        };
+        cfg.validate("distill").unwrap();
+        let err = DistillConfig { weight: 0.0, ..cfg.clone() }.validate("distill").unwrap_err().to_string();
+        assert!(err.contains("`distill.weight`"), "{err}");
+        let err = DistillConfig { path: "".into(), ..cfg }.validate("distill").unwrap_err().to_string();
+        assert!(err.contains("`distill.path`"), "{err}");
+    }
+}

@@ -1,0 +1,129 @@
+//! On-policy distillation in the trainer (`trainer.distill`): the teacher's signal is
+//! the per-token reverse KL as an advantage, alone or added to the rewards'; a
+//! teacher equal to the student teaches nothing; a teacher that does not load or has
+//! another vocabulary is refused naming the key; checkpoints leave the teacher out
+//! and a resumed trainer, which loads it again, steps bit-identically.
+
+use std::path::Path;
+
+use metronome_core::TrainBatch;
+use metronome_model::{Device, Model, ModelConfig};
+use metronome_trainer::{DistillConfig, DistillMode, GrpoTrainer, TeacherFormat, TrainerConfig};
+
+use crate::common::{config, flat_weights, max_abs_diff, pending_gradients, period_batch, stamped, tiny_model};
+
+/// A teacher: a tiny model of another seed, saved as a Hugging Face folder in `dir`.
+fn save_teacher(dir: &Path, seed: u64) -> std::path::PathBuf {
+    let path = dir.join(format!("teacher-{seed}"));
+    Model::new(ModelConfig::tiny(), &Device::Cpu, seed).unwrap().save_hf(&path).unwrap();
+    path
+}
+
+fn distill_config(path: &Path, mode: DistillMode, weight: f32) -> TrainerConfig {
+    let mut cfg = config();
+    cfg.distill = Some(DistillConfig { kind: TeacherFormat::Hf, path: path.to_owned(), mode, weight });
+    cfg
+}
+
+/// Log-probs of `batch`'s targets under `model` at temperature 1.
+fn logprobs(model: &Model, batch: &TrainBatch) -> Vec<f32> {
+    model.target_logprobs(&batch.rows, &batch.targets).unwrap().logprobs.to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn the_advantage_is_the_negated_reverse_kl_alone_or_added_to_the_rewards() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = save_teacher(dir.path(), 11);
+    let teacher = Model::load_hf(&path, &Device::Cpu).unwrap();
+    let batch = period_batch(metronome_core::PolicyVersion(0));
+    let student = logprobs(&tiny_model(), &batch);
+    let teacher_lp = logprobs(&teacher, &batch);
+    let kl: Vec<f32> = student.iter().zip(&teacher_lp).map(|(s, t)| s - t).collect();
+    let mean_kl = kl.iter().map(|&k| f64::from(k)).sum::<f64>() / kl.len() as f64;
+    assert!(mean_kl.abs() > 1e-3, "two random models should differ: {mean_kl}");
+    for (mode, weight) in [(DistillMode::Alone, 1.0f32), (DistillMode::Add, 0.5)] {
+        let mut t = distill_config(&path, mode, weight).build(tiny_model()).unwrap();
+        t.accumulate_sync(&batch).unwrap();
+        let distilled = pending_gradients(&t);
+        let report = t.step_sync().unwrap();
+        let got = report.distill_kl.expect("a distilling trainer reports the reverse KL");
+        assert!((got - mean_kl).abs() < 1e-5, "{mode:?}: {got} vs {mean_kl}");
+
+        // The same gradient as plain GRPO on those per-token advantages.
+        let mut by_hand = batch.clone();
+        for (a, k) in by_hand.targets.advantage.iter_mut().zip(&kl) {
+            let signal = -weight * k;
+            *a = if mode == DistillMode::Alone { signal } else { *a + signal };
+        }
+        let mut plain = config().build(tiny_model()).unwrap();
+        plain.accumulate_sync(&by_hand).unwrap();
+        let expected = pending_gradients(&plain);
+        let scale = expected.iter().fold(0f32, |m, g| m.max(g.abs()));
+        let diff = max_abs_diff(&distilled, &expected);
+        assert!(scale > 0.0 && diff <= 1e-5 * scale, "{mode:?}: gradients differ by {diff} (scale {scale})");
+        assert_eq!(plain.step_sync().unwrap().distill_kl, None);
+    }
+}
+
+#[test]
+fn a_teacher_equal_to_the_student_teaches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("same");
+    tiny_model().save_hf(&path).unwrap();
+    let mut t = distill_config(&path, DistillMode::Alone, 1.0).build(tiny_model()).unwrap();
+    // Groups whose rewards are all equal still train: the teacher has a signal for
+    // every token (here none, the teacher being the student).
+    let mut batch = period_batch(metronome_core::PolicyVersion(0));
+    batch.groups.iter_mut().for_each(|g| g.all_equal = true);
+    t.accumulate_sync(&batch).unwrap();
+    assert!(pending_gradients(&t).iter().all(|&g| g == 0.0), "a zero advantage everywhere");
+    let r = t.step_sync().unwrap();
+    assert_eq!(r.tokens, batch.targets.len() as u64, "no group skipped");
+    assert_eq!(r.distill_kl, Some(0.0));
+}
+
+#[test]
+fn a_teacher_that_does_not_load_or_has_another_vocabulary_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let err = distill_config(&missing, DistillMode::Alone, 1.0).build(tiny_model()).unwrap_err().to_string();
+    assert!(err.starts_with("config key `distill.path`") && err.contains("missing"), "{err}");
+    let other = dir.path().join("other-vocabulary");
+    let cfg = ModelConfig { vocab_size: ModelConfig::tiny().vocab_size + 5, ..ModelConfig::tiny() };
+    Model::new(cfg, &Device::Cpu, 3).unwrap().save_hf(&other).unwrap();
+    let err = distill_config(&other, DistillMode::Add, 1.0).build(tiny_model()).unwrap_err().to_string();
+    assert!(err.starts_with("config key `distill.path`") && err.contains("vocabulary"), "{err}");
+    let mut gguf = distill_config(&other, DistillMode::Add, 1.0);
+    gguf.distill.as_mut().unwrap().kind = TeacherFormat::Gguf;
+    let err = gguf.build(tiny_model()).unwrap_err().to_string();
+    assert!(err.starts_with("config key `distill.path`") && err.contains("Gguf"), "{err}");
+}
+
+#[test]
+fn checkpoints_leave_the_teacher_out_and_a_resumed_trainer_steps_identically() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = save_teacher(dir.path(), 5);
+    let cfg = distill_config(&path, DistillMode::Add, 0.5);
+    let batch = period_batch(metronome_core::PolicyVersion(0));
+    let period = |t: &mut GrpoTrainer| {
+        t.accumulate_sync(&stamped(&batch, t.version())).unwrap();
+        t.step_sync().unwrap()
+    };
+    let mut a = cfg.build(tiny_model()).unwrap();
+    period(&mut a);
+    let ckpt = dir.path().join("ckpt");
+    a.save_checkpoint(&ckpt).unwrap();
+    assert!(!ckpt.join("reference").exists(), "the teacher is not written into checkpoints");
+    let mut b = cfg.resume(&ckpt, &Device::Cpu).unwrap();
+    // And through `restore`, which keeps the teacher it has.
+    let mut c = cfg.build(tiny_model()).unwrap();
+    c.restore(&ckpt).unwrap();
+    let (ra, rb, rc) = (period(&mut a), period(&mut b), period(&mut c));
+    assert_eq!(ra.loss.to_bits(), rb.loss.to_bits());
+    assert_eq!(ra.distill_kl.map(f64::to_bits), rc.distill_kl.map(f64::to_bits));
+    let wa = flat_weights(a.policy());
+    for other in [&b, &c] {
+        let wb = flat_weights(other.policy());
+        assert!(wa.iter().zip(&wb).all(|(x, y)| x.to_bits() == y.to_bits()), "weights differ after resume");
+    }
+}
