@@ -6,7 +6,7 @@
 //! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
 //! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
 //! metronome report RUN_DIR                         # the summary again, and report.html
-//! metronome serve [--addr A] [--api-key-file F] [--weights-dir D] [--config FILE] [--set ...]
+//! metronome serve [--addr A] [--api-key-file F] [--weights-dir D] [--logprobs sampled|raw] [--config FILE] [--set ...]
 //! ```
 //!
 //! Without `--config` the embedded default runs: the built-in arithmetic task on the
@@ -105,6 +105,11 @@ enum Command {
         /// Requests generating at once; more get 429.
         #[arg(long, default_value_t = 16)]
         max_concurrent_requests: usize,
+        /// Which log-probs answers carry: `sampled` (of the distribution each token
+        /// was drawn from, what the trainer scores) or `raw` (of the model at
+        /// temperature 1, as vLLM answers by default).
+        #[arg(long, default_value = "sampled", value_parser = ["sampled", "raw"])]
+        logprobs: String,
         #[command(flatten)]
         events: EventsArg,
     },
@@ -402,6 +407,7 @@ fn real_main() -> Result<()> {
             api_key_file,
             weights_dir,
             max_concurrent_requests,
+            logprobs,
             events,
         } => {
             let config = config.load()?;
@@ -420,6 +426,11 @@ fn real_main() -> Result<()> {
                 api_key: api_key.map(metronome_pipeline::Secret::new),
                 weights_dir,
                 max_concurrent_requests,
+                logprobs: if logprobs == "raw" {
+                    metronome_pipeline::LogprobsMode::Raw
+                } else {
+                    metronome_pipeline::LogprobsMode::Sampled
+                },
                 ..metronome_pipeline::ServerConfig::default()
             };
             let observer = events.observer(false)?;

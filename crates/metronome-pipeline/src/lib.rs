@@ -55,7 +55,7 @@ pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
 pub use metrics::{CLUSTER_METRICS, METRICS};
 pub use metronome_core::Secret;
 #[cfg(feature = "http")]
-pub use metronome_rollout::http::ServerConfig;
+pub use metronome_rollout::{LogprobsMode, http::ServerConfig};
 pub use release::{Release, Released};
 pub use report::{Clock, EvalPoint, Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;

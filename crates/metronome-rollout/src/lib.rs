@@ -85,7 +85,7 @@ pub use config::{Backend, Batching, EngineConfig, OpenAiClientConfig, WeightSync
 pub use engine::{CollectSink, Engine, Episodes, Submission, WorkerStats};
 pub use error::{Error, Result};
 pub use metrics::METRICS;
-pub use sampling::{Sampled, Sampler, SamplingConfig, TokenRng};
+pub use sampling::{LogprobsMode, Sampled, Sampler, SamplingConfig, TokenRng};
 pub use stop::StopConditions;
 
 /// The engine on Metronome's own candle model.

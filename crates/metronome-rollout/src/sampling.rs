@@ -19,6 +19,12 @@
 //! corrections compare against; the pipeline refuses truncation, a penalty or greedy
 //! decoding wherever the trainer reads these log-probs.
 //!
+//! A server may be asked for the log-probs of the raw distribution instead
+//! ([`LogprobsMode::Raw`]: `log_softmax(logits)[token]` at temperature 1, before the
+//! penalty, the temperature and truncation), as vLLM returns them unless started with
+//! `--logprobs-mode processed_logprobs`. At a temperature other than 1 they are not
+//! the sampled distribution's: the trainer's train–rollout mismatch metrics show it.
+//!
 //! # Truncation order
 //! Top-k first; then top-p over the top-k candidates renormalised (the smallest set,
 //! in order of decreasing probability, whose mass reaches `top_p`); then min-p (keep
@@ -64,6 +70,19 @@ impl TokenRng {
     }
 }
 
+/// Which log-prob a sampled token records (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogprobsMode {
+    /// Of the distribution the token was drawn from (after the repetition penalty
+    /// and the temperature, before truncation): what the trainer scores.
+    #[default]
+    Sampled,
+    /// Of the model's raw distribution, `log_softmax(logits)` at temperature 1 before
+    /// any processing (vLLM's default `raw_logprobs`).
+    Raw,
+}
+
 /// How tokens are chosen and when a response ends. Serde form of the pipeline's
 /// `[rollout.sampling]` table; every field has a default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -92,6 +111,11 @@ pub struct SamplingConfig {
     pub include_stop_str_in_output: bool,
     /// Ignore stop tokens (generate until `max_new_tokens` or a stop string).
     pub ignore_eos: bool,
+    /// Which log-prob each sampled token records. Not a run setting (never read
+    /// from or written to a config file): a server sets it for its requests
+    /// (`ServerConfig::logprobs`, `metronome serve --logprobs`).
+    #[serde(skip)]
+    pub logprobs: LogprobsMode,
 }
 
 impl Default for SamplingConfig {
@@ -107,6 +131,7 @@ impl Default for SamplingConfig {
             stop_strings: Vec::new(),
             include_stop_str_in_output: false,
             ignore_eos: false,
+            logprobs: LogprobsMode::Sampled,
         }
     }
 }
@@ -157,7 +182,8 @@ impl SamplingConfig {
 pub struct Sampled {
     /// The token.
     pub token: TokenId,
-    /// Its log-prob under the penalised, temperature-scaled, untruncated distribution.
+    /// Its log-prob under the penalised, temperature-scaled, untruncated distribution
+    /// (or the raw one, with [`LogprobsMode::Raw`]).
     pub logprob: f32,
 }
 
@@ -216,12 +242,18 @@ impl Sampler {
         let total: f64 = self.weights.iter().sum();
         let log_z = f64::from(max) + total.ln();
         let logprob_of = |x: f32| (f64::from(x) - log_z) as f32;
-        if greedy {
-            return Ok(Sampled { token: max_i as TokenId, logprob: logprob_of(max) });
-        }
-        let token =
-            if cfg.truncates() { self.sample_truncated(cfg, max, u) } else { self.sample_full(total, u) };
-        Ok(Sampled { token, logprob: logprob_of(self.scaled[token as usize]) })
+        let token = if greedy {
+            max_i as TokenId
+        } else if cfg.truncates() {
+            self.sample_truncated(cfg, max, u)
+        } else {
+            self.sample_full(total, u)
+        };
+        let logprob = match cfg.logprobs {
+            LogprobsMode::Sampled => logprob_of(self.scaled[token as usize]),
+            LogprobsMode::Raw => raw_logprob(logits, token as usize),
+        };
+        Ok(Sampled { token, logprob })
     }
 
     /// Hugging Face's rule: each distinct context token once, positive logits divided,
@@ -309,6 +341,14 @@ impl Sampler {
         }
         kept[kept.len() - 1]
     }
+}
+
+/// `log_softmax(logits)[token]` at temperature 1, summed in f64 in token order (so
+/// the value depends on the row alone).
+fn raw_logprob(logits: &[f32], token: usize) -> f32 {
+    let (_, max) = argmax(logits);
+    let total: f64 = logits.iter().map(|&x| weight(x, max)).sum();
+    (f64::from(logits[token]) - f64::from(max) - total.ln()) as f32
 }
 
 /// `exp(x - max)` in f64; zero for `-inf` and NaN.
@@ -423,6 +463,24 @@ mod tests {
         }
         let (stat, df) = chi_square(&draw(&cfg, n), &expected);
         assert!(stat < CHI2_999[df], "top-k: chi-square {stat} over {df} df");
+    }
+
+    #[test]
+    fn raw_logprobs_are_of_the_unscaled_distribution() {
+        let p1 = probs(&LOGITS);
+        for temperature in [0.5f32, 1.0, 2.0] {
+            let cfg = SamplingConfig { temperature, logprobs: LogprobsMode::Raw, ..SamplingConfig::default() };
+            let sampled = SamplingConfig { logprobs: LogprobsMode::Sampled, ..cfg.clone() };
+            for u in [0.05, 0.5, 0.95] {
+                let raw = Sampler::new().sample(&cfg, &LOGITS, &[], u).unwrap();
+                let at_t = Sampler::new().sample(&sampled, &LOGITS, &[], u).unwrap();
+                assert_eq!(raw.token, at_t.token, "the mode changes only what is recorded");
+                assert!((f64::from(raw.logprob) - p1[raw.token as usize].ln()).abs() < 1e-6);
+                if temperature != 1.0 {
+                    assert!((raw.logprob - at_t.logprob).abs() > 1e-3, "T = {temperature}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -33,7 +33,7 @@ use super::types::{
     Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
     PromptInput, Usage,
 };
-use crate::{Engine, Error, InferenceModel, Result, SamplingConfig, Submission};
+use crate::{Engine, Error, InferenceModel, LogprobsMode, Result, SamplingConfig, Submission};
 
 /// What the server accepts. Every limit has a default that serves a rollout client
 /// (`serde` form of `metronome serve`'s settings).
@@ -61,6 +61,11 @@ pub struct ServerConfig {
     pub weights_dir: Option<PathBuf>,
     /// The largest weights file `load_weights` reads, in bytes.
     pub max_weights_bytes: u64,
+    /// Which log-prob every answer's `logprobs` carries: of the distribution each
+    /// token was sampled from (`sampled`, the default: what a trainer scores), or of
+    /// the raw model at temperature 1 (`raw`, as vLLM answers unless started with
+    /// `--logprobs-mode processed_logprobs`).
+    pub logprobs: LogprobsMode,
 }
 
 impl Default for ServerConfig {
@@ -76,6 +81,7 @@ impl Default for ServerConfig {
             max_concurrent_requests: 16,
             weights_dir: None,
             max_weights_bytes: 64 << 30,
+            logprobs: LogprobsMode::Sampled,
         }
     }
 }
@@ -263,7 +269,7 @@ async fn complete<M: InferenceModel>(
     let (n, max_tokens) = check_options(&req, &s.config)?;
     let tokenizer = Arc::clone(s.engine.tokenizer());
     let prompts = prompts_of(&req, tokenizer.as_ref(), &s.config, max_tokens, s.engine.max_seq_len())?;
-    let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids());
+    let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids(), s.config.logprobs);
     sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
     let seed = req
         .seed
@@ -487,8 +493,9 @@ fn choice(
     }
 }
 
-/// The request's sampling; unset fields take OpenAI's defaults (temperature 1, top-p 1).
-fn sampling_of(req: &CompletionRequest, max_tokens: usize, eos: &[u32]) -> SamplingConfig {
+/// The request's sampling, recording log-probs as the server is configured to;
+/// unset fields take OpenAI's defaults (temperature 1, top-p 1).
+fn sampling_of(req: &CompletionRequest, max_tokens: usize, eos: &[u32], logprobs: LogprobsMode) -> SamplingConfig {
     let stop_token_ids = req.stop_token_ids.as_ref().map(|extra| {
         let mut ids = eos.to_vec();
         ids.extend(extra.iter().filter(|t| !eos.contains(t)));
@@ -505,6 +512,7 @@ fn sampling_of(req: &CompletionRequest, max_tokens: usize, eos: &[u32]) -> Sampl
         stop_strings: req.stop.clone().map(super::StopInput::into_vec).unwrap_or_default(),
         include_stop_str_in_output: req.include_stop_str_in_output.unwrap_or(false),
         ignore_eos: req.ignore_eos.unwrap_or(false),
+        logprobs,
     }
 }
 
