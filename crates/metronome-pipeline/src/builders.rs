@@ -148,6 +148,21 @@ pub fn build_stages(
     stages_around(config, new_trainer(config, policy)?, tokenizer)
 }
 
+/// Loads the distillation teacher of `trainer.distill` (on the CPU, then dropped:
+/// the trainer loads it again on its device) and checks it against `student`, so a
+/// teacher that does not load or has another vocabulary stops the run before the
+/// warm start, naming `trainer.distill.path`.
+pub(crate) fn check_teacher(config: &PipelineConfig, student: &Model) -> Result<()> {
+    let Some(distill) = &config.trainer.distill else { return Ok(()) };
+    match distill.load_teacher(student.config(), &metronome_model::Device::Cpu) {
+        Ok(_) => Ok(()),
+        Err(metronome_trainer::TrainerError::Config { key, reason }) => {
+            Err(Error::Config { key: format!("trainer.{key}"), reason })
+        }
+        Err(other) => Err(other.into()),
+    }
+}
+
 /// The run's trainer around `policy`: `[trainer]`, scoring log-probs at the
 /// temperature the engine samples at (`rollout.sampling.temperature`).
 pub(crate) fn new_trainer(config: &PipelineConfig, policy: Model) -> Result<GrpoTrainer> {

@@ -386,7 +386,13 @@ impl PipelineConfig {
         if self.rollout.backend == metronome_rollout::Backend::Openai {
             return Err(openai_needs_http());
         }
-        self.trainer.validate().map_err(|e| stage("trainer", &e))?;
+        // The trainer names its keys from its own section: placed under `trainer.`.
+        self.trainer.validate().map_err(|e| match e {
+            metronome_trainer::TrainerError::Config { key, reason } => {
+                Error::Config { key: format!("trainer.{key}"), reason }
+            }
+            other => stage("trainer", &other),
+        })?;
         self.packing.validate().map_err(|e| stage("packing", &e))?;
         self.eval.validate()?;
         self.sft.validate()?;

@@ -83,6 +83,38 @@ metric_catalogue! {
         LEARNING_RATE = Metric::gauge("metronome_trainer_learning_rate", "learning rate of the step"),
         POLICY_VERSION =
             Metric::gauge("metronome_trainer_policy_version", "version of the trainer's weights"),
+        // The train–rollout mismatch of the period's trained tokens (`StepReport::mismatch`).
+        MISMATCH_MEAN = Metric::gauge(
+            "metronome_trainer_mismatch_abs_mean",
+            "mean |trainer − behaviour log-prob| of the period's trained tokens, nats",
+        ),
+        MISMATCH_P99 = Metric::gauge(
+            "metronome_trainer_mismatch_abs_p99",
+            "99th percentile of |trainer − behaviour log-prob| of the period's trained tokens, nats",
+        ),
+        MISMATCH_MAX = Metric::gauge(
+            "metronome_trainer_mismatch_abs_max",
+            "largest |trainer − behaviour log-prob| of the period's trained tokens, nats",
+        ),
+        MISMATCH_KL = Metric::gauge(
+            "metronome_trainer_mismatch_kl_k3",
+            "mean k3 estimate of KL(behaviour || trainer) per trained token",
+        ),
+        IS_TRUNCATED = Metric::gauge(
+            "metronome_trainer_is_truncated_ratio",
+            "share of the period's trained tokens whose importance weight tis_cap truncated",
+        )
+        .unit(MetricUnit::Ratio),
+        IS_MASKED = Metric::gauge(
+            "metronome_trainer_is_masked_ratio",
+            "share of the period's trained tokens masked importance sampling dropped",
+        )
+        .unit(MetricUnit::Ratio),
+        DISTILL_KL = Metric::gauge(
+            "metronome_trainer_distill_reverse_kl",
+            "mean per-token reverse KL from the policy to the distillation teacher on its own samples (0 \
+             without a teacher)",
+        ),
     ];
 }
 
@@ -166,6 +198,16 @@ pub(crate) fn record_period(report: &PeriodReport) {
     gauge!(GRAD_NORM.name).set(step.grad_norm);
     gauge!(LEARNING_RATE.name).set(step.learning_rate);
     gauge!(POLICY_VERSION.name).set(step.version.0 as f64);
+    // Zeros when the period trained no token, as the loss and the KL are.
+    let mismatch = &step.mismatch;
+    gauge!(MISMATCH_MEAN.name).set(mismatch.mean_abs);
+    gauge!(MISMATCH_P99.name).set(mismatch.p99_abs);
+    gauge!(MISMATCH_MAX.name).set(mismatch.max_abs);
+    gauge!(MISMATCH_KL.name).set(mismatch.kl_k3);
+    gauge!(IS_TRUNCATED.name).set(mismatch.truncated_share);
+    gauge!(IS_MASKED.name).set(mismatch.masked_share);
+    // 0 without a teacher, as the KL is without a reference.
+    gauge!(DISTILL_KL.name).set(step.distill_kl.unwrap_or(0.0));
 }
 
 /// Groups received and not yet trained (a later period's, or the period's backlog).

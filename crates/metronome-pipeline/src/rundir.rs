@@ -324,6 +324,10 @@ const FLOATS: &[(&str, Float)] = &[
     ("/step/grad_norm", |r| &mut r.step.grad_norm),
     ("/step/learning_rate", |r| &mut r.step.learning_rate),
     ("/step/logprob_gap", |r| &mut r.step.logprob_gap),
+    ("/step/mismatch/mean_abs", |r| &mut r.step.mismatch.mean_abs),
+    ("/step/mismatch/p99_abs", |r| &mut r.step.mismatch.p99_abs),
+    ("/step/mismatch/max_abs", |r| &mut r.step.mismatch.max_abs),
+    ("/step/mismatch/kl_k3", |r| &mut r.step.mismatch.kl_k3),
 ];
 
 fn parse_line(line: &str) -> serde_json::Result<PeriodReport> {

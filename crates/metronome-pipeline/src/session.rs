@@ -10,7 +10,7 @@ use metronome_core::{PolicyVersion, Tokenizer, WeightSnapshot};
 use metronome_model::Model;
 use metronome_trainer::GrpoTrainer;
 
-use crate::builders::new_trainer;
+use crate::builders::{check_teacher, new_trainer};
 use crate::config::PipelineConfig;
 use crate::error::Result;
 use crate::evaluate::Evaluator;
@@ -98,6 +98,7 @@ impl Session {
     ) -> Result<Start> {
         let mut evals = Vec::new();
         let mut sft_loss = None;
+        check_teacher(config, &model)?;
         let model = if self.resume_at.is_some() {
             model
         } else {

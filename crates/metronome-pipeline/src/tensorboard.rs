@@ -219,6 +219,18 @@ pub(crate) fn period_scalars(report: &PeriodReport) -> Vec<(&'static str, f64)> 
     if let Some(a) = report.accuracy {
         scalars.push(("reward/accuracy", a));
     }
+    let mismatch = &step.mismatch;
+    scalars.extend([
+        ("mismatch/abs_mean", mismatch.mean_abs),
+        ("mismatch/abs_p99", mismatch.p99_abs),
+        ("mismatch/abs_max", mismatch.max_abs),
+        ("mismatch/kl_k3", mismatch.kl_k3),
+        ("mismatch/is_truncated_share", mismatch.truncated_share),
+        ("mismatch/is_masked_share", mismatch.masked_share),
+    ]);
+    if let Some(kl) = step.distill_kl {
+        scalars.push(("distill/reverse_kl", kl));
+    }
     scalars
 }
 

@@ -41,6 +41,8 @@ pub(crate) async fn warm_start(
         decay: metronome_trainer::schedule::Decay::Cosine { total_steps: sft.steps, min_ratio: 0.1 },
     };
     cfg.loss.kl_coef = 0.0;
+    // The warm start learns the references, not the teacher.
+    cfg.distill = None;
     let eos = tokenizer.stop_token_ids().first().copied();
     // With `[env]`, prompts the environment can solve with its tools are shown
     // solved that way, so that RL has tool use to reinforce.
