@@ -67,6 +67,7 @@ mod config;
 mod device;
 mod error;
 mod gguf;
+mod head;
 mod io;
 #[cfg(test)]
 mod kernel_seam;
@@ -75,9 +76,11 @@ mod lora;
 mod model;
 mod ops;
 mod portable;
+mod precision;
+mod recompute;
 mod tokenizer;
 
-pub use candle_core::{Device, Tensor, Var};
+pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Architecture, ModelConfig};
 pub use device::DeviceSpec;
 pub use error::{Error, Result};
@@ -87,4 +90,5 @@ pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
 pub use model::{Model, ScoringBatch, TargetOutput};
 pub use ops::Projection;
 pub use portable::Kernels;
+pub use precision::Precision;
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};
