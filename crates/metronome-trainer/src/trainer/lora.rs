@@ -50,7 +50,11 @@ pub(super) fn reference_of(policy: &Model) -> Result<Model> {
 /// the compute copy's base, so no second copy); in bf16 otherwise a bf16 copy (the f32
 /// one is dropped: it is never read again, and a checkpoint saves the bf16 values
 /// widened exactly to f32, so a resumed trainer makes the same copy).
-pub(super) fn reference_in(scorer: &Model, reference: Option<Model>, precision: Precision) -> Result<Option<Model>> {
+pub(super) fn reference_in(
+    scorer: &Model,
+    reference: Option<Model>,
+    precision: Precision,
+) -> Result<Option<Model>> {
     let Some(reference) = reference else { return Ok(None) };
     if scorer.lora().is_some() {
         return Ok(Some(scorer.base().with_trainable(false)));

@@ -208,7 +208,8 @@ impl GrpoTrainer {
         .with_chunked_head(chunk)
         .with_gradient_checkpointing(cfg.gradient_checkpointing);
         let scorer_params = lora::trained_parameters(&scorer);
-        let reference = lora::reference_in(&scorer, reference, precision)?.map(|r| r.with_chunked_head(chunk));
+        let reference =
+            lora::reference_in(&scorer, reference, precision)?.map(|r| r.with_chunked_head(chunk));
         let optimizer = AdamW::new(cfg.optimizer, &params)?;
         let pool = build_pool(cfg.threads())?;
         Ok(Self {

@@ -135,7 +135,11 @@ pub(crate) fn two_periods_config() -> TrainerConfig {
 }
 
 /// [`two_periods`] under `cfg`.
-pub(crate) fn two_periods_with(device: &Device, order: [usize; 4], cfg: &TrainerConfig) -> (Vec<f32>, Vec<f64>) {
+pub(crate) fn two_periods_with(
+    device: &Device,
+    order: [usize; 4],
+    cfg: &TrainerConfig,
+) -> (Vec<f32>, Vec<f64>) {
     let groups = period_groups();
     let mut trainer = cfg.build(Model::new(ModelConfig::tiny(), device, 7).unwrap()).unwrap();
     let mut losses = Vec::new();

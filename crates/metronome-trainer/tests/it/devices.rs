@@ -53,7 +53,9 @@ fn cuda_default_bf16_steps_track_the_cpu_f32_trainer() {
     let (c, cl) = two_periods(&Device::Cpu, [0, 1, 2, 3]);
     let diff = max_abs_diff(&g, &c);
     let mean = g.iter().zip(&c).map(|(x, y)| f64::from((x - y).abs())).sum::<f64>() / g.len() as f64;
-    eprintln!("GPU bf16 vs CPU f32 trainer after two steps: max |diff| {diff:e}, mean {mean:e}, losses {gl:?} vs {cl:?}");
+    eprintln!(
+        "GPU bf16 vs CPU f32 trainer after two steps: max |diff| {diff:e}, mean {mean:e}, losses {gl:?} vs {cl:?}"
+    );
     // Two AdamW steps move a weight by at most about twice the learning rate.
     assert!(diff <= 4.1e-3 && mean <= 4e-5, "max {diff}, mean {mean}");
 }
@@ -65,5 +67,9 @@ fn cuda_checkpointed_steps_equal_the_plain_ones() {
     let (a, _) = two_periods_with(&gpu, [0, 1, 2, 3], &cfg);
     cfg.gradient_checkpointing = true;
     let (b, _) = two_periods_with(&gpu, [0, 1, 2, 3], &cfg);
-    assert!(max_abs_diff(&a, &b) <= 1e-6, "checkpointing changed the GPU's steps by {}", max_abs_diff(&a, &b));
+    assert!(
+        max_abs_diff(&a, &b) <= 1e-6,
+        "checkpointing changed the GPU's steps by {}",
+        max_abs_diff(&a, &b)
+    );
 }

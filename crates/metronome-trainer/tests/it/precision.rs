@@ -27,7 +27,8 @@ fn accumulate_period(t: &mut GrpoTrainer, order: [usize; 4]) {
 
 /// Every element of the bf16 compute copy is its f32 master rounded to bf16.
 fn assert_scorer_is_rounded_masters(t: &GrpoTrainer, what: &str) {
-    let masters = if t.policy().lora().is_some() { t.policy().adapter_parameters() } else { t.policy().parameters() };
+    let masters =
+        if t.policy().lora().is_some() { t.policy().adapter_parameters() } else { t.policy().parameters() };
     let compute =
         if t.scorer().lora().is_some() { t.scorer().adapter_parameters() } else { t.scorer().parameters() };
     assert_eq!(masters.len(), compute.len());
@@ -145,7 +146,8 @@ fn bf16_trains_lora_adapters_on_f32_masters() {
     assert_scorer_is_rounded_masters(&t, "LoRA after two steps");
     assert_eq!(base, flat_weights(&t.policy().base()), "the base moved");
     let moved = t.policy().adapter_parameters().iter().any(|(n, v)| {
-        n.contains("lora_B") && v.as_tensor().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0
+        n.contains("lora_B")
+            && v.as_tensor().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() > 0.0
     });
     assert!(moved, "no adapter trained");
 }
@@ -184,7 +186,9 @@ fn the_train_rollout_gap_of_a_bf16_trainer_is_reported() {
     };
     for (what, model) in [("N(0, 0.02)", tiny_model as fn() -> Model), ("N(0, 0.1)", peaked)] {
         let (f32, bf16) = (gap(Precision::F32, model()), gap(Precision::Bf16, model()));
-        eprintln!("train/rollout mean |log-prob gap|, {what} weights: f32 trainer {f32:e}, bf16 trainer {bf16:e}");
+        eprintln!(
+            "train/rollout mean |log-prob gap|, {what} weights: f32 trainer {f32:e}, bf16 trainer {bf16:e}"
+        );
         assert!(f32 <= 1e-6, "f32 {f32}");
         assert!(bf16 > f32 && bf16 <= 3e-2, "bf16 {bf16}");
     }
@@ -205,7 +209,10 @@ fn the_memory_levers_train_to_the_same_weights() {
     cfg.chunked_head = Some(true);
     let (w2, l2) = two_periods_with(&Device::Cpu, [0, 1, 2, 3], &cfg);
     let mean = w0.iter().zip(&w2).map(|(x, y)| f64::from((x - y).abs())).sum::<f64>() / w0.len() as f64;
-    eprintln!("chunked head and checkpointing vs plain, two steps: max {:e}, mean {mean:e}", max_abs_diff(&w0, &w2));
+    eprintln!(
+        "chunked head and checkpointing vs plain, two steps: max {:e}, mean {mean:e}",
+        max_abs_diff(&w0, &w2)
+    );
     assert!(mean <= 1e-7, "mean {mean}");
     for (a, b) in l0.iter().zip(&l2) {
         assert!((a - b).abs() <= 1e-6 * a.abs().max(1.0), "losses {l0:?} vs {l2:?}");
