@@ -16,9 +16,10 @@
 //! dropped; with `--precision bf16` on a bf16 compute copy beside the f32 weights, as
 //! the trainer holds them. Each variant runs in a process of its own (this program
 //! again, told what to run by the environment) so that each peak resident set size
-//! (`VmHWM` of `/proc/self/status`, Linux) is that variant's alone; it also reports
-//! the peak over the resident memory once the model and the batch are built (what
-//! the step adds), and the step's time.
+//! (`VmHWM` of `/proc/self/status`, Linux; glibc's allocator told to return every
+//! large block when it is freed, so that the peak follows the tensors alive at once)
+//! is that variant's alone; it also reports the peak over the resident memory once
+//! the model and the batch are built (what the step adds), and the step's time.
 
 use std::process::Command;
 use std::time::Instant;
@@ -104,7 +105,14 @@ fn run_job(job: &Job) -> Result<Measured> {
 
 /// Runs `job` in a child process (this program) and reads its report.
 fn spawn(job: &Job) -> Result<Measured> {
-    let out = Command::new(std::env::current_exe()?).env(JOB_ENV, serde_json::to_string(job)?).output()?;
+    // glibc raises its mmap threshold to the size of each large block freed, after
+    // which freed tensors stay in the heap and in the resident set; a fixed threshold
+    // returns every block of 128 KiB and more to the system when it is freed, so that
+    // the peak follows the tensors alive at once.
+    let out = Command::new(std::env::current_exe()?)
+        .env(JOB_ENV, serde_json::to_string(job)?)
+        .env("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072")
+        .output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         bail!("the {job:?} process failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));

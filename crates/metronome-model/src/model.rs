@@ -753,7 +753,8 @@ impl Model {
                 let y = model.layer(li, &x, &layout, grad)?;
                 let mut grads = (y * dy)?.sum_all()?.backward()?;
                 links.deliver(&mut grads);
-                let dx = input.and_then(|v| grads.remove(v.as_tensor()));
+                // Detached, as the weights' gradients are ([`Links::deliver`]).
+                let dx = input.and_then(|v| grads.remove(v.as_tensor())).map(|g| g.detach());
                 Ok((dx, Some(anchor.zeros_like()?)))
             };
         attach(

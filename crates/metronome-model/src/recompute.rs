@@ -141,11 +141,14 @@ impl Links {
     }
 
     /// Moves each weight's gradient out of `grads` (a backward pass over a recomputed
-    /// graph that reads the same weights) into the links.
+    /// graph that reads the same weights) into the links, detached: candle leaves a
+    /// variable's gradient attached to the graph it came from (a matmul's `xᵀ·g` keeps
+    /// `x`), and a gradient kept until the optimiser step would keep every recomputed
+    /// layer's activations alive with it, which is what checkpointing is to avoid.
     pub(crate) fn deliver(&self, grads: &mut GradStore) {
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
         for (slot, var) in slots.iter_mut().zip(self.vars.iter()) {
-            *slot = grads.remove(var.as_tensor());
+            *slot = grads.remove(var.as_tensor()).map(|g| g.detach());
         }
     }
 }

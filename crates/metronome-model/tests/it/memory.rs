@@ -131,3 +131,29 @@ fn the_levers_change_nothing_without_a_graph() {
     close("log-probs", &host(&b.logprobs), &host(&a.logprobs), 1e-5);
     close("entropies", &host(&b.entropy), &host(&a.entropy), 1e-5);
 }
+
+#[test]
+fn checkpointed_gradients_keep_no_recomputed_graph_alive() {
+    // candle leaves a variable's gradient attached to the graph it was computed in; a
+    // layer weight's gradient from a recomputed layer must not be, or every layer's
+    // recomputed activations would live until the optimiser step (the peak memory
+    // checkpointing exists to cut).
+    let model =
+        Model::load_hf(&fixture("tiny_qwen2"), &Device::Cpu).unwrap().with_gradient_checkpointing(true);
+    let vocab = model.config().vocab_size;
+    let (row, targets) = crate::common::shared_prompt_row(
+        &crate::common::tokens(1, 6, vocab),
+        &[crate::common::tokens(2, 4, vocab), crate::common::tokens(3, 3, vocab)],
+    );
+    let out = model.target_logprobs(&[row], &targets).unwrap();
+    let grads = out.logprobs.sum_all().unwrap().backward().unwrap();
+    let mut layer_weights = 0;
+    for (name, var) in model.parameters() {
+        if name.contains(".layers.") {
+            layer_weights += 1;
+            let g = grads.get(var.as_tensor()).unwrap_or_else(|| panic!("{name} has no gradient"));
+            assert!(!g.track_op(), "{name}'s gradient keeps the recomputed layer's graph");
+        }
+    }
+    assert!(layer_weights > 0);
+}
