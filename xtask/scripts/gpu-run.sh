@@ -52,7 +52,7 @@ log=${OUT:-$bin}/gpu-tests.log
 failed=()
 while IFS=$'\t' read -r name dir; do
     one="$bin/$name.log"
-    if ! (cd "$build_root/$dir" && timeout 300 "$bin/bin/$name" "$@") >"$one" 2>&1; then
+    if ! (cd "$build_root/$dir" && timeout 180 "$bin/bin/$name" "$@") >"$one" 2>&1; then
         failed+=("$name")
     fi
     { echo "==> $name ($dir)"; cat "$one"; } >>"$log"
