@@ -138,7 +138,8 @@ def main():
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # f32 as f32, as Metronome computes it
     config, cls = model_config(args.shape)
-    model = cls(config).cuda().float()
+    with torch.device("cuda"):  # initialised on the GPU: a 1.5 B model's CPU init takes long
+        model = cls(config).float()
     model.train()
     params = sum(p.numel() for p in model.parameters())
     report = {
@@ -173,17 +174,24 @@ def main():
             if kind == "compile_bf16" and compile_spent > args.compile_budget_s:
                 figure = {"tokens_per_s": None, "error": f"skipped: compile budget of {args.compile_budget_s} s spent"}
             else:
-                start = time.perf_counter()
-                if kind == "compile_bf16":
-                    try:
-                        step(ids)  # compiles for this shape, outside the timing
-                    except torch.OutOfMemoryError:
-                        pass
-                    compile_spent += time.perf_counter() - start
-                figure = measure(step, ids, params, args.warmup, args.reps)
+                try:
+                    start = time.perf_counter()
+                    if kind == "compile_bf16":
+                        try:
+                            step(ids)  # compiles for this shape, outside the timing
+                        except torch.OutOfMemoryError:
+                            pass
+                        compile_spent += time.perf_counter() - start
+                    figure = measure(step, ids, params, args.warmup, args.reps)
+                except Exception as e:  # a compiler failure is a figure missing, not a run lost
+                    figure = {"tokens_per_s": None, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
             figure.update({"rows": rows, "len": length, "kind": kind})
             report["train"].append(figure)
+            # Written after every figure: a run cut short by its time limit keeps what it measured.
+            if args.json:
+                pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
             if figure["tokens_per_s"] is None:
                 print(f"torch train {shape} {kind}: {figure['error']}")
             else:

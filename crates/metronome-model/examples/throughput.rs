@@ -309,6 +309,11 @@ fn main() -> Result<()> {
                 }
             };
             report.train.push(figure);
+            // Written after every figure: a run cut short by a time limit keeps what it measured.
+            if let Some(path) = &json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {path}"))?;
+            }
         }
     }
     if !gen_sizes.is_empty() {
