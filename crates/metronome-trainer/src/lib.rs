@@ -40,6 +40,15 @@
 //!   accumulator, AdamW moments); the base stays frozen and its handle is the KL
 //!   reference, without a copy; snapshots publish the merged weights; checkpoints
 //!   keep the base and the adapters (PEFT format) apart.
+//! - Precision ([`TrainerConfig::precision`]): in bf16 (the default on a GPU) the
+//!   forward and backward run on a bf16 compute copy of the policy
+//!   ([`GrpoTrainer::scorer`]) made at construction and rewritten from the f32 master
+//!   weights after every update, never per micro-batch; gradients reach the f64 sums
+//!   from the bf16 variables, and clipping, AdamW (f32 state), snapshots and
+//!   checkpoints stay f32, so resumes remain bit-exact. The reference is a bf16 copy
+//!   (with LoRA, the compute copy's base). Memory: [`TrainerConfig::chunked_head`]
+//!   (the default on a GPU) and [`TrainerConfig::gradient_checkpointing`] set the
+//!   model's levers on the policy and, for the head, the reference.
 //! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]), scored
 //!   at temperature 1.
 //! - Checkpoints ([`GrpoTrainer::save_checkpoint`], [`GrpoTrainer::resume`]): Hugging

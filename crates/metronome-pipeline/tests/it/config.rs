@@ -287,6 +287,24 @@ fn malformed_overrides_and_files_are_named() {
 }
 
 #[test]
+fn the_trainer_precision_and_memory_levers_are_read_and_named_when_wrong() {
+    let config = PipelineConfig::embedded(&[]).unwrap();
+    assert_eq!((config.trainer.precision, config.trainer.chunked_head), (None, None));
+    let config = PipelineConfig::embedded(&[
+        "trainer.precision=\"bf16\"".into(),
+        "trainer.chunked_head=true".into(),
+        "trainer.gradient_checkpointing=true".into(),
+    ])
+    .unwrap();
+    assert_eq!(config.trainer.precision, Some(metronome_model::Precision::Bf16));
+    assert!(config.trainer.chunked_head == Some(true) && config.trainer.gradient_checkpointing);
+    assert_eq!(PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap(), config);
+    let e = invalid(&["trainer.precision=\"fp16\""], "`trainer.precision`");
+    assert!(e.contains("`fp16` is not a precision (expected `bf16` or `f32`)"), "{e}");
+    invalid(&["trainer.gradient_checkpointing=\"yes\""], "`trainer.gradient_checkpointing`");
+}
+
+#[test]
 fn devices_are_read_per_stage_and_named_when_wrong() {
     let config = PipelineConfig::embedded(&[]).unwrap();
     assert_eq!((config.trainer_device(), config.rollout_device()), (DeviceSpec::Cpu, DeviceSpec::Cpu));

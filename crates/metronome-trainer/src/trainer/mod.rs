@@ -22,7 +22,7 @@ use candle_core::{Tensor, Var};
 use metronome_core::{
     AccumulateReport, GroupKey, PolicyVersion, RunSeed, StepReport, TrainBatch, WeightSnapshot, stream_seed,
 };
-use metronome_model::{Device, Model};
+use metronome_model::{Device, Model, Precision};
 use serde::{Deserialize, Serialize};
 
 pub use self::sft::{SftExample, sft_batch};
@@ -112,8 +112,17 @@ enum Mode {
 /// [`metronome_core::Trainer`] implementation calls them.
 pub struct GrpoTrainer {
     cfg: TrainerConfig,
+    /// The policy as published and checkpointed: f32, whose trained parameters
+    /// (`params`) are the ones AdamW updates (the master weights in bf16).
     policy: Model,
     params: Vec<(String, Var)>,
+    /// The handle that runs the forward and backward: the policy itself in f32, its
+    /// bf16 compute copy in bf16, with the chunked head and checkpointing as
+    /// configured. `scorer_params` are its trained parameters, in the order of
+    /// `params`: the same variables in f32, their bf16 copies otherwise.
+    scorer: Model,
+    scorer_params: Vec<(String, Var)>,
+    precision: Precision,
     reference: Option<Model>,
     optimizer: AdamW,
     /// The accumulated gradient; with REINFORCE++'s batch normaliser and a KL or
@@ -145,6 +154,7 @@ impl std::fmt::Debug for GrpoTrainer {
             .field("version", &self.version)
             .field("optimizer_steps", &self.optimizer.steps())
             .field("parameters", &self.params.len())
+            .field("precision", &self.precision)
             .field("reference", &self.reference.is_some())
             .field("pending_micro_batches", &self.accum.micro_batches())
             .finish_non_exhaustive()
@@ -177,7 +187,8 @@ impl GrpoTrainer {
         Self::with_reference(cfg, policy, reference)
     }
 
-    /// The trainer around `policy` and `reference` as given; `cfg` is validated.
+    /// The trainer around `policy` and `reference` as given (f32), in the precision
+    /// and with the memory levers `cfg` asks for; `cfg` is validated.
     fn with_reference(cfg: TrainerConfig, policy: Model, reference: Option<Model>) -> Result<Self> {
         if !policy.is_trainable() {
             return Err(TrainerError::invalid(
@@ -186,6 +197,19 @@ impl GrpoTrainer {
             ));
         }
         let params = lora::trained_parameters(&policy);
+        let precision = cfg.precision_on(policy.device());
+        let chunk = cfg.chunked_head_on(policy.device()).then(|| policy.default_head_chunk());
+        // In bf16 the forward and backward run on a copy of the weights made now and
+        // refreshed after every update (`refresh_scorer`), never per micro-batch.
+        let scorer = match precision {
+            Precision::F32 => policy.clone(),
+            Precision::Bf16 => policy.compute_copy(precision.dtype())?,
+        }
+        .with_chunked_head(chunk)
+        .with_gradient_checkpointing(cfg.gradient_checkpointing);
+        let scorer_params = lora::trained_parameters(&scorer);
+        let reference =
+            lora::reference_in(&scorer, reference, precision)?.map(|r| r.with_chunked_head(chunk));
         let optimizer = AdamW::new(cfg.optimizer, &params)?;
         let pool = build_pool(cfg.threads())?;
         Ok(Self {
@@ -197,6 +221,9 @@ impl GrpoTrainer {
             cfg,
             policy,
             params,
+            scorer,
+            scorer_params,
+            precision,
             reference,
             optimizer,
             pool,
@@ -238,6 +265,21 @@ impl GrpoTrainer {
     #[must_use]
     pub fn config(&self) -> &TrainerConfig {
         &self.cfg
+    }
+
+    /// The precision the forward and backward run in (`trainer.precision`, or the
+    /// device's default).
+    #[must_use]
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The model the forward and backward run on: the policy in f32; in bf16 its
+    /// compute copy, refreshed from the f32 policy after every update. Both with the
+    /// configured chunked head and checkpointing.
+    #[must_use]
+    pub fn scorer(&self) -> &Model {
+        &self.scorer
     }
 
     /// The policy (shares its weights with the trainer). With LoRA, the adapted
@@ -382,13 +424,27 @@ impl GrpoTrainer {
             if let Some(max) = self.cfg.max_grad_norm {
                 clip_grad_norm(&mut grads, norm, max)?;
             }
-            self.optimizer.step(&self.params, &grads, lr)
+            self.optimizer.step(&self.params, &grads, lr)?;
+            self.refresh_scorer()
         })();
         self.accum.clear();
         self.accum_regulariser.clear();
         self.sums = Sums::default();
         self.times.optimizer += start.elapsed();
         result.map(|()| report)
+    }
+
+    /// Writes the f32 master weights into the bf16 compute copy (nothing to do in f32,
+    /// where they are the same variables): once per update, so every micro-batch of a
+    /// step computes with the same rounded weights.
+    fn refresh_scorer(&self) -> Result<()> {
+        if self.precision == Precision::F32 {
+            return Ok(());
+        }
+        for ((_, master), (_, compute)) in self.params.iter().zip(&self.scorer_params) {
+            compute.set(&master.as_tensor().detach().to_dtype(compute.dtype())?)?;
+        }
+        Ok(())
     }
 
     /// An owned copy of the current weights at the current version (with LoRA, the

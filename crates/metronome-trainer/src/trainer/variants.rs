@@ -135,15 +135,15 @@ impl GrpoTrainer {
         // they run side by side (whole forwards in parallel keep the cores busier than
         // splitting each small op across them, docs/design.md §6); on one thread they run
         // in turn. The reference builds no graph (it is frozen).
-        let batch = self.policy.prepare_batch(rows, &p.targets)?;
+        let batch = self.scorer.prepare_batch(rows, &p.targets)?;
         let temperature = self.temperature;
         let (out, reference) = match &self.reference {
             Some(r) if self.cfg.loss.kl_coef > 0.0 => {
                 let (out, reference) =
-                    rayon::join(|| self.policy.score(&batch, temperature), || r.score(&batch, temperature));
+                    rayon::join(|| self.scorer.score(&batch, temperature), || r.score(&batch, temperature));
                 (out?, Some(reference?.logprobs))
             }
-            _ => (self.policy.score(&batch, temperature)?, None),
+            _ => (self.scorer.score(&batch, temperature)?, None),
         };
         drop(batch);
         let behaviour = Tensor::from_slice(&p.targets.behaviour_logprob, n, self.policy.device())?;
@@ -165,10 +165,10 @@ impl GrpoTrainer {
             // REINFORCE++'s normaliser scales the policy-gradient term alone, known
             // only at step time: the two parts are accumulated apart.
             Some(regulariser) if self.batch_normalised() => {
-                self.accum.add(&self.params, &terms.policy_loss.backward()?)?;
-                self.accum_regulariser.add(&self.params, &regulariser.backward()?)?;
+                self.accum.add(&self.scorer_params, &terms.policy_loss.backward()?)?;
+                self.accum_regulariser.add(&self.scorer_params, &regulariser.backward()?)?;
             }
-            _ => self.accum.add(&self.params, &terms.loss.backward()?)?,
+            _ => self.accum.add(&self.scorer_params, &terms.loss.backward()?)?,
         }
         self.times.forward += mid - start;
         self.times.backward += mid.elapsed();

@@ -9,5 +9,6 @@ mod learning;
 mod lora;
 mod loss_closed_form;
 mod order;
+mod precision;
 mod resume;
 mod variants;
