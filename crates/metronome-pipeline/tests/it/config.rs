@@ -232,6 +232,15 @@ fn impossible_combinations_are_named() {
     let stale = ["rollout.partial_rollouts=true", "run.schedule=\"stale:2\"", "trainer.loss.tis_cap=2.0"];
     let ok = PipelineConfig::embedded(&stale.map(String::from)).unwrap();
     assert!(RunnerOptions::from(&ok).partial_rollouts);
+    let mut served = stale.to_vec();
+    served.extend([
+        "rollout.backend=\"openai\"",
+        "rollout.openai.endpoints=[\"http://h:8000\"]",
+        "rollout.openai.export_dir=\"/w\"",
+    ]);
+    let e = invalid(&served, "`rollout.partial_rollouts`");
+    assert!(e.contains("rollout.backend = \"openai\""), "{e}");
+    invalid(&["rollout.partial_cache=\"drop\""], "`rollout.partial_cache`");
 }
 
 /// Behaviour log-probs are recorded before truncation and after the repetition
