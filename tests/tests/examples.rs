@@ -243,8 +243,48 @@ fn model_export_checkpoint() {
 fn model_throughput() {
     let out = run("metronome-model", "throughput", &["--train", "1x16", "--generate", "2"]);
     assert_line(&out, "tiny (0.4 M parameters) on cpu, f32, kernels Fused");
-    assert_line(&out, "train 1x16: ");
+    assert_line(&out, "train 1x16 whole: ");
     assert_line(&out, "generate 2 seqs: ");
+    // The settings the GPU benchmark times, and its JSON report.
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("figures.json");
+    let args = [
+        "--precision",
+        "bf16",
+        "--train",
+        "1x16",
+        "--memory",
+        "chunked,chunked+checkpoint",
+        "--generate",
+        "",
+        "--reps",
+        "1",
+        "--json",
+    ];
+    let out = run("metronome-model", "throughput", &[&args[..], &[json.to_str().unwrap()]].concat());
+    assert_line(&out, "on cpu, bf16, kernels Portable");
+    assert_line(&out, "train 1x16 chunked+checkpoint: ");
+    let report = std::fs::read_to_string(&json).unwrap();
+    for expected in
+        ["\"memory\": \"chunked\"", "\"memory\": \"chunked+checkpoint\"", "\"precision\": \"bf16\""]
+    {
+        assert!(report.contains(expected), "{expected} not in {report}");
+    }
+    assert!(!report.contains("\"tokens_per_s\": null"), "{report}");
+}
+
+#[test]
+fn model_precision_gap() {
+    let out = run("metronome-model", "precision_gap", &["--new", "8"]);
+    assert_line(&out, "f32 trainer: mean |gap|");
+    assert_line(&out, "bf16 trainer: mean |gap|");
+}
+
+#[test]
+fn model_train_memory() {
+    let out = run("metronome-model", "train_memory", &["--rows", "1", "--len", "16"]);
+    assert_line(&out, "tiny, 1 x 16 tokens, f32");
+    assert_line(&out, "chunked head + checkpointed layers");
 }
 
 #[test]

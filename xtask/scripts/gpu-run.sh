@@ -3,11 +3,20 @@
 # NVIDIA GPU and CUDA's libraries in its Python packages (no Rust needed):
 #
 #   bash target/gpu/run.sh [FILTER ...]     # from the repository root; FILTER goes to every test binary
-#   bash target/gpu/run.sh --bench          # training and generation tokens/s against PyTorch
+#   bash target/gpu/run.sh --bench          # every GPU test, then training tokens/s against PyTorch
 #
 # Every executable runs from its package directory, as `cargo test` runs it, with one
 # rayon/candle thread per test (as `cargo xtask ci` does). Logs go to $OUT/gpu-tests.log
 # when $OUT is set. Exits non-zero when any executable failed.
+#
+# `--bench` is the one device call of issue #30 (about 6 minutes on an H100): the GPU
+# tests, then for SmolLM2-135M at 8x512, 32x512 and 16x1024 and Qwen2.5-0.5B and
+# Qwen2.5-1.5B at 8x1024 (random weights, `crates/metronome-model/benches/llama_shapes.json`)
+# Metronome's training step in bf16 with the chunked head, without and with checkpointed
+# layers (`examples/throughput.rs`), and PyTorch's eager bf16 autocast and torch.compile
+# (`benches/torch_gpu.py`), then `benches/gpu_report.py` merges everything, with the
+# device, driver, commit and date, into $OUT/gpu.json (commit it as
+# crates/metronome-model/benches/results/gpu.json). Every figure's command is in it.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -32,13 +41,10 @@ rm -rf "$bin" && mkdir -p "$bin"
 tar -xJf "$here/bundle.tar.xz" -C "$bin"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
+bench=false
 if [ "${1:-}" = "--bench" ]; then
-    # Training and generation tokens/s, Metronome then PyTorch, same shapes, same GPU.
+    bench=true
     shift
-    train=${TRAIN:-8x512,32x512} generate=${GENERATE:-1,16,64,256}
-    "$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --train "$train" --generate "$generate"
-    python3 "$build_root/crates/metronome-model/benches/torch_gpu.py" --train "$train" --generate "$generate"
-    exit
 fi
 
 log=${OUT:-$bin}/gpu-tests.log
@@ -46,7 +52,7 @@ log=${OUT:-$bin}/gpu-tests.log
 failed=()
 while IFS=$'\t' read -r name dir; do
     one="$bin/$name.log"
-    if ! (cd "$build_root/$dir" && "$bin/bin/$name" "$@") >"$one" 2>&1; then
+    if ! (cd "$build_root/$dir" && timeout 180 "$bin/bin/$name" "$@") >"$one" 2>&1; then
         failed+=("$name")
     fi
     { echo "==> $name ($dir)"; cat "$one"; } >>"$log"
@@ -56,6 +62,41 @@ done <"$bin/tests.tsv"
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAILED: ${failed[*]} (log: $log)"
-    exit 1
+else
+    echo "all GPU test executables passed (log: $log)"
 fi
-echo "all GPU test executables passed (log: $log)"
+if ! $bench; then
+    [ ${#failed[@]} -eq 0 ]
+    exit
+fi
+
+# Training tokens/s, Metronome then PyTorch, shape by shape, on this GPU. Each command
+# has a time limit so that the whole call stays inside the device lease: a shape that
+# runs over is reported as missing, never waited for.
+out=${OUT:-$bin}/bench
+mkdir -p "$out"
+echo "${#failed[@]}" >"$out/tests-failed.txt"
+grep -E '^==> |^test result' "$log" >"$out/tests-summary.txt" || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/gpu.txt" 2>/dev/null || true
+date -u +%Y-%m-%dT%H:%M:%SZ >"$out/date.txt"
+cp "$here/commit.txt" "$out/commit.txt" 2>/dev/null || echo unknown >"$out/commit.txt"
+bench_dir="$build_root/crates/metronome-model/benches"
+for spec in smollm2-135m:8x512,32x512,16x1024:40 qwen2.5-0.5b:8x1024:40 qwen2.5-1.5b:8x1024:0; do
+    IFS=: read -r shape train compile <<<"$spec"
+    metronome=(
+        "$bin/bin/throughput" --device cuda:0 --shape "$shape" --precision bf16 --train "$train"
+        --memory chunked,chunked+checkpoint --generate '' --warmup 1 --reps 3 --json "$out/metronome-$shape.json"
+    )
+    echo "${metronome[*]}" >"$out/metronome-$shape.cmd"
+    # Many threads for the host-side work (the random initialisation of 1.5 B weights).
+    RAYON_NUM_THREADS=$(nproc) timeout 150 "${metronome[@]}" || echo "metronome $shape: exit $?"
+    torch=(
+        python3 "$bench_dir/torch_gpu.py" --shape "$shape" --train "$train" --warmup 1 --reps 3
+        --json "$out/torch-$shape.json"
+    )
+    if [ "$compile" = 0 ]; then torch+=(--no-compile); else torch+=(--compile-budget-s "$compile"); fi
+    echo "${torch[*]}" >"$out/torch-$shape.cmd"
+    timeout 200 "${torch[@]}" || echo "torch $shape: exit $?"
+done
+python3 "$bench_dir/gpu_report.py" "$out" >"${OUT:-$bin}/gpu.json" && echo "figures: ${OUT:-$bin}/gpu.json"
+[ ${#failed[@]} -eq 0 ]

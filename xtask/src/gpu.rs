@@ -13,9 +13,10 @@
 //!   `target/gpu/run.sh`. Carry `target/gpu` to the GPU machine and run
 //!   `bash target/gpu/run.sh [TEST FILTER]` from the repository root there: it finds
 //!   the CUDA libraries, runs every executable from its package directory, and exits
-//!   non-zero if any failed; `bash target/gpu/run.sh --bench` runs the throughput
-//!   comparison with PyTorch instead (`metronome-model`'s `examples/throughput.rs`
-//!   and `benches/torch_gpu.py`).
+//!   non-zero if any failed; `bash target/gpu/run.sh --bench` runs every GPU test and
+//!   then the training throughput comparison with PyTorch (`metronome-model`'s
+//!   `examples/throughput.rs`, `benches/torch_gpu.py` and `benches/gpu_report.py`,
+//!   which writes `$OUT/gpu.json` with the commit recorded here in `commit.txt`).
 //!
 //! `check` shares the workspace's target directory (the dependencies the feature does
 //! not touch are reused from the CPU clippy); `bundle` links in its own (`target/cuda`),
@@ -233,6 +234,9 @@ fn bundle(root: &Path, packages: &[String]) -> Result<()> {
     std::fs::remove_dir_all(&stage)?;
     let script = include_str!("../scripts/gpu-run.sh").replace("@BUILD_ROOT@", &root.display().to_string());
     std::fs::write(gpu.join("run.sh"), script)?;
+    // The GPU machine gets a copy of the tree without its history: the benchmark's
+    // report names the commit the executables were built from by this file.
+    std::fs::write(gpu.join("commit.txt"), commit(root))?;
     let size = std::fs::metadata(&archive)?.len();
     eprintln!(
         "==> gpu: {} executables in {} ({:.1} MiB); on the GPU machine, from the repository root: bash target/gpu/run.sh [FILTER]",
@@ -244,6 +248,27 @@ fn bundle(root: &Path, packages: &[String]) -> Result<()> {
         eprintln!("warning: the bundle is over 60 MiB; the device tool carries at most 64 MiB with the tree");
     }
     Ok(())
+}
+
+/// `git rev-parse HEAD`, with `-dirty` when the tree has uncommitted changes;
+/// `unknown` outside a repository.
+fn commit(root: &Path) -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(root)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "HEAD"]) {
+        Some(head) if git(&["status", "--porcelain"]).is_some_and(|s| !s.is_empty()) => {
+            format!("{head}-dirty")
+        }
+        Some(head) => head,
+        None => "unknown".to_owned(),
+    }
 }
 
 /// The test executables cargo reported building, named `<package>-<target>`.

@@ -66,8 +66,9 @@ pub struct Completion {
     pub version: PolicyVersion,
     /// Partial rollouts: where newer weights took over mid-response, in order (the
     /// tokens from `at` on were sampled under `version`, until the next switch). Empty
-    /// when one version sampled every token; absent from older messages.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// when one version sampled every token; absent from older JSON (a positional
+    /// format such as postcard always carries it, so it is never skipped).
+    #[serde(default)]
     pub switches: Vec<VersionSwitch>,
     /// For a multi-turn episode, which tokens the environment wrote and how it ended;
     /// `None` for a single-turn response (every token the policy's). Absent from

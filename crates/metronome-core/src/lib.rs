@@ -52,8 +52,8 @@ pub use metric::{Metric, MetricKind, MetricUnit};
 pub use secret::Secret;
 pub use stage::{
     AccumulateReport, Acker, ControlMessage, ControlReceiver, ControlSender, Cursor, Delivery, GroupReceiver,
-    GroupScorer, GroupSender, GroupSink, LogprobMismatch, NoAck, PromptBatch, PromptSource, RewardFn, RolloutEngine,
-    RolloutRequest, StepReport, Trainer, WeightPublisher, WeightSubscriber,
+    GroupScorer, GroupSender, GroupSink, LogprobMismatch, NoAck, PromptBatch, PromptSource, RewardFn,
+    RolloutEngine, RolloutRequest, StepReport, Trainer, WeightPublisher, WeightSubscriber,
 };
 pub use text::{ChatMessage, Tokenizer};
 pub use weights::{HostTensor, TensorData, WeightSnapshot};

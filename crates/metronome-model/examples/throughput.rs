@@ -1,25 +1,37 @@
 //! Training and generation tokens/s of a model shape on a device: the Rust side of the
-//! GPU comparison with PyTorch (`benches/torch_gpu.py` measures the same shapes).
+//! GPU comparison with PyTorch (`benches/torch_gpu.py` measures the same shapes, from
+//! the same `benches/llama_shapes.json`, and the same work).
 //!
 //! ```sh
 //! cargo run --release -p metronome-model --example throughput                 # tiny, CPU (a smoke run)
-//! metronome-model/examples/throughput --device cuda:0 --shape smollm2-135m \
-//!     --train 8x512,32x512 --generate 1,16,64,256                            # on a GPU (`cargo xtask gpu bundle`)
+//! metronome-model/examples/throughput --device cuda:0 --shape qwen2.5-0.5b --precision bf16 \
+//!     --train 8x1024 --memory chunked,chunked+checkpoint --generate '' --json out.json   # on a GPU
 //! ```
 //!
 //! Weights are random (the shape decides the cost, not the values). Training: forward
 //! and backward of the summed next-token log-probs over `ROWS` plain causal rows of
 //! `LEN` tokens, as `Model::target_logprobs` computes them for the trainer, median of
-//! five steps after two warm-ups. Generation: `N` sequences prefilled with a 32-token
-//! prompt, then greedy decode steps up to 128 new tokens each (`Model::decode_step`,
-//! logits to the host each step as the rollout engine reads them), timed from the
-//! prefill to the last token, as Hugging Face `generate` is timed.
+//! `--reps` steps (5) after `--warmup` (2). `--precision bf16` trains a bf16 compute
+//! copy with the f32 weights kept beside it, as the trainer holds them; `--memory`
+//! lists the memory settings to time, each one of `whole` (the whole-logits head),
+//! `chunked` (the chunked head) and either with `+checkpoint` (checkpointed decoder
+//! layers). On a GPU each step's peak device memory in use (total minus free, polled
+//! every millisecond; this process's and any other's) is reported too; a setting
+//! that runs out of memory is reported as such and the next one runs. Generation: `N`
+//! sequences prefilled with a 32-token prompt, then greedy decode steps up to 128 new
+//! tokens each (`Model::decode_step`, logits to the host each step as the rollout
+//! engine reads them), timed from the prefill to the last token, as Hugging Face
+//! `generate` is timed; `--generate ''` skips it. `--json PATH` writes every figure.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use metronome_core::{PackedRow, Segment, Targets};
-use metronome_model::{DeviceSpec, KvCache, Model, ModelConfig};
+use metronome_model::{DeviceSpec, KvCache, Model, Precision};
+use serde::Serialize;
+
+#[path = "support/shapes.rs"]
+mod shapes;
 
 const PROMPT: usize = 32;
 const NEW_TOKENS: usize = 128;
@@ -37,8 +49,100 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// A memory setting of `--memory`: the chunked head or not, checkpointed layers or not.
+#[derive(Clone, Copy, Debug)]
+struct Memory {
+    chunked: bool,
+    checkpoint: bool,
+}
+
+impl Memory {
+    fn parse(s: &str) -> Result<Self> {
+        let (head, checkpoint) = match s.strip_suffix("+checkpoint") {
+            Some(head) => (head, true),
+            None => (s, false),
+        };
+        let chunked = match head {
+            "whole" => false,
+            "chunked" => true,
+            _ => bail!("--memory `{s}`: expected whole or chunked, each optionally +checkpoint"),
+        };
+        Ok(Self { chunked, checkpoint })
+    }
+
+    fn name(self) -> String {
+        format!(
+            "{}{}",
+            if self.chunked { "chunked" } else { "whole" },
+            if self.checkpoint { "+checkpoint" } else { "" }
+        )
+    }
+
+    fn apply(self, model: &Model) -> Model {
+        let chunk = self.chunked.then(|| model.default_head_chunk());
+        model.clone().with_chunked_head(chunk).with_gradient_checkpointing(self.checkpoint)
+    }
+}
+
+/// One training figure of the JSON report.
+#[derive(Debug, Serialize)]
+struct TrainFigure {
+    rows: usize,
+    len: usize,
+    memory: String,
+    tokens_per_s: Option<f64>,
+    step_ms: Option<f64>,
+    tflops_6n: Option<f64>,
+    peak_device_bytes: Option<u64>,
+    error: Option<String>,
+}
+
+/// The JSON report of `--json`.
+#[derive(Debug, Serialize)]
+struct Report {
+    shape: String,
+    parameters: usize,
+    device: String,
+    precision: String,
+    warmup: usize,
+    reps: usize,
+    train: Vec<TrainFigure>,
+    generate: Vec<(usize, f64)>,
+}
+
+/// Device memory in use (total minus free) polled every millisecond from a thread
+/// while a closure runs, on a GPU; nothing on the CPU.
+#[cfg(feature = "cuda")]
+fn peak_device_memory<T>(model: &Model, f: impl FnOnce() -> Result<T>) -> Result<(T, Option<u64>)> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let metronome_model::Device::Cuda(dev) = model.device() else { return Ok((f()?, None)) };
+    let ctx = Arc::clone(dev.cuda_stream().context());
+    let (done, peak) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let poller = {
+        let (done, peak) = (Arc::clone(&done), Arc::clone(&peak));
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                if let Ok((free, total)) = ctx.mem_get_info() {
+                    peak.fetch_max((total - free) as u64, Ordering::Relaxed);
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        })
+    };
+    let out = f();
+    done.store(true, Ordering::Relaxed);
+    let _ = poller.join();
+    Ok((out?, Some(peak.load(Ordering::Relaxed))))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn peak_device_memory<T>(_model: &Model, f: impl FnOnce() -> Result<T>) -> Result<(T, Option<u64>)> {
+    Ok((f()?, None))
+}
+
 /// Median seconds of one training step on `rows` rows of `len` tokens.
-fn train(model: &Model, rows: usize, len: usize) -> Result<f64> {
+fn train(model: &Model, rows: usize, len: usize, warmup: usize, reps: usize) -> Result<f64> {
     let vocab = model.config().vocab_size;
     let mut packed = Vec::new();
     let mut targets = Targets::default();
@@ -56,14 +160,14 @@ fn train(model: &Model, rows: usize, len: usize) -> Result<f64> {
         });
     }
     let mut times = Vec::new();
-    for i in 0..7 {
+    for i in 0..warmup + reps {
         synchronize(model)?;
         let start = Instant::now();
         let out = model.target_logprobs(&packed, &targets)?;
         let grads = out.logprobs.sum_all()?.neg()?.backward()?;
-        drop(grads);
+        drop((grads, out));
         synchronize(model)?;
-        if i >= 2 {
+        if i >= warmup {
             times.push(start.elapsed().as_secs_f64());
         }
     }
@@ -91,7 +195,10 @@ fn generate(model: &Model, n: usize) -> Result<f64> {
 }
 
 fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>> {
-    s.split(',').map(|x| x.trim().parse().map_err(|_| anyhow::anyhow!("`{x}` in `{s}`"))).collect()
+    s.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| x.trim().parse().map_err(|_| anyhow::anyhow!("`{x}` in `{s}`")))
+        .collect()
 }
 
 fn main() -> Result<()> {
@@ -99,6 +206,10 @@ fn main() -> Result<()> {
     let mut shape = "tiny".to_owned();
     let mut train_shapes = vec![(1usize, 64usize)];
     let mut gen_sizes = vec![1usize, 4];
+    let mut precision = None;
+    let mut memory = vec![Memory { chunked: false, checkpoint: false }];
+    let (mut warmup, mut reps) = (2usize, 5usize);
+    let mut json = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().with_context(|| format!("{a} needs a value"));
@@ -108,6 +219,7 @@ fn main() -> Result<()> {
             "--train" => {
                 train_shapes = value()?
                     .split(',')
+                    .filter(|s| !s.is_empty())
                     .map(|s| {
                         let (r, l) =
                             s.split_once('x').with_context(|| format!("--train `{s}`: expected ROWSxLEN"))?;
@@ -116,36 +228,105 @@ fn main() -> Result<()> {
                     .collect::<Result<_>>()?
             }
             "--generate" => gen_sizes = list(&value()?)?,
-            other => {
-                bail!("unknown argument `{other}` (--device, --shape tiny|smollm2-135m, --train, --generate)")
+            "--precision" => precision = Some(value()?.parse::<Precision>().map_err(anyhow::Error::msg)?),
+            "--memory" => memory = value()?.split(',').map(Memory::parse).collect::<Result<_>>()?,
+            "--warmup" => warmup = value()?.parse()?,
+            "--reps" => reps = value()?.parse()?,
+            "--json" => json = Some(value()?),
+            other => bail!(
+                "unknown argument `{other}` (--device, --shape, --train, --generate, --precision, --memory, \
+                 --warmup, --reps, --json)"
+            ),
+        }
+    }
+    if reps == 0 || train_shapes.iter().any(|&(r, l)| r == 0 || l < 2) {
+        bail!("--reps must be at least 1, and every --train shape at least 1 row of 2 tokens");
+    }
+    let cfg = shapes::shape(&shape)?;
+    let dev = device.open()?;
+    let masters = Model::new(cfg, &dev, 0)?;
+    let precision = precision.unwrap_or_else(|| Precision::for_device(&dev));
+    // In bf16 the f32 weights stay beside the compute copy, as the trainer keeps them.
+    let model = match precision {
+        Precision::F32 => masters.clone(),
+        Precision::Bf16 => masters.compute_copy(precision.dtype())?,
+    };
+    let params = model.num_parameters();
+    println!(
+        "{shape} ({:.1} M parameters) on {device}, {precision}, kernels {:?}",
+        params as f64 / 1e6,
+        model.kernels()
+    );
+    let mut report = Report {
+        shape: shape.clone(),
+        parameters: params,
+        device: device.to_string(),
+        precision: precision.to_string(),
+        warmup,
+        reps,
+        train: Vec::new(),
+        generate: Vec::new(),
+    };
+    for &(rows, len) in &train_shapes {
+        for &m in &memory {
+            let levered = m.apply(&model);
+            let figure = match peak_device_memory(&levered, || train(&levered, rows, len, warmup, reps)) {
+                Ok((secs, peak)) => {
+                    let tps = (rows * len) as f64 / secs;
+                    // 6 FLOPs per parameter and token for a forward and backward (attention not counted).
+                    let tflops = 6.0 * params as f64 * tps / 1e12;
+                    let peak_text = peak.map_or(String::new(), |b| {
+                        format!(", peak device memory {:.1} GiB", b as f64 / (1u64 << 30) as f64)
+                    });
+                    println!(
+                        "train {rows}x{len} {}: {tps:.0} tokens/s (step {:.1} ms, {tflops:.1} TFLOP/s by 6N{peak_text})",
+                        m.name(),
+                        secs * 1e3
+                    );
+                    TrainFigure {
+                        rows,
+                        len,
+                        memory: m.name(),
+                        tokens_per_s: Some(tps),
+                        step_ms: Some(secs * 1e3),
+                        tflops_6n: Some(tflops),
+                        peak_device_bytes: peak,
+                        error: None,
+                    }
+                }
+                Err(e) => {
+                    println!("train {rows}x{len} {}: failed: {e}", m.name());
+                    TrainFigure {
+                        rows,
+                        len,
+                        memory: m.name(),
+                        tokens_per_s: None,
+                        step_ms: None,
+                        tflops_6n: None,
+                        peak_device_bytes: None,
+                        error: Some(e.to_string()),
+                    }
+                }
+            };
+            report.train.push(figure);
+            // Written after every figure: a run cut short by a time limit keeps what it measured.
+            if let Some(path) = &json {
+                std::fs::write(path, serde_json::to_string_pretty(&report)?)
+                    .with_context(|| format!("writing {path}"))?;
             }
         }
     }
-    let cfg = match shape.as_str() {
-        "tiny" => ModelConfig::tiny(),
-        "smollm2-135m" => ModelConfig::smollm2_135m(),
-        other => bail!("unknown shape `{other}` (tiny, smollm2-135m)"),
-    };
-    let dev = device.open()?;
-    let model = Model::new(cfg, &dev, 0)?;
-    let params = model.num_parameters() as f64;
-    println!("{shape} ({:.1} M parameters) on {device}, f32, kernels {:?}", params / 1e6, model.kernels());
-    for (rows, len) in train_shapes {
-        let secs = train(&model, rows, len)?;
-        let tps = (rows * len) as f64 / secs;
-        // 6 FLOPs per parameter and token for a forward and backward (attention not counted).
-        println!(
-            "train {rows}x{len}: {tps:.0} tokens/s (step {:.1} ms, {:.1} TFLOP/s by 6N)",
-            secs * 1e3,
-            6.0 * params * tps / 1e12
-        );
+    if !gen_sizes.is_empty() {
+        let frozen = masters.frozen_copy()?;
+        for n in gen_sizes {
+            let tps = generate(&frozen, n)?;
+            println!("generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32)");
+            report.generate.push((n, tps));
+        }
     }
-    let frozen = model.frozen_copy()?;
-    for n in gen_sizes {
-        println!(
-            "generate {n} seqs: {:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new)",
-            generate(&frozen, n)?
-        );
+    if let Some(path) = json {
+        std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {path}"))?;
     }
     Ok(())
 }

@@ -113,7 +113,7 @@ impl Model {
 pub(crate) fn write_safetensors(path: &Path, tensors: Vec<(String, Tensor)>) -> Result<()> {
     let mut buffers = Vec::with_capacity(tensors.len());
     for (name, t) in tensors {
-        let values = t.flatten_all()?.to_vec1::<f32>()?;
+        let values = t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let bytes: Vec<u8> = values.iter().flat_map(|x| x.to_le_bytes()).collect();
         buffers.push((name, t.dims().to_vec(), bytes));
     }

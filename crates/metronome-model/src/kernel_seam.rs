@@ -10,8 +10,9 @@ use metronome_core::{PackedRow, Segment, Targets};
 use crate::ops::fused_ops_run;
 use crate::{Kernels, KvCache, LoraConfig, Model, ModelConfig};
 
-/// A training forward and backward, plain and through LoRA adapters, and a frozen
-/// copy's prefill and decode steps run under both kernels while this thread's fused
+/// A training forward and backward, plain, through LoRA adapters and through the chunked
+/// head with checkpointed layers, and a frozen copy's prefill and decode steps run
+/// under both kernels while this thread's fused
 /// ops are counted: none may count under `Portable`; under `Fused` each counts some,
 /// which shows that the count sees them.
 #[test]
@@ -36,6 +37,7 @@ fn portable_kernels_run_no_fused_cpu_op() {
     for kernels in [Kernels::Fused, Kernels::Portable] {
         let model = base.clone().with_kernels(kernels).unwrap();
         let adapted = model.with_lora(&LoraConfig::default(), 1).unwrap();
+        let levered = model.clone().with_chunked_head(Some(300)).with_gradient_checkpointing(true);
         let frozen = model.frozen_copy().unwrap();
         let decode = || {
             let mut cache = KvCache::new(&frozen, 2, 16).unwrap();
@@ -46,6 +48,7 @@ fn portable_kernels_run_no_fused_cpu_op() {
         for (what, n) in [
             ("training", counted(&|| train(&model))),
             ("training with LoRA", counted(&|| train(&adapted))),
+            ("training with the chunked head and checkpointing", counted(&|| train(&levered))),
             ("a frozen copy's prefill and decode", counted(&decode)),
         ] {
             if kernels == Kernels::Portable {

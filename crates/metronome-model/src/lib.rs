@@ -26,6 +26,18 @@
 //!   snapshots, `save_hf` and frozen copies hold the merged `W + (alpha / r)·B·A`.
 //!   [`Model::save_lora_adapter`] and [`Model::with_lora_adapter`] write and read
 //!   PEFT's adapter format (`fixtures/check_lora.py` loads it with `peft`).
+//! - Mixed precision and memory: [`Model::compute_copy`] makes the bf16 copy of the
+//!   weights that a [`Precision::Bf16`] trainer computes with (the portable kernels
+//!   keep norm statistics, softmaxes and the log-prob head's log-softmax in f32);
+//!   [`Model::with_chunked_head`] computes the head ("linear cross-entropy", after
+//!   Liger-Kernel) by chunks of rows forward and blocks of vocabulary columns
+//!   backward, so no `[targets, vocab]` tensor exists; [`Model::with_gradient_checkpointing`]
+//!   keeps each decoder layer's input only and recomputes the layer in the backward.
+//!   Both attach graph-free values to autograd by one custom op whose forward is a
+//!   storage copy (`recompute.rs`), so they run on every device, and tell no caller:
+//!   one `loss.backward()` still gives every gradient. Tested on the CPU: the chunked
+//!   head within 1e-5 (values) and 1e-4 (gradients) of the whole-logits head,
+//!   checkpointed gradients bitwise equal, bf16 within measured tolerances of f32.
 //! - Tokenizers implementing `metronome_core::Tokenizer`: [`CharTokenizer`],
 //!   [`HfTokenizer`] (`tokenizer.json`) and [`GgufTokenizer`], with chat templates
 //!   rendered by `minijinja`.
@@ -43,8 +55,10 @@
 //! against the fused ones on the CPU (log-probs and entropies within 1e-5, gradients
 //! within 1e-4, relative to the larger of 1 and their largest magnitude), so CI
 //! checks the GPU's arithmetic without a GPU. The model's kernels, never its device,
-//! choose every fused op (a LoRA handle's frozen base product and a frozen copy's
-//! decode layout included), and a test counts that [`Kernels::Portable`] runs none.
+//! choose every fused op (a LoRA handle's frozen base product, a frozen copy's
+//! decode layout and the chunked head's per-chunk math included), and a test counts
+//! that [`Kernels::Portable`] runs none. The fused ops compute in f32: a bf16 model
+//! runs the portable ones, on the CPU as on a GPU.
 //!
 //! Batch invariance: a decode step's logits for a slot are bitwise the same whoever
 //! shares the step. Attention runs per slot over its own cache in a fixed order. A
@@ -67,6 +81,7 @@ mod config;
 mod device;
 mod error;
 mod gguf;
+mod head;
 mod io;
 #[cfg(test)]
 mod kernel_seam;
@@ -75,9 +90,11 @@ mod lora;
 mod model;
 mod ops;
 mod portable;
+mod precision;
+mod recompute;
 mod tokenizer;
 
-pub use candle_core::{Device, Tensor, Var};
+pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Architecture, ModelConfig};
 pub use device::DeviceSpec;
 pub use error::{Error, Result};
@@ -87,4 +104,5 @@ pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
 pub use model::{Model, ScoringBatch, TargetOutput};
 pub use ops::Projection;
 pub use portable::Kernels;
+pub use precision::Precision;
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};

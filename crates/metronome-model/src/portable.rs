@@ -42,12 +42,19 @@ impl Kernels {
         if device.is_cpu() { Self::Fused } else { Self::Portable }
     }
 
-    /// An error when these kernels cannot run on `device`.
-    pub(crate) fn check(self, device: &Device) -> Result<()> {
+    /// An error when these kernels cannot run on `device` with weights of `dtype`.
+    pub(crate) fn check(self, device: &Device, dtype: DType) -> Result<()> {
         if self == Self::Fused && !device.is_cpu() {
             return Err(Error::invalid(
                 "kernels",
                 format!("`Fused` runs on the CPU only, the model is on {device:?}: use `Portable`"),
+            ));
+        }
+        // The fused ops read and write f32 slices; bf16 runs through candle's own ops.
+        if self == Self::Fused && dtype != DType::F32 {
+            return Err(Error::invalid(
+                "kernels",
+                format!("`Fused` computes in f32, the model's weights are {dtype:?}: use `Portable`"),
             ));
         }
         Ok(())
@@ -103,7 +110,12 @@ impl Kernels {
     pub(crate) fn masked_softmax(self, scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
         match self {
             Self::Fused => ops::masked_softmax(scores, mask),
-            Self::Portable => ops::softmax_last_dim(&scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?),
+            Self::Portable => {
+                // In f32 whatever the scores' type: a bf16 sum over a thousand keys would
+                // keep three significant digits (flash attention accumulates in f32 too).
+                let s = scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?)?;
+                Ok(ops::softmax_last_dim(&s)?.to_dtype(scores.dtype())?)
+            }
         }
     }
 
@@ -137,7 +149,8 @@ impl Kernels {
             }
             None => {
                 let q = q.transpose(0, 1)?.contiguous()?.reshape((kv_heads, rep * lq, hd))?;
-                ops::softmax_last_dim(&(q.matmul(&k.t()?)? * scale)?)?
+                let scores = (q.matmul(&k.t()?)? * scale)?;
+                ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(scores.dtype())?
             }
         };
         let out = probs.matmul(&v)?; // [kv, rep * lq, hd]
@@ -185,15 +198,72 @@ impl Kernels {
                         format!("is token {t}, outside the vocabulary of {vocab}"),
                     ));
                 }
-                let z = logits.to_dtype(DType::F32)?;
-                let z = if inv_temperature == 1.0 { z } else { (z * f64::from(inv_temperature))? };
-                let max = z.max_keepdim(D::Minus1)?.detach();
-                let z = z.broadcast_sub(&max)?;
-                let logp = z.broadcast_sub(&z.exp()?.sum_keepdim(D::Minus1)?.log()?)?;
+                let (logp, _) = portable_log_softmax(logits, inv_temperature)?;
                 let index = Tensor::from_vec(targets, (n, 1), logits.device())?;
                 let picked = logp.gather(&index, 1)?;
                 let entropy = (logp.exp()? * &logp)?.sum_keepdim(D::Minus1)?.neg()?;
                 Ok(Tensor::cat(&[picked, entropy], 1)?)
+            }
+        }
+    }
+
+    /// The chunked head's forward for a chunk of rows (`head.rs`), without a graph:
+    /// per row of `logits / T: [n, vocab]` (any float type), the target's log-prob, the
+    /// entropy and the log-sum-exp, as `[n, 3]` f32. `targets` are the rows' targets on
+    /// the host and `column` the same as a `[n, 1]` u32 tensor on the logits' device
+    /// (each form reads its own); `inv_temperature` is `1 / T`.
+    pub(crate) fn logprob_stats(
+        self,
+        logits: &Tensor,
+        targets: &[u32],
+        column: &Tensor,
+        inv_temperature: f32,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Fused => ops::target_stats(logits, targets, inv_temperature),
+            Self::Portable => {
+                let (logp, lse) = portable_log_softmax(logits, inv_temperature)?;
+                let picked = logp.gather(&column.contiguous()?, 1)?;
+                let entropy = (logp.exp()? * &logp)?.sum_keepdim(D::Minus1)?.neg()?;
+                Ok(Tensor::cat(&[picked, entropy, lse], 1)?)
+            }
+        }
+    }
+
+    /// The chunked head's backward for a block of vocabulary columns: from the block's
+    /// logits `z: [n, cols]` (columns `first..first + cols`, any float type), the rows'
+    /// statistics `[n, 3]` of [`Kernels::logprob_stats`] and the `[n, 2]` gradient of
+    /// (log-prob, entropy), the `[n, cols]` f32 gradient of the block's logits.
+    /// `targets` and `column` as in [`Kernels::logprob_stats`], for every row.
+    #[allow(clippy::too_many_arguments, reason = "the row statistics, targets and gradient of one block")]
+    pub(crate) fn logprob_columns_grad(
+        self,
+        z: &Tensor,
+        stats: &Tensor,
+        targets: &[u32],
+        column: &Tensor,
+        first: usize,
+        g: &Tensor,
+        inv_temperature: f32,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Fused => ops::target_columns_grad(z, stats, targets, first, g, inv_temperature),
+            Self::Portable => {
+                // d/dz_j of g_l·log p_t + g_e·H, with log p_j = z_j / T − lse:
+                // ([j = t]·g_l − p_j·(g_l + g_e·(log p_j + H))) / T.
+                let (n, cols) = z.dims2()?;
+                let z = z.to_dtype(DType::F32)?;
+                let z = if inv_temperature == 1.0 { z } else { (z * f64::from(inv_temperature))? };
+                let (entropy, lse) = (stats.narrow(1, 1, 1)?, stats.narrow(1, 2, 1)?);
+                let (g_logp, g_entropy) = (g.narrow(1, 0, 1)?, g.narrow(1, 1, 1)?);
+                let logp = z.broadcast_sub(&lse)?;
+                let coef = logp.broadcast_add(&entropy)?.broadcast_mul(&g_entropy)?.broadcast_add(&g_logp)?;
+                let ids =
+                    Tensor::arange(first as u32, (first + cols) as u32, z.device())?.reshape((1, cols))?;
+                let hot = column.broadcast_eq(&ids)?.to_dtype(DType::F32)?.broadcast_mul(&g_logp)?;
+                debug_assert_eq!(hot.dims(), [n, cols]);
+                let dz = (hot - (logp.exp()? * coef)?)?;
+                Ok(if inv_temperature == 1.0 { dz } else { (dz * f64::from(inv_temperature))? })
             }
         }
     }
@@ -235,6 +305,18 @@ impl Kernels {
             Self::Portable => portable_decode_attention(q, keys, values, rows),
         }
     }
+}
+
+/// `log softmax(logits / T)` over the last dimension in f32 (`inv_temperature` is
+/// `1 / T`) and the log-sum-exp of `logits / T`, `[n, 1]`: differentiable in the
+/// logits (the max is detached: the log-softmax does not depend on it).
+fn portable_log_softmax(logits: &Tensor, inv_temperature: f32) -> Result<(Tensor, Tensor)> {
+    let z = logits.to_dtype(DType::F32)?;
+    let z = if inv_temperature == 1.0 { z } else { (z * f64::from(inv_temperature))? };
+    let max = z.max_keepdim(D::Minus1)?.detach();
+    let z = z.broadcast_sub(&max)?;
+    let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok((z.broadcast_sub(&lse)?, (lse + max)?))
 }
 
 /// [`Kernels::decode_attention`] from candle primitives: every row's prefix gathered

@@ -222,6 +222,22 @@ pub enum Batching {
     StaticPadded,
 }
 
+/// What partial rollouts do with a running response's KV cache when newer weights
+/// take over (`rollout.partial_cache`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartialCache {
+    /// One prefill of the response's tokens so far under the new weights: exactly the
+    /// state an engine given the new weights at that token would have, at the cost of
+    /// re-reading every token (each running response, at every new version).
+    #[default]
+    Rebuild,
+    /// The keys and values computed under the old weights stay; only the tokens from
+    /// the switch on are computed under the new ones. Free, and the attention then
+    /// mixes two versions' keys, as AReaL's and slime's in-flight updates do.
+    Keep,
+}
+
 /// Engine layout and sampling. Every field has a default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -245,6 +261,9 @@ pub struct EngineConfig {
     /// version. Only for off-policy schedules (`stale:s`): the pipeline refuses it
     /// with `sync` and `periodic`, which sample each period with one version.
     pub partial_rollouts: bool,
+    /// With partial rollouts, what becomes of a running response's KV cache when newer
+    /// weights take over: rebuilt under them, or kept.
+    pub partial_cache: PartialCache,
     /// Sampling used by [`metronome_core::RolloutEngine::generate`].
     pub sampling: SamplingConfig,
     /// The device the engine decodes on; absent, the model's (`model.device` in a run
@@ -267,6 +286,7 @@ impl Default for EngineConfig {
             max_seq_len: 1024,
             batching: Batching::Continuous,
             partial_rollouts: false,
+            partial_cache: PartialCache::default(),
             sampling: SamplingConfig::default(),
             device: None,
             backend: Backend::Native,

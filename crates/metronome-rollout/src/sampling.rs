@@ -469,7 +469,8 @@ mod tests {
     fn raw_logprobs_are_of_the_unscaled_distribution() {
         let p1 = probs(&LOGITS);
         for temperature in [0.5f32, 1.0, 2.0] {
-            let cfg = SamplingConfig { temperature, logprobs: LogprobsMode::Raw, ..SamplingConfig::default() };
+            let cfg =
+                SamplingConfig { temperature, logprobs: LogprobsMode::Raw, ..SamplingConfig::default() };
             let sampled = SamplingConfig { logprobs: LogprobsMode::Sampled, ..cfg.clone() };
             for u in [0.05, 0.5, 0.95] {
                 let raw = Sampler::new().sample(&cfg, &LOGITS, &[], u).unwrap();

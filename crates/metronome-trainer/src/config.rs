@@ -2,7 +2,7 @@
 //! (`TrainerConfig::build` and `resume` are beside the trainer they build).
 
 use metronome_core::AdvantageEstimator;
-use metronome_model::LoraConfig;
+use metronome_model::{Device, LoraConfig, Precision};
 use serde::{Deserialize, Serialize};
 
 use crate::distill::DistillConfig;
@@ -60,6 +60,22 @@ pub struct TrainerConfig {
     /// (the default), no teacher.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub distill: Option<DistillConfig>,
+    /// The number format of the forward and backward: `"f32"`, or `"bf16"` (mixed
+    /// precision: f32 master weights and AdamW state, a bf16 copy of the weights made
+    /// once per optimiser step that runs the forward and backward, gradients summed
+    /// in f64 and clipped in f32, the log-softmax and every loss reduction in f32; the
+    /// reference model in bf16 too). Absent, bf16 on a GPU and f32 on the CPU
+    /// ([`TrainerConfig::precision_on`]); a per-stage choice like `device`.
+    pub precision: Option<Precision>,
+    /// Compute the log-prob head in chunks that never hold `[targets, vocab]` logits
+    /// (`metronome_model::Model::with_chunked_head`: values within 1e-5 of the
+    /// whole-logits head, gradients within 1e-4). Absent, on a GPU and off on the CPU
+    /// ([`TrainerConfig::chunked_head_on`]).
+    pub chunked_head: Option<bool>,
+    /// Recompute each decoder layer's activations in the backward instead of keeping
+    /// them (`metronome_model::Model::with_gradient_checkpointing`: the same
+    /// gradients for about one more forward of the layers per step). Off by default.
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for TrainerConfig {
@@ -77,15 +93,23 @@ impl Default for TrainerConfig {
             device: None,
             lora: None,
             distill: None,
+            precision: None,
+            chunked_head: None,
+            gradient_checkpointing: false,
         }
     }
 }
 
 impl TrainerConfig {
-    /// Parses a JSON object and validates it.
+    /// Parses a JSON object and validates it; an error names the dotted key whose
+    /// value does not parse.
     pub fn from_json(text: &str) -> Result<Self> {
-        let cfg: Self = serde_json::from_str(text)
-            .map_err(|e| TrainerError::config("trainer", format!("does not parse: {e}")))?;
+        let cfg: Self = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
+            .map_err(|e| {
+                let key = e.path().to_string();
+                let key = if key.is_empty() || key == "." { "trainer".to_owned() } else { key };
+                TrainerError::config(key, format!("does not parse: {}", e.inner()))
+            })?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -141,6 +165,20 @@ impl TrainerConfig {
     #[must_use]
     pub fn threads(&self) -> usize {
         self.threads.unwrap_or(1)
+    }
+
+    /// The precision a trainer on `device` computes in: `precision`, else bf16 on a
+    /// GPU and f32 on the CPU.
+    #[must_use]
+    pub fn precision_on(&self, device: &Device) -> Precision {
+        self.precision.unwrap_or_else(|| Precision::for_device(device))
+    }
+
+    /// Whether a trainer on `device` computes the log-prob head in chunks:
+    /// `chunked_head`, else on a GPU and not on the CPU.
+    #[must_use]
+    pub fn chunked_head_on(&self, device: &Device) -> bool {
+        self.chunked_head.unwrap_or(!device.is_cpu())
     }
 }
 
@@ -217,17 +255,41 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("`distill`") && err.contains("loss.kl_coef"), "{err}");
-        let err =
-            TrainerConfig::from_json(&format!(r#"{{{teacher}, "advantage": "reinforce_plus_plus_baseline"}}"#))
-                .unwrap_err()
-                .to_string();
+        let err = TrainerConfig::from_json(&format!(
+            r#"{{{teacher}, "advantage": "reinforce_plus_plus_baseline"}}"#
+        ))
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("`distill`") && err.contains("advantage"), "{err}");
         let err = TrainerConfig::from_json(r#"{"distill": {"kind": "hf", "path": "t", "weight": -1}}"#)
             .unwrap_err()
             .to_string();
         assert!(err.contains("`distill.weight`"), "{err}");
-        let err = TrainerConfig::from_json(r#"{"distill": {"kind": "onnx", "path": "t"}}"#).unwrap_err().to_string();
+        let err = TrainerConfig::from_json(r#"{"distill": {"kind": "onnx", "path": "t"}}"#)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("onnx"), "{err}");
+    }
+
+    #[test]
+    fn precision_and_memory_levers_read_and_default_by_device() {
+        let cfg = TrainerConfig::default();
+        assert_eq!(cfg.precision_on(&Device::Cpu), Precision::F32);
+        assert!(!cfg.chunked_head_on(&Device::Cpu) && !cfg.gradient_checkpointing);
+        let cfg = TrainerConfig::from_json(
+            r#"{"precision": "bf16", "chunked_head": true, "gradient_checkpointing": true}"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.precision_on(&Device::Cpu), Precision::Bf16);
+        assert!(cfg.chunked_head_on(&Device::Cpu) && cfg.gradient_checkpointing);
+        let text = serde_json::to_string(&cfg).unwrap();
+        assert_eq!(TrainerConfig::from_json(&text).unwrap(), cfg);
+        let err = TrainerConfig::from_json(r#"{"precision": "fp16"}"#).unwrap_err().to_string();
+        assert!(
+            err.starts_with("config key `precision`")
+                && err.contains("`fp16` is not a precision (expected `bf16` or `f32`)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -21,7 +21,9 @@
 //! The teacher is scored in the trainer's reference slot: it shares the policy's
 //! layout of each micro-batch (token ids, rotary tables, segment masks) when it has
 //! the same head size and rotary base, and runs beside the policy's forward, without
-//! an autograd graph, at the sampling temperature the policy is scored at. It must
+//! an autograd graph, at the sampling temperature the policy is scored at, in the
+//! trainer's precision (`trainer.precision`: a bf16 copy in bf16, as the reference
+//! is) and with its head chunked as the policy's (`trainer.chunked_head`). It must
 //! have the student's vocabulary (the same tokenizer): one of another size is refused
 //! when it loads. It is never written into a checkpoint: a resumed trainer loads it
 //! from its path again.
@@ -29,7 +31,7 @@
 use std::path::PathBuf;
 
 use metronome_core::ErrorChain;
-use metronome_model::{Device, Model, ModelConfig};
+use metronome_model::{Device, Model, ModelConfig, Precision};
 use serde::{Deserialize, Serialize};
 
 use crate::{Result, TrainerError};
@@ -104,7 +106,12 @@ impl DistillConfig {
         let teacher = loaded.map_err(|e| {
             TrainerError::config(
                 key,
-                format!("= {}: the teacher does not load as {:?}: {}", path.display(), self.kind, ErrorChain(&e)),
+                format!(
+                    "= {}: the teacher does not load as {:?}: {}",
+                    path.display(),
+                    self.kind,
+                    ErrorChain(&e)
+                ),
             )
         })?;
         let (have, want) = (teacher.config().vocab_size, student.vocab_size);
@@ -134,9 +141,21 @@ pub(crate) struct Teacher {
 }
 
 impl Teacher {
-    /// Loads `cfg`'s teacher for `policy`, on its device.
-    pub(crate) fn load(cfg: &DistillConfig, policy: &Model) -> Result<Self> {
+    /// Loads `cfg`'s teacher for `policy`, on its device, scored in `precision` (a
+    /// bf16 copy, as the reference is, whose f32 weights are then dropped) with the
+    /// chunked head `chunk` if set.
+    pub(crate) fn load(
+        cfg: &DistillConfig,
+        policy: &Model,
+        precision: Precision,
+        chunk: Option<usize>,
+    ) -> Result<Self> {
         let model = cfg.load_teacher(policy.config(), policy.device())?;
+        let model = match precision {
+            Precision::F32 => model,
+            Precision::Bf16 => model.compute_copy(precision.dtype())?,
+        }
+        .with_chunked_head(chunk);
         let (t, s) = (model.config(), policy.config());
         let shares_layout = t.head_dim == s.head_dim && t.rope_theta == s.rope_theta;
         Ok(Self { model, mode: cfg.mode, weight: cfg.weight, shares_layout })

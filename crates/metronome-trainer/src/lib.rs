@@ -48,6 +48,15 @@
 //!   the `StepReport`): mean, p99 and maximum `|log π_trainer − log π_behaviour|` over
 //!   the scored targets, the k3 KL between the two, and the shares of tokens whose
 //!   importance weight was truncated or masked.
+//! - Precision ([`TrainerConfig::precision`]): in bf16 (the default on a GPU) the
+//!   forward and backward run on a bf16 compute copy of the policy
+//!   ([`GrpoTrainer::scorer`]) made at construction and rewritten from the f32 master
+//!   weights after every update, never per micro-batch; gradients reach the f64 sums
+//!   from the bf16 variables, and clipping, AdamW (f32 state), snapshots and
+//!   checkpoints stay f32, so resumes remain bit-exact. The reference is a bf16 copy
+//!   (with LoRA, the compute copy's base), and so is a distillation teacher. Memory: [`TrainerConfig::chunked_head`]
+//!   (the default on a GPU) and [`TrainerConfig::gradient_checkpointing`] set the
+//!   model's levers on the policy and, for the head, the reference and the teacher.
 //! - SFT warm starts on prompt/answer pairs ([`GrpoTrainer::accumulate_sft`]), scored
 //!   at temperature 1.
 //! - Checkpoints ([`GrpoTrainer::save_checkpoint`], [`GrpoTrainer::resume`]): Hugging

@@ -178,7 +178,8 @@ fn weights_control_and_cursors() {
     roundtrip(&PromptBatch { period: PeriodId(0), prompts: vec![prompt()] });
     roundtrip(&RolloutRequest { period: PeriodId(0), prompts: vec![prompt()], group_size: 8 });
     roundtrip(&StepReport { version: PolicyVersion(1), applied: true, loss: 0.25, ..StepReport::default() });
-    let mismatch = LogprobMismatch { tokens: 7, mean_abs: 0.5, p99_abs: 0.9, max_abs: 1.0, ..Default::default() };
+    let mismatch =
+        LogprobMismatch { tokens: 7, mean_abs: 0.5, p99_abs: 0.9, max_abs: 1.0, ..Default::default() };
     roundtrip(&StepReport { mismatch, distill_kl: Some(0.125), ..StepReport::default() });
     // A report written before the mismatch and distillation fields reads as without them.
     let mut old = serde_json::to_value(StepReport { loss: 0.5, ..StepReport::default() }).unwrap();

@@ -134,6 +134,29 @@ pub(crate) struct Adapters {
     pub(crate) layers: Vec<[Option<Adapter>; 7]>,
 }
 
+impl Adapters {
+    /// The same adapters in `dtype`, in storage of their own (a model's
+    /// `compute_copy`).
+    pub(crate) fn cast(&self, dtype: candle_core::DType) -> Result<Self> {
+        let cast =
+            |v: &Var| -> Result<Var> { Ok(Var::from_tensor(&v.as_tensor().detach().to_dtype(dtype)?)?) };
+        let layers = self
+            .layers
+            .iter()
+            .map(|slots| {
+                let mut out: [Option<Adapter>; 7] = Default::default();
+                for (o, slot) in out.iter_mut().zip(slots) {
+                    if let Some(ad) = slot {
+                        *o = Some(Adapter { a: cast(&ad.a)?, b: cast(&ad.b)? });
+                    }
+                }
+                Ok(out)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { cfg: self.cfg.clone(), scale: self.scale, layers })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

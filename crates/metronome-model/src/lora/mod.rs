@@ -163,6 +163,13 @@ impl Model {
         out
     }
 
+    /// The adapter variables of layer `layer` (`A` and `B` of each adapted
+    /// projection); empty for a plain model.
+    pub(crate) fn layer_adapter_vars(&self, layer: usize) -> Vec<Var> {
+        let Some(ad) = &self.lora else { return Vec::new() };
+        ad.layers[layer].iter().flatten().flat_map(|a| [a.a.clone(), a.b.clone()]).collect()
+    }
+
     /// A plain model (its own storage, trainable as this handle is) whose weights are
     /// this handle's with every adapter merged in: `W + (alpha / r)·B·A`. Its logits
     /// equal the adapted model's up to float32 rounding. For a plain model, a deep copy.

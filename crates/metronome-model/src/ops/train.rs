@@ -217,8 +217,9 @@ impl TargetLogProbs {
     }
 }
 
-/// Writes `log softmax(z)` into `out` and returns the entropy of the distribution.
-fn log_softmax_row(z: &[f32], out: &mut [f32]) -> f32 {
+/// Writes `log softmax(z)` into `out` and returns the entropy of the distribution and
+/// the log-sum-exp of `z`.
+fn log_softmax_row(z: &[f32], out: &mut [f32]) -> (f32, f32) {
     let max = z.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
     for (o, &v) in out.iter_mut().zip(z) {
@@ -231,7 +232,7 @@ fn log_softmax_row(z: &[f32], out: &mut [f32]) -> f32 {
         *o -= lse;
         entropy -= o.exp() * *o;
     }
-    entropy
+    (entropy, max + lse)
 }
 
 impl candle_core::CustomOp1 for TargetLogProbs {
@@ -247,7 +248,7 @@ impl candle_core::CustomOp1 for TargetLogProbs {
         let mut logp = vec![0f32; vocab];
         let mut scaled = vec![0f32; if self.inv_temperature == 1.0 { 0 } else { vocab }];
         for (i, zs) in z.chunks_exact(vocab).enumerate() {
-            let entropy = log_softmax_row(self.scale(zs, &mut scaled), &mut logp);
+            let (entropy, _) = log_softmax_row(self.scale(zs, &mut scaled), &mut logp);
             out[2 * i] = logp[self.targets[i] as usize];
             out[2 * i + 1] = entropy;
         }
@@ -281,7 +282,7 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
         let inv = self.0.inv_temperature;
         let mut scaled = vec![0f32; if inv == 1.0 { 0 } else { vocab }];
         for (i, (zs, os)) in z.chunks_exact(vocab).zip(out.chunks_exact_mut(vocab)).enumerate() {
-            let entropy = log_softmax_row(self.0.scale(zs, &mut scaled), os);
+            let (entropy, _) = log_softmax_row(self.0.scale(zs, &mut scaled), os);
             let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
             for o in os.iter_mut() {
                 let p = o.exp();
@@ -305,6 +306,106 @@ pub(crate) fn target_logprobs_entropy(
 ) -> Result<Tensor> {
     let op = TargetLogProbs { targets: std::sync::Arc::new(targets), inv_temperature };
     Ok(logits.contiguous()?.apply_op1(op)?)
+}
+
+/// The forward of one row chunk of the chunked head (`head.rs`), without a graph: per
+/// row of `logits / T`, the target's log-prob, the entropy and the log-sum-exp, as
+/// `[n, 3]`. The backward recomputes the logits by vocabulary columns and needs the
+/// log-sum-exp and the entropy of each whole row to do so.
+#[derive(Debug, Clone)]
+struct TargetStats(TargetLogProbs);
+
+impl candle_core::CustomOp1 for TargetStats {
+    fn name(&self) -> &'static str {
+        "target-stats"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
+        fused_op_ran();
+        let (z, vocab) = self.0.rows(self.name(), s, l)?;
+        let n = self.0.targets.len();
+        let mut out = vec![0f32; 3 * n];
+        let mut logp = vec![0f32; vocab];
+        let mut scaled = vec![0f32; if self.0.inv_temperature == 1.0 { 0 } else { vocab }];
+        for (i, zs) in z.chunks_exact(vocab).enumerate() {
+            let (entropy, lse) = log_softmax_row(self.0.scale(zs, &mut scaled), &mut logp);
+            out[3 * i] = logp[self.0.targets[i] as usize];
+            out[3 * i + 1] = entropy;
+            out[3 * i + 2] = lse;
+        }
+        Ok((CpuStorage::F32(out), (n, 3).into()))
+    }
+}
+
+/// `[n, 3]` (target log-prob, entropy, log-sum-exp) of `logits / T: [n, vocab]` (see
+/// [`TargetStats`]); forward only.
+pub(crate) fn target_stats(logits: &Tensor, targets: &[u32], inv_temperature: f32) -> Result<Tensor> {
+    let op = TargetStats(TargetLogProbs { targets: std::sync::Arc::new(targets.to_vec()), inv_temperature });
+    Ok(logits.contiguous()?.apply_op1_no_bwd(&op)?)
+}
+
+/// The backward of the chunked head for one block of vocabulary columns, in one pass:
+/// from the block's logits `z: [n, cols]` (columns `first..first + cols` of the
+/// vocabulary), the rows' `[n, 3]` statistics of [`TargetStats`] and the `[n, 2]`
+/// gradient of (log-prob, entropy), the block's `[n, cols]` logit gradient (the
+/// formulas of [`TargetLogProbs`], with `log p_j = z_j / T − lse` from the whole row).
+#[derive(Debug, Clone)]
+struct TargetColumnsGrad {
+    targets: std::sync::Arc<Vec<u32>>,
+    first: usize,
+    inv_temperature: f32,
+}
+
+impl CpuOp3 for TargetColumnsGrad {
+    const NAME: &'static str = "target-columns-grad";
+
+    fn forward(&self, [(s1, l1), (s2, l2), (s3, l3)]: [Operand<'_>; 3]) -> FwdResult {
+        let z = contiguous_f32(Self::NAME, s1, l1)?;
+        let (stats, g) = contiguous_f32_pair(Self::NAME, (s2, l2), (s3, l3))?;
+        let (n, cols) = l1.shape().dims2()?;
+        if l2.dims() != [n, 3] || l3.dims() != [n, 2] || self.targets.len() != n {
+            candle_core::bail!(
+                "{}: logits {:?}, statistics {:?} and gradient {:?} for {} targets",
+                Self::NAME,
+                l1.dims(),
+                l2.dims(),
+                l3.dims(),
+                self.targets.len()
+            )
+        }
+        let inv = self.inv_temperature;
+        let mut out = vec![0f32; z.len()];
+        for (i, (zs, os)) in z.chunks_exact(cols.max(1)).zip(out.chunks_exact_mut(cols.max(1))).enumerate() {
+            let (entropy, lse) = (stats[3 * i + 1], stats[3 * i + 2]);
+            let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
+            for (o, &v) in os.iter_mut().zip(zs) {
+                let logp = if inv == 1.0 { v } else { v * inv } - lse;
+                *o = -logp.exp() * (g_logp + g_entropy * (logp + entropy));
+            }
+            let t = self.targets[i] as usize;
+            if (self.first..self.first + cols).contains(&t) {
+                os[t - self.first] += g_logp;
+            }
+            if inv != 1.0 {
+                os.iter_mut().for_each(|o| *o *= inv);
+            }
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+/// The `[n, cols]` logit gradient of the vocabulary columns `first..first + cols` (see
+/// [`TargetColumnsGrad`]).
+pub(crate) fn target_columns_grad(
+    z: &Tensor,
+    stats: &Tensor,
+    targets: &[u32],
+    first: usize,
+    g: &Tensor,
+    inv_temperature: f32,
+) -> Result<Tensor> {
+    let op = TargetColumnsGrad { targets: std::sync::Arc::new(targets.to_vec()), first, inv_temperature };
+    Ok(z.contiguous()?.apply_op3_no_bwd(&stats.contiguous()?, &g.contiguous()?, &Op3(op))?)
 }
 
 /// `silu(gate) * up` with its backward, for training: as candle ops the SiLU and the

@@ -70,3 +70,54 @@ pub(crate) fn logprob_around_sgd(
     }
     (before, mean().to_scalar::<f32>().unwrap())
 }
+
+/// The log-probs, entropies and every parameter's (name, gradient) of one
+/// shared-prompt group, on the host in f32.
+pub(crate) type Forward = (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>);
+
+/// [`Forward`] under `model`, for its base parameters.
+pub(crate) fn logprobs_and_gradients(model: &Model) -> Forward {
+    logprobs_and_gradients_of(model, model.parameters())
+}
+
+/// [`Forward`] under `model`, for the variables `params` (its adapters, say): a loss of
+/// weighted log-probs (weights of both signs, as advantages are) and an entropy term.
+pub(crate) fn logprobs_and_gradients_of(
+    model: &Model,
+    params: Vec<(String, metronome_model::Var)>,
+) -> Forward {
+    let vocab = model.config().vocab_size;
+    let (row, targets) = shared_prompt_row(
+        &tokens(1, 7, vocab),
+        &[tokens(2, 5, vocab), tokens(3, 2, vocab), tokens(4, 6, vocab)],
+    );
+    let out = model.target_logprobs(&[row], &targets).unwrap();
+    let weights: Vec<f32> = (0..targets.token.len()).map(|i| ((i % 5) as f32 - 2.0) * 0.3).collect();
+    let w = Tensor::from_slice(&weights, weights.len(), model.device()).unwrap();
+    let loss = ((&out.logprobs * &w).unwrap().sum_all().unwrap()
+        + (out.entropy.sum_all().unwrap() * 0.1).unwrap())
+    .unwrap();
+    let grads = loss.backward().unwrap();
+    let g = params
+        .into_iter()
+        .map(|(n, v)| {
+            let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("{n} has no gradient"));
+            (n, host(g))
+        })
+        .collect();
+    (host(&out.logprobs), host(&out.entropy), g)
+}
+
+/// A tensor's values on the host, in f32 whatever its type.
+pub(crate) fn host(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(metronome_model::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+/// `a` and `b` agree within `tol` relative to the largest magnitude of `b` (and 1);
+/// returns that relative difference.
+pub(crate) fn close(what: &str, a: &[f32], b: &[f32], tol: f32) -> f32 {
+    let scale = b.iter().fold(1f32, |m, x| m.max(x.abs()));
+    let d = max_abs_diff(a, b);
+    assert!(d <= tol * scale, "{what}: max diff {d} (scale {scale})");
+    d / scale
+}

@@ -10,7 +10,8 @@ use metronome_core::Targets;
 use metronome_model::{Device, DeviceSpec, Kernels, Model, ModelConfig};
 
 use crate::common::{
-    fixture, full_logits, logprob_around_sgd, max_abs_diff, separate_rows, shared_prompt_row, tokens,
+    close, fixture, full_logits, logprob_around_sgd, logprobs_and_gradients, max_abs_diff, separate_rows,
+    tokens,
 };
 use crate::decode::decode_matches_full_forward;
 use crate::reference::logits_equal_transformers;
@@ -74,37 +75,6 @@ fn portable_decode_equals_full_forward() {
     let frozen = portable(cpu_fixture("tiny_llama")).frozen_copy().unwrap();
     assert_eq!(frozen.kernels(), Kernels::Portable);
     decode_matches_full_forward(&frozen, 1e-5);
-}
-
-/// The log-probs, entropies and every parameter's (name, gradient) of one
-/// shared-prompt group, on the host.
-type Forward = (Vec<f32>, Vec<f32>, Vec<(String, Vec<f32>)>);
-
-/// [`Forward`] under `model`.
-fn logprobs_and_gradients(model: &Model) -> Forward {
-    let vocab = model.config().vocab_size;
-    let (row, targets) = shared_prompt_row(
-        &tokens(1, 7, vocab),
-        &[tokens(2, 5, vocab), tokens(3, 2, vocab), tokens(4, 6, vocab)],
-    );
-    let out = model.target_logprobs(&[row], &targets).unwrap();
-    let weights: Vec<f32> = (0..targets.token.len()).map(|i| ((i % 5) as f32 - 2.0) * 0.3).collect();
-    let w = metronome_model::Tensor::from_slice(&weights, weights.len(), model.device()).unwrap();
-    let loss = ((&out.logprobs * &w).unwrap().sum_all().unwrap()
-        + (out.entropy.sum_all().unwrap() * 0.1).unwrap())
-    .unwrap();
-    let grads = loss.backward().unwrap();
-    let host = |t: &metronome_model::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let g =
-        model.parameters().into_iter().map(|(n, v)| (n, host(grads.get(v.as_tensor()).unwrap()))).collect();
-    (host(&out.logprobs), host(&out.entropy), g)
-}
-
-/// `a` and `b` agree within `tol` relative to the largest magnitude of `b` (and 1).
-fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
-    let scale = b.iter().fold(1f32, |m, x| m.max(x.abs()));
-    let d = max_abs_diff(a, b);
-    assert!(d <= tol * scale, "{what}: max diff {d} (scale {scale})");
 }
 
 /// The training forward and backward of `other` equal the fused CPU kernels' on the
@@ -220,4 +190,60 @@ fn cuda_training_step_moves_only_the_device_weights() {
     let (rows, targets): (_, Targets) = separate_rows(&seq[..3], &[seq[3..].to_vec()]);
     let (before, after) = logprob_around_sgd(&model, &rows, &targets, 3);
     assert!(after > before + 0.01, "{before} -> {after}");
+}
+
+#[test]
+fn cuda_bf16_compute_tracks_the_cpu_f32_step() {
+    // The tolerances measured on the CPU's bf16 (tests `precision`), on the GPU's.
+    use crate::precision::{Gap, assert_within_bf16_tolerances, small_llama};
+    let Some(gpu) = cuda() else { return };
+    let cases = [
+        (
+            "tiny_qwen2 fixture",
+            Model::load_hf(&fixture("tiny_qwen2"), &gpu).unwrap(),
+            cpu_fixture("tiny_qwen2"),
+        ),
+        (
+            "small llama",
+            Model::new(small_llama(), &gpu, 4).unwrap(),
+            Model::new(small_llama(), &Device::Cpu, 4).unwrap(),
+        ),
+    ];
+    for (name, model, cpu) in cases {
+        let reference = logprobs_and_gradients(&cpu);
+        let bf16 = model.compute_copy(metronome_model::DType::BF16).unwrap();
+        assert_within_bf16_tolerances(
+            &format!("GPU {name}"),
+            Gap::between(&logprobs_and_gradients(&bf16), &reference),
+        );
+        let vocab = model.config().vocab_size;
+        let levers = bf16.with_chunked_head(Some(3 * vocab)).with_gradient_checkpointing(true);
+        let gap = Gap::between(&logprobs_and_gradients(&levers), &reference);
+        assert_within_bf16_tolerances(&format!("GPU {name}, chunked head and checkpointing"), gap);
+    }
+}
+
+#[test]
+fn cuda_chunked_head_and_checkpointing_match_the_plain_step() {
+    let Some(gpu) = cuda() else { return };
+    for name in ["tiny_llama", "tiny_qwen2"] {
+        let model = Model::load_hf(&fixture(name), &gpu).unwrap();
+        let plain = logprobs_and_gradients(&model);
+        for (what, levered, tol) in [
+            ("chunked head", model.clone().with_chunked_head(Some(300)), (1e-5, 1e-4)),
+            (
+                "GPU chunk budget",
+                model.clone().with_chunked_head(Some(model.default_head_chunk())),
+                (1e-5, 1e-4),
+            ),
+            ("checkpointing", model.clone().with_gradient_checkpointing(true), (1e-6, 1e-6)),
+        ] {
+            let (lp, h, g) = logprobs_and_gradients(&levered);
+            close(&format!("{name}, {what}: log-probs"), &lp, &plain.0, tol.0);
+            close(&format!("{name}, {what}: entropies"), &h, &plain.1, tol.0);
+            for ((n, a), (_, b)) in g.iter().zip(&plain.2) {
+                close(&format!("{name}, {what}: {n}"), a, b, tol.1);
+            }
+        }
+    }
 }

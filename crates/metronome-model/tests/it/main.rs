@@ -8,5 +8,7 @@ mod decode;
 mod devices;
 mod gguf;
 mod lora;
+mod memory;
+mod precision;
 mod reference;
 mod training;

@@ -232,6 +232,15 @@ fn impossible_combinations_are_named() {
     let stale = ["rollout.partial_rollouts=true", "run.schedule=\"stale:2\"", "trainer.loss.tis_cap=2.0"];
     let ok = PipelineConfig::embedded(&stale.map(String::from)).unwrap();
     assert!(RunnerOptions::from(&ok).partial_rollouts);
+    let mut served = stale.to_vec();
+    served.extend([
+        "rollout.backend=\"openai\"",
+        "rollout.openai.endpoints=[\"http://h:8000\"]",
+        "rollout.openai.export_dir=\"/w\"",
+    ]);
+    let e = invalid(&served, "`rollout.partial_rollouts`");
+    assert!(e.contains("rollout.backend = \"openai\""), "{e}");
+    invalid(&["rollout.partial_cache=\"drop\""], "`rollout.partial_cache`");
 }
 
 /// Behaviour log-probs are recorded before truncation and after the repetition
@@ -284,6 +293,24 @@ fn malformed_overrides_and_files_are_named() {
     assert!(e.contains("/nonexistent/metronome.toml"), "{e}");
     let e = PipelineConfig::parse("run = [", "broken.toml", &[]).unwrap_err().to_string();
     assert!(e.contains("broken.toml"), "{e}");
+}
+
+#[test]
+fn the_trainer_precision_and_memory_levers_are_read_and_named_when_wrong() {
+    let config = PipelineConfig::embedded(&[]).unwrap();
+    assert_eq!((config.trainer.precision, config.trainer.chunked_head), (None, None));
+    let config = PipelineConfig::embedded(&[
+        "trainer.precision=\"bf16\"".into(),
+        "trainer.chunked_head=true".into(),
+        "trainer.gradient_checkpointing=true".into(),
+    ])
+    .unwrap();
+    assert_eq!(config.trainer.precision, Some(metronome_model::Precision::Bf16));
+    assert!(config.trainer.chunked_head == Some(true) && config.trainer.gradient_checkpointing);
+    assert_eq!(PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap(), config);
+    let e = invalid(&["trainer.precision=\"fp16\""], "`trainer.precision`");
+    assert!(e.contains("`fp16` is not a precision (expected `bf16` or `f32`)"), "{e}");
+    invalid(&["trainer.gradient_checkpointing=\"yes\""], "`trainer.gradient_checkpointing`");
 }
 
 #[test]

@@ -138,7 +138,7 @@ impl<M: InferenceModel> Engine<M> {
             max_num_seqs: config.max_num_seqs,
             max_seq_len,
             batching: config.batching,
-            partial_rollouts: config.partial_rollouts,
+            partial_rollouts: config.partial_rollouts.then_some(config.partial_cache),
         });
         let mut engine = Self {
             shared,

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 
 use super::Episodes;
 use crate::stop::StopConditions;
-use crate::{Batching, Error, SamplingConfig};
+use crate::{Batching, Error, PartialCache, SamplingConfig};
 
 /// Counters of one worker since the engine started.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -122,8 +122,9 @@ pub(super) struct Shared<M> {
     pub(super) max_num_seqs: usize,
     pub(super) max_seq_len: usize,
     pub(super) batching: Batching,
-    /// Running responses continue under newly installed weights (partial rollouts).
-    pub(super) partial_rollouts: bool,
+    /// Running responses continue under newly installed weights (partial rollouts),
+    /// their caches rebuilt or kept: `None` when they finish with their own.
+    pub(super) partial_rollouts: Option<PartialCache>,
 }
 
 impl<M> Shared<M> {

@@ -17,7 +17,7 @@ use super::episodes::{EpisodeState, ToolCall, spawn_tool_call};
 use super::shared::{Event, Job, Request, Shared, Versioned, WorkerCounters};
 use crate::backend::InferenceModel;
 use crate::stop::Finish;
-use crate::{Batching, Error, Sampler, TokenRng};
+use crate::{Batching, Error, PartialCache, Sampler, TokenRng};
 
 /// Most prompt tokens one prefill forward takes: sequences admitted together are
 /// prefilled in one forward (on a small model one prompt costs about what many cost),
@@ -256,17 +256,15 @@ impl<M: InferenceModel> Worker<M> {
 
     /// Partial rollouts (`rollout.partial_rollouts`): every live sequence not waiting on
     /// its environment whose weights are older than the installed ones continues
-    /// under them. Its KV cache is rebuilt by prefilling its whole context (prompt and
-    /// tokens so far) with the new weights, which also gives its next token: the
-    /// cached keys and values are functions of the weights, and keeping the old ones
-    /// would attend with two models at once. The switch is recorded on the completion.
-    /// The response's random stream goes on where it was (its seed is fixed at its
-    /// start), so a response continued under new weights equals one given those
-    /// weights at that token.
+    /// under them. With [`PartialCache::Rebuild`] its KV cache is rebuilt by
+    /// prefilling its whole context (prompt and tokens so far) with the new weights,
+    /// which also gives its next token; with [`PartialCache::Keep`] the cache stays
+    /// and the next decode step is the new weights' first. The switch is recorded on
+    /// the completion. The response's random stream goes on where it was (its seed is
+    /// fixed at its start), so a response continued under new weights equals one
+    /// given those weights at that token.
     fn catch_up(&mut self) {
-        if !self.shared.partial_rollouts {
-            return;
-        }
+        let Some(cache) = self.shared.partial_rollouts else { return };
         let current = self.shared.current();
         let behind: Vec<usize> = (0..self.slots.len())
             .filter(|&s| {
@@ -279,13 +277,17 @@ impl<M: InferenceModel> Worker<M> {
             return;
         }
         for &slot in &behind {
-            current.model.free(&mut self.cache, slot);
+            if cache == PartialCache::Rebuild {
+                current.model.free(&mut self.cache, slot);
+            }
             let Some(seq) = self.slots[slot].as_mut() else { continue };
             seq.switches.push(VersionSwitch { at: seq.generated().len() as u32, version: current.version });
             seq.model = Arc::clone(&current);
         }
         crate::metrics::weight_switches(&self.label, behind.len());
-        self.prefill_chunked(&current, &behind);
+        if cache == PartialCache::Rebuild {
+            self.prefill_chunked(&current, &behind);
+        }
     }
 
     /// [`Worker::prefill`] in as few forwards as [`PREFILL_TOKENS`] allows.

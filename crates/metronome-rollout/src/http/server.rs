@@ -495,7 +495,12 @@ fn choice(
 
 /// The request's sampling, recording log-probs as the server is configured to;
 /// unset fields take OpenAI's defaults (temperature 1, top-p 1).
-fn sampling_of(req: &CompletionRequest, max_tokens: usize, eos: &[u32], logprobs: LogprobsMode) -> SamplingConfig {
+fn sampling_of(
+    req: &CompletionRequest,
+    max_tokens: usize,
+    eos: &[u32],
+    logprobs: LogprobsMode,
+) -> SamplingConfig {
     let stop_token_ids = req.stop_token_ids.as_ref().map(|extra| {
         let mut ids = eos.to_vec();
         ids.extend(extra.iter().filter(|t| !eos.contains(t)));

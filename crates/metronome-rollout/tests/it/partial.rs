@@ -7,7 +7,8 @@ use std::sync::{Arc, OnceLock, Weak};
 use metronome_core::{PeriodId, PolicyVersion, RunSeed, TokenId, VersionSwitch, sample_seed};
 use metronome_model::{KvCache, Model};
 use metronome_rollout::{
-    CollectSink, Engine, EngineConfig, InferenceModel, Result, Sampler, SamplingConfig, Submission, TokenRng,
+    CollectSink, Engine, EngineConfig, InferenceModel, PartialCache, Result, Sampler, SamplingConfig,
+    Submission, TokenRng,
 };
 
 use crate::common::{prompts, tiny_model, tokenizer};
@@ -66,8 +67,9 @@ fn sampling() -> SamplingConfig {
 }
 
 /// One response of the first prompt from an engine that starts with three models'
-/// first, each handing over to the next after 5 of its own decode steps.
-async fn generate(partial_rollouts: bool) -> metronome_core::Completion {
+/// first, each handing over to the next after 5 of its own decode steps; `partial`
+/// says what partial rollouts do with the cache (`None`: no partial rollouts).
+async fn generate(partial: Option<PartialCache>) -> metronome_core::Completion {
     let engine_slot = Arc::new(OnceLock::new());
     let hooked = |seed: u64, next| Hooked {
         model: tiny_model(seed),
@@ -83,7 +85,8 @@ async fn generate(partial_rollouts: bool) -> metronome_core::Completion {
         threads_per_worker: Some(1),
         max_num_seqs: 1,
         max_seq_len: 128,
-        partial_rollouts,
+        partial_rollouts: partial.is_some(),
+        partial_cache: partial.unwrap_or_default(),
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::new(first, PolicyVersion(0), tokenizer(), config).unwrap());
@@ -102,8 +105,9 @@ async fn generate(partial_rollouts: bool) -> metronome_core::Completion {
 
 /// What an engine given each model from its token on decodes: the first model's
 /// prefill of the prompt, then its decode steps; at a switch, the new model's prefill
-/// of everything so far, then its decode steps; one random stream throughout.
-fn reference(switches: &[(usize, u64)]) -> (Vec<TokenId>, Vec<f32>) {
+/// of everything so far (or, keeping the cache, its decode step on the old cache),
+/// then its decode steps; one random stream throughout.
+fn reference(switches: &[(usize, u64)], keep: bool) -> (Vec<TokenId>, Vec<f32>) {
     let prompt = prompts(1).remove(0);
     let rng = TokenRng::new(sample_seed(SEED, PolicyVersion(0), prompt.id, 0));
     let mut sampler = Sampler::new();
@@ -112,7 +116,11 @@ fn reference(switches: &[(usize, u64)]) -> (Vec<TokenId>, Vec<f32>) {
     let mut model = tiny_model(switches[0].1);
     let mut cache = InferenceModel::new_cache(&model, 1, 128).unwrap();
     for k in 0..TOKENS {
-        let logits = match switches.iter().find(|(at, _)| *at == k) {
+        let switch = switches.iter().find(|(at, _)| *at == k);
+        if let Some(&(_, seed)) = switch.filter(|_| keep && k > 0) {
+            model = tiny_model(seed);
+        }
+        let logits = match switch.filter(|_| !keep || k == 0) {
             Some(&(_, seed)) => {
                 model = tiny_model(seed);
                 cache = InferenceModel::new_cache(&model, 1, 128).unwrap();
@@ -134,22 +142,32 @@ fn bits(x: &[f32]) -> Vec<u32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_interrupted_twice_decodes_what_an_engine_given_those_weights_at_those_tokens_does() {
-    let c = generate(true).await;
-    // The first model's 5th decode step sampled token 5 and installed version 1: token 6
-    // is the first the new weights sampled; 5 decode steps later, version 2 at token 12.
     let switch = |at, version| VersionSwitch { at, version: PolicyVersion(version) };
-    assert_eq!(c.version, PolicyVersion(0));
-    assert_eq!(c.switches, [switch(6, 1), switch(12, 2)]);
-    assert_eq!(c.newest_version(), PolicyVersion(2));
-    let (tokens, logprobs) = reference(&[(0, 11), (6, 12), (12, 13)]);
-    assert_eq!(c.tokens, tokens);
-    assert_eq!(bits(&c.logprobs), bits(&logprobs));
+    let mut continued = Vec::new();
+    for (cache, keep) in [(PartialCache::Rebuild, false), (PartialCache::Keep, true)] {
+        let c = generate(Some(cache)).await;
+        // The first model's 5th decode step sampled token 5 and installed version 1:
+        // token 6 is the first the new weights sampled; 6 tokens later (a prefill or a
+        // decode step, then 5 decode steps), version 2 at token 12.
+        assert_eq!(c.version, PolicyVersion(0));
+        let expected = if keep { [switch(6, 1), switch(11, 2)] } else { [switch(6, 1), switch(12, 2)] };
+        assert_eq!(c.switches, expected, "{cache:?}");
+        assert_eq!(c.newest_version(), PolicyVersion(2));
+        let at: Vec<usize> = c.switches.iter().map(|s| s.at as usize).collect();
+        let (tokens, logprobs) = reference(&[(0, 11), (at[0], 12), (at[1], 13)], keep);
+        assert_eq!(c.tokens, tokens, "{cache:?}");
+        assert_eq!(bits(&c.logprobs), bits(&logprobs), "{cache:?}");
+        continued.push(c.tokens);
+    }
 
     // Without partial rollouts the response finishes with the weights it started with.
-    let whole = generate(false).await;
+    let whole = generate(None).await;
     assert!(whole.switches.is_empty());
-    let (tokens, logprobs) = reference(&[(0, 11)]);
+    let (tokens, logprobs) = reference(&[(0, 11)], false);
     assert_eq!(whole.tokens, tokens);
     assert_eq!(bits(&whole.logprobs), bits(&logprobs));
-    assert_ne!(whole.tokens, c.tokens, "the switches changed nothing: the test would not see them");
+    for c in &continued {
+        assert_ne!(&whole.tokens, c, "the switches changed nothing: the test would not see them");
+    }
+    assert_ne!(continued[0], continued[1], "rebuilding and keeping the cache gave the same tokens");
 }

@@ -181,7 +181,12 @@ impl GrpoTrainer {
     }
 
     /// [`GrpoTrainer::resume`] with the teacher already loaded, if given.
-    fn resume_with(cfg: TrainerConfig, dir: &Path, device: &Device, teacher: Option<Teacher>) -> Result<Self> {
+    fn resume_with(
+        cfg: TrainerConfig,
+        dir: &Path,
+        device: &Device,
+        teacher: Option<Teacher>,
+    ) -> Result<Self> {
         let st_path = dir.join("trainer_state.json");
         let text = std::fs::read_to_string(&st_path).map_err(|e| TrainerError::checkpoint(&st_path, e))?;
         let st: CheckpointState =

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use candle_core::Var;
-use metronome_model::{Device, Model};
+use metronome_model::{Device, Model, Precision};
 
 use super::GrpoTrainer;
 use crate::{Result, TrainerConfig, TrainerError};
@@ -42,6 +42,27 @@ pub(super) fn trained_parameters(policy: &Model) -> Vec<(String, Var)> {
 /// made now.
 pub(super) fn reference_of(policy: &Model) -> Result<Model> {
     Ok(if policy.lora().is_some() { policy.base().with_trainable(false) } else { policy.frozen_copy()? })
+}
+
+/// The reference model a trainer computes with, from `reference` (f32, as
+/// [`reference_of`] or a checkpoint gives it) and the handle that runs the policy's
+/// forward (`scorer`): with adapters the scorer's base, which no step writes (in bf16,
+/// the compute copy's base, so no second copy); in bf16 otherwise a bf16 copy (the f32
+/// one is dropped: it is never read again, and a checkpoint saves the bf16 values
+/// widened exactly to f32, so a resumed trainer makes the same copy).
+pub(super) fn reference_in(
+    scorer: &Model,
+    reference: Option<Model>,
+    precision: Precision,
+) -> Result<Option<Model>> {
+    let Some(reference) = reference else { return Ok(None) };
+    if scorer.lora().is_some() {
+        return Ok(Some(scorer.base().with_trainable(false)));
+    }
+    Ok(Some(match precision {
+        Precision::F32 => reference,
+        Precision::Bf16 => reference.compute_copy(precision.dtype())?,
+    }))
 }
 
 impl GrpoTrainer {

@@ -22,7 +22,7 @@ use candle_core::{Tensor, Var};
 use metronome_core::{
     AccumulateReport, GroupKey, PolicyVersion, RunSeed, StepReport, TrainBatch, WeightSnapshot, stream_seed,
 };
-use metronome_model::{Device, Model};
+use metronome_model::{Device, Model, Precision};
 use serde::{Deserialize, Serialize};
 
 pub use self::sft::{SftExample, sft_batch};
@@ -120,8 +120,17 @@ enum Mode {
 /// [`metronome_core::Trainer`] implementation calls them.
 pub struct GrpoTrainer {
     cfg: TrainerConfig,
+    /// The policy as published and checkpointed: f32, whose trained parameters
+    /// (`params`) are the ones AdamW updates (the master weights in bf16).
     policy: Model,
     params: Vec<(String, Var)>,
+    /// The handle that runs the forward and backward: the policy itself in f32, its
+    /// bf16 compute copy in bf16, with the chunked head and checkpointing as
+    /// configured. `scorer_params` are its trained parameters, in the order of
+    /// `params`: the same variables in f32, their bf16 copies otherwise.
+    scorer: Model,
+    scorer_params: Vec<(String, Var)>,
+    precision: Precision,
     reference: Option<Model>,
     /// The distillation teacher (`trainer.distill`), scored in the reference's slot
     /// (the two never coexist); loaded from its path, never checkpointed.
@@ -158,6 +167,7 @@ impl std::fmt::Debug for GrpoTrainer {
             .field("version", &self.version)
             .field("optimizer_steps", &self.optimizer.steps())
             .field("parameters", &self.params.len())
+            .field("precision", &self.precision)
             .field("reference", &self.reference.is_some())
             .field("teacher", &self.teacher.is_some())
             .field("pending_micro_batches", &self.accum.micro_batches())
@@ -195,8 +205,10 @@ impl GrpoTrainer {
         Self::with_reference(cfg, policy, reference, None)
     }
 
-    /// The trainer around `policy` and `reference` as given, and `teacher` (loaded
-    /// from `cfg.distill` when `None` and the config names one); `cfg` is validated.
+    /// The trainer around `policy` and `reference` as given (f32), in the precision
+    /// and with the memory levers `cfg` asks for, and `teacher` (loaded from
+    /// `cfg.distill` in that precision when `None` and the config names one); `cfg`
+    /// is validated.
     fn with_reference(
         cfg: TrainerConfig,
         policy: Model,
@@ -209,12 +221,27 @@ impl GrpoTrainer {
                 "is frozen; the trainer needs a trainable model",
             ));
         }
+        let params = lora::trained_parameters(&policy);
+        let precision = cfg.precision_on(policy.device());
+        let chunk = cfg.chunked_head_on(policy.device()).then(|| policy.default_head_chunk());
+        // The teacher is scored as the reference would be: in the trainer's precision,
+        // with its head chunked as the policy's.
         let teacher = match (&cfg.distill, teacher) {
             (Some(_), Some(teacher)) => Some(teacher),
-            (Some(distill), None) => Some(Teacher::load(distill, &policy)?),
+            (Some(distill), None) => Some(Teacher::load(distill, &policy, precision, chunk)?),
             (None, _) => None,
         };
-        let params = lora::trained_parameters(&policy);
+        // In bf16 the forward and backward run on a copy of the weights made now and
+        // refreshed after every update (`refresh_scorer`), never per micro-batch.
+        let scorer = match precision {
+            Precision::F32 => policy.clone(),
+            Precision::Bf16 => policy.compute_copy(precision.dtype())?,
+        }
+        .with_chunked_head(chunk)
+        .with_gradient_checkpointing(cfg.gradient_checkpointing);
+        let scorer_params = lora::trained_parameters(&scorer);
+        let reference =
+            lora::reference_in(&scorer, reference, precision)?.map(|r| r.with_chunked_head(chunk));
         let optimizer = AdamW::new(cfg.optimizer, &params)?;
         let pool = build_pool(cfg.threads())?;
         Ok(Self {
@@ -226,6 +253,9 @@ impl GrpoTrainer {
             cfg,
             policy,
             params,
+            scorer,
+            scorer_params,
+            precision,
             reference,
             teacher,
             optimizer,
@@ -269,6 +299,21 @@ impl GrpoTrainer {
     #[must_use]
     pub fn config(&self) -> &TrainerConfig {
         &self.cfg
+    }
+
+    /// The precision the forward and backward run in (`trainer.precision`, or the
+    /// device's default).
+    #[must_use]
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The model the forward and backward run on: the policy in f32; in bf16 its
+    /// compute copy, refreshed from the f32 policy after every update. Both with the
+    /// configured chunked head and checkpointing.
+    #[must_use]
+    pub fn scorer(&self) -> &Model {
+        &self.scorer
     }
 
     /// The policy (shares its weights with the trainer). With LoRA, the adapted
@@ -397,9 +442,10 @@ impl GrpoTrainer {
             zero_advantage_groups: s.zero_groups,
             logprob_gap: per_token(s.gap),
             mismatch: self.mismatch.summary(),
-            distill_kl: self.teacher.as_ref().map(|_| {
-                if s.distill_tokens == 0 { 0.0 } else { s.distill_kl / s.distill_tokens as f64 }
-            }),
+            distill_kl: self
+                .teacher
+                .as_ref()
+                .map(|_| if s.distill_tokens == 0 { 0.0 } else { s.distill_kl / s.distill_tokens as f64 }),
         };
         let result = (|| {
             if self.accum.micro_batches() == 0 || s.tokens == 0 {
@@ -418,13 +464,27 @@ impl GrpoTrainer {
             if let Some(max) = self.cfg.max_grad_norm {
                 clip_grad_norm(&mut grads, norm, max)?;
             }
-            self.optimizer.step(&self.params, &grads, lr)
+            self.optimizer.step(&self.params, &grads, lr)?;
+            self.refresh_scorer()
         })();
         self.accum.clear();
         self.accum_regulariser.clear();
         self.sums = Sums::default();
         self.times.optimizer += start.elapsed();
         result.map(|()| report)
+    }
+
+    /// Writes the f32 master weights into the bf16 compute copy (nothing to do in f32,
+    /// where they are the same variables): once per update, so every micro-batch of a
+    /// step computes with the same rounded weights.
+    fn refresh_scorer(&self) -> Result<()> {
+        if self.precision == Precision::F32 {
+            return Ok(());
+        }
+        for ((_, master), (_, compute)) in self.params.iter().zip(&self.scorer_params) {
+            compute.set(&master.as_tensor().detach().to_dtype(compute.dtype())?)?;
+        }
+        Ok(())
     }
 
     /// An owned copy of the current weights at the current version (with LoRA, the

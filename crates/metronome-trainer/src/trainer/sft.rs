@@ -104,11 +104,11 @@ impl GrpoTrainer {
         let n = batch.targets.len();
         let sums = self.run(|t| {
             let start = Instant::now();
-            let out = t.policy.target_logprobs(&batch.rows, &batch.targets)?;
+            let out = t.scorer.target_logprobs(&batch.rows, &batch.targets)?;
             let (loss, value) = sft_loss(&out.logprobs, &vec![1.0; n])?;
             let mid = Instant::now();
             let grads = loss.backward()?;
-            t.accum.add(&t.params, &grads)?;
+            t.accum.add(&t.scorer_params, &grads)?;
             t.times.forward += mid - start;
             t.times.backward += mid.elapsed();
             let entropy: f64 = out.entropy.to_vec1::<f32>()?.iter().map(|&v| f64::from(v)).sum();
@@ -132,7 +132,7 @@ impl GrpoTrainer {
         let batch = sft_batch(examples)?;
         let pool = Arc::clone(&self.pool);
         pool.install(|| {
-            let out = self.policy.target_logprobs(&batch.rows, &batch.targets)?;
+            let out = self.scorer.target_logprobs(&batch.rows, &batch.targets)?;
             let lp = out.logprobs.detach().to_vec1::<f32>()?;
             Ok(-lp.iter().map(|&v| f64::from(v)).sum::<f64>() / lp.len().max(1) as f64)
         })

@@ -144,7 +144,7 @@ impl GrpoTrainer {
         // in turn. The reference builds no graph (it is frozen). A distillation teacher
         // takes the reference's slot (the two never coexist), laying the batch out
         // itself only when its rotary tables differ.
-        let batch = self.policy.prepare_batch(rows, &p.targets)?;
+        let batch = self.scorer.prepare_batch(rows, &p.targets)?;
         let teacher_batch = match &self.teacher {
             Some(t) if !t.shares_layout => Some(t.model.prepare_batch(rows, &p.targets)?),
             _ => None,
@@ -158,12 +158,12 @@ impl GrpoTrainer {
         let (out, second) = match second {
             Some(m) => {
                 let (out, second) = rayon::join(
-                    || self.policy.score(&batch, temperature),
+                    || self.scorer.score(&batch, temperature),
                     || m.score(teacher_batch.as_ref().unwrap_or(&batch), temperature),
                 );
                 (out?, Some(second?.logprobs))
             }
-            None => (self.policy.score(&batch, temperature)?, None),
+            None => (self.scorer.score(&batch, temperature)?, None),
         };
         drop((batch, teacher_batch));
         let (reference, teacher) = if self.teacher.is_some() { (None, second) } else { (second, None) };
@@ -199,10 +199,10 @@ impl GrpoTrainer {
             // REINFORCE++'s normaliser scales the policy-gradient term alone, known
             // only at step time: the two parts are accumulated apart.
             Some(regulariser) if self.batch_normalised() => {
-                self.accum.add(&self.params, &terms.policy_loss.backward()?)?;
-                self.accum_regulariser.add(&self.params, &regulariser.backward()?)?;
+                self.accum.add(&self.scorer_params, &terms.policy_loss.backward()?)?;
+                self.accum_regulariser.add(&self.scorer_params, &regulariser.backward()?)?;
             }
-            _ => self.accum.add(&self.params, &terms.loss.backward()?)?,
+            _ => self.accum.add(&self.scorer_params, &terms.loss.backward()?)?,
         }
         self.times.forward += mid - start;
         self.times.backward += mid.elapsed();

@@ -116,12 +116,31 @@ pub(crate) fn two_periods(device: &Device, order: [usize; 4]) -> (Vec<f32>, Vec<
 
 /// [`two_periods`] on a trainer pool of `threads` threads.
 pub(crate) fn two_periods_on(device: &Device, order: [usize; 4], threads: usize) -> (Vec<f32>, Vec<f64>) {
-    let groups = period_groups();
-    let mut cfg = config();
+    let mut cfg = two_periods_config();
     cfg.threads = Some(threads);
+    two_periods_with(device, order, &cfg)
+}
+
+/// The configuration of [`two_periods`]: a KL term, sequence-mean aggregation, and the
+/// f32 whole-logits trainer on every device (what the CPU runs by default), so that
+/// a GPU's steps compare with the CPU's.
+pub(crate) fn two_periods_config() -> TrainerConfig {
+    let mut cfg = config();
     cfg.loss.kl_coef = 0.02;
     cfg.loss.kl_estimator = KlEstimator::K3;
     cfg.loss.aggregation = Aggregation::SeqMeanTokenMean;
+    cfg.precision = Some(metronome_model::Precision::F32);
+    cfg.chunked_head = Some(false);
+    cfg
+}
+
+/// [`two_periods`] under `cfg`.
+pub(crate) fn two_periods_with(
+    device: &Device,
+    order: [usize; 4],
+    cfg: &TrainerConfig,
+) -> (Vec<f32>, Vec<f64>) {
+    let groups = period_groups();
     let mut trainer = cfg.build(Model::new(ModelConfig::tiny(), device, 7).unwrap()).unwrap();
     let mut losses = Vec::new();
     for _ in 0..2 {

@@ -10,7 +10,9 @@ use metronome_core::TrainBatch;
 use metronome_model::{Device, Model, ModelConfig};
 use metronome_trainer::{DistillConfig, DistillMode, GrpoTrainer, TeacherFormat, TrainerConfig};
 
-use crate::common::{config, flat_weights, max_abs_diff, pending_gradients, period_batch, stamped, tiny_model};
+use crate::common::{
+    config, flat_weights, max_abs_diff, pending_gradients, period_batch, stamped, tiny_model,
+};
 
 /// A teacher: a tiny model of another seed, saved as a Hugging Face folder in `dir`.
 fn save_teacher(dir: &Path, seed: u64) -> std::path::PathBuf {
@@ -126,4 +128,36 @@ fn checkpoints_leave_the_teacher_out_and_a_resumed_trainer_steps_identically() {
         let wb = flat_weights(other.policy());
         assert!(wa.iter().zip(&wb).all(|(x, y)| x.to_bits() == y.to_bits()), "weights differ after resume");
     }
+}
+
+/// In bf16 (`trainer.precision`) the teacher is scored as the reference is, from a
+/// bf16 copy with the policy's chunked head: a teacher equal to the student then
+/// teaches exactly nothing (an f32 teacher against the bf16 student would differ by
+/// bf16's rounding), and another teacher's reverse KL tracks the f32 trainer's.
+#[test]
+fn in_bf16_the_teacher_is_scored_in_bf16_and_its_signal_tracks_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let same = dir.path().join("same");
+    tiny_model().save_hf(&same).unwrap();
+    let bf16 = |mut cfg: TrainerConfig| {
+        cfg.precision = Some(metronome_model::Precision::Bf16);
+        cfg.chunked_head = Some(true);
+        cfg
+    };
+    let batch = period_batch(metronome_core::PolicyVersion(0));
+    let mut t = bf16(distill_config(&same, DistillMode::Alone, 1.0)).build(tiny_model()).unwrap();
+    t.accumulate_sync(&batch).unwrap();
+    assert_eq!(t.step_sync().unwrap().distill_kl, Some(0.0), "the bf16 student against itself in bf16");
+
+    let other = save_teacher(dir.path(), 11);
+    let kl = |cfg: TrainerConfig| {
+        let mut t = cfg.build(tiny_model()).unwrap();
+        t.accumulate_sync(&batch).unwrap();
+        t.step_sync().unwrap().distill_kl.unwrap()
+    };
+    let f32_kl = kl(distill_config(&other, DistillMode::Add, 1.0));
+    let bf16_kl = kl(bf16(distill_config(&other, DistillMode::Add, 1.0)));
+    eprintln!("mean reverse KL to another teacher: f32 {f32_kl:.6}, bf16 {bf16_kl:.6}");
+    assert!(f32_kl.abs() > 1e-3, "{f32_kl}");
+    assert!((f32_kl - bf16_kl).abs() <= 2e-2 * f32_kl.abs().max(1e-2), "f32 {f32_kl} vs bf16 {bf16_kl}");
 }

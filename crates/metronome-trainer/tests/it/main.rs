@@ -12,5 +12,6 @@ mod lora;
 mod loss_closed_form;
 mod mismatch;
 mod order;
+mod precision;
 mod resume;
 mod variants;

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Merges what `bash target/gpu/run.sh --bench` measured into one machine-readable
+report on stdout (the run writes it to $OUT/gpu.json; it is committed as
+`crates/metronome-model/benches/results/gpu.json` and the README's GPU table is taken
+from it):
+
+    python3 crates/metronome-model/benches/gpu_report.py BENCH_DIR > gpu.json
+
+BENCH_DIR holds, per shape, `metronome-SHAPE.json` (`examples/throughput.rs --json`)
+and `torch-SHAPE.json` (`benches/torch_gpu.py --json`) with the commands that wrote
+them (`*.cmd`), and `gpu.txt` (nvidia-smi's name, driver, memory), `date.txt`,
+`commit.txt` (the bundle's) and the GPU tests' summary. Each training row pairs
+Metronome's figures (bf16, chunked head, with and without checkpointed layers) with
+PyTorch eager bf16 autocast and torch.compile on the same shape and rows, and gives
+Metronome's faster setting over eager, and each figure's model FLOP utilisation: 6N
+FLOPs per token against the bf16 matmul peak PyTorch measured on the same GPU.
+"""
+
+import json
+import pathlib
+import sys
+
+
+def read(path, default=None):
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return default
+
+
+def load(path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main():
+    bench = pathlib.Path(sys.argv[1])
+    gpu = (read(bench / "gpu.txt", "") or "").split(", ")
+    report = {
+        "device": gpu[0] if gpu and gpu[0] else None,
+        "driver": gpu[1] if len(gpu) > 1 else None,
+        "memory_total": gpu[2] if len(gpu) > 2 else None,
+        "commit": read(bench / "commit.txt"),
+        "date": read(bench / "date.txt"),
+        "command": "bash target/gpu/run.sh --bench",
+        "gpu_tests": {
+            "failed_executables": int(read(bench / "tests-failed.txt", "-1")),
+            "summary": (read(bench / "tests-summary.txt", "") or "").splitlines(),
+        },
+        "matmul_peak_tflops": None,
+        "torch": None,
+        "training": [],
+    }
+    shapes = sorted({p.stem.split("-", 1)[1] for p in bench.glob("*.cmd")})
+    for shape in shapes:
+        ours, theirs = load(bench / f"metronome-{shape}.json"), load(bench / f"torch-{shape}.json")
+        commands = {k: read(bench / f"{k}-{shape}.cmd") for k in ("metronome", "torch")}
+        peak = None
+        if theirs:
+            peak = theirs["matmul_peak_tflops"]["bf16"]
+            report["matmul_peak_tflops"] = report["matmul_peak_tflops"] or theirs["matmul_peak_tflops"]
+            report["torch"] = report["torch"] or {k: theirs[k] for k in ("torch", "transformers")}
+        sizes = {(f["rows"], f["len"]) for f in (ours or {}).get("train", []) + (theirs or {}).get("train", [])}
+        for rows, length in sorted(sizes):
+            row = {"shape": shape, "rows": rows, "len": length, "commands": commands}
+            row["parameters"] = (ours or theirs or {}).get("parameters")
+            for f in (ours or {}).get("train", []):
+                if (f["rows"], f["len"]) == (rows, length):
+                    row[f"metronome_bf16_{f['memory'].replace('+', '_')}"] = f
+            for f in (theirs or {}).get("train", []):
+                if (f["rows"], f["len"]) == (rows, length):
+                    row[f"torch_{f['kind']}"] = f
+            for key, f in list(row.items()):
+                if isinstance(f, dict) and f.get("tflops_6n") is not None and peak:
+                    f["mfu_bf16_peak"] = f["tflops_6n"] / peak
+            ours_best = max(
+                (f["tokens_per_s"] for k, f in row.items() if k.startswith("metronome_") and f.get("tokens_per_s")),
+                default=None,
+            )
+            eager = row.get("torch_eager_bf16", {}).get("tokens_per_s")
+            row["metronome_best_over_torch_eager"] = ours_best / eager if ours_best and eager else None
+            report["training"].append(row)
+    json.dump(report, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
