@@ -138,3 +138,80 @@ fn same_training(a: &[Value], b: &[Value], name: &str) {
         assert_eq!(x["step"]["version"], y["step"]["version"], "{name} period {period}");
     }
 }
+
+/// One `metronome serve` with `--logprobs MODE`, loading weights from `weights`;
+/// the server and its endpoint for `rollout.openai.endpoints`.
+fn server(name: &str, logprobs: &str, weights: &std::path::Path) -> (Proc, String) {
+    let addr = format!("127.0.0.1:{}", metronome_testkit::server::free_port().unwrap());
+    let mut args: Vec<String> = ["serve", "--addr", &addr, "--model-name", "tiny", "--events", "-"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .chain(["--weights-dir".to_owned(), weights.display().to_string()])
+        .chain(["--logprobs".to_owned(), logprobs.to_owned()])
+        .collect();
+    for s in settings("server") {
+        args.extend(["--set".to_owned(), s]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let server = Proc::spawn_plain(name, &args);
+    server.wait_event("serving", |_| true);
+    (server, format!("\"http://{addr}\""))
+}
+
+/// A server that answers with the log-probs of the raw distribution (temperature 1),
+/// as vLLM does unless told otherwise, while the run samples at 0.7: the trainer's
+/// train–rollout mismatch shows it in every period, where the same server answering
+/// with the sampled distribution's log-probs shows none.
+#[test]
+fn raw_logprobs_from_the_server_show_as_train_rollout_mismatch() {
+    let _serial = serial();
+    let out = tempfile::tempdir().unwrap();
+    let mut figures = Vec::new();
+    for mode in ["sampled", "raw"] {
+        let weights = out.path().join(format!("weights-{mode}"));
+        std::fs::create_dir_all(&weights).unwrap();
+        let (server, endpoint) = server(&format!("serve {mode}"), mode, &weights);
+        let mut sets = settings(&format!("openai-{mode}"));
+        sets.retain(|s| s != "run.periods=3");
+        sets.extend([
+            "run.periods=2".to_owned(),
+            "rollout.sampling.temperature=0.7".to_owned(),
+            "rollout.backend=\"openai\"".to_owned(),
+            format!("rollout.openai.endpoints=[{endpoint}]"),
+            "rollout.openai.model=\"tiny\"".to_owned(),
+            format!("rollout.openai.export_dir={:?}", weights.display().to_string()),
+        ]);
+        let mut run =
+            Proc::spawn(&format!("openai run, {mode} log-probs"), &["run", "--quiet"], &sets, out.path());
+        run.finish_ok();
+        server.sigterm();
+        let reports = periods(&out.path().join(format!("openai-{mode}")));
+        assert_eq!(reports.len(), 2, "{mode}");
+        for r in &reports {
+            let m = &r["step"]["mismatch"];
+            let get = |k: &str| m[k].as_f64().unwrap_or_else(|| panic!("{mode}: no mismatch.{k} in {r}"));
+            eprintln!(
+                "{mode} log-probs, period {}: {} tokens, mean {:.3e}, p99 {:.3e}, max {:.3e}, k3 {:.3e}",
+                r["period"],
+                m["tokens"],
+                get("mean_abs"),
+                get("p99_abs"),
+                get("max_abs"),
+                get("kl_k3")
+            );
+            assert!(m["tokens"].as_u64().unwrap() > 0, "{mode}: {r}");
+            figures.push((mode, get("mean_abs"), get("max_abs"), get("kl_k3")));
+        }
+    }
+    for &(mode, mean, max, kl) in &figures {
+        if mode == "sampled" {
+            // The server samples with the native engine and records what it sampled
+            // from: the trainer's log-probs match (tests/tests/behaviour_logprobs.rs).
+            assert!(max <= 1e-5 && kl < 1e-10, "sampled: mean {mean}, max {max}, k3 {kl}");
+        } else {
+            // log softmax(z / 0.7) against log softmax(z): clearly not the same
+            // (measured: mean 0.24 to 0.27, max 0.78 to 0.83, k3 0.067 to 0.088).
+            assert!(mean > 0.05 && max > 0.2 && kl > 0.01, "raw: mean {mean}, max {max}, k3 {kl}");
+        }
+    }
+}
