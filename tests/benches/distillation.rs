@@ -1,0 +1,88 @@
+//! `cargo bench -p metronome-tests --bench distillation`: on-policy distillation
+//! against GRPO alone from the same student, held-out accuracy every few periods,
+//! printed as tables: on the copy task (the test's setting, run three times longer)
+//! and on the default arithmetic run with its trained model as the teacher
+//! (`distill/experiment.rs` says what runs).
+//!
+//! Under `cargo test` (no `--bench` argument) it runs a few small periods of the copy
+//! task as a smoke test; `tests/tests/distillation.rs` runs the test-sized
+//! experiment and asserts its direction.
+
+#[path = "distill/experiment.rs"]
+mod experiment;
+
+use experiment::{Sizes, Task, distillation, table};
+
+fn main() -> anyhow::Result<()> {
+    let bench = std::env::args().any(|a| a == "--bench");
+    let copy = Sizes {
+        task: Task::Copy,
+        teacher_sft: 600,
+        teacher_periods: 1,
+        teacher_prompts: 8,
+        student_seed: 1,
+        student_sft: 150,
+        periods: 60,
+        prompts_per_period: 64,
+        warmup_steps: 3,
+        eval_every: 10,
+        eval_prompts: 400,
+        eval_samples: 2,
+    };
+    // The default e2e run (`cargo xtask e2e`) as the teacher, a fresh copy of its
+    // warm start as the student, the default's settings in both arms.
+    let arithmetic = Sizes {
+        task: Task::Arithmetic,
+        teacher_sft: 800,
+        teacher_periods: 100,
+        teacher_prompts: 128,
+        student_seed: 0,
+        student_sft: 800,
+        periods: 40,
+        prompts_per_period: 128,
+        warmup_steps: 10,
+        eval_every: 10,
+        eval_prompts: 400,
+        eval_samples: 4,
+    };
+    let smoke = Sizes {
+        teacher_sft: 20,
+        student_sft: 10,
+        periods: 2,
+        prompts_per_period: 8,
+        eval_every: 1,
+        eval_prompts: 8,
+        eval_samples: 1,
+        ..copy.clone()
+    };
+    let runs = if bench { vec![copy, arithmetic] } else { vec![smoke] };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    for sizes in runs {
+        let out = tempfile::tempdir()?;
+        let start = std::time::Instant::now();
+        let outcome = runtime.block_on(distillation(out.path(), &sizes))?;
+        println!(
+            "\n{:?}: on-policy distillation vs GRPO alone, tiny model, {} prompts x 8 per period; teacher: {} \
+             warm-start steps + {} GRPO periods of {} prompts (seed 0); student: seed {}, {} warm-start steps; \
+             held-out accuracy of {} prompts x {} samples at temperature 1 ({:.0} s)",
+            sizes.task,
+            sizes.prompts_per_period,
+            sizes.teacher_sft,
+            sizes.teacher_periods,
+            sizes.teacher_prompts,
+            sizes.student_seed,
+            sizes.student_sft,
+            sizes.eval_prompts,
+            sizes.eval_samples,
+            start.elapsed().as_secs_f64()
+        );
+        print!("{}", table(&outcome));
+        println!(
+            "gain over {} periods: GRPO alone {:+.1} points, distillation {:+.1} points",
+            sizes.periods,
+            100.0 * outcome.grpo.gain(),
+            100.0 * outcome.distill.gain()
+        );
+    }
+    Ok(())
+}
