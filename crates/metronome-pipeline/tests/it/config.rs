@@ -295,6 +295,42 @@ fn malformed_overrides_and_files_are_named() {
     assert!(e.contains("broken.toml"), "{e}");
 }
 
+/// `[trainer.distill]`, a file's table or one override, round-trips; its bad keys,
+/// and the settings a teacher cannot be combined with, are named under
+/// `trainer.distill` before anything loads (a teacher that does not load, or has
+/// another vocabulary, is refused before the warm start: `tests/tests/distillation.rs`).
+#[test]
+fn a_distill_section_is_read_round_trips_and_names_its_bad_keys() {
+    let teacher = "trainer.distill={ kind = \"hf\", path = \"teacher\" }";
+    let config = PipelineConfig::embedded(&[teacher.to_owned()]).unwrap();
+    let distill = config.trainer.distill.clone().unwrap();
+    assert_eq!((distill.path.to_str(), distill.weight), (Some("teacher"), 1.0));
+    assert_eq!(format!("{:?}", distill.mode), "Alone");
+    let again = PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap();
+    assert_eq!(again, config);
+    let text = format!(
+        "{}\n[trainer.distill]\nkind = \"gguf\"\npath = \"t.gguf\"\nmode = \"add\"\nweight = 0.5",
+        PipelineConfig::embedded(&[]).unwrap().to_toml().unwrap()
+    );
+    let distill = PipelineConfig::parse(&text, "file", &[]).unwrap().trainer.distill.unwrap();
+    assert_eq!(
+        (format!("{:?}/{:?}", distill.kind, distill.mode), distill.weight),
+        ("Gguf/Add".to_owned(), 0.5)
+    );
+    invalid(&["trainer.distill={ kind = \"hf\", path = \"t\", weight = 0.0 }"], "`trainer.distill.weight`");
+    invalid(&["trainer.distill={ kind = \"hf\", path = \"\" }"], "`trainer.distill.path`");
+    let e = invalid(&[teacher, "trainer.loss.kl_coef=0.1"], "`trainer.distill`");
+    assert!(e.contains("kl_coef"), "{e}");
+    let e = invalid(&[teacher, "trainer.advantage=\"reinforce_plus_plus_baseline\""], "`trainer.distill`");
+    assert!(e.contains("reinforce_plus_plus_baseline"), "{e}");
+    assert_named(&[
+        ("trainer.distill={ kind = \"onnx\", path = \"t\" }", "onnx"),
+        ("trainer.distill={ kind = \"hf\", path = \"t\", mode = \"mix\" }", "mix"),
+        ("trainer.distill={ kind = \"hf\", path = \"t\", wieght = 1.0 }", "wieght"),
+        ("trainer.distill={ path = \"t\" }", "kind"),
+    ]);
+}
+
 #[test]
 fn the_trainer_precision_and_memory_levers_are_read_and_named_when_wrong() {
     let config = PipelineConfig::embedded(&[]).unwrap();
