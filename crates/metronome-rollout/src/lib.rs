@@ -81,7 +81,10 @@ pub mod sampling;
 mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
-pub use config::{Backend, Batching, EngineConfig, OpenAiClientConfig, PartialCache, WeightSync};
+pub use config::{
+    Backend, Batching, EngineConfig, MAX_NUM_SEQS, MAX_SEQ_LEN, MAX_THREADS, MAX_WORKERS, OpenAiClientConfig,
+    PartialCache, WeightSync,
+};
 pub use engine::{CollectSink, Engine, Episodes, Submission, WorkerStats};
 pub use error::{Error, Result};
 pub use metrics::METRICS;

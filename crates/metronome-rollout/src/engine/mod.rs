@@ -125,6 +125,7 @@ impl<M: InferenceModel> Engine<M> {
     ) -> Result<Self> {
         config.validate()?;
         let max_seq_len = config.max_seq_len.min(model.max_context());
+        model.check_caches(config.workers, config.max_num_seqs, max_seq_len)?;
         let caches = (0..config.workers)
             .map(|_| model.new_cache(config.max_num_seqs, max_seq_len))
             .collect::<Result<Vec<_>>>()?;

@@ -100,3 +100,32 @@ async fn a_snapshot_of_another_shape_is_rejected() {
     assert!(e.install_weights(Arc::new(snapshot)).await.is_err());
     assert_eq!(e.version(), PolicyVersion(0));
 }
+
+/// KV caches larger than the machine's available memory are refused when the engine
+/// is built, naming `max_num_seqs` and how many slots fit, before anything is
+/// allocated (before, a cache of 65,536 slots of a million tokens aborted the process).
+#[test]
+fn caches_beyond_the_machines_memory_are_refused_before_allocation() {
+    use metronome_core::RunSeed;
+    use metronome_rollout::{EngineConfig, model_engine};
+    // 64 TiB of cache: more than any machine this runs on has.
+    let config = EngineConfig {
+        workers: metronome_rollout::MAX_WORKERS,
+        threads_per_worker: Some(1),
+        max_num_seqs: metronome_rollout::MAX_NUM_SEQS,
+        max_seq_len: metronome_rollout::MAX_SEQ_LEN,
+        ..EngineConfig::default()
+    };
+    let model = tiny_model(7);
+    let context = model.config().max_position_embeddings;
+    let tokens = config.max_seq_len.min(context);
+    let Err(e) = model_engine(model, PolicyVersion(0), crate::common::tokenizer(), config, RunSeed(1)) else {
+        panic!("an engine with 1024 x 65536 slots of {tokens} tokens was built");
+    };
+    let e = e.to_string();
+    assert!(
+        e.starts_with("config field `max_num_seqs` is 65536: 1024 worker(s) x 65536 slots x 1024 tokens"),
+        "{e}"
+    );
+    assert!(e.contains("available") && e.contains("slots per worker fit"), "{e}");
+}
