@@ -207,8 +207,13 @@ impl Default for EvalConfig {
 impl EvalConfig {
     /// Checks the section's own values; the error names the `eval.` key.
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad("eval.temperature", format!("is {}, expected a number >= 0", self.temperature));
+        // The rollout's rule (the evaluation samples through the same engine).
+        let (min, max) = (metronome_rollout::MIN_TEMPERATURE, metronome_rollout::MAX_TEMPERATURE);
+        if !(self.temperature == 0.0 || (min..=max).contains(&self.temperature)) {
+            return bad(
+                "eval.temperature",
+                format!("is {}, expected 0 for greedy decoding, or {min} to {max}", self.temperature),
+            );
         }
         if self.prompts > 0 && self.every == 0 {
             return bad(

@@ -222,6 +222,14 @@ fn impossible_combinations_are_named() {
     invalid(&["eval.temperature=0.0", "eval.samples=4"], "`eval.samples`");
     invalid(&["eval.every=0"], "`eval.every`: is 0: to never evaluate set eval.prompts = 0");
     invalid(&["eval.temperature=-1.0"], "`eval.temperature`");
+    // Temperatures whose scaled logits leave f32's range: the same rule in the config,
+    // the evaluation and every HTTP request (crates/metronome-rollout/tests/it/http.rs).
+    for key in ["eval.temperature", "rollout.sampling.temperature"] {
+        let e = invalid(&[&format!("{key}=1e-30")], &format!("`{key}`"));
+        assert!(e.contains("expected 0 for greedy decoding, or 0.001 to 1000"), "{e}");
+    }
+    invalid(&["rollout.sampling.temperature=1e30"], "`rollout.sampling.temperature`");
+    invalid(&["rollout.sampling.repetition_penalty=1e-30"], "`rollout.sampling.repetition_penalty`");
     for schedule in ["sync", "periodic"] {
         let e = invalid(
             &["rollout.partial_rollouts=true", &format!("run.schedule=\"{schedule}\"")],
