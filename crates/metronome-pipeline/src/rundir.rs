@@ -72,6 +72,8 @@ pub(crate) struct OpenRun {
     pub(crate) checkpoints: PathBuf,
     /// The checkpoint the run resumes from and the period it resumes at.
     pub(crate) resume: Option<(PathBuf, u64)>,
+    /// Damaged checkpoints left out of the resume, newest first.
+    pub(crate) set_aside: Vec<crate::checkpoint::SetAside>,
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
@@ -144,7 +146,9 @@ impl RunDir {
         });
         let dir = Self::create(&config.run.out_dir, &name)?;
         let checkpoints = dir.checkpoints().join(store);
-        let latest = Checkpoints::new(checkpoints.clone()).latest()?;
+        let store = Checkpoints::new(checkpoints.clone());
+        let set_aside = if checkpoints.is_dir() { store.recover()? } else { Vec::new() };
+        let latest = store.latest()?;
         if latest.is_some() {
             dir.check_resumable(config, allow_config_change)?;
         }
@@ -152,7 +156,7 @@ impl RunDir {
         // A directory without a checkpoint holds nothing to continue: start over.
         let resume = latest.map(|(checkpoint, state)| (checkpoint, state.next_period));
         dir.resume_record(resume.as_ref().map_or(0, |r| r.1))?;
-        Ok(OpenRun { dir, checkpoints, resume })
+        Ok(OpenRun { dir, checkpoints, resume, set_aside })
     }
 
     /// Refuses to resume a run whose stored config differs from `config` in a key
