@@ -68,6 +68,9 @@ impl Render {
             Event::Resuming { period, checkpoint } => {
                 say!("resuming at period {period} from {}", checkpoint.display());
             }
+            Event::WarmStartResuming { step, checkpoint } => {
+                say!("resuming the warm start after step {step} from {}", checkpoint.display());
+            }
             Event::CheckpointSetAside { moved_to, reason } => {
                 say!("checkpoint {reason}: set aside as {}, resuming from an older one", moved_to.display());
             }

@@ -26,10 +26,13 @@ use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
 
+use std::time::Instant;
+
 use metronome_core::{Cursor, Trainer};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::runner::Checkpointing;
 
 /// Where a run stands at a period boundary, beside the trainer's own state: enough
 /// to repeat the run from there.
@@ -148,6 +151,11 @@ fn io(path: &Path) -> impl Fn(io::Error) -> Error + '_ {
 impl Checkpoints {
     pub(crate) fn new(root: PathBuf) -> Self {
         Self { root }
+    }
+
+    /// The folder of the checkpoints.
+    pub(crate) fn root(&self) -> &Path {
+        &self.root
     }
 
     /// The newest complete checkpoint and its run state; `None` before the first.
@@ -296,6 +304,40 @@ impl Checkpoints {
                 tracing::warn!("cannot remove old checkpoint {}: {e}", entry.path().display());
             }
         }
+    }
+}
+
+/// A run's checkpoints and when the next one is due: every `every` periods (or
+/// warm-start steps), the first boundary `interval` after the last one, and after the
+/// last. The runner keeps one for its periods, the warm start one for its steps.
+pub(crate) struct Checkpointer {
+    pub(crate) store: Checkpoints,
+    policy: Checkpointing,
+    last: Instant,
+}
+
+impl Checkpointer {
+    pub(crate) fn new(policy: Checkpointing) -> Self {
+        Self { store: Checkpoints::new(policy.dir.clone()), policy, last: Instant::now() }
+    }
+
+    /// Writes the checkpoint from which a run resumes at `next` (of `total`) when one
+    /// is due (by count, by time, or after the last); whether it did.
+    pub(crate) async fn save_if_due(
+        &mut self,
+        trainer: &mut dyn Trainer,
+        next: u64,
+        total: u64,
+        cursor: Cursor,
+    ) -> Result<bool> {
+        let by_count = self.policy.every > 0 && next.is_multiple_of(self.policy.every);
+        let by_time = !self.policy.interval.is_zero() && self.last.elapsed() >= self.policy.interval;
+        if !(by_count || by_time || next == total) {
+            return Ok(false);
+        }
+        self.store.save(trainer, RunState { next_period: next, cursor }).await?;
+        self.last = Instant::now();
+        Ok(true)
     }
 }
 

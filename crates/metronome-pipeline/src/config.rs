@@ -265,11 +265,15 @@ pub struct SftConfig {
     /// Below 1, the policy starts out calling tools only sometimes and RL has tool
     /// use to discover and reinforce.
     pub tool_demonstrations: f64,
+    /// Write a warm-start checkpoint (`checkpoints/sft/`) every this many steps; 0:
+    /// only every `run.checkpoint_interval_s` seconds and after the last step. A
+    /// killed run resumes its warm start from the last one.
+    pub checkpoint_every: u64,
 }
 
 impl Default for SftConfig {
     fn default() -> Self {
-        Self { steps: 0, batch_size: 32, learning_rate: 1e-3, tool_demonstrations: 1.0 }
+        Self { steps: 0, batch_size: 32, learning_rate: 1e-3, tool_demonstrations: 1.0, checkpoint_every: 0 }
     }
 }
 
@@ -743,6 +747,7 @@ impl PipelineConfig {
             "run.name",
             "run.checkpoint_every",
             "run.checkpoint_interval_s",
+            "sft.checkpoint_every",
             "run.auto_placement",
             "run.cores",
             "eval",

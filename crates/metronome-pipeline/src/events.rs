@@ -34,6 +34,13 @@ pub enum Event {
         /// Which checkpoint, and what is wrong with it.
         reason: String,
     },
+    /// The warm start continues from its checkpoint after `step` steps.
+    WarmStartResuming {
+        /// Steps done before.
+        step: u64,
+        /// The checkpoint it continues from.
+        checkpoint: PathBuf,
+    },
     /// One step of the supervised warm start.
     WarmStartStep {
         /// Steps done (1-based).

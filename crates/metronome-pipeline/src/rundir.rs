@@ -149,7 +149,9 @@ impl RunDir {
         let store = Checkpoints::new(checkpoints.clone());
         let set_aside = if checkpoints.is_dir() { store.recover()? } else { Vec::new() };
         let latest = store.latest()?;
-        if latest.is_some() {
+        // A warm start that checkpointed resumes too (`warm_start.rs`).
+        let warm_start = Checkpoints::new(dir.warm_start_checkpoints()).latest().ok().flatten();
+        if latest.is_some() || warm_start.is_some() {
             dir.check_resumable(config, allow_config_change)?;
         }
         dir.write_config(&config.to_toml()?)?;
@@ -192,6 +194,12 @@ impl RunDir {
     #[must_use]
     pub fn checkpoints(&self) -> PathBuf {
         self.path.join(CHECKPOINTS_DIR)
+    }
+
+    /// The folder of the warm start's checkpoints (`checkpoints/sft`).
+    #[must_use]
+    pub fn warm_start_checkpoints(&self) -> PathBuf {
+        self.checkpoints().join("sft")
     }
 
     /// The `metrics.jsonl` file.

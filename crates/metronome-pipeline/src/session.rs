@@ -104,7 +104,8 @@ impl Session {
         let model = if self.resume_at.is_some() {
             model
         } else {
-            let (model, loss) = warm_start(config, model, &tokenizer, &self.observer).await?;
+            let checkpoints = self.dir.warm_start_checkpoints();
+            let (model, loss) = warm_start(config, model, &tokenizer, &self.observer, checkpoints).await?;
             if let Some((first, last)) = loss {
                 tracing::info!(first, last, "warm start done");
             }
