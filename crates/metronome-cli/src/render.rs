@@ -68,6 +68,12 @@ impl Render {
             Event::Resuming { period, checkpoint } => {
                 say!("resuming at period {period} from {}", checkpoint.display());
             }
+            Event::WarmStartResuming { step, checkpoint } => {
+                say!("resuming the warm start after step {step} from {}", checkpoint.display());
+            }
+            Event::CheckpointSetAside { moved_to, reason } => {
+                say!("checkpoint {reason}: set aside as {}, resuming from an older one", moved_to.display());
+            }
             Event::WarmStartStep { step, steps, .. } if self.progress => {
                 let bar = bars.sft.get_or_insert_with(|| bar(*steps, "sft"));
                 bar.set_position(*step);

@@ -53,6 +53,29 @@ pub struct HostTensor {
     pub data: TensorData,
 }
 
+impl HostTensor {
+    /// Why this tensor cannot be installed, if it cannot: its element count is not
+    /// its shape's product, or an element is not finite (NaN or ±inf; the first one's
+    /// index is named). A weight that is not finite would poison every forward pass
+    /// far from the place it came from, so every installer checks first.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let expected = self.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if expected != Some(self.data.len()) {
+            return Err(format!("has {} elements for shape {:?}", self.data.len(), self.shape));
+        }
+        // Non-finite floats have every exponent bit set, in all three encodings.
+        let bad = match &self.data {
+            TensorData::F32(v) => v.iter().position(|x| !x.is_finite()),
+            TensorData::Bf16(v) => v.iter().position(|&b| b & 0x7f80 == 0x7f80),
+            TensorData::F16(v) => v.iter().position(|&b| b & 0x7c00 == 0x7c00),
+        };
+        match bad {
+            Some(i) => Err(format!("element {i} is not finite")),
+            None => Ok(()),
+        }
+    }
+}
+
 /// A complete set of policy weights at one version. It owns its data: it never
 /// aliases the trainer's parameters, so the optimiser may keep writing.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -58,13 +58,25 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// The bytes of a cache of `num_slots` slots of `max_seq_len` tokens for a model
+    /// of `cfg` (keys and values of every layer, in f32); `None` beyond `u64`.
+    #[must_use]
+    pub fn bytes(cfg: &crate::ModelConfig, num_slots: usize, max_seq_len: usize) -> Option<u64> {
+        [num_slots, max_seq_len, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, 4]
+            .into_iter()
+            .try_fold(1u64, |n, d| n.checked_mul(d as u64))
+    }
+
     /// A cache for `model` with `num_slots` slots of up to `max_seq_len` tokens each.
     pub fn new(model: &Model, num_slots: usize, max_seq_len: usize) -> Result<Self> {
         let cfg = model.config();
         if num_slots == 0 || max_seq_len == 0 {
             return Err(Error::invalid("kv cache", "needs at least one slot of at least one token"));
         }
-        let shape = (num_slots * max_seq_len, cfg.num_key_value_heads, cfg.head_dim);
+        let rows = num_slots.checked_mul(max_seq_len).ok_or_else(|| {
+            Error::invalid("kv cache", format!("{num_slots} slots of {max_seq_len} tokens overflow a count"))
+        })?;
+        let shape = (rows, cfg.num_key_value_heads, cfg.head_dim);
         let mut keys = Vec::with_capacity(cfg.num_hidden_layers);
         let mut values = Vec::with_capacity(cfg.num_hidden_layers);
         for _ in 0..cfg.num_hidden_layers {

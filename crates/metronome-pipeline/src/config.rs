@@ -207,8 +207,13 @@ impl Default for EvalConfig {
 impl EvalConfig {
     /// Checks the section's own values; the error names the `eval.` key.
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad("eval.temperature", format!("is {}, expected a number >= 0", self.temperature));
+        // The rollout's rule (the evaluation samples through the same engine).
+        let (min, max) = (metronome_rollout::MIN_TEMPERATURE, metronome_rollout::MAX_TEMPERATURE);
+        if !(self.temperature == 0.0 || (min..=max).contains(&self.temperature)) {
+            return bad(
+                "eval.temperature",
+                format!("is {}, expected 0 for greedy decoding, or {min} to {max}", self.temperature),
+            );
         }
         if self.prompts > 0 && self.every == 0 {
             return bad(
@@ -260,11 +265,15 @@ pub struct SftConfig {
     /// Below 1, the policy starts out calling tools only sometimes and RL has tool
     /// use to discover and reinforce.
     pub tool_demonstrations: f64,
+    /// Write a warm-start checkpoint (`checkpoints/sft/`) every this many steps; 0:
+    /// only every `run.checkpoint_interval_s` seconds and after the last step. A
+    /// killed run resumes its warm start from the last one.
+    pub checkpoint_every: u64,
 }
 
 impl Default for SftConfig {
     fn default() -> Self {
-        Self { steps: 0, batch_size: 32, learning_rate: 1e-3, tool_demonstrations: 1.0 }
+        Self { steps: 0, batch_size: 32, learning_rate: 1e-3, tool_demonstrations: 1.0, checkpoint_every: 0 }
     }
 }
 
@@ -396,6 +405,7 @@ impl PipelineConfig {
         self.packing.validate().map_err(|e| stage("packing", &e))?;
         self.eval.validate()?;
         self.sft.validate()?;
+        self.check_sizes()?;
         self.check_env()?;
         self.check_partial_rollouts()?;
         self.check_devices()?;
@@ -407,6 +417,53 @@ impl PipelineConfig {
         #[cfg(not(feature = "nats"))]
         let _ = groups;
         self.check_heldout()
+    }
+
+    /// Counts and sizes within bounds far above any real use and below what would
+    /// abort an allocation (a period's responses, the evaluation's, the threads), so a
+    /// value of `1e11` is an error naming its key, not an out-of-memory abort later.
+    /// The rollout's own sizes are bounded by `EngineConfig::validate`, and its KV cache
+    /// against the machine's memory when the engine is built.
+    fn check_sizes(&self) -> Result<()> {
+        use metronome_rollout::{MAX_SEQ_LEN, MAX_THREADS};
+        let (batch, group) = (self.data.release.batch_size, self.run.group_size as usize);
+        let (prompts, samples) = (self.eval.prompts, self.eval.samples as usize);
+        for (key, value, max) in [
+            ("run.group_size", group, MAX_GROUP_SIZE),
+            ("data.release.batch_size", batch, MAX_RESPONSES),
+            ("eval.prompts", prompts, MAX_RESPONSES),
+            ("eval.samples", samples, MAX_GROUP_SIZE),
+            ("sft.batch_size", self.sft.batch_size, MAX_RESPONSES),
+            ("run.cores", self.run.cores, MAX_THREADS),
+            ("trainer.threads", self.trainer.threads.unwrap_or(1), MAX_THREADS),
+            ("packing.row_tokens", self.packing.row_tokens, MAX_SEQ_LEN),
+        ] {
+            if value > max {
+                return bad(key, format!("is {value} (expected at most {max})"));
+            }
+        }
+        // Both factors are bounded above, so the products do not overflow.
+        if batch * group > MAX_RESPONSES {
+            return bad(
+                "data.release.batch_size",
+                format!(
+                    "is {batch}: with run.group_size = {group} a period samples {} responses, more than \
+                     {MAX_RESPONSES}",
+                    batch * group
+                ),
+            );
+        }
+        if prompts * samples > MAX_RESPONSES {
+            return bad(
+                "eval.samples",
+                format!(
+                    "is {samples}: with eval.prompts = {prompts} an evaluation samples {} answers, more than \
+                     {MAX_RESPONSES}",
+                    prompts * samples
+                ),
+            );
+        }
+        Ok(())
     }
 
     /// `[env]` with the engine that can run it.
@@ -696,6 +753,7 @@ impl PipelineConfig {
             "run.name",
             "run.checkpoint_every",
             "run.checkpoint_interval_s",
+            "sft.checkpoint_every",
             "run.auto_placement",
             "run.cores",
             "eval",
@@ -760,6 +818,12 @@ impl PipelineConfig {
     }
 }
 
+/// The largest group: responses sampled per prompt.
+const MAX_GROUP_SIZE: usize = 1 << 16;
+/// The most prompts a period or an evaluation takes, and the most responses it samples
+/// (each holds its tokens and bookkeeping until trained or scored).
+const MAX_RESPONSES: usize = 1 << 22;
+
 /// A config document built from layers, remembering which layer set each key, so
 /// that an error names the file (or `--set`) the value at fault came from.
 #[derive(Default)]
@@ -774,7 +838,7 @@ impl Layers {
     fn add(&mut self, origin: &str, text: &str) -> Result<()> {
         let layer: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config {
             key: origin.to_owned(),
-            reason: format!("is not valid TOML: {}", e.message()),
+            reason: format!("is not valid TOML: {}", toml_error_at(text, &e)),
         })?;
         merge("", &mut self.doc, layer, origin, &mut self.origins);
         Ok(())
@@ -798,8 +862,49 @@ impl Layers {
                     reason: format!("{} (in {origin})", e.inner().message()),
                 }
             })?;
-        config.validate()?;
+        // A value out of range names its key; say which layer set it too.
+        config.validate().map_err(|e| match e {
+            Error::Config { key, reason } => {
+                let reason = match origin_of(&self.origins, &key) {
+                    Some(origin) if !reason.contains("(in ") => format!("{reason} (in {origin})"),
+                    _ => reason,
+                };
+                Error::Config { key, reason }
+            }
+            e => e,
+        })?;
         Ok(config)
+    }
+}
+
+/// Where a TOML parse error is: its line and column, the dotted key when the error
+/// is at one (a duplicate key is named with its table, `run.periods`), and the
+/// message. `toml`'s own message names neither for some errors (`duplicate key`,
+/// an integer out of range).
+fn toml_error_at(text: &str, e: &toml::de::Error) -> String {
+    let Some(span) = e.span() else { return e.message().to_owned() };
+    let start = span.start.min(text.len());
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    // The table the error's line is in: the last `[header]` above it.
+    let table = before
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|h| h.trim_matches(|c| c == '[' || c == ']').trim().to_owned());
+    let source_line = text.lines().nth(line - 1).unwrap_or("").trim();
+    let at = text.get(span.clone()).unwrap_or("").trim();
+    // A key (not a value) at the span: name it with its table.
+    let key = (!at.is_empty()
+        && source_line.starts_with(at)
+        && source_line[at.len()..].trim_start().starts_with('='))
+    .then(|| table.as_ref().map_or_else(|| at.to_owned(), |t| format!("{t}.{at}")));
+    let message = e.message().trim_end();
+    match key {
+        Some(key) => format!("line {line}, column {column}, key `{key}`: {message} (`{source_line}`)"),
+        None => format!("line {line}, column {column}: {message} (`{source_line}`)"),
     }
 }
 
@@ -894,6 +999,18 @@ fn flatten(prefix: &str, value: &toml::Value, out: &mut std::collections::BTreeM
 
 /// Applies `key.path=value` to the document, creating tables on the way; the key
 /// path, trimmed.
+/// Whether an override's value is meant as TOML rather than bare text: it starts
+/// like a number (a digit, or a sign and a digit), an array, an inline table or
+/// quoted text.
+fn looks_like_toml(raw: &str) -> bool {
+    let mut chars = raw.chars();
+    match chars.next() {
+        Some(c) if c.is_ascii_digit() || "[{\"'".contains(c) => true,
+        Some('+' | '-') => chars.next().is_some_and(|c| c.is_ascii_digit() || c == '.'),
+        _ => false,
+    }
+}
+
 fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<String> {
     let bad = |reason: String| Error::Config { key: assignment.to_owned(), reason };
     let (path, raw) = assignment.split_once('=').ok_or_else(|| bad("expected `key.path=value`".into()))?;
@@ -901,12 +1018,18 @@ fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<String> {
     if keys.iter().any(|k| k.is_empty()) {
         return Err(bad("has an empty key".into()));
     }
-    // Read the value as TOML (numbers, booleans, arrays, inline tables), else as text.
-    let value = format!("v = {}", raw.trim())
-        .parse::<toml::Table>()
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.trim().to_owned()));
+    // Read the value as TOML (numbers, booleans, arrays, inline tables, quoted text),
+    // else as bare text; but what starts like a number, an array, a table or quoted
+    // text and does not parse is refused with TOML's reason (an integer out of range
+    // must not become the string "99999999999999999999").
+    let raw = raw.trim();
+    let value = match format!("v = {raw}").parse::<toml::Table>() {
+        Ok(mut t) => t.remove("v").unwrap_or_else(|| toml::Value::String(raw.to_owned())),
+        Err(e) if looks_like_toml(raw) => {
+            return Err(bad(format!("`{raw}` is not a valid value: {}", e.message().trim_end())));
+        }
+        Err(_) => toml::Value::String(raw.to_owned()),
+    };
     let (last, parents) = keys.split_last().expect("split yields at least one key");
     let mut table = doc;
     for (i, key) in parents.iter().enumerate() {

@@ -26,6 +26,21 @@ pub enum Event {
         /// The checkpoint it continues from.
         checkpoint: PathBuf,
     },
+    /// A damaged checkpoint was left out of the resume: kept at `moved_to`, and the
+    /// run resumes from the newest older one that is whole (`Resuming` follows).
+    CheckpointSetAside {
+        /// Where the damaged checkpoint is kept.
+        moved_to: PathBuf,
+        /// Which checkpoint, and what is wrong with it.
+        reason: String,
+    },
+    /// The warm start continues from its checkpoint after `step` steps.
+    WarmStartResuming {
+        /// Steps done before.
+        step: u64,
+        /// The checkpoint it continues from.
+        checkpoint: PathBuf,
+    },
     /// One step of the supervised warm start.
     WarmStartStep {
         /// Steps done (1-based).

@@ -72,6 +72,8 @@ pub(crate) struct OpenRun {
     pub(crate) checkpoints: PathBuf,
     /// The checkpoint the run resumes from and the period it resumes at.
     pub(crate) resume: Option<(PathBuf, u64)>,
+    /// Damaged checkpoints left out of the resume, newest first.
+    pub(crate) set_aside: Vec<crate::checkpoint::SetAside>,
 }
 
 fn io_error(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
@@ -144,15 +146,19 @@ impl RunDir {
         });
         let dir = Self::create(&config.run.out_dir, &name)?;
         let checkpoints = dir.checkpoints().join(store);
-        let latest = Checkpoints::new(checkpoints.clone()).latest()?;
-        if latest.is_some() {
+        let store = Checkpoints::new(checkpoints.clone());
+        let set_aside = if checkpoints.is_dir() { store.recover()? } else { Vec::new() };
+        let latest = store.latest()?;
+        // A warm start that checkpointed resumes too (`warm_start.rs`).
+        let warm_start = Checkpoints::new(dir.warm_start_checkpoints()).latest().ok().flatten();
+        if latest.is_some() || warm_start.is_some() {
             dir.check_resumable(config, allow_config_change)?;
         }
         dir.write_config(&config.to_toml()?)?;
         // A directory without a checkpoint holds nothing to continue: start over.
         let resume = latest.map(|(checkpoint, state)| (checkpoint, state.next_period));
         dir.resume_record(resume.as_ref().map_or(0, |r| r.1))?;
-        Ok(OpenRun { dir, checkpoints, resume })
+        Ok(OpenRun { dir, checkpoints, resume, set_aside })
     }
 
     /// Refuses to resume a run whose stored config differs from `config` in a key
@@ -188,6 +194,12 @@ impl RunDir {
     #[must_use]
     pub fn checkpoints(&self) -> PathBuf {
         self.path.join(CHECKPOINTS_DIR)
+    }
+
+    /// The folder of the warm start's checkpoints (`checkpoints/sft`).
+    #[must_use]
+    pub fn warm_start_checkpoints(&self) -> PathBuf {
+        self.checkpoints().join("sft")
     }
 
     /// The `metrics.jsonl` file.

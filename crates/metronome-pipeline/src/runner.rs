@@ -29,7 +29,7 @@ use metronome_core::{
     Trainer, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 
-use crate::checkpoint::{Checkpoints, RunState};
+use crate::checkpoint::{Checkpointer, Checkpoints};
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
 use crate::generator::Generator;
@@ -300,11 +300,7 @@ impl Runner {
         }
         let Self { parts, options, hook, checkpointing, observer } = self;
         let Parts { mut source, mut trainer, packer, mut release, receiver, publisher } = parts;
-        let checkpoints = checkpointing.map(|policy| Checkpointer {
-            store: Checkpoints::new(policy.dir.clone()),
-            policy,
-            last: Instant::now(),
-        });
+        let checkpoints = checkpointing.map(Checkpointer::new);
         let resumed_at = match &checkpoints {
             Some(c) => resume(&c.store, trainer.as_mut(), source.as_mut()).await?,
             None => None,
@@ -359,34 +355,6 @@ async fn resume(
         )));
     }
     Ok(Some(state.next_period))
-}
-
-/// The runner's period checkpoints: where, and when one is due.
-struct Checkpointer {
-    store: Checkpoints,
-    policy: Checkpointing,
-    last: Instant,
-}
-
-impl Checkpointer {
-    /// Writes the checkpoint from which a run resumes at period `next` when one is
-    /// due (by count, by time, or after the last period); whether it did.
-    fn save_if_due(
-        &mut self,
-        trainer: &mut dyn Trainer,
-        next: u64,
-        periods: u64,
-        cursor: Cursor,
-    ) -> Result<bool> {
-        let by_count = self.policy.every > 0 && next.is_multiple_of(self.policy.every);
-        let by_time = !self.policy.interval.is_zero() && self.last.elapsed() >= self.policy.interval;
-        if !(by_count || by_time || next == periods) {
-            return Ok(false);
-        }
-        in_place(self.store.save(trainer, RunState { next_period: next, cursor }))?;
-        self.last = Instant::now();
-        Ok(true)
-    }
 }
 
 /// A group admitted for training, with what training it needs.
@@ -507,7 +475,9 @@ impl Driver {
             }
             let next = PeriodId(period.0 + 1);
             let checkpointed = match checkpoints.as_mut() {
-                Some(c) => c.save_if_due(self.trainer.as_mut(), next.0, self.options.periods, resume)?,
+                Some(c) => {
+                    in_place(c.save_if_due(self.trainer.as_mut(), next.0, self.options.periods, resume))?
+                }
                 None => false,
             };
             // The new weights go out only now: a published version is recorded, and in

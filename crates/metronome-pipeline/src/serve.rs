@@ -40,7 +40,7 @@ pub async fn serve(
     let local = listener.local_addr().map_err(|e| Error::Io { path: "socket".into(), source: e })?;
     tracing::info!(%local, model = %server.model_name, "serving");
     observer.emit(&Event::Serving { model: server.model_name.clone(), addr: local.to_string() });
-    serve_until(listener, router(Arc::new(engine), server), shutdown)
+    serve_until(listener, router(Arc::new(engine), server.clone()), &server, shutdown)
         .await
         .map_err(|e| Error::Io { path: "socket".into(), source: e })
 }

@@ -78,8 +78,11 @@ impl Session {
     /// resume: refused when the config would train differently, unless allowed; its
     /// record keeps the periods before it.
     pub(crate) fn open(config: &PipelineConfig, store: &str, options: &RunOptions) -> Result<Self> {
-        let OpenRun { dir, checkpoints, resume } =
+        let OpenRun { dir, checkpoints, resume, set_aside } =
             RunDir::open_run(config, store, options.allow_config_change)?;
+        for s in set_aside {
+            options.observer.emit(&Event::CheckpointSetAside { moved_to: s.moved_to, reason: s.reason });
+        }
         let resume_at = resume.map(|(checkpoint, period)| {
             options.observer.emit(&Event::Resuming { period, checkpoint });
             period
@@ -102,7 +105,8 @@ impl Session {
         let model = if self.resume_at.is_some() {
             model
         } else {
-            let (model, loss) = warm_start(config, model, &tokenizer, &self.observer).await?;
+            let checkpoints = self.dir.warm_start_checkpoints();
+            let (model, loss) = warm_start(config, model, &tokenizer, &self.observer, checkpoints).await?;
             if let Some((first, last)) = loss {
                 tracing::info!(first, last, "warm start done");
             }

@@ -3,24 +3,35 @@
 //! the environment's tools (`sft.tool_demonstrations`), so that RL has tool use to
 //! reinforce.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use metronome_core::{Environment, Prompt, RunSeed, TokenSpan, Tokenizer};
+use metronome_core::{Environment, Prompt, PromptSource, RunSeed, TokenSpan, Tokenizer};
 use metronome_model::Model;
 use metronome_trainer::{GrpoTrainer, SftExample};
 
+use crate::checkpoint::Checkpointer;
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
+use crate::runner::Checkpointing;
 
 /// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers,
 /// each reported to `observer` (of adapters only with `trainer.lora`, merged into the
 /// model it returns).
+///
+/// It checkpoints into `checkpoints` as the periods do (`checkpoint.rs`: every
+/// `sft.checkpoint_every` steps, every `run.checkpoint_interval_s` seconds, and after
+/// the last step; a damaged latest checkpoint set aside for the one before) and
+/// resumes from there: a killed warm start continues at the step after its last
+/// checkpoint with the same weights, optimiser and data, and one that had finished is
+/// not repeated. The loss it reports is of the steps this call ran.
 pub(crate) async fn warm_start(
     config: &PipelineConfig,
     model: Model,
     tokenizer: &Arc<dyn Tokenizer>,
     observer: &Observer,
+    checkpoints: PathBuf,
 ) -> Result<(Model, Option<(f64, f64)>)> {
     let sft = &config.sft;
     if sft.steps == 0 {
@@ -49,8 +60,26 @@ pub(crate) async fn warm_start(
     let environment =
         config.env.as_ref().map(|env| env.build().map_err(|e| Error::stage("env", e))).transpose()?;
     let mut trainer = GrpoTrainer::new(cfg, model)?;
+    let mut checkpointer = Checkpointer::new(Checkpointing {
+        dir: checkpoints,
+        every: sft.checkpoint_every,
+        interval: std::time::Duration::from_secs(config.run.checkpoint_interval_s),
+    });
+    // `next_period` of a warm-start checkpoint counts the steps done.
+    let mut done = 0;
+    if checkpointer.store.root().is_dir() {
+        for s in checkpointer.store.recover()? {
+            observer.emit(&Event::CheckpointSetAside { moved_to: s.moved_to, reason: s.reason });
+        }
+    }
+    if let Some((dir, state)) = checkpointer.store.latest()? {
+        trainer.restore(&dir)?;
+        loader.restore(state.cursor)?;
+        done = state.next_period;
+        observer.emit(&Event::WarmStartResuming { step: done, checkpoint: dir });
+    }
     let mut losses = Vec::new();
-    for step in 1..=sft.steps {
+    for step in done + 1..=sft.steps {
         let Some(batch) = loader.next().await? else { break };
         let mut examples = Vec::with_capacity(batch.prompts.len());
         for p in &batch.prompts {
@@ -79,6 +108,7 @@ pub(crate) async fn warm_start(
         let loss = report.loss_sum / report.tokens.max(1) as f64;
         observer.emit(&Event::WarmStartStep { step, steps: sft.steps, loss });
         losses.push(loss);
+        checkpointer.save_if_due(&mut trainer, step, sft.steps, loader.cursor()).await?;
     }
     let first_last = losses.first().copied().zip(losses.last().copied());
     // With `trainer.lora` the warm start trained adapters: RL starts from the merged

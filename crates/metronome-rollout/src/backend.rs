@@ -38,6 +38,15 @@ pub trait InferenceModel: Send + Sync + 'static {
     /// Empties `slot` for the next sequence.
     fn free(&self, cache: &mut Self::Cache, slot: usize);
 
+    /// Refuses, before anything is allocated, `caches` caches of `num_slots` slots of
+    /// `max_seq_len` tokens that this machine cannot hold (an error naming
+    /// `max_num_seqs`, never an allocation abort). The default knows no sizes and
+    /// accepts.
+    fn check_caches(&self, caches: usize, num_slots: usize, max_seq_len: usize) -> Result<()> {
+        let _ = (caches, num_slots, max_seq_len);
+        Ok(())
+    }
+
     /// The longest sequence (prompt and response) the model supports.
     fn max_context(&self) -> usize;
 }
@@ -69,6 +78,33 @@ mod candle_model {
 
         fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<KvCache> {
             KvCache::new(self, num_slots, max_seq_len).map_err(Error::model)
+        }
+
+        /// On the CPU, against the memory the machine has available now (Linux's
+        /// `MemAvailable`); on a GPU the allocator's own error names the cache.
+        fn check_caches(&self, caches: usize, num_slots: usize, max_seq_len: usize) -> Result<()> {
+            if !self.device().is_cpu() {
+                return Ok(());
+            }
+            let per_slot = KvCache::bytes(self.config(), 1, max_seq_len);
+            let need = per_slot.and_then(|b| b.checked_mul(num_slots as u64)?.checked_mul(caches as u64));
+            let Some(available) = super::host_memory_available() else { return Ok(()) };
+            if need.is_some_and(|n| n <= available) {
+                return Ok(());
+            }
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            let fit = per_slot.map_or(0, |b| available / b.max(1) / caches.max(1) as u64);
+            let need = need
+                .map_or_else(|| "more bytes than a u64 counts".to_owned(), |n| format!("{:.1} GiB", gib(n)));
+            Err(Error::config(
+                "max_num_seqs",
+                format!(
+                    "is {num_slots}: {caches} worker(s) x {num_slots} slots x {max_seq_len} tokens of KV cache need \
+                     {need}, and this machine has {:.1} GiB available (at most {fit} slots per worker fit; \
+                     lower max_num_seqs or max_seq_len)",
+                    gib(available)
+                ),
+            ))
         }
 
         fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>> {
@@ -109,4 +145,13 @@ impl WeightLoader<metronome_model::Model> for SnapshotLoader {
         metronome_model::Model::from_snapshot(self.config.clone(), weights, &self.device, false)
             .map_err(crate::Error::model)
     }
+}
+
+/// The memory this machine has available for new allocations, in bytes: Linux's
+/// `MemAvailable`; `None` where it cannot be read.
+fn host_memory_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
 }

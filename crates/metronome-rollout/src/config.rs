@@ -295,6 +295,15 @@ impl Default for EngineConfig {
     }
 }
 
+/// The most rollout workers an engine runs (each a thread and a KV cache).
+pub const MAX_WORKERS: usize = 1024;
+/// The most threads of one pool (a worker's, or the trainer's).
+pub const MAX_THREADS: usize = 4096;
+/// The most KV-cache slots of one worker.
+pub const MAX_NUM_SEQS: usize = 1 << 16;
+/// The longest sequence, and the most new tokens, in tokens.
+pub const MAX_SEQ_LEN: usize = 1 << 20;
+
 impl EngineConfig {
     /// Threads of each worker's pool: `threads_per_worker`, or 1 when unset.
     #[must_use]
@@ -304,17 +313,20 @@ impl EngineConfig {
 
     /// Checks every field's range.
     pub fn validate(&self) -> Result<()> {
-        if self.workers == 0 {
-            return Err(Error::config("workers", "is 0 (expected >= 1)"));
-        }
-        if self.threads_per_worker == Some(0) {
-            return Err(Error::config("threads_per_worker", "is 0 (expected >= 1)"));
-        }
-        if self.max_num_seqs == 0 {
-            return Err(Error::config("max_num_seqs", "is 0 (expected >= 1)"));
-        }
-        if self.max_seq_len < 2 {
-            return Err(Error::config("max_seq_len", format!("is {} (expected >= 2)", self.max_seq_len)));
+        // Upper bounds far above any real use, below what would abort an allocation
+        // (counts of threads, slot tables, position tables); the KV cache itself is
+        // checked against the machine's memory when the engine is built
+        // (`InferenceModel::check_caches`).
+        for (field, value, min, max) in [
+            ("workers", self.workers, 1, MAX_WORKERS),
+            ("threads_per_worker", self.threads_per_worker.unwrap_or(1), 1, MAX_THREADS),
+            ("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS),
+            ("max_seq_len", self.max_seq_len, 2, MAX_SEQ_LEN),
+            ("sampling.max_new_tokens", self.sampling.max_new_tokens, 1, MAX_SEQ_LEN),
+        ] {
+            if !(min..=max).contains(&value) {
+                return Err(Error::config(field, format!("is {value} (expected {min} to {max})")));
+            }
         }
         if self.backend == Backend::Openai {
             self.openai.validate(&self.sampling)?;

@@ -25,6 +25,18 @@ pub enum Error {
     /// The model failed during prefill, decode or weight installation.
     #[error("model: {0}")]
     Model(String),
+    /// Weights older than the installed ones were offered without saying that the
+    /// policy should go back ([`crate::Rollback`]).
+    #[error(
+        "weights of version {offered} are older than the installed version {installed} (installing them \
+         would roll the policy back; say so explicitly to allow it)"
+    )]
+    Rollback {
+        /// The version offered.
+        offered: metronome_core::PolicyVersion,
+        /// The version installed.
+        installed: metronome_core::PolicyVersion,
+    },
     /// A tokenizer failed to decode generated tokens.
     #[error("tokenizer")]
     Tokenizer(#[from] metronome_core::Error),

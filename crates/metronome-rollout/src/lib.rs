@@ -81,11 +81,17 @@ pub mod sampling;
 mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
-pub use config::{Backend, Batching, EngineConfig, OpenAiClientConfig, PartialCache, WeightSync};
-pub use engine::{CollectSink, Engine, Episodes, Submission, WorkerStats};
+pub use config::{
+    Backend, Batching, EngineConfig, MAX_NUM_SEQS, MAX_SEQ_LEN, MAX_THREADS, MAX_WORKERS, OpenAiClientConfig,
+    PartialCache, WeightSync,
+};
+pub use engine::{CollectSink, Engine, Episodes, Rollback, Submission, WorkerStats};
 pub use error::{Error, Result};
 pub use metrics::METRICS;
-pub use sampling::{LogprobsMode, Sampled, Sampler, SamplingConfig, TokenRng};
+pub use sampling::{
+    LogprobsMode, MAX_PENALTY, MAX_TEMPERATURE, MIN_PENALTY, MIN_TEMPERATURE, Sampled, Sampler,
+    SamplingConfig, TokenRng,
+};
 pub use stop::StopConditions;
 
 /// The engine on Metronome's own candle model.

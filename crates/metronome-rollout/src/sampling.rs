@@ -83,6 +83,20 @@ pub enum LogprobsMode {
     Raw,
 }
 
+/// The smallest positive temperature. Logits are divided by it in f32, here and in
+/// the trainer (whose gradients it multiplies): far below it a logit of ordinary size
+/// leaves f32's range (`1 / 1e-39` is already infinite) and the softmax turns to NaN,
+/// while greedy decoding, which such a temperature approaches, is `0`.
+pub const MIN_TEMPERATURE: f32 = 1e-3;
+/// The largest temperature: beyond it every token is equally likely to within f32's
+/// rounding of the scaled logits, so a larger value changes nothing but the risk.
+pub const MAX_TEMPERATURE: f32 = 1e3;
+/// The repetition penalty's range: it divides or multiplies logits as the temperature
+/// does, with the same limits to f32's range.
+pub const MIN_PENALTY: f32 = 1e-3;
+/// See [`MIN_PENALTY`].
+pub const MAX_PENALTY: f32 = 1e3;
+
 /// How tokens are chosen and when a response ends. Serde form of the pipeline's
 /// `[rollout.sampling]` table; every field has a default.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -145,10 +159,11 @@ impl SamplingConfig {
 
     /// Checks every field's range.
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+        let t = self.temperature;
+        if !(t == 0.0 || (MIN_TEMPERATURE..=MAX_TEMPERATURE).contains(&t)) {
             return Err(Error::config(
                 "sampling.temperature",
-                format!("is {} (expected >= 0)", self.temperature),
+                format!("is {t} (expected 0 for greedy decoding, or {MIN_TEMPERATURE} to {MAX_TEMPERATURE})"),
             ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -157,10 +172,10 @@ impl SamplingConfig {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(Error::config("sampling.min_p", format!("is {} (expected in [0, 1])", self.min_p)));
         }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
+        if !(MIN_PENALTY..=MAX_PENALTY).contains(&self.repetition_penalty) {
             return Err(Error::config(
                 "sampling.repetition_penalty",
-                format!("is {} (expected > 0)", self.repetition_penalty),
+                format!("is {} (expected {MIN_PENALTY} to {MAX_PENALTY})", self.repetition_penalty),
             ));
         }
         if self.max_new_tokens == 0 {

@@ -151,3 +151,33 @@ fn a_resume_that_would_train_differently_is_refused_by_key_unless_allowed() {
     allowed.finish_ok();
     assert_eq!(recorded_periods(&dir), [0, 1, 2, 3]);
 }
+
+/// A run killed during its warm start resumes the warm start after its last
+/// checkpoint (not from step 0) and ends with the weights of the uninterrupted run.
+#[test]
+fn a_run_killed_during_its_warm_start_resumes_it_to_the_same_weights() {
+    let _serial = serial();
+    let mut sets = settings("periodic");
+    sets.retain(|s| s != "sft.steps=0");
+    sets.extend(
+        ["run.periods=1", "sft.steps=12", "sft.batch_size=8", "sft.checkpoint_every=3"].map(String::from),
+    );
+    let reference = tempfile::tempdir().unwrap();
+    run(&sets, reference.path()).finish_ok();
+    let expected = read_weights(&reference.path().join("resumed"));
+
+    let out = tempfile::tempdir().unwrap();
+    let mut p = run(&sets, out.path());
+    // Killed after step 7 is reported: the checkpoint of step 6 is the last whole one.
+    p.wait_event("warm_start_step", |e| e["step"].as_u64() == Some(7));
+    p.sigkill();
+    let mut again = run(&sets, out.path());
+    let resumed = again.wait_event("warm_start_resuming", |_| true);
+    let step = resumed["step"].as_u64().unwrap();
+    assert!((6..12).contains(&step) && step.is_multiple_of(3), "resumed after step {step}");
+    let first = again.wait_event("warm_start_step", |_| true);
+    assert_eq!(first["step"].as_u64(), Some(step + 1), "the next step, not step 1");
+    again.finish_ok();
+    let diff = max_difference(&expected, &read_weights(&out.path().join("resumed")));
+    assert!(diff <= 1e-6, "after a kill in the warm start the weights differ by {diff}");
+}

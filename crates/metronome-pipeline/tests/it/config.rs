@@ -222,6 +222,14 @@ fn impossible_combinations_are_named() {
     invalid(&["eval.temperature=0.0", "eval.samples=4"], "`eval.samples`");
     invalid(&["eval.every=0"], "`eval.every`: is 0: to never evaluate set eval.prompts = 0");
     invalid(&["eval.temperature=-1.0"], "`eval.temperature`");
+    // Temperatures whose scaled logits leave f32's range: the same rule in the config,
+    // the evaluation and every HTTP request (crates/metronome-rollout/tests/it/http.rs).
+    for key in ["eval.temperature", "rollout.sampling.temperature"] {
+        let e = invalid(&[&format!("{key}=1e-30")], &format!("`{key}`"));
+        assert!(e.contains("expected 0 for greedy decoding, or 0.001 to 1000"), "{e}");
+    }
+    invalid(&["rollout.sampling.temperature=1e30"], "`rollout.sampling.temperature`");
+    invalid(&["rollout.sampling.repetition_penalty=1e-30"], "`rollout.sampling.repetition_penalty`");
     for schedule in ["sync", "periodic"] {
         let e = invalid(
             &["rollout.partial_rollouts=true", &format!("run.schedule=\"{schedule}\"")],
@@ -522,4 +530,65 @@ fn placement_fills_the_thread_counts_left_unset_and_keeps_those_set() {
         ("trainer.threads=0", "threads"),
         ("rollout.threads_per_worker=0", "rollout.threads_per_worker"),
     ]);
+}
+
+/// Sizes far beyond what a process holds are errors naming the key and the limit,
+/// never an allocation abort later (before the bounds, `rollout.max_num_seqs = 1e11`
+/// and `run.group_size = 1e9` aborted the run with "memory allocation of ... failed").
+#[test]
+fn impossible_sizes_are_refused_naming_the_key_and_the_limit() {
+    let cases: &[(&[&str], &str, &str)] = &[
+        (&["rollout.max_num_seqs=100000000000"], "`rollout.max_num_seqs`", "expected 1 to 65536"),
+        (&["rollout.workers=100000"], "`rollout.workers`", "expected 1 to 1024"),
+        (&["rollout.max_seq_len=10000000"], "`rollout.max_seq_len`", "expected 2 to 1048576"),
+        (&["rollout.threads_per_worker=1000000"], "`rollout.threads_per_worker`", "expected 1 to 4096"),
+        (&["rollout.sampling.max_new_tokens=10000000"], "`rollout.sampling.max_new_tokens`", "to 1048576"),
+        (&["run.group_size=1000000000"], "`run.group_size`", "expected at most 65536"),
+        (&["trainer.threads=1000000"], "`trainer.threads`", "expected at most 4096"),
+        (&["eval.samples=100000", "eval.temperature=1.0"], "`eval.samples`", "expected at most 65536"),
+        (
+            &["data.release.batch_size=100000", "run.group_size=1000"],
+            "`data.release.batch_size`",
+            "a period samples 100000000 responses, more than 4194304",
+        ),
+    ];
+    for (overrides, key, limit) in cases {
+        let e = invalid(overrides, key);
+        assert!(e.contains(limit), "{e}");
+        // The layer that set it is named too.
+        assert!(e.contains("(in --set "), "{e}");
+    }
+}
+
+/// Every config error names where the value came from: the `--set`, or the file and
+/// its line. A `--set` integer out of range is not read as text; a duplicate key and an
+/// out-of-range integer in a file name the key and the line.
+#[test]
+fn config_errors_point_at_the_set_or_the_file_line_and_key() {
+    let e = err(&["run.periods=99999999999999999999999"]);
+    assert!(e.starts_with("invalid configuration `run.periods=99999999999999999999999`"), "{e}");
+    assert!(e.contains("is not a valid value") && !e.contains("invalid type: string"), "{e}");
+    // Text without quotes is still text, quoted text too.
+    let ok = PipelineConfig::embedded(&["run.name=my-run".into(), "run.out_dir=\"runs x\"".into()]).unwrap();
+    assert_eq!(ok.run.name.as_deref(), Some("my-run"));
+    let e = err(&["run.periods=[1, 2"]);
+    assert!(e.contains("`run.periods=[1, 2`") && e.contains("is not a valid value"), "{e}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let dup = file("dup.toml", "[run]\nperiods = 3\n\n[rollout]\nworkers = 1\nworkers = 2\n");
+    let e = PipelineConfig::load(&dup, &[]).unwrap_err().to_string();
+    assert!(e.contains("dup.toml") && e.contains("line 6") && e.contains("key `rollout.workers`"), "{e}");
+    assert!(e.contains("duplicate key"), "{e}");
+    let big = file("big.toml", "[run]\nperiods = 99999999999999999999\n");
+    let e = PipelineConfig::load(&big, &[]).unwrap_err().to_string();
+    assert!(e.contains("big.toml") && e.contains("line 2"), "{e}");
+    // A value out of range names its key and the file that set it.
+    let slots = file("slots.toml", "[rollout]\nmax_num_seqs = 100000000000\n");
+    let e = PipelineConfig::load(&slots, &[]).unwrap_err().to_string();
+    assert!(e.starts_with("invalid configuration `rollout.max_num_seqs`") && e.contains("slots.toml"), "{e}");
 }

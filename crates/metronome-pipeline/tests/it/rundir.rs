@@ -386,3 +386,70 @@ async fn a_runner_hook_records_every_period_and_the_plots_show_its_intervals() {
         assert_eq!(summary_table(&reports).lines().count(), 2 + 3 + 2);
     }
 }
+
+/// A run whose latest checkpoint was damaged on disk resumes from the one before,
+/// says which it set aside and why, keeps it, and ends with the weights and the
+/// record of the run that was never stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_latest_checkpoint_resumes_from_the_one_before_to_the_same_weights() {
+    use std::sync::{Arc, Mutex};
+
+    use metronome_pipeline::{Event, Observer, PipelineConfig, RunOptions};
+    let out = tempfile::tempdir().unwrap();
+    let config = |name: &str, periods: u64| {
+        let overrides: Vec<String> = vec![
+            format!("run.periods={periods}"),
+            format!("run.name={name:?}"),
+            format!("run.out_dir={:?}", out.path().display().to_string()),
+            "run.checkpoint_every=1".into(),
+            "run.group_size=4".into(),
+            "data.release.batch_size=4".into(),
+            "sft.steps=0".into(),
+            "eval.prompts=0".into(),
+            "rollout.sampling.max_new_tokens=6".into(),
+            "run.cores=1".into(),
+            "trainer.schedule.lr=0.01".into(),
+            "reward.scorer={ kind = \"format\", pattern = \"[0-9]\" }".into(),
+        ];
+        PipelineConfig::embedded(&overrides).unwrap()
+    };
+    let whole = metronome_pipeline::run(config("whole", 3), RunOptions::default()).await.unwrap();
+    metronome_pipeline::run(config("parts", 2), RunOptions::default()).await.unwrap();
+    let periods = out.path().join("parts/checkpoints/periods");
+    let weights = periods.join("period-2/policy/model.safetensors");
+    let mut bytes = fs::read(&weights).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 1;
+    fs::write(&weights, &bytes).unwrap();
+
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&events);
+    let options = RunOptions {
+        observer: Observer::new(move |e| seen.lock().unwrap().push(e.clone())),
+        ..RunOptions::default()
+    };
+    let parts = metronome_pipeline::run(config("parts", 3), options).await.unwrap();
+    let events = events.lock().unwrap();
+    let set_aside = events.iter().find_map(|e| match e {
+        Event::CheckpointSetAside { moved_to, reason } => Some((moved_to.clone(), reason.clone())),
+        _ => None,
+    });
+    let (moved_to, reason) = set_aside.expect("the damaged checkpoint is reported");
+    assert!(reason.starts_with("period-2: policy/model.safetensors is not what was written"), "{reason}");
+    assert!(moved_to.join("policy/model.safetensors").is_file(), "kept whole for inspection");
+    assert!(events.iter().any(|e| matches!(e, Event::Resuming { period: 1, .. })), "{events:?}");
+    // Periods 1 and 2 again: the same weights, and one record line per period.
+    assert_eq!(parts.periods.iter().map(|p| p.period.0).collect::<Vec<_>>(), [0, 1, 2]);
+    let bits = |w: &metronome_core::WeightSnapshot| -> Vec<u32> {
+        w.tensors
+            .iter()
+            .flat_map(|t| match &t.data {
+                metronome_core::TensorData::F32(v) => v.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                _ => panic!("f32 weights"),
+            })
+            .collect()
+    };
+    assert!(bits(&whole.weights) == bits(&parts.weights), "the resumed run ends on other weights");
+    let record = RunDir::open(&out.path().join("parts")).unwrap().read_periods().unwrap();
+    assert_eq!(record.iter().map(|r| r.period.0).collect::<Vec<_>>(), [0, 1, 2]);
+}

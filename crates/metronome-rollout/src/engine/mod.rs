@@ -125,6 +125,7 @@ impl<M: InferenceModel> Engine<M> {
     ) -> Result<Self> {
         config.validate()?;
         let max_seq_len = config.max_seq_len.min(model.max_context());
+        model.check_caches(config.workers, config.max_num_seqs, max_seq_len)?;
         let caches = (0..config.workers)
             .map(|_| model.new_cache(config.max_num_seqs, max_seq_len))
             .collect::<Result<Vec<_>>>()?;
@@ -230,6 +231,30 @@ impl<M: InferenceModel> Engine<M> {
     pub fn install_model(&self, model: M, version: PolicyVersion) {
         let next = Arc::new(Versioned { version, model });
         *self.shared.current.write().unwrap_or_else(PoisonError::into_inner) = next;
+    }
+
+    /// Builds a model from `weights` with the engine's loader and installs it, unless
+    /// they are older than the installed weights and `rollback` refuses that. The
+    /// loader checks names, shapes and values first (e.g. `Model::from_snapshot`), so
+    /// a refused snapshot leaves the served weights as they were.
+    pub fn install_snapshot(&self, weights: &WeightSnapshot, rollback: Rollback) -> Result<()> {
+        let loader = self
+            .loader
+            .as_ref()
+            .ok_or_else(|| Error::config("weight_loader", "is not set, so weights cannot be installed"))?;
+        let older = |installed| Error::Rollback { offered: weights.version, installed };
+        let refuse = |current| rollback == Rollback::Refuse && weights.version < current;
+        if refuse(self.current_version()) {
+            return Err(older(self.current_version()));
+        }
+        let model = loader.load(weights)?;
+        // Checked again under the lock: another install may have landed meanwhile.
+        let mut current = self.shared.current.write().unwrap_or_else(PoisonError::into_inner);
+        if refuse(current.version) {
+            return Err(older(current.version));
+        }
+        *current = Arc::new(Versioned { version: weights.version, model });
+        Ok(())
     }
 
     /// Counters per worker.
@@ -435,19 +460,25 @@ impl<M: InferenceModel> RolloutEngine for Engine<M> {
         self.run(sub, self.episodes.clone(), sink).await
     }
 
+    /// Refuses weights older than the installed ones ([`Engine::install_snapshot`]).
     async fn install_weights(&self, weights: Arc<WeightSnapshot>) -> metronome_core::Result<()> {
-        let loader = self
-            .loader
-            .as_ref()
-            .ok_or_else(|| Error::config("weight_loader", "is not set, so weights cannot be installed"))?;
-        let model = loader.load(&weights)?;
-        self.install_model(model, weights.version);
-        Ok(())
+        Ok(self.install_snapshot(&weights, Rollback::Refuse)?)
     }
 
     fn version(&self) -> PolicyVersion {
         self.current_version()
     }
+}
+
+/// Whether [`Engine::install_snapshot`] installs weights older than the installed ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rollback {
+    /// Refuse them: versions only move forward (a delayed or replayed update must not
+    /// undo a newer one). What [`RolloutEngine::install_weights`] does.
+    Refuse,
+    /// Install them: the caller says explicitly that the policy goes back (a resumed
+    /// trainer, an operator restoring a checkpoint).
+    Allow,
 }
 
 /// A group being assembled.

@@ -32,6 +32,10 @@ struct Endpoint {
     /// failed, or that answered with other weights, gets no request until the next
     /// update reaches it.
     synced: AtomicBool,
+    /// Whether it holds weights this client gave it (its last update succeeded and no
+    /// answer since came from other weights). Until then an update may take it back
+    /// to an older version ([`HookContext::allow_older`]).
+    ours: AtomicBool,
 }
 
 /// Counts a request in flight on an endpoint for as long as it lives.
@@ -94,6 +98,7 @@ impl OpenAiEngine {
                 url: url.trim_end_matches('/').to_owned(),
                 in_flight: AtomicUsize::new(0),
                 synced: AtomicBool::new(true),
+                ours: AtomicBool::new(false),
             })
             .collect();
         Ok(Self {
@@ -216,6 +221,7 @@ impl OpenAiEngine {
                             // Off-policy samples would be trained as on-policy: this
                             // server gets nothing more until it is updated again.
                             endpoint.synced.store(false, Ordering::Relaxed);
+                            endpoint.ours.store(false, Ordering::Relaxed);
                             Error::Response { url: url.clone(), reason }
                         }
                     }
@@ -376,9 +382,11 @@ impl RolloutEngine for OpenAiEngine {
         let version = weights.version;
         self.hook.export(weights).await?;
         let loads = self.endpoints.iter().map(|e| async move {
-            let ctx = HookContext { http: &self.http, base_url: &e.url };
+            let allow_older = !e.ours.load(Ordering::Relaxed);
+            let ctx = HookContext { http: &self.http, base_url: &e.url, allow_older };
             let result = self.hook.load(&ctx, version).await;
             e.synced.store(result.is_ok(), Ordering::Relaxed);
+            e.ours.store(result.is_ok(), Ordering::Relaxed);
             result
         });
         let results = futures::future::join_all(loads).await;

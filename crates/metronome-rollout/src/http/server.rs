@@ -8,12 +8,22 @@
 //! field; requests beyond `max_concurrent_requests` in flight get 429 at once instead
 //! of queueing; `load_weights` reads only files inside `weights_dir` (none: the route
 //! answers 403), up to `max_weights_bytes`, and its errors name only the path the
-//! client sent.
+//! client sent; it installs only tensors the model has, every one finite, and never
+//! an older version unless the request says `allow_older`.
+//!
+//! Slow and odd clients are bounded too: at most `max_connections` connections are
+//! open (more wait in the listen backlog), a request's headers must arrive within
+//! `header_timeout_s` (the connection is closed otherwise, idle keep-alive ones
+//! included) and its body within `body_timeout_s` (408); a `POST` whose
+//! `Content-Type` is not JSON gets 415, unknown routes 404 and wrong methods 405.
+//! Every error is in OpenAI's shape (`{"error": {"message", "type", "param",
+//! "code"}}`), with `param` naming the field at fault where there is one.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::Router;
@@ -23,8 +33,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use metronome_core::{
-    ErrorChain, FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RolloutEngine, RunSeed,
-    Secret, TensorData, WeightSnapshot,
+    ErrorChain, FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RunSeed, Secret,
+    TensorData, WeightSnapshot,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
@@ -33,7 +43,7 @@ use super::types::{
     Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
     PromptInput, Usage,
 };
-use crate::{Engine, Error, InferenceModel, LogprobsMode, Result, SamplingConfig, Submission};
+use crate::{Engine, Error, InferenceModel, LogprobsMode, Result, Rollback, SamplingConfig, Submission};
 
 /// What the server accepts. Every limit has a default that serves a rollout client
 /// (`serde` form of `metronome serve`'s settings).
@@ -66,6 +76,13 @@ pub struct ServerConfig {
     /// the raw model at temperature 1 (`raw`, as vLLM answers unless started with
     /// `--logprobs-mode processed_logprobs`).
     pub logprobs: LogprobsMode,
+    /// Connections open at once at most; more wait in the listen backlog.
+    pub max_connections: usize,
+    /// Seconds a client has to send a request's headers (a new connection's first,
+    /// or the next on a kept-alive one) before the connection is closed.
+    pub header_timeout_s: f64,
+    /// Seconds a client has to send a request's body once its headers are in (408).
+    pub body_timeout_s: f64,
 }
 
 impl Default for ServerConfig {
@@ -82,12 +99,21 @@ impl Default for ServerConfig {
             weights_dir: None,
             max_weights_bytes: 64 << 30,
             logprobs: LogprobsMode::Sampled,
+            max_connections: 256,
+            header_timeout_s: 10.0,
+            body_timeout_s: 30.0,
         }
     }
 }
 
 /// The longest stop string accepted, in bytes.
 const MAX_STOP_BYTES: usize = 256;
+
+/// The most connections a server may be configured to hold open.
+const MAX_CONNECTIONS: usize = 65_536;
+
+/// The longest header or body timeout a server may be configured with (one day).
+const MAX_TIMEOUT_S: f64 = 86_400.0;
 
 impl ServerConfig {
     /// The default limits, serving `model_name`.
@@ -105,9 +131,27 @@ impl ServerConfig {
             ("max_n", self.max_n as usize),
             ("max_tokens", self.max_tokens),
             ("max_concurrent_requests", self.max_concurrent_requests),
+            ("max_connections", self.max_connections),
         ] {
             if value == 0 {
                 return Err(Error::config(field, "is 0 (expected at least 1)"));
+            }
+        }
+        // A connection holds a task and its buffers: beyond this the bound is no bound.
+        if self.max_connections > MAX_CONNECTIONS {
+            return Err(Error::config(
+                "max_connections",
+                format!("is {} (expected at most {MAX_CONNECTIONS})", self.max_connections),
+            ));
+        }
+        for (field, value) in
+            [("header_timeout_s", self.header_timeout_s), ("body_timeout_s", self.body_timeout_s)]
+        {
+            if !(value.is_finite() && value > 0.0 && value <= MAX_TIMEOUT_S) {
+                return Err(Error::config(
+                    field,
+                    format!("is {value} (expected in (0, {MAX_TIMEOUT_S}] seconds)"),
+                ));
             }
         }
         if self.api_key.as_ref().is_some_and(|k| k.expose().is_empty()) {
@@ -139,33 +183,115 @@ pub fn router<M: InferenceModel>(engine: Arc<Engine<M>>, config: ServerConfig) -
         .route("/v1/completions", post(completions::<M>))
         .route("/v1/models", get(models::<M>))
         .route("/metronome/v1/load_weights", post(load_weights::<M>))
-        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), authorize::<M>))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route", None) })
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "this route does not take that method", None)
+        })
+        .layer(axum::middleware::from_fn_with_state(Arc::clone(&state), guard::<M>))
         .layer(axum::extract::DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
 
-/// Refuses a request without the configured bearer key (401).
-async fn authorize<M: InferenceModel>(
+/// The door every request passes: the bearer key (401), then for a request with a
+/// body its content type (415) and the whole body, within `max_body_bytes` (413)
+/// and `body_timeout_s` (408), before any handler sees it.
+async fn guard<M: InferenceModel>(
     State(s): State<Arc<AppState<M>>>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Some(key) = &s.config.api_key {
+    if let Err(e) = authorize(&s.config, &request) {
+        return e.into_response();
+    }
+    if request.method() != axum::http::Method::POST {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    match read_body(&s.config, &parts.headers, body).await {
+        Ok(bytes) => next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A `POST` body: JSON by its `Content-Type`, read whole within the size and time
+/// limits.
+async fn read_body(
+    limits: &ServerConfig,
+    headers: &axum::http::HeaderMap,
+    body: axum::body::Body,
+) -> std::result::Result<Bytes, ApiError> {
+    let content_type =
+        headers.get(axum::http::header::CONTENT_TYPE).map(|v| String::from_utf8_lossy(v.as_bytes()));
+    let is_json = content_type.as_deref().is_some_and(|t| {
+        let mime = t.split(';').next().unwrap_or("").trim();
+        mime.eq_ignore_ascii_case("application/json")
+    });
+    if !is_json {
+        let sent =
+            content_type.map_or_else(|| "no content type".to_owned(), |t| format!("content type `{t}`"));
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("the body must be JSON (Content-Type: application/json); the request has {sent}"),
+            None,
+        ));
+    }
+    let too_large = || {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is larger than this server's limit of {} bytes", limits.max_body_bytes),
+            None,
+        )
+    };
+    let declared = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes as u64) {
+        return Err(too_large());
+    }
+    let read = axum::body::to_bytes(body, limits.max_body_bytes);
+    match tokio::time::timeout(Duration::from_secs_f64(limits.body_timeout_s), read).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        // Only the length limit ends the read of a body that keeps coming.
+        Ok(Err(e)) if is_length_limit(&e) => Err(too_large()),
+        Ok(Err(e)) => Err(ApiError::bad(format!("the body could not be read: {e}"), None)),
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the body did not arrive within {} s", limits.body_timeout_s),
+            None,
+        )),
+    }
+}
+
+/// Whether reading a body failed on its length limit.
+fn is_length_limit(e: &axum::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if err.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
+/// Refuses a request without the configured bearer key (401).
+fn authorize(config: &ServerConfig, request: &axum::extract::Request) -> std::result::Result<(), ApiError> {
+    if let Some(key) = &config.api_key {
         let given = request
             .headers()
             .get(axum::http::header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.expose().as_bytes())) {
-            return ApiError {
-                status: StatusCode::UNAUTHORIZED,
-                message: "missing or wrong API key (Authorization: Bearer <key>)".into(),
-                param: None,
-            }
-            .into_response();
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                None,
+            ));
         }
     }
-    next.run(request).await
+    Ok(())
 }
 
 /// Equality whose time does not depend on where the bytes differ.
@@ -173,18 +299,86 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Serves `router` on `listener` until the future is dropped or the listener fails.
-pub async fn serve(listener: tokio::net::TcpListener, router: Router) -> std::io::Result<()> {
-    axum::serve(listener, router).await
+/// Serves `router` on `listener` within `config`'s connection limits until the future
+/// is dropped or the listener fails.
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    config: &ServerConfig,
+) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
+    serve_until(listener, router, config, std::future::pending())
 }
 
 /// [`serve`] until `shutdown` resolves, then finishes the requests in flight.
-pub async fn serve_until(
+///
+/// HTTP/1.1 with hyper's own header timeout; `max_connections` permits, one held by
+/// each connection for its whole life, so a client that opens many connections and
+/// sends nothing holds them no longer than `header_timeout_s`.
+pub fn serve_until(
     listener: tokio::net::TcpListener,
     router: Router,
+    config: &ServerConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> impl std::future::Future<Output = std::io::Result<()>> + Send + 'static {
+    use hyper_util::rt::TokioTimer;
+    let permits = Arc::new(Semaphore::new(config.max_connections.max(1)));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(Duration::from_secs_f64(config.header_timeout_s));
+    accept_loop(listener, router, permits, http, shutdown)
+}
+
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    permits: Arc<Semaphore>,
+    http: hyper::server::conn::http1::Builder,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    use hyper_util::rt::TokioIo;
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            p = Arc::clone(&permits).acquire_owned() => p.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Per-connection failures (a reset before accept, out of descriptors)
+                // must not end the server; back off a moment and go on.
+                Err(e) if is_connection_error(&e) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed; retrying in 100 ms");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let connection = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            // A client that goes away or times out ends only its own connection.
+            let _ = connection.await;
+            drop(permit);
+        });
+    }
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// Accept errors that concern one connection only.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
+}
+
+/// A request body as `T`, keeping the path of the field where it went wrong.
+fn parse_json<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+) -> std::result::Result<T, serde_path_to_error::Error<serde_json::Error>> {
+    serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
 }
 
 fn unix_now() -> u64 {
@@ -196,12 +390,28 @@ fn unix_now() -> u64 {
 struct ApiError {
     status: StatusCode,
     message: String,
-    param: Option<&'static str>,
+    param: Option<Cow<'static, str>>,
 }
 
 impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>, param: Option<&'static str>) -> Self {
+        Self { status, message: message.into(), param: param.map(Cow::Borrowed) }
+    }
+
     fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), param }
+        Self::new(StatusCode::BAD_REQUEST, message, param)
+    }
+
+    /// A body that is not the JSON `what` expects: 400 naming where it went wrong
+    /// (`param`: the field's path, e.g. `stop[2]`), as serde found it.
+    fn json(what: &str, e: &serde_path_to_error::Error<serde_json::Error>) -> Self {
+        let path = e.path().to_string();
+        let param = (path != ".").then_some(Cow::Owned(path));
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("request body is not a valid {what} request: {e}"),
+            param,
+        }
     }
 }
 
@@ -216,7 +426,7 @@ impl IntoResponse for ApiError {
             error: ErrorDetail {
                 message: self.message,
                 kind: kind.into(),
-                param: self.param.map(str::to_owned),
+                param: self.param.map(Cow::into_owned),
                 code: Some(self.status.as_u16()),
             },
         };
@@ -264,13 +474,19 @@ async fn complete<M: InferenceModel>(
     s: &AppState<M>,
     body: &[u8],
 ) -> std::result::Result<CompletionResponse, ApiError> {
-    let req: CompletionRequest = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad(format!("request body is not a valid completion request: {e}"), None))?;
+    let req: CompletionRequest = parse_json(body).map_err(|e| ApiError::json("completion", &e))?;
     let (n, max_tokens) = check_options(&req, &s.config)?;
     let tokenizer = Arc::clone(s.engine.tokenizer());
     let prompts = prompts_of(&req, tokenizer.as_ref(), &s.config, max_tokens, s.engine.max_seq_len())?;
     let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids(), s.config.logprobs);
-    sampling.validate().map_err(|e| ApiError::bad(e.to_string(), None))?;
+    sampling.validate().map_err(|e| match &e {
+        // The request's field: `sampling.top_p` is `top_p` here.
+        Error::Config { field, .. } => {
+            let param = field.strip_prefix("sampling.").unwrap_or(field);
+            ApiError::bad(e.to_string(), Some(param))
+        }
+        _ => ApiError::bad(e.to_string(), None),
+    })?;
     let seed = req
         .seed
         .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
@@ -328,7 +544,7 @@ fn check_options(
                 "model `{}` does not exist (this server serves `{}`)",
                 req.model, limits.model_name
             ),
-            param: Some("model"),
+            param: Some(Cow::Borrowed("model")),
         });
     }
     if req.stream == Some(true) {
@@ -529,23 +745,35 @@ pub struct LoadWeightsRequest {
     pub path: String,
     /// The policy version the weights are.
     pub version: u64,
+    /// Install them even when they are older than the served weights (a resumed
+    /// trainer's, or a server another client moved ahead). Without it an older
+    /// version is refused (409), so a delayed or replayed request cannot undo a newer
+    /// update.
+    #[serde(default)]
+    pub allow_older: bool,
 }
 
 async fn load_weights<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body: Bytes) -> Response {
     let result = async {
-        let req: LoadWeightsRequest = serde_json::from_slice(&body).map_err(|e| {
-            ApiError::bad(format!("request body is not a valid load_weights request: {e}"), None)
-        })?;
+        let req: LoadWeightsRequest = parse_json(&body).map_err(|e| ApiError::json("load_weights", &e))?;
         let path = weights_file(&s, &req.path).await?;
         let bytes = tokio::fs::read(&path)
             .await
             .map_err(|_| ApiError::bad(format!("{}: cannot be read", req.path), Some("path")))?;
         let snapshot = snapshot_from_safetensors(&bytes, PolicyVersion(req.version))
             .map_err(|e| ApiError::bad(format!("{}: {}", req.path, ErrorChain(&e)), Some("path")))?;
-        s.engine.install_weights(Arc::new(snapshot)).await.map_err(|e| ApiError {
-            status: StatusCode::UNPROCESSABLE_ENTITY,
-            message: format!("installing {}: {}", req.path, ErrorChain(&e)),
-            param: Some("path"),
+        let rollback = if req.allow_older { Rollback::Allow } else { Rollback::Refuse };
+        s.engine.install_snapshot(&snapshot, rollback).map_err(|e| match e {
+            Error::Rollback { .. } => ApiError {
+                status: StatusCode::CONFLICT,
+                message: e.to_string(),
+                param: Some(Cow::Borrowed("version")),
+            },
+            e => ApiError {
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                message: format!("installing {}: {}", req.path, ErrorChain(&e)),
+                param: Some(Cow::Borrowed("path")),
+            },
         })?;
         Ok::<_, ApiError>(serde_json::json!({ "version": req.version }))
     }
@@ -563,7 +791,11 @@ async fn weights_file<M: InferenceModel>(
     s: &AppState<M>,
     requested: &str,
 ) -> std::result::Result<PathBuf, ApiError> {
-    let refused = |message: String| ApiError { status: StatusCode::FORBIDDEN, message, param: Some("path") };
+    let refused = |message: String| ApiError {
+        status: StatusCode::FORBIDDEN,
+        message,
+        param: Some(Cow::Borrowed("path")),
+    };
     let Some(dir) = &s.config.weights_dir else {
         return Err(refused(
             "this server loads no weights (it was started without a weights directory)".into(),
@@ -575,7 +807,7 @@ async fn weights_file<M: InferenceModel>(
     let outside = || ApiError {
         status: StatusCode::FORBIDDEN,
         message: format!("{requested}: not a file in the server's weights directory"),
-        param: Some("path"),
+        param: Some(Cow::Borrowed("path")),
     };
     let path = tokio::fs::canonicalize(dir.join(requested)).await.map_err(|_| outside())?;
     if !path.starts_with(&dir) {

@@ -44,6 +44,11 @@ pub struct HookContext<'a> {
     pub http: &'a reqwest::Client,
     /// The server's base URL, without a trailing slash.
     pub base_url: &'a str,
+    /// The client does not know the server to hold its previous weights (its first
+    /// update, or the server answered with someone else's): the update may take the
+    /// server back to an older version, and says so to servers that refuse that by
+    /// default (ours, `allow_older`).
+    pub allow_older: bool,
 }
 
 /// Brings new weights to the servers behind an [`OpenAiEngine`](super::OpenAiEngine).
@@ -195,7 +200,11 @@ impl WeightUpdateHook for SafetensorsReload {
 
     async fn load(&self, ctx: &HookContext<'_>, version: PolicyVersion) -> Result<()> {
         let path = self.export.server_dir.join(Self::file_name(version));
-        let body = LoadWeightsRequest { path: path.display().to_string(), version: version.0 };
+        let body = LoadWeightsRequest {
+            path: path.display().to_string(),
+            version: version.0,
+            allow_older: ctx.allow_older,
+        };
         post_json(ctx, &self.endpoint, &body).await
     }
 }

@@ -21,7 +21,7 @@ async fn start_with(engine: Arc<ModelEngine>, config: ServerConfig) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     config.validate(addr).unwrap();
-    tokio::spawn(serve(listener, router(engine, config)));
+    tokio::spawn(serve(listener, router(engine, config.clone()), &config));
     format!("http://{addr}")
 }
 
@@ -263,4 +263,216 @@ async fn hostile_requests_are_refused_by_name_and_the_server_keeps_serving() {
     assert_eq!(second.headers().get("retry-after").unwrap(), "1");
     assert_eq!(first.await.unwrap().unwrap().status().as_u16(), 200);
     assert_eq!(post(ok, Some("k3y")).await.unwrap().status().as_u16(), 200, "serving again");
+}
+
+/// `load_weights` installs only what the model can take, never rolls the policy back
+/// unless the request says so, and a refused load leaves the served weights as they
+/// were; each refusal names the field at fault (`param`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_weights_refuses_bad_tensors_and_older_versions_by_name() {
+    use metronome_core::TensorData;
+    use metronome_rollout::http::snapshot_to_safetensors;
+    let engine = Arc::new(engine(1, 4, sampling(8)));
+    let dir = tempfile::tempdir().unwrap();
+    let server = ServerConfig { weights_dir: Some(dir.path().to_owned()), ..ServerConfig::named("tiny") };
+    let base = start_with(Arc::clone(&engine), server).await;
+    let http = reqwest::Client::new();
+    let write = |name: &str, snapshot: &metronome_core::WeightSnapshot| {
+        std::fs::write(dir.path().join(name), snapshot_to_safetensors(snapshot).unwrap()).unwrap();
+    };
+    let load =
+        |body: serde_json::Value| http.post(format!("{base}/metronome/v1/load_weights")).json(&body).send();
+    let snapshot = |seed| tiny_model(seed).snapshot(PolicyVersion(0)).unwrap();
+    write("v5.safetensors", &snapshot(5));
+    let resp = load(serde_json::json!({"path": "v5.safetensors", "version": 5})).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(engine.current_version(), PolicyVersion(5));
+    let served = signature(
+        &generate(&*engine, RolloutRequest { period: PeriodId(0), prompts: prompts(3), group_size: 2 }).await,
+    );
+
+    let mut nan = snapshot(6);
+    if let TensorData::F32(v) = &mut nan.tensors[2].data {
+        v[3] = f32::INFINITY;
+    }
+    let nan_name = nan.tensors[2].name.clone();
+    write("nan.safetensors", &nan);
+    let mut foreign = snapshot(6);
+    let mut extra = foreign.tensors[0].clone();
+    extra.name = "transformer.wte.weight".into();
+    foreign.tensors.push(extra);
+    write("foreign.safetensors", &foreign);
+    write("v6.safetensors", &snapshot(6));
+    let cases = [
+        (
+            serde_json::json!({"path": "nan.safetensors", "version": 6}),
+            422,
+            "path",
+            format!("`{nan_name}`: element 3 is not finite"),
+        ),
+        (
+            serde_json::json!({"path": "foreign.safetensors", "version": 6}),
+            422,
+            "path",
+            "`transformer.wte.weight`".to_owned(),
+        ),
+        (
+            serde_json::json!({"path": "v6.safetensors", "version": 4}),
+            409,
+            "version",
+            "version 4 are older than the installed version 5".to_owned(),
+        ),
+    ];
+    for (body, status, param, message) in cases {
+        let resp = load(body.clone()).await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{body}");
+        let err: ErrorBody = resp.json().await.unwrap();
+        assert_eq!(err.error.param.as_deref(), Some(param), "{body}");
+        assert!(err.error.message.contains(&message), "{body}: {}", err.error.message);
+        assert_eq!(engine.current_version(), PolicyVersion(5), "{body}");
+        let now =
+            generate(&*engine, RolloutRequest { period: PeriodId(0), prompts: prompts(3), group_size: 2 })
+                .await;
+        assert_eq!(signature(&now), served, "{body}");
+    }
+    // Said explicitly, the policy goes back.
+    let resp =
+        load(serde_json::json!({"path": "v6.safetensors", "version": 4, "allow_older": true})).await.unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(engine.current_version(), PolicyVersion(4));
+}
+
+/// Slow and odd clients: headers that never finish and idle connections are closed
+/// after `header_timeout_s`, a body that stalls gets 408, connections beyond
+/// `max_connections` wait until one closes, a body that is not JSON gets 415,
+/// unknown routes 404 and wrong methods 405 — every error in OpenAI's shape, `param`
+/// naming the field where there is one — and the server keeps serving throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_and_odd_clients_are_bounded_and_answered_in_openais_shape() {
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let engine = Arc::new(engine(1, 4, sampling(8)));
+    let config = ServerConfig {
+        header_timeout_s: 0.5,
+        body_timeout_s: 0.5,
+        max_connections: 2,
+        ..ServerConfig::named("tiny")
+    };
+    let base = start_with(Arc::clone(&engine), config).await;
+    let addr = base.trim_start_matches("http://").to_owned();
+    let http = reqwest::Client::new();
+    let ok = serde_json::json!({"model": "tiny", "prompt": "1 + 1 = ", "max_tokens": 4});
+    let served = || async {
+        let resp = http.post(format!("{base}/v1/completions")).json(&ok).send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), 200);
+    };
+    // Reads until the server closes the connection; what it sent.
+    let until_closed = |mut s: tokio::net::TcpStream| async move {
+        let mut out = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+        assert!(read.is_ok(), "the server kept a stalled connection open for 30 s");
+        String::from_utf8_lossy(&out).into_owned()
+    };
+
+    // Headers that never finish, and a connection that sends nothing: closed.
+    let mut partial = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    partial.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let idle = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    until_closed(partial).await;
+    until_closed(idle).await;
+    served().await;
+
+    // A body that stalls half-way: 408 in OpenAI's shape.
+    let mut slow = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"",
+    )
+    .await
+    .unwrap();
+    let answer = until_closed(slow).await;
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"code\":408") && answer.contains("did not arrive within 0.5 s"), "{answer}");
+
+    // Two connections held (their headers unfinished): a third waits for a free one.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"GET /v1/models HTTP/1.1\r\n").await.unwrap();
+        held.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let third = tokio::spawn({
+        let (http, url) = (http.clone(), format!("{base}/v1/models"));
+        async move { http.get(url).send().await.unwrap().status().as_u16() }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!third.is_finished(), "a third connection was served while two were held");
+    drop(held);
+    assert_eq!(tokio::time::timeout(Duration::from_secs(30), third).await.unwrap().unwrap(), 200);
+
+    // Odd requests: each answered in OpenAI's shape, naming the field where there is one.
+    let completions = format!("{base}/v1/completions");
+    let cases: Vec<(reqwest::RequestBuilder, u16, Option<&str>, &str)> = vec![
+        (
+            http.post(&completions).header("content-type", "text/plain").body(ok.to_string()),
+            415,
+            None,
+            "`text/plain`",
+        ),
+        (http.post(&completions).body(ok.to_string()), 415, None, "no content type"),
+        (http.get(&completions), 405, None, "method"),
+        (http.post(format!("{base}/v1/chat/nothing")).json(&ok), 404, None, "no such route"),
+        (
+            http.post(&completions).json(&serde_json::json!({"model": "tiny", "prompt": "a", "n": "two"})),
+            400,
+            Some("n"),
+            "invalid type",
+        ),
+        (
+            http.post(&completions)
+                .json(&serde_json::json!({"model": "tiny", "prompt": "a", "temperature": -1.0})),
+            400,
+            Some("temperature"),
+            "sampling.temperature",
+        ),
+        (
+            http.post(&completions)
+                .json(&serde_json::json!({"model": "tiny", "prompt": "a", "temperature": 1e-30})),
+            400,
+            Some("temperature"),
+            "expected 0 for greedy decoding, or 0.001 to 1000",
+        ),
+        (
+            http.post(&completions)
+                .json(&serde_json::json!({"model": "tiny", "prompt": "a", "repetition_penalty": 1e30})),
+            400,
+            Some("repetition_penalty"),
+            "expected 0.001 to 1000",
+        ),
+        (
+            http.post(&completions).json(&serde_json::json!({"model": "tiny", "prompt": "a", "top_p": 0.0})),
+            400,
+            Some("top_p"),
+            "top_p",
+        ),
+    ];
+    for (request, status, param, message) in cases {
+        let resp = request.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{message}");
+        let err: ErrorBody =
+            resp.json().await.unwrap_or_else(|e| panic!("{message}: not OpenAI's shape: {e}"));
+        assert_eq!(err.error.param.as_deref(), param, "{message}: {}", err.error.message);
+        assert_eq!(err.error.code, Some(status), "{message}");
+        assert!(err.error.message.contains(message), "{message}: {}", err.error.message);
+    }
+    // A JSON content type with parameters is JSON.
+    let resp = http
+        .post(&completions)
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(ok.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    served().await;
 }

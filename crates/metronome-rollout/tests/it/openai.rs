@@ -28,7 +28,7 @@ async fn start(engine: Arc<ModelEngine>, weights_dir: Option<PathBuf>) -> String
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let config = ServerConfig { weights_dir, ..ServerConfig::named("tiny") };
-    tokio::spawn(serve(listener, router(engine, config)));
+    tokio::spawn(serve(listener, router(engine, config.clone()), &config));
     format!("http://{addr}")
 }
 
@@ -207,7 +207,7 @@ async fn stub(update_answer: Value, sglang: bool) -> (String, Calls) {
         .route("/reset_prefix_cache", record("/reset_prefix_cache", Arc::clone(&calls), json!({})));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(serve(listener, app));
+    tokio::spawn(serve(listener, app, &ServerConfig::default()));
     (url, calls)
 }
 

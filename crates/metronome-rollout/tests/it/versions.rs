@@ -3,7 +3,11 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use metronome_core::{Group, GroupSink, PeriodId, PolicyVersion, RolloutEngine, RolloutRequest};
+use metronome_core::{
+    ErrorChain, Group, GroupSink, PeriodId, PolicyVersion, RolloutEngine, RolloutRequest, TensorData,
+    WeightSnapshot,
+};
+use metronome_rollout::Rollback;
 
 use crate::common::{engine, generate, prompts, sampling, signature, tiny_model};
 
@@ -92,11 +96,86 @@ async fn weights_installed_mid_generation_apply_to_new_sequences_only() {
     assert!(seen[0] > 0 && seen[1] > 0, "versions seen {seen:?}");
 }
 
+/// Every way a snapshot can be wrong is refused with the tensor (or the version)
+/// named, and the served weights stay exactly as they were: the same version and
+/// the same rollouts after each refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_snapshot_of_another_shape_is_rejected() {
-    let e = engine(1, 2, sampling(4));
-    let mut snapshot = tiny_model(1).snapshot(PolicyVersion(1)).unwrap();
-    snapshot.tensors.pop();
-    assert!(e.install_weights(Arc::new(snapshot)).await.is_err());
-    assert_eq!(e.version(), PolicyVersion(0));
+async fn a_refused_snapshot_leaves_the_served_weights_untouched() {
+    let e = engine(1, 2, sampling(8));
+    let served = tiny_model(5).snapshot(PolicyVersion(3)).unwrap();
+    e.install_weights(Arc::new(served)).await.unwrap();
+    let before = signature(&generate(&e, request()).await);
+    let good = || tiny_model(1).snapshot(PolicyVersion(4)).unwrap();
+    let name = |s: &WeightSnapshot, i: usize| s.tensors[i].name.clone();
+    let mut cases: Vec<(&str, WeightSnapshot, String)> = Vec::new();
+    let mut s = good();
+    let missing = s.tensors.pop().unwrap().name;
+    cases.push(("a missing tensor", s, format!("lacks tensor `{missing}`")));
+    let mut s = good();
+    let n = s.tensors.len();
+    if let TensorData::F32(v) = &mut s.tensors[n - 1].data {
+        v[7] = f32::NAN;
+    }
+    let last = name(&s, n - 1);
+    cases.push(("a NaN", s, format!("tensor `{last}`: element 7 is not finite")));
+    let mut s = good();
+    s.tensors[0].data = TensorData::Bf16(vec![0x7f80; s.tensors[0].data.len()]);
+    let first = name(&s, 0);
+    cases.push(("an infinite bf16", s, format!("tensor `{first}`: element 0 is not finite")));
+    let mut s = good();
+    let mut extra = s.tensors[0].clone();
+    extra.name = "model.layers.99.mlp.up_proj.weight".into();
+    s.tensors.push(extra);
+    cases.push(("an unknown tensor", s, "does not have: `model.layers.99.mlp.up_proj.weight`".into()));
+    let mut s = good();
+    s.tensors.push(s.tensors[1].clone());
+    let second = name(&s, 1);
+    cases.push(("a duplicate", s, format!("holds tensor `{second}` twice")));
+    let mut s = good();
+    s.tensors[1].shape.reverse();
+    s.tensors[1].shape.push(1);
+    cases.push(("a wrong shape", s, format!("tensor `{second}`")));
+    let mut s = good();
+    s.version = PolicyVersion(2);
+    cases.push(("an older version", s, "version 2 are older than the installed version 3".into()));
+    for (what, snapshot, expected) in cases {
+        let err = ErrorChain(&e.install_weights(Arc::new(snapshot)).await.unwrap_err()).to_string();
+        assert!(err.contains(&expected), "{what}: {err}");
+        assert_eq!(e.version(), PolicyVersion(3), "{what}");
+        assert_eq!(signature(&generate(&e, request()).await), before, "{what}");
+    }
+    // Said explicitly, the policy may go back.
+    let older = tiny_model(1).snapshot(PolicyVersion(2)).unwrap();
+    e.install_snapshot(&older, Rollback::Allow).unwrap();
+    assert_eq!(e.version(), PolicyVersion(2));
+    assert_ne!(signature(&generate(&e, request()).await), before);
+}
+
+/// KV caches larger than the machine's available memory are refused when the engine
+/// is built, naming `max_num_seqs` and how many slots fit, before anything is
+/// allocated (before, a cache of 65,536 slots of a million tokens aborted the process).
+#[test]
+fn caches_beyond_the_machines_memory_are_refused_before_allocation() {
+    use metronome_core::RunSeed;
+    use metronome_rollout::{EngineConfig, model_engine};
+    // 64 TiB of cache: more than any machine this runs on has.
+    let config = EngineConfig {
+        workers: metronome_rollout::MAX_WORKERS,
+        threads_per_worker: Some(1),
+        max_num_seqs: metronome_rollout::MAX_NUM_SEQS,
+        max_seq_len: metronome_rollout::MAX_SEQ_LEN,
+        ..EngineConfig::default()
+    };
+    let model = tiny_model(7);
+    let context = model.config().max_position_embeddings;
+    let tokens = config.max_seq_len.min(context);
+    let Err(e) = model_engine(model, PolicyVersion(0), crate::common::tokenizer(), config, RunSeed(1)) else {
+        panic!("an engine with 1024 x 65536 slots of {tokens} tokens was built");
+    };
+    let e = e.to_string();
+    assert!(
+        e.starts_with("config field `max_num_seqs` is 65536: 1024 worker(s) x 65536 slots x 1024 tokens"),
+        "{e}"
+    );
+    assert!(e.contains("available") && e.contains("slots per worker fit"), "{e}");
 }
