@@ -366,7 +366,7 @@ mod tests {
         let zero = EngineConfig { max_num_seqs: 0, ..EngineConfig::default() };
         assert_eq!(
             zero.validate().unwrap_err().to_string(),
-            "config field `max_num_seqs` is 0 (expected >= 1)"
+            "config field `max_num_seqs` is 0 (expected 1 to 65536)"
         );
     }
 }
