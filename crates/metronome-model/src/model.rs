@@ -4,12 +4,15 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, Var};
-use metronome_core::{PackedRow, PolicyVersion, Targets};
+use metronome_core::{PackedRow, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{DenseWeight, Projection, RopeTables, SegmentPlan, linear, rope_tables, segment_plans};
 use crate::recompute::{Links, attach};
 use crate::{Error, Kernels, Result, head};
+
+mod init;
+mod snapshot;
 
 /// One decoder layer's parameters.
 #[derive(Debug)]
@@ -212,33 +215,7 @@ pub(crate) enum Init {
     Ones,
 }
 
-/// The standard deviation of the initial weights (Hugging Face's `initializer_range`).
-const INIT_STD: f32 = 0.02;
-
 impl Model {
-    /// A freshly initialised, trainable model: weights `N(0, 0.02²)`, biases zero,
-    /// norms one, drawn from a generator seeded by `seed` alone (the same seed gives
-    /// bit-identical weights on every machine).
-    pub fn new(cfg: ModelConfig, device: &Device, seed: u64) -> Result<Self> {
-        cfg.validate()?;
-        let mut index = 0u64;
-        let dev = device.clone();
-        let mut source = move |_name: &str, shape: &[usize], init: Init| -> Result<Tensor> {
-            index += 1;
-            let n: usize = shape.iter().product();
-            let data = match init {
-                Init::Zeros => vec![0.0f32; n],
-                Init::Ones => vec![1.0f32; n],
-                Init::Normal => {
-                    let s = metronome_core::stream_seed(metronome_core::RunSeed(seed), INIT_STREAM, index);
-                    normal_vec(s, n, INIT_STD)
-                }
-            };
-            Ok(Tensor::from_vec(data, shape, &dev)?)
-        };
-        Self::build(cfg, device, true, &mut source)
-    }
-
     /// Builds a model, asking `source` for each parameter by Hugging Face name.
     pub(crate) fn build(
         cfg: ModelConfig,
@@ -877,223 +854,5 @@ impl Model {
     /// Parameters by name, for loaders.
     pub(crate) fn param_map(&self) -> HashMap<String, Var> {
         self.parameters().into_iter().collect()
-    }
-
-    /// An owned host copy of every weight, tagged with `version`. It never aliases
-    /// the model's storage, so the optimiser may keep writing. With adapters, the
-    /// projections hold the merged `W + (alpha / r)·B·A` ([`Model::merged`]): a
-    /// snapshot is always of a plain model.
-    pub fn snapshot(&self, version: PolicyVersion) -> Result<metronome_core::WeightSnapshot> {
-        let tensors = self
-            .weights()?
-            .into_iter()
-            .map(|(name, t)| {
-                let shape = t.dims().to_vec();
-                let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                Ok(metronome_core::HostTensor { name, shape, data: metronome_core::TensorData::F32(data) })
-            })
-            .collect::<Result<_>>()?;
-        Ok(metronome_core::WeightSnapshot { version, tensors })
-    }
-
-    /// A model built from a snapshot (e.g. on a rollout worker). With
-    /// `trainable == false` forward passes record no graphs.
-    pub fn from_snapshot(
-        cfg: ModelConfig,
-        s: &metronome_core::WeightSnapshot,
-        device: &Device,
-        trainable: bool,
-    ) -> Result<Self> {
-        let what = || format!("snapshot version {}", s.version);
-        let mut by_name: HashMap<&str, &metronome_core::HostTensor> = HashMap::new();
-        for t in &s.tensors {
-            if by_name.insert(t.name.as_str(), t).is_some() {
-                return Err(Error::checkpoint(what(), format!("holds tensor `{}` twice", t.name)));
-            }
-        }
-        let mut used = std::collections::HashSet::new();
-        let model = {
-            let mut source = |name: &str, _shape: &[usize], _init: Init| -> Result<Tensor> {
-                let t = by_name
-                    .get(name)
-                    .ok_or_else(|| Error::checkpoint(what(), format!("lacks tensor `{name}`")))?;
-                used.insert(t.name.as_str());
-                host_to_tensor(t, device)
-            };
-            Self::build(cfg, device, trainable, &mut source)?
-        };
-        refuse_unknown(s, |name| used.contains(name))?;
-        Ok(model)
-    }
-
-    /// Overwrites every weight in place with the snapshot's (every handle sharing
-    /// these weights sees the change). Names and shapes must be exactly the model's and
-    /// every element finite; all of it is checked before the first weight is written,
-    /// so a refused snapshot leaves the model as it was. Refused for a handle with
-    /// adapters, whose snapshots hold merged weights that its base must not take.
-    pub fn load_snapshot(&self, s: &metronome_core::WeightSnapshot) -> Result<()> {
-        if self.lora.is_some() {
-            return Err(Error::invalid(
-                "load_snapshot",
-                "needs a plain model: this one has LoRA adapters (load into `Model::base`)",
-            ));
-        }
-        let params = self.param_map();
-        let mut sources = Vec::with_capacity(params.len());
-        for (name, var) in &params {
-            let t = s.get(name).ok_or_else(|| {
-                Error::checkpoint(format!("snapshot version {}", s.version), format!("lacks tensor `{name}`"))
-            })?;
-            if t.shape != var.dims() {
-                return Err(Error::checkpoint(
-                    format!("snapshot version {}, tensor `{name}`", s.version),
-                    format!("has shape {:?}, expected {:?}", t.shape, var.dims()),
-                ));
-            }
-            check_host(t, s.version)?;
-            sources.push((var, t));
-        }
-        refuse_unknown(s, |name| params.contains_key(name))?;
-        for (var, t) in sources {
-            var.set(&host_to_tensor(t, self.device())?)?;
-        }
-        // The next decode step rebuilds the decode layout from the new weights.
-        if let Ok(mut d) = self.inner.decode.write() {
-            *d = None;
-        }
-        Ok(())
-    }
-
-    /// A deep, non-trainable copy: the frozen reference model (of a handle with
-    /// adapters, the merged plain model).
-    pub fn frozen_copy(&self) -> Result<Self> {
-        let copy = self.frozen_copy_on(self.device())?;
-        Ok(Self { kernels: self.kernels, ..copy })
-    }
-
-    /// A deep, non-trainable copy on `device` (e.g. a rollout engine's GPU), with that
-    /// device's default kernels.
-    pub fn frozen_copy_on(&self, device: &Device) -> Result<Self> {
-        let s = self.snapshot(PolicyVersion(0))?;
-        Self::from_snapshot(self.inner.cfg.clone(), &s, device, false)
-    }
-}
-
-/// Stream id of weight initialisation in [`metronome_core::stream_seed`].
-const INIT_STREAM: u64 = 0x696e_6974_5f77_6569; // "init_wei"
-
-/// `n` samples of `N(0, std²)` from a SplitMix64 stream and Box-Muller.
-///
-/// The stream is counter-based (its `i`-th uniform is `mix64(seed + i·γ)`) and pair
-/// `k` of outputs reads uniforms `2k + 1` and `2k + 2`, so blocks of pairs are filled
-/// in parallel with bitwise the values of a sequential pass: a 1.5 B-parameter model
-/// initialises in a second on many cores instead of ten.
-fn normal_vec(seed: u64, n: usize, std: f32) -> Vec<f32> {
-    use rayon::prelude::*;
-    const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
-    const PAIRS_PER_BLOCK: usize = 1 << 15;
-    // 53 random bits into (0, 1].
-    let uniform = |i: u64| {
-        ((metronome_core::mix64(seed.wrapping_add(i.wrapping_mul(GAMMA))) >> 11) as f64 + 1.0)
-            / (1u64 << 53) as f64
-    };
-    let mut out = vec![0f32; n];
-    out.par_chunks_mut(2 * PAIRS_PER_BLOCK).enumerate().for_each(|(block, values)| {
-        for (j, pair) in values.chunks_mut(2).enumerate() {
-            let k = (block * PAIRS_PER_BLOCK + j) as u64;
-            let (u1, u2) = (uniform(2 * k + 1), uniform(2 * k + 2));
-            let r = (-2.0 * u1.ln()).sqrt();
-            let t = std::f64::consts::TAU * u2;
-            pair[0] = (r * t.cos()) as f32 * std;
-            if let Some(second) = pair.get_mut(1) {
-                *second = (r * t.sin()) as f32 * std;
-            }
-        }
-    });
-    out
-}
-
-/// A host tensor as an f32 tensor on `device`.
-/// Refuses a snapshot that holds tensors the model has none of (`known` says which
-/// it has): weights saved from another architecture or a corrupted file would
-/// otherwise load silently with some of their tensors dropped.
-fn refuse_unknown(s: &metronome_core::WeightSnapshot, known: impl Fn(&str) -> bool) -> Result<()> {
-    let unknown: Vec<&str> = s.tensors.iter().map(|t| t.name.as_str()).filter(|n| !known(n)).collect();
-    if unknown.is_empty() {
-        return Ok(());
-    }
-    let shown: Vec<String> = unknown.iter().take(4).map(|n| format!("`{n}`")).collect();
-    let more = if unknown.len() > shown.len() {
-        format!(" and {} more", unknown.len() - shown.len())
-    } else {
-        String::new()
-    };
-    Err(Error::checkpoint(
-        format!("snapshot version {}", s.version),
-        format!("holds tensors the model does not have: {}{more}", shown.join(", ")),
-    ))
-}
-
-/// [`metronome_core::HostTensor::check`] as this crate's error, naming the tensor.
-fn check_host(t: &metronome_core::HostTensor, version: PolicyVersion) -> Result<()> {
-    t.check().map_err(|reason| {
-        Error::checkpoint(format!("snapshot version {version}, tensor `{}`", t.name), reason)
-    })
-}
-
-pub(crate) fn host_to_tensor(t: &metronome_core::HostTensor, device: &Device) -> Result<Tensor> {
-    use metronome_core::TensorData;
-    t.check().map_err(|reason| Error::checkpoint(format!("tensor `{}`", t.name), reason))?;
-    let data: Vec<f32> = match &t.data {
-        TensorData::F32(v) => v.clone(),
-        TensorData::Bf16(v) => v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect(),
-        TensorData::F16(v) => v.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect(),
-    };
-    Ok(Tensor::from_vec(data, t.shape.as_slice(), device)?)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The sequential generator `normal_vec` replaced, for the test below.
-    fn sequential_normal_vec(seed: u64, n: usize, std: f32) -> Vec<f32> {
-        let mut state = seed;
-        let mut uniform = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            ((metronome_core::mix64(state) >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-        };
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
-            let (u1, u2) = (uniform(), uniform());
-            let r = (-2.0 * u1.ln()).sqrt();
-            let t = std::f64::consts::TAU * u2;
-            out.push((r * t.cos()) as f32 * std);
-            if out.len() < n {
-                out.push((r * t.sin()) as f32 * std);
-            }
-        }
-        out
-    }
-
-    #[test]
-    fn parallel_init_gives_bitwise_the_sequential_stream() {
-        // Odd lengths end on half a pair; 70 001 spans several blocks.
-        for n in [0, 1, 2, 7, 70_001] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-            let parallel = pool.install(|| normal_vec(11, n, 0.02));
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&parallel), bits(&sequential_normal_vec(11, n, 0.02)), "n = {n}");
-        }
-    }
-
-    #[test]
-    fn init_is_deterministic_and_scaled() {
-        let a = normal_vec(7, 10_000, 0.02);
-        assert_eq!(a, normal_vec(7, 10_000, 0.02));
-        assert_ne!(a, normal_vec(8, 10_000, 0.02));
-        let mean = a.iter().map(|&x| f64::from(x)).sum::<f64>() / a.len() as f64;
-        let var = a.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / a.len() as f64;
-        assert!(mean.abs() < 1e-3 && (var.sqrt() - 0.02).abs() < 1e-3, "{mean} {var}");
     }
 }

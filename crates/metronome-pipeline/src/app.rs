@@ -5,9 +5,10 @@
 //! `builders.rs` how stages come from the config.
 
 use crate::builders::{group_scorer, load_model, local_transport, stages_around};
+use crate::checkpoint::Checkpointing;
 use crate::config::PipelineConfig;
 use crate::error::Result;
-use crate::runner::{Checkpointing, Runner, RunnerOptions};
+use crate::runner::{Runner, RunnerOptions};
 use crate::schedule::Schedule;
 use crate::session::{RunOptions, RunOutcome, Session};
 

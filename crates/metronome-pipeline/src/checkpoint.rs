@@ -25,14 +25,12 @@
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};
-
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use metronome_core::{Cursor, Trainer};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::runner::Checkpointing;
 
 /// Where a run stands at a period boundary, beside the trainer's own state: enough
 /// to repeat the run from there.
@@ -305,6 +303,19 @@ impl Checkpoints {
             }
         }
     }
+}
+
+/// When a run writes checkpoints (the runner after periods, the warm start after
+/// steps): the points it resumes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Checkpointing {
+    /// The folder of the checkpoints (see `checkpoint.rs`: `period-<n>/`, `latest`).
+    pub dir: PathBuf,
+    /// After every this many periods; 0: not by count.
+    pub every: u64,
+    /// After the first period that ends this long after the last checkpoint; zero:
+    /// not by time.
+    pub interval: Duration,
 }
 
 /// A run's checkpoints and when the next one is due: every `every` periods (or

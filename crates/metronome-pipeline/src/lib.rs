@@ -45,6 +45,7 @@ mod warm_start;
 
 pub use app::run;
 pub use builders::{TrainerHandle, build_stages, load_model, local_transport, with_env};
+pub use checkpoint::Checkpointing;
 pub use config::{
     DEFAULT_CONFIG, DynamicSampling, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig,
     TransportConfig,
@@ -59,9 +60,7 @@ pub use metronome_rollout::{LogprobsMode, http::ServerConfig};
 pub use release::{Release, Released};
 pub use report::{Clock, EvalPoint, Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;
-pub use runner::{
-    Checkpointing, Packer, Parts, PeriodEnd, PeriodHook, RunEnd, Runner, RunnerOptions, Stages, Transport,
-};
+pub use runner::{Packer, Parts, PeriodEnd, PeriodHook, RunEnd, Runner, RunnerOptions, Stages, Transport};
 pub use schedule::{ParseScheduleError, Schedule};
 #[cfg(feature = "http")]
 pub use serve::serve;

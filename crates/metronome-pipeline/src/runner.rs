@@ -19,7 +19,6 @@
 //! once (`tests/it/driver.rs`, `tests/it/schedules.rs`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -29,7 +28,7 @@ use metronome_core::{
     Trainer, WeightPublisher, WeightSnapshot, WeightSubscriber,
 };
 
-use crate::checkpoint::{Checkpointer, Checkpoints};
+use crate::checkpoint::{Checkpointer, Checkpointing, Checkpoints};
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
 use crate::generator::Generator;
@@ -150,18 +149,6 @@ impl Default for RunnerOptions {
             partial_rollouts: false,
         }
     }
-}
-
-/// When the runner writes period checkpoints, the points a run resumes from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Checkpointing {
-    /// The folder of the checkpoints (see `checkpoint.rs`: `period-<n>/`, `latest`).
-    pub dir: PathBuf,
-    /// After every this many periods; 0: not by count.
-    pub every: u64,
-    /// After the first period that ends this long after the last checkpoint; zero:
-    /// not by time.
-    pub interval: Duration,
 }
 
 /// What the runner tells its hook when a period ends.

@@ -10,11 +10,10 @@ use metronome_core::{Environment, Prompt, PromptSource, RunSeed, TokenSpan, Toke
 use metronome_model::Model;
 use metronome_trainer::{GrpoTrainer, SftExample};
 
-use crate::checkpoint::Checkpointer;
+use crate::checkpoint::{Checkpointer, Checkpointing};
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::events::{Event, Observer};
-use crate::runner::Checkpointing;
 
 /// Supervised warm start: `sft.steps` steps of cross-entropy on reference answers,
 /// each reported to `observer` (of adapters only with `trainer.lora`, merged into the

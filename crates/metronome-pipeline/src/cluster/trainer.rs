@@ -12,11 +12,12 @@ use async_trait::async_trait;
 use metronome_core::{ControlMessage, ControlSender, PeriodId, PromptSource, RunSeed, WeightSnapshot};
 
 use crate::builders::{load_model, packer};
+use crate::checkpoint::Checkpointing;
 use crate::config::PipelineConfig;
 use crate::error::{Error, Result};
 use crate::release::{Release, Released, next_batch};
 use crate::report::Clock;
-use crate::runner::{Checkpointing, Parts, Runner, RunnerOptions};
+use crate::runner::{Parts, Runner, RunnerOptions};
 use crate::schedule::Schedule;
 use crate::session::{RunOptions, RunOutcome, Session};
 
