@@ -275,7 +275,9 @@ impl Group {
     }
 
     /// Checks the structural invariants every stage may rely on: at least one
-    /// response, sample indices `0..G` in order, log-probs aligned with tokens.
+    /// response, sample indices `0..G` in order, log-probs aligned with tokens and
+    /// finite (a NaN or infinite behaviour log-prob makes the trainer's loss
+    /// non-finite, and its guard then drops the whole step).
     pub fn validate(&self) -> Result<()> {
         let key = self.key();
         if self.completions.is_empty() {
@@ -292,6 +294,12 @@ impl Group {
                 return Err(Error::invalid(
                     format!("group {key}, completion {i}"),
                     format!("has {} log-probs for {} tokens", c.logprobs.len(), c.tokens.len()),
+                ));
+            }
+            if let Some(j) = c.logprobs.iter().position(|l| !l.is_finite()) {
+                return Err(Error::invalid(
+                    format!("group {key}, completion {i}"),
+                    format!("has log-prob {} at token {j} (log-probs are finite)", c.logprobs[j]),
                 ));
             }
             if let Some(trace) = &c.episode {
@@ -523,6 +531,22 @@ impl ScoredGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the fuzz suite: a group message whose log-prob bytes were NaN was
+    /// accepted, and reached the trainer as a non-finite loss (the step dropped).
+    #[test]
+    fn non_finite_log_probs_are_refused_naming_the_completion_and_token() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let c = Completion {
+                tokens: vec![1, 2, 3],
+                logprobs: vec![-0.5, bad, -1.0],
+                ..Completion::default()
+            };
+            let group = Group { completions: vec![c], ..Group::default() };
+            let e = group.validate().unwrap_err().to_string();
+            assert!(e.contains("completion 0") && e.contains("at token 1"), "{e}");
+        }
+    }
 
     #[test]
     fn the_policy_mask_clears_exactly_the_observation_spans() {
