@@ -278,6 +278,27 @@ impl ModelConfig {
         if !(self.rope_theta > 0.0 && self.rms_norm_eps >= 0.0) {
             return Err(Error::config("field `rope_theta`/`rms_norm_eps`", "must be positive"));
         }
+        if !(self.rope_theta.is_finite() && self.rms_norm_eps.is_finite()) {
+            return Err(Error::config("field `rope_theta`/`rms_norm_eps`", "must be finite"));
+        }
+        // Every weight's size in bytes must be a number: the sizes come from a file, and
+        // their products overflowed (a panic in a debug build) before any tensor was
+        // read.
+        let heads = self.num_attention_heads.checked_mul(self.head_dim);
+        let kv_heads = self.num_key_value_heads.checked_mul(self.head_dim);
+        let bytes = |rows: Option<usize>, what: &str| {
+            rows.and_then(|r| r.checked_mul(self.hidden_size))
+                .and_then(|n| n.checked_mul(4))
+                .filter(|&b| isize::try_from(b).is_ok())
+                .map(drop)
+                .ok_or_else(|| {
+                    Error::config(format!("field `{what}`"), "makes a weight too large to address")
+                })
+        };
+        bytes(Some(self.vocab_size), "vocab_size")?;
+        bytes(Some(self.intermediate_size), "intermediate_size")?;
+        bytes(heads, "num_attention_heads")?;
+        bytes(kv_heads, "num_key_value_heads")?;
         Ok(())
     }
 
@@ -354,5 +375,27 @@ mod tests {
         let err = ModelConfig::from_hf_json(&text.to_string()).unwrap_err();
         assert!(err.to_string().contains("num_key_value_heads"), "{err}");
         assert!(ModelConfig::from_hf_json("{").unwrap_err().to_string().contains("not JSON"));
+    }
+
+    /// Found by the fuzz suite: a `config.json` of a checkpoint with
+    /// `num_attention_heads = 2^63` overflowed `heads * head_dim` (a panic in a
+    /// debug build) before any tensor was read.
+    #[test]
+    fn sizes_whose_weights_cannot_be_addressed_are_refused_naming_the_field() {
+        for (field, value) in [
+            ("num_attention_heads", json!(1u64 << 63)),
+            ("vocab_size", json!(u64::MAX)),
+            ("intermediate_size", json!(1u64 << 62)),
+        ] {
+            let mut text: Value = serde_json::from_str(&ModelConfig::tiny().to_hf_json()).unwrap();
+            text[field] = value;
+            if field == "num_attention_heads" {
+                text["num_key_value_heads"] = json!(1);
+            }
+            let err = ModelConfig::from_hf_json(&text.to_string()).unwrap_err().to_string();
+            assert!(err.contains(field), "{err}");
+        }
+        let infinite = ModelConfig { rope_theta: f64::INFINITY, ..ModelConfig::tiny() };
+        assert!(infinite.validate().unwrap_err().to_string().contains("rope_theta"));
     }
 }

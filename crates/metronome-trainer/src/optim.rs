@@ -215,7 +215,8 @@ impl AdamW {
         }
         self.steps += 1;
         let AdamWConfig { beta1, beta2, eps, weight_decay } = self.cfg;
-        let t = self.steps as i32;
+        // Past i32::MAX steps the betas' powers are 0 in f64 anyway; a cast would wrap.
+        let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
         let bc1 = 1.0 - beta1.powi(t);
         let bc2 = 1.0 - beta2.powi(t);
         for (i, ((_, var), g)) in params.iter().zip(grads).enumerate() {

@@ -17,6 +17,11 @@ use crate::{Result, TrainerConfig, TrainerError};
 
 /// Version of the checkpoint layout written by [`GrpoTrainer::save_checkpoint`].
 const CHECKPOINT_FORMAT: u32 = 1;
+/// The largest count a checkpoint may hold (steps, versions, micro-batches, tokens):
+/// about two billion, more than any run takes, and room left to count on (a version
+/// of `u64::MAX` overflowed at the next step, and AdamW's bias correction raises its
+/// betas to the step count as an `i32`).
+const MAX_COUNT: u64 = i32::MAX as u64;
 /// Prefix of the regulariser's gradient sums in `accumulator.safetensors` (the
 /// policy-gradient term's, or the whole loss's, carry the parameter names alone).
 const REGULARISER_PREFIX: &str = "regulariser/";
@@ -119,6 +124,26 @@ impl GrpoTrainer {
         let text = std::fs::read_to_string(&path).map_err(|e| TrainerError::checkpoint(&path, e))?;
         let pending: PendingState =
             serde_json::from_str(&text).map_err(|e| TrainerError::checkpoint(&path, e))?;
+        // What the step under way goes on from: a count that overflows, a sum that is
+        // not finite or a buffered batch (trained at the step by a mini-step
+        // trainer) that breaks the layout contract fails here, naming the file, not
+        // at the step.
+        if pending.micro_batches > MAX_COUNT {
+            return Err(TrainerError::checkpoint(
+                &path,
+                format!("has micro_batches = {}, more than {MAX_COUNT}", pending.micro_batches),
+            ));
+        }
+        pending.sums.check(MAX_COUNT).map_err(|reason| TrainerError::checkpoint(&path, reason))?;
+        let vocab = self.policy.config().vocab_size;
+        for (i, batch) in pending.buffered.iter().enumerate() {
+            let bad = |reason: String| TrainerError::checkpoint(&path, format!("buffered[{i}]: {reason}"));
+            batch.validate().map_err(|e| bad(e.to_string()))?;
+            let tokens = batch.rows.iter().flat_map(|r| &r.tokens).chain(&batch.targets.token);
+            if let Some(t) = tokens.copied().find(|&t| t as usize >= vocab) {
+                return Err(bad(format!("holds token id {t}, outside the vocabulary of {vocab}")));
+            }
+        }
         let path = dir.join("accumulator.safetensors");
         let mut grads =
             candle_core::safetensors::load(&path, device).map_err(|e| TrainerError::checkpoint(&path, e))?;
@@ -196,6 +221,19 @@ impl GrpoTrainer {
                 &st_path,
                 format!("has format {}, this build reads {CHECKPOINT_FORMAT}", st.format),
             ));
+        }
+        for (field, value) in [
+            ("version", st.version),
+            ("optimizer_steps", st.optimizer_steps),
+            ("schedule_position", st.schedule_position),
+            ("skipped_steps", st.skipped_steps),
+        ] {
+            if value > MAX_COUNT {
+                return Err(TrainerError::checkpoint(
+                    &st_path,
+                    format!("has {field} = {value}, more than the {MAX_COUNT} steps a run may count"),
+                ));
+            }
         }
         cfg.validate()?;
         let (policy, reference) = super::lora::load_models(&cfg, dir, device)?;

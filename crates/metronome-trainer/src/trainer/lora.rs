@@ -131,8 +131,31 @@ pub(super) fn load_models(
                     "is missing, and loss.kl_coef needs the reference model",
                 ));
             }
-            Ok((policy, Some(Model::load_hf(&rdir, device)?.with_trainable(false))))
+            let reference = Model::load_hf(&rdir, device)?.with_trainable(false);
+            // The reference scores the policy's prepared batches: another shape or
+            // rotary base fails the first step after the resume, far from the file.
+            let differ = config_differences(policy.config(), reference.config());
+            if !differ.is_empty() {
+                return Err(TrainerError::checkpoint(
+                    rdir.join("config.json"),
+                    format!("describes another model than policy/config.json ({})", differ.join(", ")),
+                ));
+            }
+            Ok((policy, Some(reference)))
         }
         None => Ok((policy, None)),
     }
+}
+
+/// The fields in which two model configs differ, as `field: a != b`.
+fn config_differences(a: &metronome_model::ModelConfig, b: &metronome_model::ModelConfig) -> Vec<String> {
+    let as_map = |c| match serde_json::to_value(c) {
+        Ok(serde_json::Value::Object(m)) => m,
+        _ => serde_json::Map::new(),
+    };
+    let (a, b) = (as_map(a), as_map(b));
+    a.iter()
+        .filter(|(k, v)| b.get(*k) != Some(v))
+        .map(|(k, v)| format!("{k}: {v} != {}", b.get(k).unwrap_or(&serde_json::Value::Null)))
+        .collect()
 }

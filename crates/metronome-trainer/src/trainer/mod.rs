@@ -72,6 +72,56 @@ struct Sums {
 }
 
 impl Sums {
+    /// Checks sums read back from a checkpoint: every count within `max` (so that
+    /// adding to it cannot overflow) and every sum finite (a non-finite one makes the
+    /// step's loss non-finite, and the step is dropped); the error names the field.
+    fn check(&self, max: u64) -> std::result::Result<(), String> {
+        // Every field, so that a new one is checked too.
+        let Sums {
+            tokens,
+            sequences,
+            groups,
+            zero_groups,
+            loss,
+            policy,
+            kl,
+            entropy,
+            gap,
+            clipped,
+            distill_tokens,
+            distill_kl,
+            adv_count,
+            adv_sum,
+            adv_sq_sum,
+        } = *self;
+        let counts = [
+            ("tokens", tokens),
+            ("sequences", sequences),
+            ("groups", groups),
+            ("zero_groups", zero_groups),
+            ("clipped", clipped),
+            ("distill_tokens", distill_tokens),
+            ("adv_count", adv_count),
+        ];
+        if let Some((field, n)) = counts.iter().find(|(_, n)| *n > max) {
+            return Err(format!("sums.{field} is {n}, more than {max}"));
+        }
+        let sums = [
+            ("loss", loss),
+            ("policy", policy),
+            ("kl", kl),
+            ("entropy", entropy),
+            ("gap", gap),
+            ("distill_kl", distill_kl),
+            ("adv_sum", adv_sum),
+            ("adv_sq_sum", adv_sq_sum),
+        ];
+        if let Some((field, x)) = sums.iter().find(|(_, x)| !x.is_finite()) {
+            return Err(format!("sums.{field} is {x}"));
+        }
+        Ok(())
+    }
+
     fn add(&mut self, o: &Sums) {
         self.tokens += o.tokens;
         self.sequences += o.sequences;

@@ -148,3 +148,76 @@ fn a_trainer_restored_in_place_keeps_its_sampling_temperature() {
     let (ra, rb) = (a.step_sync().unwrap(), b.step_sync().unwrap());
     assert_eq!(ra.loss.to_bits(), rb.loss.to_bits(), "scored at another temperature after the restore");
 }
+
+/// Found by the fuzz suite: a checkpoint whose reference model has another rotary
+/// base (or shape) than its policy resumed, and its first step failed ("scoring batch
+/// was prepared by a model of another vocabulary, head size, rotary base or device").
+/// The resume refuses it, naming the file and the field.
+#[test]
+fn a_reference_model_unlike_the_policy_is_refused_at_resume() {
+    let cfg = kl_config();
+    let dir = tempfile::tempdir().unwrap();
+    cfg.build(tiny_model()).unwrap().save_checkpoint(dir.path()).unwrap();
+    let path = dir.path().join("reference/config.json");
+    let text =
+        std::fs::read_to_string(&path).unwrap().replace("\"rope_theta\": 10000.0", "\"rope_theta\": 2.0");
+    std::fs::write(&path, text).unwrap();
+    let e = cfg.resume(dir.path(), &Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("reference/config.json") && e.contains("rope_theta"), "{e}");
+}
+
+/// Found by the fuzz suite: a mini-step checkpoint whose buffered batch broke the
+/// layout contract (a behaviour log-prob removed from `accumulator.json`) or held a
+/// token outside the vocabulary resumed, and its step failed. The resume refuses it,
+/// naming the file and the batch.
+#[test]
+fn a_buffered_batch_the_step_cannot_train_is_refused_at_resume() {
+    let mut cfg = config();
+    cfg.mini_steps = 2;
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = cfg.build(tiny_model()).unwrap();
+    t.accumulate_sync(&period_groups()[0]).unwrap();
+    t.save_checkpoint(dir.path()).unwrap();
+    let path = dir.path().join("accumulator.json");
+    let good = std::fs::read_to_string(&path).unwrap();
+    for (damage, reason) in [(0, "entries"), (1, "outside the vocabulary")] {
+        let mut pending: serde_json::Value = serde_json::from_str(&good).unwrap();
+        let batch = &mut pending["buffered"][0];
+        if damage == 0 {
+            batch["targets"]["behaviour_logprob"].as_array_mut().unwrap().pop();
+        } else {
+            batch["rows"][0]["tokens"][0] = serde_json::json!(255);
+        }
+        std::fs::write(&path, pending.to_string()).unwrap();
+        let e = cfg.resume(dir.path(), &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("accumulator.json") && e.contains("buffered[0]") && e.contains(reason), "{e}");
+    }
+}
+
+/// Found by the fuzz suite: counts near `u64::MAX` in `trainer_state.json` or
+/// `accumulator.json` resumed, and the next step overflowed (a panic in a debug
+/// build; in a release build the version wrapped to 0 and AdamW's bias correction
+/// went negative). The resume refuses them, naming the file and the field.
+#[test]
+fn counts_that_would_overflow_are_refused_at_resume() {
+    let cfg = kl_config();
+    let good = tempfile::tempdir().unwrap();
+    mid_period(&cfg, &period_groups()).save_checkpoint(good.path()).unwrap();
+    let cases = [
+        ("trainer_state.json", "version"),
+        ("trainer_state.json", "optimizer_steps"),
+        ("accumulator.json", "micro_batches"),
+        ("accumulator.json", "tokens"),
+    ];
+    for (file, field) in cases {
+        let path = good.path().join(file);
+        let original = std::fs::read_to_string(&path).unwrap();
+        let mut json: serde_json::Value = serde_json::from_str(&original).unwrap();
+        let slot = if field == "tokens" { &mut json["sums"][field] } else { &mut json[field] };
+        *slot = serde_json::json!(u64::MAX);
+        std::fs::write(&path, json.to_string()).unwrap();
+        let e = cfg.resume(good.path(), &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains(file) && e.contains(field), "{e}");
+        std::fs::write(&path, original).unwrap();
+    }
+}
