@@ -374,11 +374,14 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }
 
-/// A request body as `T`, keeping the path of the field where it went wrong.
-fn parse_json<T: serde::de::DeserializeOwned>(
-    body: &[u8],
-) -> std::result::Result<T, serde_path_to_error::Error<serde_json::Error>> {
-    serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
+/// A request body as `T`, keeping the path of the field where it went wrong. The
+/// body must be one JSON value: anything after it but whitespace is refused (it was
+/// ignored, so `{...} {"n": 64}` was served as the first object alone).
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> std::result::Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| ApiError::json(what, &e))?;
+    de.end().map_err(|e| ApiError::bad(format!("request body is not a valid {what} request: {e}"), None))?;
+    Ok(value)
 }
 
 fn unix_now() -> u64 {
@@ -474,7 +477,7 @@ async fn complete<M: InferenceModel>(
     s: &AppState<M>,
     body: &[u8],
 ) -> std::result::Result<CompletionResponse, ApiError> {
-    let req: CompletionRequest = parse_json(body).map_err(|e| ApiError::json("completion", &e))?;
+    let req: CompletionRequest = parse_json(body, "completion")?;
     let (n, max_tokens) = check_options(&req, &s.config)?;
     let tokenizer = Arc::clone(s.engine.tokenizer());
     let prompts = prompts_of(&req, tokenizer.as_ref(), &s.config, max_tokens, s.engine.max_seq_len())?;
@@ -755,7 +758,7 @@ pub struct LoadWeightsRequest {
 
 async fn load_weights<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body: Bytes) -> Response {
     let result = async {
-        let req: LoadWeightsRequest = parse_json(&body).map_err(|e| ApiError::json("load_weights", &e))?;
+        let req: LoadWeightsRequest = parse_json(&body, "load_weights")?;
         let path = weights_file(&s, &req.path).await?;
         let bytes = tokio::fs::read(&path)
             .await
@@ -827,8 +830,14 @@ async fn weights_file<M: InferenceModel>(
 }
 
 /// The snapshot as a safetensors file (f32, bf16 and f16 kept as they are); the version
-/// goes into the metadata as `metronome_version`.
+/// goes into the metadata as `metronome_version`. A snapshot holding a tensor name
+/// twice is refused, naming it (the `safetensors` writer panics on one, and a
+/// snapshot from the transport is not checked for it before it is exported).
 pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
+    let mut names = HashSet::with_capacity(s.tensors.len());
+    if let Some(twice) = s.tensors.iter().find(|t| !names.insert(t.name.as_str())) {
+        return Err(Error::model(format!("tensor `{}` appears twice in the snapshot", twice.name)));
+    }
     let bytes: Vec<(safetensors::Dtype, Vec<u8>)> = s
         .tensors
         .iter()
@@ -860,7 +869,10 @@ pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
 
 /// A snapshot from a safetensors file's bytes (f32, bf16 or f16 tensors).
 pub fn snapshot_from_safetensors(bytes: &[u8], version: PolicyVersion) -> Result<WeightSnapshot> {
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(Error::model)?;
+    // The reader's own messages do not always say where (`invalid shape, data type,
+    // or offset for tensor`): what it checks is the header and the offsets it gives.
+    let st = safetensors::SafeTensors::deserialize(bytes)
+        .map_err(|e| Error::model(format!("the safetensors header does not describe the file: {e}")))?;
     let mut tensors = Vec::new();
     for (name, view) in st.iter() {
         let raw = view.data();
@@ -905,6 +917,17 @@ mod tests {
         back.tensors.sort_by(|a, b| a.name.cmp(&b.name));
         assert_eq!(back, s);
         assert!(snapshot_from_safetensors(b"not a file", PolicyVersion(0)).is_err());
+    }
+
+    /// Found by the fuzz suite: `safetensors::serialize` panicked (index out of
+    /// bounds) on a snapshot holding a name twice, which a weights message from the
+    /// transport may, on its way to an OpenAI-compatible server.
+    #[test]
+    fn a_snapshot_holding_a_name_twice_is_refused_naming_it() {
+        let t = HostTensor { name: "a.weight".into(), shape: vec![1], data: TensorData::F32(vec![1.0]) };
+        let s = WeightSnapshot { version: PolicyVersion(1), tensors: vec![t.clone(), t] };
+        let e = snapshot_to_safetensors(&s).unwrap_err().to_string();
+        assert!(e.contains("tensor `a.weight` appears twice"), "{e}");
     }
 
     #[test]
