@@ -413,10 +413,8 @@ fn real_main() -> Result<()> {
             let config = config.load()?;
             let api_key = match (&api_key_file, std::env::var("METRONOME_API_KEY")) {
                 (Some(path), _) => Some(
-                    std::fs::read_to_string(path)
-                        .with_context(|| format!("--api-key-file {}", path.display()))?
-                        .trim_end_matches(['\r', '\n'])
-                        .to_owned(),
+                    metronome_pipeline::read_secret_file(path)
+                        .with_context(|| format!("--api-key-file {}", path.display()))?,
                 ),
                 (None, Ok(key)) => Some(key),
                 (None, Err(_)) => None,

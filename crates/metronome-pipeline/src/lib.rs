@@ -47,8 +47,8 @@ pub use app::run;
 pub use builders::{TrainerHandle, build_stages, load_model, local_transport, with_env};
 pub use checkpoint::Checkpointing;
 pub use config::{
-    DEFAULT_CONFIG, DynamicSampling, EvalConfig, ModelSource, PipelineConfig, RunConfig, SftConfig,
-    TransportConfig,
+    DEFAULT_CONFIG, DynamicSampling, EvalConfig, MAX_SECRET_FILE_BYTES, ModelSource, PipelineConfig,
+    RunConfig, SftConfig, TransportConfig, read_secret_file,
 };
 pub use error::{Error, Result};
 pub use events::{Event, Observer, WorkerOutcome};

@@ -3,6 +3,8 @@
 //! file, its line, or the `--set` the value at fault came from; credentials read from
 //! the environment or files; TOML errors located.
 
+use std::path::Path;
+
 use super::PipelineConfig;
 use crate::error::{Error, Result};
 
@@ -13,6 +15,8 @@ pub(super) struct Layers {
     doc: toml::Table,
     /// Dotted key (of a value, or of a table a layer replaced whole) -> its layer.
     origins: std::collections::BTreeMap<String, String>,
+    /// The layers in the order they were laid, `--set`s last.
+    order: Vec<String>,
 }
 
 impl Layers {
@@ -23,6 +27,7 @@ impl Layers {
             reason: format!("is not valid TOML: {}", toml_error_at(text, &e)),
         })?;
         merge("", &mut self.doc, layer, origin, &mut self.origins);
+        self.order.push(origin.to_owned());
         Ok(())
     }
 
@@ -30,31 +35,36 @@ impl Layers {
     pub(super) fn build(mut self, overrides: &[String]) -> Result<PipelineConfig> {
         for o in overrides {
             let key = apply_override(&mut self.doc, o)?;
-            set_origin(&mut self.origins, key, format!("--set {o}"));
+            let origin = format!("--set {o}");
+            set_origin(&mut self.origins, key, origin.clone());
+            self.order.push(origin);
         }
-        resolve_secrets("", &mut self.doc)?;
-        let config: PipelineConfig =
-            serde_path_to_error::deserialize(toml::Value::Table(self.doc)).map_err(|e| {
-                let path = e.path().to_string();
-                let key = if path.is_empty() || path == "." { None } else { Some(path) };
-                let origin = key.as_deref().and_then(|k| origin_of(&self.origins, k));
-                let origin = origin.or_else(|| self.origins.values().next().cloned()).unwrap_or_default();
-                Error::Config {
-                    key: key.unwrap_or_else(|| origin.clone()),
-                    reason: format!("{} (in {origin})", e.inner().message()),
-                }
-            })?;
+        let Self { mut doc, origins, order } = self;
         // A value out of range names its key; say which layer set it too.
-        config.validate().map_err(|e| match e {
+        let annotate = |e: Error| match e {
             Error::Config { key, reason } => {
-                let reason = match origin_of(&self.origins, &key) {
+                let reason = match origins_of(&origins, &order, &key, &reason) {
                     Some(origin) if !reason.contains("(in ") => format!("{reason} (in {origin})"),
                     _ => reason,
                 };
                 Error::Config { key, reason }
             }
             e => e,
-        })?;
+        };
+        resolve_secrets("", &mut doc).map_err(annotate)?;
+        let config: PipelineConfig =
+            serde_path_to_error::deserialize(toml::Value::Table(doc)).map_err(|e| {
+                let path = e.path().to_string();
+                let key = if path.is_empty() || path == "." { None } else { Some(path) };
+                let message = e.inner().message();
+                let origin = key.as_deref().and_then(|k| origins_of(&origins, &order, k, message));
+                let origin = origin.or_else(|| order.first().cloned()).unwrap_or_default();
+                Error::Config {
+                    key: key.unwrap_or_else(|| origin.clone()),
+                    reason: format!("{message} (in {origin})"),
+                }
+            })?;
+        config.validate().map_err(annotate)?;
         Ok(config)
     }
 }
@@ -64,7 +74,20 @@ impl Layers {
 /// message. `toml`'s own message names neither for some errors (`duplicate key`,
 /// an integer out of range).
 fn toml_error_at(text: &str, e: &toml::de::Error) -> String {
-    let Some(span) = e.span() else { return e.message().to_owned() };
+    let Some(span) = e.span() else {
+        // The parser gives no position for some errors (nesting too deep, in lists or
+        // in dotted keys): the place is the first line that brings the error about.
+        let message = e.message().trim_end();
+        return match line_of_spanless(text, e.message()) {
+            Some(line) => {
+                let source_line = text.lines().nth(line - 1).unwrap_or("").trim();
+                let shown: String = source_line.chars().take(80).collect();
+                let more = if shown.len() < source_line.len() { "..." } else { "" };
+                format!("line {line}: {message} (`{shown}{more}`)")
+            }
+            None => message.to_owned(),
+        };
+    };
     let start = span.start.min(text.len());
     let before = &text[..start];
     let line = before.matches('\n').count() + 1;
@@ -90,15 +113,69 @@ fn toml_error_at(text: &str, e: &toml::de::Error) -> String {
     }
 }
 
-/// The layer that set `key`, or the closest table above it that a layer set.
-fn origin_of(origins: &std::collections::BTreeMap<String, String>, key: &str) -> Option<String> {
-    let mut key = key;
-    loop {
-        if let Some(origin) = origins.get(key) {
-            return Some(origin.clone());
-        }
-        key = &key[..key.rfind(['.', '['])?];
+/// The first line (from 1) such that the text up to and including it fails with
+/// `message` and no position, found by bisection (a few parses of prefixes).
+fn line_of_spanless(text: &str, message: &str) -> Option<usize> {
+    let ends: Vec<usize> = text.match_indices('\n').map(|(i, _)| i).chain([text.len()]).collect();
+    let fails = |k: usize| {
+        text[..ends[k]]
+            .parse::<toml::Table>()
+            .err()
+            .is_some_and(|e| e.span().is_none() && e.message() == message)
+    };
+    let (mut lo, mut hi) = (0, ends.len() - 1);
+    if !fails(hi) {
+        return None;
     }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fails(mid) { hi = mid } else { lo = mid + 1 }
+    }
+    Some(lo + 1)
+}
+
+/// The layers that gave the values an error at `key` (saying `reason`) is about,
+/// the latest first: the layer that set `key` or the table above it, every layer
+/// that set a value under it (an error in a table, such as one chosen by its
+/// `kind`, may be in any of them), and those of the other keys the reason names (a
+/// limit on a combination of values). Without this, a `--set` inside a table the
+/// default set whole was blamed on the default.
+fn origins_of(
+    origins: &std::collections::BTreeMap<String, String>,
+    order: &[String],
+    key: &str,
+    reason: &str,
+) -> Option<String> {
+    let (dot, bracket) = (format!("{key}."), format!("{key}["));
+    let mut found: Vec<&str> = origins
+        .iter()
+        .filter(|(k, _)| k.starts_with(&dot) || k.starts_with(&bracket))
+        .map(|(_, origin)| origin.as_str())
+        .collect();
+    let named = reason
+        .split(|c: char| !(c.is_ascii_alphanumeric() || "_.[]".contains(c)))
+        .map(|word| word.trim_end_matches('.'))
+        .filter(|word| word.contains('.') && *word != key);
+    let mut keys = vec![key];
+    keys.extend(named);
+    for k in keys {
+        if let Some(origin) = origins.get(k).map(String::as_str).or_else(|| {
+            // The closest table above `k` that a layer set.
+            let mut at = k;
+            loop {
+                at = &at[..at.rfind(['.', '['])?];
+                if let Some(origin) = origins.get(at) {
+                    return Some(origin.as_str());
+                }
+            }
+        }) {
+            found.push(origin);
+        }
+    }
+    let position = |origin: &str| order.iter().rposition(|o| o == origin).unwrap_or(0);
+    found.sort_by_key(|origin| std::cmp::Reverse(position(origin)));
+    found.dedup();
+    (!found.is_empty()).then(|| found.join(" and "))
 }
 
 /// Lays `layer` over `base`: tables merge key by key, anything else replaces. A table
@@ -153,15 +230,40 @@ fn resolve_secrets(prefix: &str, table: &mut toml::Table) -> Result<()> {
         let value = match (inner.len(), inner.get("env"), inner.get("file")) {
             (1, Some(toml::Value::String(var)), None) => std::env::var(var)
                 .map_err(|_| bad(format!("names the environment variable {var}, which is not set")))?,
-            (1, None, Some(toml::Value::String(path))) => std::fs::read_to_string(path)
-                .map_err(|e| bad(format!("names the file {path}, which cannot be read: {e}")))?
-                .trim_end_matches(['\r', '\n'])
-                .to_owned(),
+            (1, None, Some(toml::Value::String(path))) => read_secret_file(Path::new(path))
+                .map_err(|e| bad(format!("names the file {path}, which cannot be read: {e}")))?,
             _ => return Err(bad("expected a string, { env = \"VAR\" } or { file = \"PATH\" }".into())),
         };
         *v = toml::Value::String(value);
     }
     Ok(())
+}
+
+/// The most bytes a config file may hold.
+pub(super) const MAX_CONFIG_FILE_BYTES: u64 = 16 << 20;
+
+/// The most bytes a credential file may hold: a key, a token or a password.
+pub const MAX_SECRET_FILE_BYTES: u64 = 64 << 10;
+
+/// Reads a credential file (`{ file = "PATH" }` in a config, `--api-key-file`): its
+/// text without the trailing newline, refused beyond [`MAX_SECRET_FILE_BYTES`].
+pub fn read_secret_file(path: &Path) -> std::io::Result<String> {
+    Ok(read_text_file(path, MAX_SECRET_FILE_BYTES)?.trim_end_matches(['\r', '\n']).to_owned())
+}
+
+/// A UTF-8 file of at most `limit` bytes, read without trusting its size: a path
+/// such as `/dev/zero` or a FIFO has none, and was read until memory ran out.
+pub(super) fn read_text_file(path: &Path, limit: u64) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?.take(limit + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("it holds more than {limit} bytes"),
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// Every leaf of `value` under its dotted key path.
@@ -198,7 +300,11 @@ fn looks_like_toml(raw: &str) -> bool {
 /// Applies `key.path=value` to the document, creating tables on the way; the key
 /// path, trimmed.
 fn apply_override(doc: &mut toml::Table, assignment: &str) -> Result<String> {
-    let bad = |reason: String| Error::Config { key: assignment.to_owned(), reason };
+    // The assignment is the place; an empty one would name nothing (`invalid
+    // configuration ``: ...`).
+    let key =
+        if assignment.trim().is_empty() { format!("--set {assignment:?}") } else { assignment.to_owned() };
+    let bad = |reason: String| Error::Config { key: key.clone(), reason };
     let (path, raw) = assignment.split_once('=').ok_or_else(|| bad("expected `key.path=value`".into()))?;
     let keys: Vec<&str> = path.trim().split('.').collect();
     if keys.iter().any(|k| k.is_empty()) {

@@ -14,7 +14,8 @@ use serde::{Deserialize, Serialize};
 
 mod layers;
 
-use layers::{Layers, flatten};
+use layers::{Layers, MAX_CONFIG_FILE_BYTES, flatten, read_text_file};
+pub use layers::{MAX_SECRET_FILE_BYTES, read_secret_file};
 
 use crate::error::{Error, Result};
 use crate::schedule::Schedule;
@@ -341,7 +342,7 @@ impl PipelineConfig {
         let mut layers = Layers::default();
         layers.add("the embedded default config", DEFAULT_CONFIG)?;
         for path in paths {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::Config {
+            let text = read_text_file(path, MAX_CONFIG_FILE_BYTES).map_err(|e| Error::Config {
                 key: path.display().to_string(),
                 reason: format!("cannot be read: {e}"),
             })?;

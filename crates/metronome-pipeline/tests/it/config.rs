@@ -406,14 +406,13 @@ fn credentials_come_from_the_environment_or_a_file_and_never_show() {
     let e = PipelineConfig::parse(&toml, "config.toml", &[]).unwrap_err().to_string();
     assert!(e.contains("redacted secret"), "{e}");
 
-    let e = err(&[
-        "transport.kind=\"nats\"",
-        &format!("transport.auth={{kind=\"token\", token={{env=\"{var}\"}}}}"),
-    ]);
+    let auth = format!("transport.auth={{kind=\"token\", token={{env=\"{var}\"}}}}");
+    let e = err(&["transport.kind=\"nats\"", &auth]);
     assert_eq!(
         e,
         format!(
-            "invalid configuration `transport.auth.token`: names the environment variable {var}, which is not set"
+            "invalid configuration `transport.auth.token`: names the environment variable {var}, which is not set \
+             (in --set {auth})"
         )
     );
 }
@@ -591,4 +590,49 @@ fn config_errors_point_at_the_set_or_the_file_line_and_key() {
     let slots = file("slots.toml", "[rollout]\nmax_num_seqs = 100000000000\n");
     let e = PipelineConfig::load(&slots, &[]).unwrap_err().to_string();
     assert!(e.starts_with("invalid configuration `rollout.max_num_seqs`") && e.contains("slots.toml"), "{e}");
+}
+
+/// Found by the fuzz suite: an error inside a table the default set whole (a section
+/// chosen by its `kind`, which serde reads as one value) or at another key than the
+/// `--set` (a limit on two values) was said to come from the embedded default. It
+/// names every layer that gave the values at fault, the `--set` first.
+#[test]
+fn a_set_inside_a_table_or_in_a_combination_is_named() {
+    let e = invalid(&["data.source.allow_negative=0"], "`data.source`");
+    assert!(e.contains("(in --set data.source.allow_negative=0 and the embedded default config)"), "{e}");
+    let e = invalid(&["run.group_size=65536"], "`data.release.batch_size`");
+    assert!(e.contains("--set run.group_size=65536"), "{e}");
+    // An empty assignment says it is one.
+    let e = invalid(&[""], "`--set \"\"`");
+    assert!(e.contains("expected `key.path=value`"), "{e}");
+    // A credential read from the wrong place names the --set too.
+    let e = invalid(&["rollout.openai.api_key={ file = \"/\" }"], "`rollout.openai.api_key`");
+    assert!(e.contains("(in --set rollout.openai.api_key="), "{e}");
+}
+
+/// Found by the fuzz suite: a credential file was read whole whatever its size, so
+/// `{ file = "/dev/zero" }` (or a FIFO, or a mistaken data file) read until memory ran
+/// out. Credential files are refused beyond 64 KiB, naming the key.
+#[test]
+fn a_credential_file_is_read_only_up_to_a_bound() {
+    let e = invalid(&["rollout.openai.api_key={ file = \"/dev/zero\" }"], "`rollout.openai.api_key`");
+    assert!(e.contains("more than 65536 bytes"), "{e}");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "k\n").unwrap();
+    let set = format!("rollout.openai.api_key={{ file = {:?} }}", file.path().display().to_string());
+    let c = PipelineConfig::embedded(&[set]).unwrap();
+    assert_eq!(c.rollout.openai.api_key.as_ref().map(|k| k.expose().to_owned()), Some("k".to_owned()));
+}
+
+/// Found by the fuzz suite: nesting too deep for the TOML parser (in lists, or in a
+/// dotted table name) was refused without a line, as the parser gives no position
+/// then. The error names the first line that brings it about.
+#[test]
+fn nesting_too_deep_is_refused_naming_its_line() {
+    let lists = format!("[run]\nperiods = {}{}\n", "[".repeat(1000), "]".repeat(1000));
+    let keys = format!("[run]\nperiods = 1\n\n[transport{}]\nx = 1\n", ".auth".repeat(200));
+    for (text, line) in [(lists, "line 2"), (keys, "line 4")] {
+        let e = PipelineConfig::parse(&text, "deep.toml", &[]).unwrap_err().to_string();
+        assert!(e.contains("deep.toml") && e.contains(line) && e.contains("recursion"), "{e}");
+    }
 }
