@@ -37,13 +37,17 @@ const REST_WAIT: Duration = Duration::from_millis(50);
 /// The format version of a claim message; a reader refuses others.
 pub const CLAIM_FORMAT_VERSION: u16 = 1;
 
-/// The body of a claim message.
+/// The body of a claim message (JSON).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-struct ClaimBody {
-    format: u16,
-    period: PeriodId,
-    version: PolicyVersion,
-    prompt: Prompt,
+pub struct ClaimBody {
+    /// [`CLAIM_FORMAT_VERSION`] of the writer.
+    pub format: u16,
+    /// The period the prompt belongs to.
+    pub period: PeriodId,
+    /// The weights version the period samples with.
+    pub version: PolicyVersion,
+    /// The prompt.
+    pub prompt: Prompt,
 }
 
 /// One prompt to generate, leased to this worker until completed, released or expired.
@@ -94,7 +98,8 @@ impl Claim {
     }
 }
 
-fn encode_claim(body: &ClaimBody) -> Result<Vec<u8>> {
+/// A claim message's bytes.
+pub fn encode_claim(body: &ClaimBody) -> Result<Vec<u8>> {
     serde_json::to_vec(body).map_err(|e| Error::Malformed {
         kind: "claim",
         field: "body".into(),
@@ -102,17 +107,23 @@ fn encode_claim(body: &ClaimBody) -> Result<Vec<u8>> {
     })
 }
 
-fn decode_claim(bytes: &[u8]) -> Result<ClaimBody> {
+/// A claim message read back: its format version checked first, then the body;
+/// an error names the JSON field at fault (`prompt.tokens[3]`), or `body`.
+pub fn decode_claim(bytes: &[u8]) -> Result<ClaimBody> {
     #[derive(Deserialize)]
     struct Format {
         format: u16,
     }
-    let malformed = |e: serde_json::Error| Error::Malformed {
-        kind: "claim",
-        field: "body".into(),
-        reason: e.to_string(),
+    let malformed = |e: serde_path_to_error::Error<serde_json::Error>| {
+        let path = e.path().to_string();
+        Error::Malformed {
+            kind: "claim",
+            field: if path == "." { "body".into() } else { path },
+            reason: e.into_inner().to_string(),
+        }
     };
-    let format: Format = serde_json::from_slice(bytes).map_err(malformed)?;
+    let format: Format = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(bytes))
+        .map_err(malformed)?;
     if format.format != CLAIM_FORMAT_VERSION {
         return Err(Error::IncompatibleVersion {
             kind: "claim",
@@ -122,7 +133,10 @@ fn decode_claim(bytes: &[u8]) -> Result<ClaimBody> {
             hint: "run the trainer and the workers from the same release",
         });
     }
-    serde_json::from_slice(bytes).map_err(malformed)
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let body = serde_path_to_error::deserialize(&mut de).map_err(malformed)?;
+    de.end().map_err(|e| Error::Malformed { kind: "claim", field: "body".into(), reason: e.to_string() })?;
+    Ok(body)
 }
 
 impl NatsTransport {
