@@ -6,6 +6,7 @@
 //!   deny`, then the test suite.
 //! - `cargo xtask deps`: the dependency invariants of ARCHITECTURE.md.
 //! - `cargo xtask soak`: the fault-injection tests at length.
+//! - `cargo xtask fuzz`: the fuzz suite at length (`cargo test` runs a slice).
 //! - `cargo xtask gpu check | bundle`: the CUDA build without a GPU (see `gpu.rs`).
 
 use std::path::{Path, PathBuf};
@@ -32,6 +33,8 @@ tasks:
   soak   the fault-injection tests at length: SIGKILLs of `metronome run`, the cluster
          trainer and a worker at --kills N seeded points each (default 10; `ci` runs
          3), then the nats-server restart test --restarts N times in a row (default 10)
+  fuzz   the fuzz suite (tests/tests/fuzz) at length: --cases N inputs per target
+         (default 100000; `cargo test` runs a few thousand), then the crash corpus
 ";
 
 fn main() -> Result<()> {
@@ -46,6 +49,7 @@ fn main() -> Result<()> {
         },
         Some("e2e") => e2e(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
+        Some("fuzz") => fuzz(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("gpu") => gpu::gpu(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
@@ -192,6 +196,30 @@ fn soak(root: &Path, args: &[String]) -> Result<()> {
         )?;
     }
     eprintln!("soak: survived {kills} kills of each process kind and {restarts} server restarts");
+    Ok(())
+}
+
+/// The fuzz suite with `--cases N` inputs per target, through the variable its
+/// targets read; each target prints how many inputs it ran and how long they took.
+fn fuzz(root: &Path, args: &[String]) -> Result<()> {
+    let cases: u64 = match args {
+        [] => 100_000,
+        [flag, n] if flag == "--cases" => n.parse().context("--cases takes a number")?,
+        _ => bail!("usage: cargo xtask fuzz [--cases N]"),
+    };
+    eprintln!("==> fuzz: {cases} inputs per target");
+    let status = cargo()
+        .args(["test", "--package", "metronome-tests", "--test", "fuzz", "--", "--nocapture"])
+        .env("METRONOME_FUZZ_CASES", cases.to_string())
+        .envs(test_thread_env())
+        .current_dir(root)
+        .status()
+        .context("starting cargo test")?;
+    if !status.success() {
+        bail!(
+            "fuzz: a target failed; its input is printed above and kept in tests/tests/proptest-regressions/"
+        );
+    }
     Ok(())
 }
 
