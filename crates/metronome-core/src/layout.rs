@@ -29,10 +29,12 @@ pub struct Segment {
 }
 
 impl Segment {
-    /// One past the last position.
+    /// One past the last position, saturating: segments are read back from
+    /// checkpoints, and `start + len` of a hostile one overflowed (a panic in the
+    /// validator that was to refuse it).
     #[must_use]
     pub fn end(&self) -> u32 {
-        self.start + self.len
+        self.start.saturating_add(self.len)
     }
 }
 

@@ -55,3 +55,19 @@ fn validation_names_the_row_and_the_fault() {
     row.segments.pop();
     assert_eq!(row.validate(0).unwrap_err().to_string(), "packed row 0 segments cover 5 of 6 positions");
 }
+
+/// Found by the fuzz suite: a checkpoint's batch with a segment of `len = u32::MAX`
+/// overflowed `Segment::end` inside the validator that was to refuse it.
+#[test]
+fn a_segment_past_u32_max_is_refused_not_overflowed() {
+    let row = PackedRow {
+        tokens: vec![1, 2],
+        positions: vec![0, 1],
+        segments: vec![
+            Segment { start: 0, len: 1, parent: None },
+            Segment { start: 1, len: u32::MAX, parent: None },
+        ],
+    };
+    let e = row.validate(0).unwrap_err().to_string();
+    assert!(e.contains("packed row 0") && e.contains("4294967295"), "{e}");
+}
