@@ -55,6 +55,26 @@ fn upper_edge(i: usize) -> f64 {
 }
 
 impl MismatchSums {
+    /// Checks sums read back from a checkpoint: every count within `max` (the bins'
+    /// total too, so that adding to any cannot overflow), every sum finite, and the
+    /// bins empty or all there; the error names the field.
+    pub(crate) fn check(&self, max: u64) -> Result<(), String> {
+        let MismatchSums { tokens, abs_sum, max_abs, k3_sum, truncated, masked, bins } = self;
+        if !(bins.is_empty() || bins.len() == BINS) {
+            return Err(format!("mismatch.bins has {} bins, expected {BINS}", bins.len()));
+        }
+        let total = bins.iter().try_fold(0u64, |sum, &n| sum.checked_add(n)).unwrap_or(u64::MAX);
+        let counts = [("tokens", *tokens), ("truncated", *truncated), ("masked", *masked), ("bins", total)];
+        if let Some((field, n)) = counts.iter().find(|(_, n)| *n > max) {
+            return Err(format!("mismatch.{field} is {n}, more than {max}"));
+        }
+        let sums = [("abs_sum", *abs_sum), ("max_abs", *max_abs), ("k3_sum", *k3_sum)];
+        if let Some((field, x)) = sums.iter().find(|(_, x)| !x.is_finite()) {
+            return Err(format!("mismatch.{field} is {x}"));
+        }
+        Ok(())
+    }
+
     /// Adds the targets of one micro-batch: the trainer's log-probs, the behaviour
     /// log-probs, and how many of them the truncated IS weight capped and masked IS
     /// dropped. A pair that is not finite is left out (the step's guard reports it).

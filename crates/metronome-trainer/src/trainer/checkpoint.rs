@@ -135,6 +135,7 @@ impl GrpoTrainer {
             ));
         }
         pending.sums.check(MAX_COUNT).map_err(|reason| TrainerError::checkpoint(&path, reason))?;
+        pending.mismatch.check(MAX_COUNT).map_err(|reason| TrainerError::checkpoint(&path, reason))?;
         let vocab = self.policy.config().vocab_size;
         for (i, batch) in pending.buffered.iter().enumerate() {
             let bad = |reason: String| TrainerError::checkpoint(&path, format!("buffered[{i}]: {reason}"));

@@ -207,13 +207,17 @@ fn counts_that_would_overflow_are_refused_at_resume() {
         ("trainer_state.json", "version"),
         ("trainer_state.json", "optimizer_steps"),
         ("accumulator.json", "micro_batches"),
-        ("accumulator.json", "tokens"),
+        ("accumulator.json", "sums.tokens"),
+        ("accumulator.json", "mismatch.masked"),
     ];
     for (file, field) in cases {
         let path = good.path().join(file);
         let original = std::fs::read_to_string(&path).unwrap();
         let mut json: serde_json::Value = serde_json::from_str(&original).unwrap();
-        let slot = if field == "tokens" { &mut json["sums"][field] } else { &mut json[field] };
+        let slot = match field.split_once('.') {
+            Some((table, key)) => &mut json[table][key],
+            None => &mut json[field],
+        };
         *slot = serde_json::json!(u64::MAX);
         std::fs::write(&path, json.to_string()).unwrap();
         let e = cfg.resume(good.path(), &Device::Cpu).unwrap_err().to_string();
