@@ -86,7 +86,7 @@ fn batch(g: u32, version: PolicyVersion) -> TrainBatch {
 pub(crate) fn good(mini_steps: bool) -> &'static Path {
     static DIRS: OnceLock<[PathBuf; 2]> = OnceLock::new();
     let dirs = DIRS.get_or_init(|| {
-        let root = tempfile::tempdir().unwrap().keep();
+        let root = crate::scratch("checkpoint");
         [false, true].map(|mini| {
             let mut t = config(mini).build(crate::model(5)).unwrap();
             for g in 0..3 {
@@ -198,5 +198,5 @@ pub(crate) fn check(input: &Input) -> Result<(), TestCaseError> {
 
 #[test]
 fn trainer_checkpoints_and_model_folders() {
-    crate::fuzz("checkpoint", 3_000, file!(), input(), |input| check(&input));
+    crate::fuzz("checkpoint", 6_000, file!(), input(), |input| check(&input));
 }

@@ -32,7 +32,7 @@ const SEEDS: &[(&str, bool)] = &[
 fn seeds() -> &'static [(String, bool)] {
     static SEEDS_WITH_SECRET: OnceLock<Vec<(String, bool)>> = OnceLock::new();
     SEEDS_WITH_SECRET.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap().keep();
+        let dir = crate::scratch("config");
         let secret = dir.join("password");
         std::fs::write(&secret, "fuzz\n").unwrap();
         let file = format!("{{ file = {:?} }}", secret.display().to_string());
@@ -252,5 +252,5 @@ pub(crate) fn check_outcome(
 
 #[test]
 fn config_documents_layers_and_sets() {
-    crate::fuzz("config", 10_000, file!(), input(), |input| check(&input));
+    crate::fuzz("config", 20_000, file!(), input(), |input| check(&input));
 }

@@ -308,5 +308,5 @@ fn check_opened(path: &Path, opened: metronome_dataloader::Result<FileDataset>) 
 
 #[test]
 fn dataset_rows() {
-    crate::fuzz("dataset", 10_000, file!(), input(), |input| check(&input));
+    crate::fuzz("dataset", 20_000, file!(), input(), |input| check(&input));
 }

@@ -40,7 +40,7 @@ pub(crate) struct Server {
 pub(crate) fn server() -> &'static Server {
     static SERVER: OnceLock<Server> = OnceLock::new();
     SERVER.get_or_init(|| {
-        let root = tempfile::tempdir().unwrap().keep();
+        let root = crate::scratch("http");
         let weights = root.join("weights");
         std::fs::create_dir(&weights).unwrap();
         let good = snapshot_to_safetensors(&crate::model(2).snapshot(PolicyVersion(0)).unwrap()).unwrap();
@@ -244,7 +244,7 @@ pub(crate) fn check_answer(
 
 #[test]
 fn http_requests_to_every_endpoint() {
-    crate::fuzz("http", 20_000, file!(), input(), |input| check(&input));
+    crate::fuzz("http", 40_000, file!(), input(), |input| check(&input));
     // The server still serves.
     let body = serde_json::to_vec(&seeds()[0].1).unwrap();
     let (status, answer) = send(Method::POST, "/v1/completions", Some("application/json"), Some(KEY), body);

@@ -192,6 +192,22 @@ pub(crate) fn engine() -> metronome_rollout::ModelEngine {
     .expect("the fuzz engine")
 }
 
+/// A folder for fixtures that live as long as the binary (a static is never
+/// dropped, so a temporary folder would stay in /tmp after every run): under cargo's
+/// folder for integration tests' files, emptied when the binary first asks.
+pub(crate) fn scratch(name: &str) -> std::path::PathBuf {
+    static ROOT: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    let root = ROOT.get_or_init(|| {
+        let root = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("fuzz");
+        // Left by an earlier run, or absent.
+        let _ = std::fs::remove_dir_all(&root);
+        root
+    });
+    let dir = root.join(name);
+    std::fs::create_dir_all(&dir).expect("a folder under CARGO_TARGET_TMPDIR");
+    dir
+}
+
 /// An error and its sources on one line.
 pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     metronome_core::ErrorChain(e).to_string()

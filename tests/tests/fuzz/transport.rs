@@ -222,5 +222,5 @@ pub(crate) fn check(input: &Input) -> Result<(), TestCaseError> {
 
 #[test]
 fn transport_messages() {
-    crate::fuzz("transport", 20_000, file!(), input(), |input| check(&input));
+    crate::fuzz("transport", 40_000, file!(), input(), |input| check(&input));
 }

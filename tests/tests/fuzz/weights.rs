@@ -226,5 +226,5 @@ pub(crate) fn check(input: &Input) -> Result<(), TestCaseError> {
 
 #[test]
 fn weight_files_for_load_weights() {
-    crate::fuzz("weights", 20_000, file!(), input(), |input| check(&input));
+    crate::fuzz("weights", 40_000, file!(), input(), |input| check(&input));
 }
