@@ -217,8 +217,7 @@ impl TrainBatch {
         self.rows.iter().map(PackedRow::len).sum()
     }
 
-    /// Checks that every array agrees with every other, and that the targets'
-    /// advantages and behaviour log-probs are finite.
+    /// Checks that every array agrees with every other.
     pub fn validate(&self) -> Result<()> {
         for (i, row) in self.rows.iter().enumerate() {
             row.validate(i)?;
@@ -258,12 +257,6 @@ impl TrainBatch {
                     format!("target {i}"),
                     format!("names sequence {} of {}", t.sequence[i], self.sequences.len()),
                 ));
-            }
-            // One non-finite number makes the whole step's loss non-finite.
-            for (name, x) in [("advantage", t.advantage[i]), ("behaviour_logprob", t.behaviour_logprob[i])] {
-                if !x.is_finite() {
-                    return Err(Error::invalid(format!("target {i}"), format!("has {name} {x}")));
-                }
             }
         }
         for (i, s) in self.sequences.iter().enumerate() {

@@ -144,6 +144,14 @@ impl GrpoTrainer {
             if let Some(t) = tokens.copied().find(|&t| t as usize >= vocab) {
                 return Err(bad(format!("holds token id {t}, outside the vocabulary of {vocab}")));
             }
+            // One non-finite number makes the step's loss non-finite, and the step is
+            // dropped.
+            let t = &batch.targets;
+            for (name, values) in [("advantage", &t.advantage), ("behaviour_logprob", &t.behaviour_logprob)] {
+                if let Some((j, x)) = values.iter().enumerate().find(|(_, x)| !x.is_finite()) {
+                    return Err(bad(format!("target {j} has {name} {x}")));
+                }
+            }
         }
         let path = dir.join("accumulator.safetensors");
         let mut grads =
