@@ -115,6 +115,27 @@ fn ci(root: &Path) -> Result<()> {
     require_tool("deny", "cargo-deny")?;
     step(root, "deny", &["deny", "check", "bans", "licenses", "sources"])?;
     step(root, "test", &["test", "--workspace", "--all-targets"])?;
+    // The fused CPU kernels again at AVX2 (on an AVX-512 machine the run above took
+    // AVX-512): their equivalence with the portable ops and their batch invariance hold
+    // on both paths. Only the model crate's kernel tests, a few seconds.
+    step_with(
+        root,
+        "test (fused kernels at AVX2)",
+        &[
+            "test",
+            "-p",
+            "metronome-model",
+            "--lib",
+            "--test",
+            "it",
+            "--",
+            "decode",
+            "portable",
+            "fused",
+            "simd",
+        ],
+        &[("METRONOME_SIMD", "avx2")],
+    )?;
     // Doc tests are a separate harness; examples in docs must keep compiling.
     step(root, "doctest", &["test", "--workspace", "--doc"])
 }
@@ -261,10 +282,17 @@ pub(crate) fn cargo() -> Command {
 }
 
 pub(crate) fn step(root: &Path, name: &str, args: &[&str]) -> Result<()> {
-    eprintln!("==> {name}: cargo {}", args.join(" "));
+    step_with(root, name, args, &[])
+}
+
+/// [`step`] with extra environment variables.
+fn step_with(root: &Path, name: &str, args: &[&str], env: &[(&str, &str)]) -> Result<()> {
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    eprintln!("==> {name}: {}cargo {}", shown.concat(), args.join(" "));
     let status = cargo()
         .args(args)
         .envs(test_thread_env())
+        .envs(env.iter().copied())
         .current_dir(root)
         .status()
         .with_context(|| format!("starting cargo for {name}"))?;

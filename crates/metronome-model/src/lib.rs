@@ -92,6 +92,7 @@ mod ops;
 mod portable;
 mod precision;
 mod recompute;
+mod simd;
 mod tokenizer;
 
 pub use candle_core::{DType, Device, Tensor, Var};
@@ -105,4 +106,5 @@ pub use model::{Model, ScoringBatch, TargetOutput};
 pub use ops::Projection;
 pub use portable::Kernels;
 pub use precision::Precision;
+pub use simd::{SIMD_ENV, SimdLevel};
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};

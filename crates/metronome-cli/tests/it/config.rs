@@ -114,3 +114,17 @@ fn config_files_layer_in_order_over_the_default() {
     // The embedded default fills what no file names.
     assert_eq!(c["data"]["release"]["batch_size"].as_integer(), Some(128));
 }
+
+#[test]
+fn a_simd_level_the_kernels_do_not_know_is_refused_before_the_run_starts() {
+    let out_dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_metronome"))
+        .args(["run", "--out-dir"])
+        .arg(out_dir.path())
+        .env("METRONOME_SIMD", "avx1024")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("METRONOME_SIMD") && err.contains("avx1024"), "{err}");
+    assert_eq!(std::fs::read_dir(out_dir.path()).unwrap().count(), 0, "a run directory was made: {err}");
+}

@@ -122,9 +122,9 @@ impl CpuOp3 for DecodeAttention<'_> {
         let k = contiguous_f32(Self::NAME, s2, l2)?;
         let v = contiguous_f32(Self::NAME, s3, l3)?;
         let mut out = vec![0f32; n * heads * hd];
-        // The same scalar code, compiled for the instruction set `pulp` detects (the
-        // eight-lane dot products become one AVX vector): results are unchanged.
-        pulp::Arch::new().dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out: &mut out });
+        // Compiled for the instruction set `simd::dispatch` picks: the dot products run
+        // as vectors of 8 lanes under AVX2, 16 under AVX-512 (the same for every row).
+        crate::simd::dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out: &mut out });
         Ok((CpuStorage::F32(out), (n, heads * hd).into()))
     }
 }
@@ -409,9 +409,9 @@ pub(crate) fn dense_rows(x: &[f32], w: &DenseWeight, out: &mut [f32]) {
         use rayon::prelude::*;
         x.par_chunks(DENSE_ROWS_PER_TASK * k)
             .zip(out.par_chunks_mut(DENSE_ROWS_PER_TASK * m))
-            .for_each(|(x, out)| pulp::Arch::new().dispatch(DenseKernel { x, w, out }));
+            .for_each(|(x, out)| crate::simd::dispatch(DenseKernel { x, w, out }));
     } else {
-        pulp::Arch::new().dispatch(DenseKernel { x, w, out });
+        crate::simd::dispatch(DenseKernel { x, w, out });
     }
 }
 
@@ -545,13 +545,13 @@ impl candle_core::CustomOp1 for SwiGluStacked {
         }
         let i = two / 2;
         let mut out = vec![0f32; n * i];
-        pulp::Arch::new().dispatch(SwiGluRows { gu, out: &mut out, i });
+        crate::simd::dispatch(SwiGluRows { gu, out: &mut out, i });
         Ok((CpuStorage::F32(out), (n, i).into()))
     }
 }
 
-/// The loop of [`SwiGluStacked`], compiled for the instruction set `pulp` detects
-/// (with [`exp_vectorisable`], it runs eight lanes at a time under AVX2).
+/// The loop of [`SwiGluStacked`], compiled for the instruction set `simd::dispatch`
+/// picks (with [`exp_vectorisable`], 8 lanes at a time under AVX2, 16 under AVX-512).
 struct SwiGluRows<'a> {
     gu: &'a [f32],
     out: &'a mut [f32],

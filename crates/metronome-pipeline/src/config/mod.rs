@@ -98,7 +98,8 @@ pub struct RunConfig {
     pub checkpoint_interval_s: u64,
     /// Size the stages' thread pools from the cores (`rollout.threads_per_worker`,
     /// `trainer.threads`): `sync` gives every stage all cores in turn; overlapped
-    /// schedules split them so the stages do not oversubscribe (docs/design.md §6).
+    /// schedules give the rollout workers half of them and the trainer all (see
+    /// `place`, docs/design.md §6).
     pub auto_placement: bool,
     /// Cores to place on; 0 detects them.
     pub cores: usize,
@@ -384,6 +385,10 @@ impl PipelineConfig {
     /// (`run.auto_placement`), then validates: what every entry point does with a
     /// config before it builds anything.
     pub fn prepare(&mut self) -> Result<()> {
+        // The kernels read it once, in the middle of the first step: a typo there
+        // would pass silently as the default, so it is refused here, before anything runs.
+        metronome_model::SimdLevel::from_env()
+            .map_err(|e| Error::Config { key: metronome_model::SIMD_ENV.into(), reason: e.to_string() })?;
         self.place();
         self.validate()
     }
@@ -815,10 +820,20 @@ impl PipelineConfig {
             self.trainer.threads.get_or_insert(cores);
             self.rollout.threads_per_worker.get_or_insert((cores / workers).max(1));
         } else {
-            // Stages overlap: give the trainer half and the workers the rest, one
-            // thread each at least, so no core runs two busy threads.
-            let trainer = *self.trainer.threads.get_or_insert((cores / 2).max(1));
-            self.rollout.threads_per_worker.get_or_insert((cores.saturating_sub(trainer) / workers).max(1));
+            // Stages overlap. The workers share half the cores (one thread each at
+            // least, so two workers never split one core), or what a trainer.threads
+            // the user set leaves. The trainer gets every core unless set: its parallel
+            // ops run on the cores generation leaves idle, and within a period the
+            // trainer is the longer stage wherever answers are long. Measured on 2
+            // cores (README, `run.auto_placement`): 1.3x on a trainer-bound run (64-token
+            // answers), no loss on the generation-bound default; the pools' threads
+            // sleep when idle, so sharing a core costs time slices, not spinning.
+            let rollout = match self.trainer.threads {
+                Some(trainer) => cores.saturating_sub(trainer),
+                None => cores - cores / 2,
+            };
+            self.rollout.threads_per_worker.get_or_insert((rollout / workers).max(1));
+            self.trainer.threads.get_or_insert(cores);
         }
     }
 }

@@ -511,13 +511,14 @@ fn placement_fills_the_thread_counts_left_unset_and_keeps_those_set() {
         config.prepare().unwrap();
         (config.trainer.threads, config.rollout.threads_per_worker)
     };
-    // Unset: overlapped schedules split the cores, `sync` gives each stage all of them.
-    assert_eq!(placed(&[]), (Some(2), Some(2)));
+    // Unset: overlapped schedules give the workers half the cores and the trainer all
+    // of them; `sync` gives each stage all of them.
+    assert_eq!(placed(&[]), (Some(4), Some(2)));
     assert_eq!(placed(&["run.schedule=\"sync\""]), (Some(4), Some(4)));
-    assert_eq!(placed(&["rollout.workers=2"]), (Some(2), Some(1)));
-    // A value the user set is kept, and the other stage takes the cores it leaves.
+    assert_eq!(placed(&["rollout.workers=2"]), (Some(4), Some(1)));
+    // A value the user set is kept; workers take the cores a set trainer leaves.
     assert_eq!(placed(&["trainer.threads=3"]), (Some(3), Some(1)));
-    assert_eq!(placed(&["rollout.threads_per_worker=3"]), (Some(2), Some(3)));
+    assert_eq!(placed(&["rollout.threads_per_worker=3"]), (Some(4), Some(3)));
     assert_eq!(placed(&["trainer.threads=1", "rollout.threads_per_worker=1"]), (Some(1), Some(1)));
     // Without placement nothing is filled: each stage runs one thread.
     let mut config = PipelineConfig::embedded(&["run.auto_placement=false".to_owned()]).unwrap();
