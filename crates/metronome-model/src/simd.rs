@@ -73,6 +73,8 @@ impl SimdLevel {
     pub fn instruction_set(self) -> &'static str {
         #[cfg(target_arch = "x86_64")]
         {
+            // Without the `avx512` feature pulp has no V4: the widest is AVX2.
+            #[cfg(feature = "avx512")]
             if self == Self::Native && pulp::x86::V4::try_new().is_some() {
                 return "avx512";
             }

@@ -637,3 +637,15 @@ fn nesting_too_deep_is_refused_naming_its_line() {
         assert!(e.contains("deep.toml") && e.contains(line) && e.contains("recursion"), "{e}");
     }
 }
+
+/// `benches/trl_compare.py` runs Metronome with this file: it must stay a valid config,
+/// and stay the matched configuration the script's TRL side assumes.
+#[test]
+fn the_trl_comparison_config_is_valid_and_matched() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/trl_compare.toml");
+    let mut c = PipelineConfig::load_layers(&[path], &[]).unwrap();
+    c.prepare().unwrap();
+    assert_eq!((c.run.periods, c.run.group_size, c.data.release.batch_size), (20, 4, 4));
+    assert_eq!((c.rollout.sampling.max_new_tokens, c.rollout.sampling.ignore_eos), (64, true));
+    assert_eq!((c.sft.steps, c.trainer.loss.kl_coef), (0, 0.04));
+}
