@@ -319,7 +319,7 @@ fn bad<T>(key: &str, reason: String) -> Result<T> {
 pub(crate) fn openai_needs_http() -> Error {
     Error::Config {
         key: "rollout.backend".into(),
-        reason: "is \"openai\", which needs the `http` feature, left out of this build".into(),
+        reason: "is \"openai\" or \"agent\", which need the `http` feature, left out of this build".into(),
     }
 }
 
@@ -397,7 +397,10 @@ impl PipelineConfig {
         self.data.validate().map_err(|e| stage("data", &e))?;
         self.rollout.validate()?;
         #[cfg(not(feature = "http"))]
-        if self.rollout.backend == metronome_rollout::Backend::Openai {
+        if matches!(
+            self.rollout.backend,
+            metronome_rollout::Backend::Openai | metronome_rollout::Backend::Agent
+        ) {
             return Err(openai_needs_http());
         }
         // The trainer names its keys from its own section: placed under `trainer.`.

@@ -32,16 +32,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use metronome_core::{
-    ErrorChain, FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RunSeed, Secret,
-    TensorData, WeightSnapshot,
-};
+use metronome_core::{ErrorChain, FinishReason, PeriodId, PolicyVersion, Prompt, PromptId, RunSeed, Secret};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
+use super::api::{ApiError, parse_json, unix_now};
+use super::chat::Chat;
+use super::snapshot::snapshot_from_safetensors;
 use super::types::{
-    Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
-    PromptInput, Usage,
+    Choice, CompletionRequest, CompletionResponse, LogProbs, ModelCard, ModelList, PromptInput, Usage,
 };
 use crate::{Engine, Error, InferenceModel, LogprobsMode, Result, Rollback, SamplingConfig, Submission};
 
@@ -167,20 +166,33 @@ impl ServerConfig {
     }
 }
 
-struct AppState<M: InferenceModel> {
-    engine: Arc<Engine<M>>,
-    config: ServerConfig,
-    in_flight: Arc<Semaphore>,
+pub(super) struct AppState<M: InferenceModel> {
+    pub(super) engine: Arc<Engine<M>>,
+    pub(super) config: ServerConfig,
+    pub(super) chat: Chat,
+    pub(super) in_flight: Arc<Semaphore>,
     created: u64,
 }
 
-/// The routes, serving `engine` as `config` says.
+/// The routes, serving `engine` as `config` says; chat requests are rendered with
+/// the tokenizer's chat template and refused when they offer tools
+/// ([`router_with_chat`] says otherwise).
 pub fn router<M: InferenceModel>(engine: Arc<Engine<M>>, config: ServerConfig) -> Router {
+    router_with_chat(engine, config, Chat::default())
+}
+
+/// [`router`], rendering and reading chat requests as `chat` says.
+pub fn router_with_chat<M: InferenceModel>(
+    engine: Arc<Engine<M>>,
+    config: ServerConfig,
+    chat: Chat,
+) -> Router {
     let in_flight = Arc::new(Semaphore::new(config.max_concurrent_requests.max(1)));
     let body_limit = config.max_body_bytes;
-    let state = Arc::new(AppState { engine, config, in_flight, created: unix_now() });
+    let state = Arc::new(AppState { engine, config, chat, in_flight, created: unix_now() });
     Router::new()
         .route("/v1/completions", post(completions::<M>))
+        .route("/v1/chat/completions", post(super::chat::chat_completions::<M>))
         .route("/v1/models", get(models::<M>))
         .route("/metronome/v1/load_weights", post(load_weights::<M>))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route", None) })
@@ -200,14 +212,23 @@ async fn guard<M: InferenceModel>(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Err(e) = authorize(&s.config, &request) {
+    guarded(&s.config, request, next).await
+}
+
+/// [`guard`] under `config`'s key and limits.
+pub(crate) async fn guarded(
+    config: &ServerConfig,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Err(e) = authorize(config, &request) {
         return e.into_response();
     }
     if request.method() != axum::http::Method::POST {
         return next.run(request).await;
     }
     let (parts, body) = request.into_parts();
-    match read_body(&s.config, &parts.headers, body).await {
+    match read_body(config, &parts.headers, body).await {
         Ok(bytes) => next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await,
         Err(e) => e.into_response(),
     }
@@ -374,69 +395,6 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }
 
-/// A request body as `T`, keeping the path of the field where it went wrong. The
-/// body must be one JSON value: anything after it but whitespace is refused (it was
-/// ignored, so `{...} {"n": 64}` was served as the first object alone).
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> std::result::Result<T, ApiError> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| ApiError::json(what, &e))?;
-    de.end().map_err(|e| ApiError::bad(format!("request body is not a valid {what} request: {e}"), None))?;
-    Ok(value)
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-/// A 4xx/5xx answer in OpenAI's error shape.
-#[derive(Debug)]
-struct ApiError {
-    status: StatusCode,
-    message: String,
-    param: Option<Cow<'static, str>>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status, message: message.into(), param: param.map(Cow::Borrowed) }
-    }
-
-    fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message, param)
-    }
-
-    /// A body that is not the JSON `what` expects: 400 naming where it went wrong
-    /// (`param`: the field's path, e.g. `stop[2]`), as serde found it.
-    fn json(what: &str, e: &serde_path_to_error::Error<serde_json::Error>) -> Self {
-        let path = e.path().to_string();
-        let param = (path != ".").then_some(Cow::Owned(path));
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: format!("request body is not a valid {what} request: {e}"),
-            param,
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::NOT_FOUND => "not_found_error",
-            s if s.is_client_error() => "invalid_request_error",
-            _ => "server_error",
-        };
-        let body = ErrorBody {
-            error: ErrorDetail {
-                message: self.message,
-                kind: kind.into(),
-                param: self.param.map(Cow::into_owned),
-                code: Some(self.status.as_u16()),
-            },
-        };
-        (self.status, Json(body)).into_response()
-    }
-}
-
 async fn models<M: InferenceModel>(State(s): State<Arc<AppState<M>>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
@@ -451,37 +409,69 @@ async fn models<M: InferenceModel>(State(s): State<Arc<AppState<M>>>) -> Json<Mo
 }
 
 async fn completions<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body: Bytes) -> Response {
-    // Beyond the limit, say so at once: a client backs off and retries (429), where a
-    // queue would hold its connection and memory.
-    let Ok(_permit) = Arc::clone(&s.in_flight).try_acquire_owned() else {
+    let _permit = match admit(&s.in_flight, s.config.max_concurrent_requests) {
+        Ok(permit) => permit,
+        Err(busy) => return busy.into_response(),
+    };
+    let result = async {
+        let req: CompletionRequest = parse_json(&body, "completion")?;
+        complete(&s.engine, &s.config, &req).await
+    }
+    .await;
+    match result {
+        Ok(r) => Json(r.response).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A place among the requests generating at once, or [`Busy`]: beyond the limit a
+/// client backs off and retries, where a queue would hold its connection and memory.
+pub(crate) fn admit(
+    in_flight: &Arc<Semaphore>,
+    limit: usize,
+) -> std::result::Result<tokio::sync::OwnedSemaphorePermit, Busy> {
+    Arc::clone(in_flight).try_acquire_owned().map_err(|_| Busy { limit })
+}
+
+/// The 429 with `Retry-After` of a server serving `limit` requests already.
+#[derive(Debug)]
+pub(crate) struct Busy {
+    limit: usize,
+}
+
+impl IntoResponse for Busy {
+    fn into_response(self) -> Response {
         let mut r = ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             message: format!(
                 "{} requests are being served, the most this server takes at once; retry later",
-                s.config.max_concurrent_requests
+                self.limit
             ),
             param: None,
         }
         .into_response();
         r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
-        return r;
-    };
-    match complete(&s, &body).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => e.into_response(),
+        r
     }
 }
 
+/// What a request generated: the answer, and each choice's completion in choice
+/// order (its sampled ids, behaviour log-probs and version, whatever the answer shows).
+pub(crate) struct Generated {
+    pub(crate) response: CompletionResponse,
+    pub(crate) completions: Vec<metronome_core::Completion>,
+}
+
 /// Validates a request, runs it on the engine, and shapes the answer.
-async fn complete<M: InferenceModel>(
-    s: &AppState<M>,
-    body: &[u8],
-) -> std::result::Result<CompletionResponse, ApiError> {
-    let req: CompletionRequest = parse_json(body, "completion")?;
-    let (n, max_tokens) = check_options(&req, &s.config)?;
-    let tokenizer = Arc::clone(s.engine.tokenizer());
-    let prompts = prompts_of(&req, tokenizer.as_ref(), &s.config, max_tokens, s.engine.max_seq_len())?;
-    let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids(), s.config.logprobs);
+pub(crate) async fn complete<M: InferenceModel>(
+    engine: &Engine<M>,
+    config: &ServerConfig,
+    req: &CompletionRequest,
+) -> std::result::Result<Generated, ApiError> {
+    let (n, max_tokens) = check_options(req, config)?;
+    let tokenizer = Arc::clone(engine.tokenizer());
+    let prompts = prompts_of(req, tokenizer.as_ref(), config, max_tokens, engine.max_seq_len())?;
+    let sampling = sampling_of(req, max_tokens, &tokenizer.stop_token_ids(), config.logprobs);
     sampling.validate().map_err(|e| match &e {
         // The request's field: `sampling.top_p` is `top_p` here.
         Error::Config { field, .. } => {
@@ -502,29 +492,34 @@ async fn complete<M: InferenceModel>(
         sampling: sampling.clone(),
         seed: RunSeed(seed),
     };
-    let groups = s.engine.generate_groups(sub).await.map_err(|e| ApiError {
+    let groups = engine.generate_groups(sub).await.map_err(|e| ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,
         message: format!("generation failed: {}", ErrorChain(&e)),
         param: None,
     })?;
 
     let mut choices = Vec::with_capacity(index_of.len() * n as usize);
+    let mut completions = Vec::with_capacity(choices.capacity());
     let mut version = PolicyVersion(0);
     let mut completion_tokens = 0;
-    for group in &groups {
+    for group in groups {
         let i = index_of[&group.prompt.id.0] as u32;
-        for c in &group.completions {
+        for c in group.completions {
             version = version.max(c.version);
             completion_tokens += c.tokens.len();
-            choices.push(choice(&req, c, i * n + c.sample_index, tokenizer.as_ref(), &sampling));
+            let index = i * n + c.sample_index;
+            choices.push(choice(req, &c, index, tokenizer.as_ref(), &sampling));
+            completions.push((index, c));
         }
     }
     choices.sort_by_key(|c| c.index);
-    Ok(CompletionResponse {
+    completions.sort_by_key(|(index, _)| *index);
+    let completions = completions.into_iter().map(|(_, c)| c).collect();
+    let response = CompletionResponse {
         id: format!("cmpl-{seed:016x}-{}", unix_now()),
         object: "text_completion".into(),
         created: unix_now(),
-        model: s.config.model_name.clone(),
+        model: config.model_name.clone(),
         system_fingerprint: Some(format!("metronome-v{version}")),
         choices,
         usage: Some(Usage {
@@ -532,7 +527,8 @@ async fn complete<M: InferenceModel>(
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
         }),
-    })
+    };
+    Ok(Generated { response, completions })
 }
 
 /// Checks the request's options against the server's limits; `n` and `max_tokens`.
@@ -741,7 +737,7 @@ fn sampling_of(
 }
 
 /// `POST /metronome/v1/load_weights` body: a safetensors file written by
-/// [`snapshot_to_safetensors`] (e.g. by [`super::SafetensorsReload`]) and its version.
+/// [`super::snapshot_to_safetensors`] (e.g. by [`super::SafetensorsReload`]) and its version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadWeightsRequest {
     /// The file, readable by the server.
@@ -829,106 +825,9 @@ async fn weights_file<M: InferenceModel>(
     Ok(path)
 }
 
-/// The snapshot as a safetensors file (f32, bf16 and f16 kept as they are); the version
-/// goes into the metadata as `metronome_version`. A snapshot holding a tensor name
-/// twice is refused, naming it (the `safetensors` writer panics on one, and a
-/// snapshot from the transport is not checked for it before it is exported).
-pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
-    let mut names = HashSet::with_capacity(s.tensors.len());
-    if let Some(twice) = s.tensors.iter().find(|t| !names.insert(t.name.as_str())) {
-        return Err(Error::model(format!("tensor `{}` appears twice in the snapshot", twice.name)));
-    }
-    let bytes: Vec<(safetensors::Dtype, Vec<u8>)> = s
-        .tensors
-        .iter()
-        .map(|t| match &t.data {
-            TensorData::F32(v) => (safetensors::Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            TensorData::Bf16(v) => {
-                (safetensors::Dtype::BF16, v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            TensorData::F16(v) => (safetensors::Dtype::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        })
-        .collect();
-    let views = s
-        .tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, (dtype, b))| {
-            safetensors::tensor::TensorView::new(*dtype, t.shape.clone(), b)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| Error::model(format!("tensor `{}`: {e}", t.name)))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    // `format: pt` is what `transformers` asks of a Hugging Face folder's weights.
-    let meta = HashMap::from([
-        ("metronome_version".to_owned(), s.version.to_string()),
-        ("format".to_owned(), "pt".to_owned()),
-    ]);
-    safetensors::serialize(views, Some(meta)).map_err(Error::model)
-}
-
-/// A snapshot from a safetensors file's bytes (f32, bf16 or f16 tensors).
-pub fn snapshot_from_safetensors(bytes: &[u8], version: PolicyVersion) -> Result<WeightSnapshot> {
-    // The reader's own messages do not always say where (`invalid shape, data type,
-    // or offset for tensor`): what it checks is the header and the offsets it gives.
-    let st = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| Error::model(format!("the safetensors header does not describe the file: {e}")))?;
-    let mut tensors = Vec::new();
-    for (name, view) in st.iter() {
-        let raw = view.data();
-        let u16s = || raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-        let data = match view.dtype() {
-            safetensors::Dtype::F32 => TensorData::F32(
-                raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            ),
-            safetensors::Dtype::BF16 => TensorData::Bf16(u16s()),
-            safetensors::Dtype::F16 => TensorData::F16(u16s()),
-            other => return Err(Error::model(format!("tensor `{name}` has unsupported dtype {other:?}"))),
-        };
-        tensors.push(HostTensor { name: name.to_owned(), shape: view.shape().to_vec(), data });
-    }
-    Ok(WeightSnapshot { version, tensors })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn snapshots_round_trip_through_safetensors() {
-        let s = WeightSnapshot {
-            version: PolicyVersion(7),
-            tensors: vec![
-                HostTensor {
-                    name: "a.weight".into(),
-                    shape: vec![2, 3],
-                    data: TensorData::F32(vec![1.5, -2.0, 0.0, 3.25, f32::MIN_POSITIVE, 9.0]),
-                },
-                HostTensor {
-                    name: "b.bias".into(),
-                    shape: vec![2],
-                    data: TensorData::Bf16(vec![0x3f80, 0xc000]),
-                },
-                HostTensor { name: "c".into(), shape: vec![1], data: TensorData::F16(vec![0x3c00]) },
-            ],
-        };
-        let bytes = snapshot_to_safetensors(&s).unwrap();
-        let mut back = snapshot_from_safetensors(&bytes, PolicyVersion(7)).unwrap();
-        back.tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        assert_eq!(back, s);
-        assert!(snapshot_from_safetensors(b"not a file", PolicyVersion(0)).is_err());
-    }
-
-    /// Found by the fuzz suite: `safetensors::serialize` panicked (index out of
-    /// bounds) on a snapshot holding a name twice, which a weights message from the
-    /// transport may, on its way to an OpenAI-compatible server.
-    #[test]
-    fn a_snapshot_holding_a_name_twice_is_refused_naming_it() {
-        let t = HostTensor { name: "a.weight".into(), shape: vec![1], data: TensorData::F32(vec![1.0]) };
-        let s = WeightSnapshot { version: PolicyVersion(1), tensors: vec![t.clone(), t] };
-        let e = snapshot_to_safetensors(&s).unwrap_err().to_string();
-        assert!(e.contains("tensor `a.weight` appears twice"), "{e}");
-    }
 
     #[test]
     fn versions_parse_from_our_fingerprint_only() {
