@@ -479,7 +479,9 @@ impl PipelineConfig {
         if let Some(env) = &self.env {
             env.validate().map_err(|e| Error::Config { key: "env".into(), reason: e.to_string() })?;
             // Episodes keep a slot's KV cache between turns: only the native engine can.
-            if self.rollout.backend != metronome_rollout::Backend::Native {
+            // With agents, `[env]` serves the warm start's demonstrations and the
+            // held-out evaluation (both native); the agents' own tools answer in rollouts.
+            if self.rollout.backend == metronome_rollout::Backend::Openai {
                 return bad(
                     "env",
                     "multi-turn episodes run in the native engine only; with `rollout.backend = \"openai\"` \

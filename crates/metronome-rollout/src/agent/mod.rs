@@ -107,10 +107,18 @@ impl<M: InferenceModel> AgentEngine<M> {
     }
 
     /// Runs sample `sample` of `prompt`: its calls, and how it ended.
-    async fn episode(&self, base: &str, prompt: &Prompt, sample: u32) -> (Vec<RecordedCall>, EpisodeEnd) {
+    /// The episode's id is pushed to `ids`, for the request to forget it at its end.
+    async fn episode(
+        &self,
+        base: &str,
+        prompt: &Prompt,
+        sample: u32,
+        ids: &std::sync::Mutex<Vec<String>>,
+    ) -> (Vec<RecordedCall>, EpisodeEnd) {
         let _slot = self.slots.acquire().await.expect("the semaphore is never closed");
         let n = self.episodes.fetch_add(1, Ordering::Relaxed);
         let id = format!("e{n}");
+        ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(id.clone());
         let key = format!("mk-{:016x}{:016x}", self.keys.hash_one(n), self.keys.hash_one(!n));
         let end = self.proxy.open(&id, &key, prompt.id.0, sample);
         let launch = process::Launch {
@@ -158,9 +166,10 @@ impl<M: InferenceModel> AgentEngine<M> {
         period: metronome_core::PeriodId,
         prompt: Prompt,
         group_size: u32,
+        ids: &std::sync::Mutex<Vec<String>>,
     ) -> Group {
         let episodes =
-            futures::future::join_all((0..group_size).map(|j| self.episode(base, &prompt, j))).await;
+            futures::future::join_all((0..group_size).map(|j| self.episode(base, &prompt, j, ids))).await;
         let mut all: Vec<(Trajectory, &EpisodeEnd)> = Vec::new();
         let mut splits = 0;
         for (calls, end) in &episodes {
@@ -196,11 +205,11 @@ impl<M: InferenceModel> RolloutEngine for AgentEngine<M> {
     /// each prompt's group as its last episode ends.
     async fn generate(&self, request: RolloutRequest, sink: &dyn GroupSink) -> metronome_core::Result<()> {
         let base = self.base().await?.to_owned();
-        let first = self.episodes.load(Ordering::Relaxed);
+        let ids = std::sync::Mutex::new(Vec::new());
         let mut groups: futures::stream::FuturesUnordered<_> = request
             .prompts
             .into_iter()
-            .map(|p| self.prompt_group(&base, request.period, p, request.group_size))
+            .map(|p| self.prompt_group(&base, request.period, p, request.group_size, &ids))
             .collect();
         let mut result = Ok(());
         while let Some(group) = groups.next().await {
@@ -211,8 +220,8 @@ impl<M: InferenceModel> RolloutEngine for AgentEngine<M> {
         }
         drop(groups);
         // The request's episodes are over: their keys are unknown from now on.
-        for n in first..self.episodes.load(Ordering::Relaxed) {
-            self.proxy.forget(&format!("e{n}"));
+        for id in ids.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
+            self.proxy.forget(&id);
         }
         result
     }

@@ -8,7 +8,10 @@
 //! (`wrong_key`, 403). A call to an episode that has ended is refused (410) and
 //! counted (`late_call`); a call that was generating when its episode ended is not
 //! recorded. An episode's calls are seeded by (run seed, sample, call index) and
-//! the prompt's id, so a deterministic agent gets the same tokens on every run.
+//! the prompt's id, so a deterministic agent gets the same tokens on every run; they
+//! sample with the run's temperature and top-p whatever the agent asks (the trainer
+//! scores its log-probs at that temperature), and at most the run's
+//! `max_new_tokens` per call.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -145,7 +148,10 @@ impl<M: InferenceModel> Proxy<M> {
                 None,
             ));
         }
-        let e = episodes.get_mut(id).expect("a key's episode is registered");
+        // Forgotten between the two look-ups: as unknown as its key.
+        let Some(e) = episodes.get_mut(id) else {
+            return Err(ApiError::new(StatusCode::UNAUTHORIZED, "no episode holds this API key", None));
+        };
         if !e.open {
             crate::metrics::episode_failed("late_call");
             return Err(ApiError::new(StatusCode::GONE, "this episode has ended", None));
@@ -195,7 +201,12 @@ async fn chat<M: InferenceModel>(
         Err(busy) => return busy.into_response(),
     };
     let result = async {
-        let req: ChatCompletionRequest = parse_json(&body, "chat completion")?;
+        let mut req: ChatCompletionRequest = parse_json(&body, "chat completion")?;
+        let sampling = &p.engine.config().sampling;
+        req.temperature = Some(sampling.temperature);
+        req.top_p = Some(sampling.top_p);
+        let asked = req.max_completion_tokens.or(req.max_tokens).unwrap_or(sampling.max_new_tokens);
+        req.max_completion_tokens = Some(asked.min(sampling.max_new_tokens));
         if req.n.is_some_and(|n| n != 1) {
             return Err(ApiError::bad("an episode's call samples one choice (`n` = 1)", Some("n")));
         }
@@ -223,5 +234,47 @@ async fn chat<M: InferenceModel>(
     match result {
         Ok(r) => axum::Json(r).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metronome_core::PolicyVersion;
+    use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
+
+    use super::*;
+
+    fn proxy() -> Proxy<Model> {
+        let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap().with_trainable(false);
+        let config =
+            crate::EngineConfig { threads_per_worker: Some(1), max_seq_len: 64, ..Default::default() };
+        let engine =
+            crate::model_engine(model, PolicyVersion(0), Arc::new(CharTokenizer), config, RunSeed(1));
+        Proxy::new(Arc::new(engine.unwrap()), ServerConfig::named("tiny"), Chat::default(), RunSeed(1))
+    }
+
+    fn status(r: Result<(u64, u32, u64), ApiError>) -> u16 {
+        r.map_or_else(|e| e.status.as_u16(), |_| 200)
+    }
+
+    /// Unknown keys, another episode's address, ended and forgotten episodes.
+    #[test]
+    fn calls_are_admitted_only_to_their_own_open_episode() {
+        let p = proxy();
+        p.open("a", "ka", 7, 0);
+        p.open("b", "kb", 7, 1);
+        assert_eq!(p.admit_call("a", Some("ka")).unwrap(), (7, 0, 0));
+        assert_eq!(p.admit_call("a", Some("ka")).unwrap(), (7, 0, 1), "each call has its own index");
+        assert_eq!(status(p.admit_call("a", Some("nobody's"))), 401);
+        assert_eq!(status(p.admit_call("a", None)), 401);
+        // `a`'s key at `b`'s address ends `a`, never `b`.
+        assert_eq!(status(p.admit_call("b", Some("ka"))), 403);
+        assert_eq!(p.close("a").1.as_deref(), Some("wrong_key"));
+        assert_eq!(p.admit_call("b", Some("kb")).unwrap(), (7, 1, 0));
+        assert_eq!(p.close("b").1, None);
+        assert_eq!(status(p.admit_call("b", Some("kb"))), 410, "a call after the episode ended is late");
+        p.forget("b");
+        assert_eq!(status(p.admit_call("b", Some("kb"))), 401, "a forgotten episode's key is unknown");
+        assert!(!p.record("b", RecordedCall::default()));
     }
 }
