@@ -438,40 +438,40 @@ impl Default for AgentConfig {
 pub const MAX_AGENT_CONCURRENCY: usize = 4096;
 
 impl AgentConfig {
-    /// Checks every field; errors name it (`rollout.agent.<field>`).
+    /// Checks every field; errors name it (`agent.<field>`, under `rollout.` in a run's config).
     pub fn validate(&self) -> Result<()> {
         if self.command.first().is_none_or(|p| p.is_empty()) {
             return Err(Error::config(
-                "rollout.agent.command",
+                "agent.command",
                 "is empty (expected the agent's program and arguments)",
             ));
         }
         if !(self.time_limit_s.is_finite() && self.time_limit_s > 0.0 && self.time_limit_s <= 86_400.0) {
             return Err(Error::config(
-                "rollout.agent.time_limit_s",
+                "agent.time_limit_s",
                 format!("is {} (expected in (0, 86400] seconds)", self.time_limit_s),
             ));
         }
         if self.concurrency == 0 || self.concurrency > MAX_AGENT_CONCURRENCY {
             return Err(Error::config(
-                "rollout.agent.concurrency",
+                "agent.concurrency",
                 format!("is {} (expected 1 to {MAX_AGENT_CONCURRENCY})", self.concurrency),
             ));
         }
         if !self.failure_reward.is_finite() {
             return Err(Error::config(
-                "rollout.agent.failure_reward",
+                "agent.failure_reward",
                 format!("is {} (expected a finite number)", self.failure_reward),
             ));
         }
         if let Some(bad) = self.env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
             return Err(Error::config(
-                "rollout.agent.env",
+                "agent.env",
                 format!("has the name {bad:?}, which no environment variable can have"),
             ));
         }
         if self.model_name.is_empty() {
-            return Err(Error::config("rollout.agent.model_name", "is empty"));
+            return Err(Error::config("agent.model_name", "is empty"));
         }
         Ok(())
     }

@@ -249,14 +249,11 @@ mod tests {
         let ok = AgentConfig { command: vec!["python3".into(), "agent.py".into()], ..AgentConfig::default() };
         ok.validate().unwrap();
         for (bad, field) in [
-            (AgentConfig { command: vec![], ..ok.clone() }, "rollout.agent.command"),
-            (AgentConfig { time_limit_s: 0.0, ..ok.clone() }, "rollout.agent.time_limit_s"),
-            (AgentConfig { concurrency: 0, ..ok.clone() }, "rollout.agent.concurrency"),
-            (AgentConfig { failure_reward: f32::NAN, ..ok.clone() }, "rollout.agent.failure_reward"),
-            (
-                AgentConfig { env: BTreeMap::from([("A=B".into(), "x".into())]), ..ok.clone() },
-                "rollout.agent.env",
-            ),
+            (AgentConfig { command: vec![], ..ok.clone() }, "agent.command"),
+            (AgentConfig { time_limit_s: 0.0, ..ok.clone() }, "agent.time_limit_s"),
+            (AgentConfig { concurrency: 0, ..ok.clone() }, "agent.concurrency"),
+            (AgentConfig { failure_reward: f32::NAN, ..ok.clone() }, "agent.failure_reward"),
+            (AgentConfig { env: BTreeMap::from([("A=B".into(), "x".into())]), ..ok.clone() }, "agent.env"),
         ] {
             let e = bad.validate().unwrap_err().to_string();
             assert!(e.contains(field), "{e}");
