@@ -29,7 +29,8 @@ use super::trajectory::RecordedCall;
 use crate::http::api::{ApiError, parse_json};
 use crate::http::chat::{Chat, Seeding, chat_turn};
 use crate::http::chat_types::ChatCompletionRequest;
-use crate::http::server::{ServerConfig, admit, guarded};
+use crate::http::server::{admit, guarded};
+use crate::http::server_config::ServerConfig;
 use crate::{Engine, InferenceModel};
 
 /// One episode's record.

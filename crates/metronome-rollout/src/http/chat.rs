@@ -14,20 +14,17 @@
 
 use std::sync::Arc;
 
-use axum::Json;
-use axum::body::Bytes;
-use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
 use metronome_core::{ChatMessage, Completion, ErrorChain, FinishReason, ToolCallSyntax, ToolCallText};
 use metronome_model::ChatTemplate;
 
-use super::api::{ApiError, parse_json, unix_now};
+use super::api::{ApiError, unix_now};
 use super::chat_types::{
     ChatChoice, ChatCompletionRequest, ChatFunctionCall, ChatLogprobs, ChatRequestMessage,
     ChatResponseMessage, ChatTokenLogprob, ChatToolCall, MessageContent,
 };
-use super::server::{AppState, ServerConfig, admit, complete};
+use super::completions::complete;
+use super::server_config::ServerConfig;
 use super::types::{CompletionRequest, PromptInput, StopInput};
 use crate::{Engine, InferenceModel};
 
@@ -145,25 +142,6 @@ pub(crate) struct ChatTurn {
     pub(crate) response: super::chat_types::ChatCompletionResponse,
     pub(crate) prompt: Vec<u32>,
     pub(crate) completions: Vec<Completion>,
-}
-
-pub(super) async fn chat_completions<M: InferenceModel>(
-    State(s): State<Arc<AppState<M>>>,
-    body: Bytes,
-) -> Response {
-    let _permit = match admit(&s.in_flight, s.config.max_concurrent_requests) {
-        Ok(permit) => permit,
-        Err(busy) => return busy.into_response(),
-    };
-    let result = async {
-        let req: ChatCompletionRequest = parse_json(&body, "chat completion")?;
-        chat_turn(&s.engine, &s.config, &s.chat, &req, Seeding::Request).await
-    }
-    .await;
-    match result {
-        Ok(turn) => Json(turn.response).into_response(),
-        Err(e) => e.into_response(),
-    }
 }
 
 /// Renders, generates and reads back one chat request.
