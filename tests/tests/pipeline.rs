@@ -62,6 +62,17 @@ async fn run_scored(
     extra: &[&str],
     wrap: impl FnOnce(&mut Stages, &PipelineConfig),
 ) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
+    run_configured(schedule, workers, extra, |_| {}, wrap).await
+}
+
+/// [`run_scored`] with the config changed by `tweak` before it is prepared.
+async fn run_configured(
+    schedule: Schedule,
+    workers: usize,
+    extra: &[&str],
+    tweak: impl FnOnce(&mut PipelineConfig),
+    wrap: impl FnOnce(&mut Stages, &PipelineConfig),
+) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
     let mut overrides: Vec<String> = [
         "run.periods=3".to_owned(),
         "run.group_size=4".to_owned(),
@@ -81,6 +92,7 @@ async fn run_scored(
     }
     overrides.extend(extra.iter().map(|s| (*s).to_owned()));
     let mut config = PipelineConfig::embedded(&overrides).unwrap();
+    tweak(&mut config);
     config.prepare().unwrap();
     let (model, tokenizer) = load_model(&config, config.trainer_device()).unwrap();
     assert!(tokenizer.vocab_size() > 0);
@@ -386,4 +398,64 @@ async fn sync_and_periodic_agree_with_multi_turn_episodes() {
         let diff = max_weight_difference(&base_weights, &weights);
         assert!(diff <= 1e-6, "{schedule} with {workers} workers: weights differ by {diff}");
     }
+}
+
+/// The `agent` backend on the pipeline: a program of two chat calls per episode
+/// (`agents/two_calls.py`) through the recording proxy.
+async fn run_agents(schedule: Schedule, workers: usize) -> (Rollouts, Vec<PeriodReport>, WeightSnapshot) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/agents/two_calls.py");
+    let joined = Arc::new(Mutex::new(0usize));
+    let count = joined.clone();
+    let tweak = move |config: &mut PipelineConfig| {
+        config.rollout.backend = metronome_rollout::Backend::Agent;
+        config.rollout.agent = metronome_rollout::AgentConfig {
+            command: vec!["python3".into(), script.display().to_string()],
+            concurrency: 4,
+            reward: metronome_rollout::AgentReward::Stage,
+            // The messages' text alone, as the native runs write prompts and observations.
+            chat_template: Some("{% for m in messages %}{{ m.content }}{% endfor %}".into()),
+            ..metronome_rollout::AgentConfig::default()
+        };
+    };
+    let out = run_configured(
+        schedule,
+        workers,
+        &["rollout.sampling.max_new_tokens=12"],
+        tweak,
+        move |stages, _| {
+            let inner = stages.packer.clone();
+            stages.packer =
+                Arc::new(move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
+                    *count.lock().unwrap() += groups
+                        .iter()
+                        .flat_map(|g| &g.group.completions)
+                        .filter(|c| c.episode.as_ref().is_some_and(|e| e.turns == 2))
+                        .count();
+                    inner.pack(groups)
+                });
+        },
+    )
+    .await;
+    assert!(*joined.lock().unwrap() > 20, "too few episodes joined their two calls into one trajectory");
+    out
+}
+
+/// The agent backend keeps `sync` equal to `periodic`: the proxy serves every call of
+/// a period from the period's weights, seeded by sample and call, so the agents'
+/// trajectories and the trained weights agree. Skipped without python3, except
+/// under CI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_and_periodic_agree_with_the_agent_backend() {
+    if std::process::Command::new("python3").arg("--version").output().is_err() {
+        assert!(std::env::var_os("CI").is_none(), "python3 is missing under CI");
+        return eprintln!("skipped: no python3");
+    }
+    let (base_rollouts, base_reports, base_weights) = run_agents(Schedule::Sync, 1).await;
+    assert_eq!(base_rollouts.len(), 18);
+    assert!(base_reports.iter().any(|r| r.step.tokens > 0), "every group had equal rewards");
+    assert!(max_weight_difference(&initial_weights(), &base_weights) > 1e-4, "the weights did not move");
+    let (rollouts, _, weights) = run_agents(Schedule::Periodic, 1).await;
+    assert_eq!(rollouts, base_rollouts, "periodic: rollouts or rewards differ");
+    let diff = max_weight_difference(&base_weights, &weights);
+    assert!(diff <= 1e-6, "periodic: weights differ by {diff}");
 }

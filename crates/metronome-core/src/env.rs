@@ -87,6 +87,36 @@ pub fn render_reply(tokenizer: &dyn Tokenizer, message: &ChatMessage) -> Result<
     Ok(rendered[at + TURN.len()..].to_owned())
 }
 
+/// A tool call as the OpenAI chat API carries it: the function's name and its
+/// arguments as the text of a JSON object.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallText {
+    /// The tool's name.
+    pub name: String,
+    /// The arguments, a JSON object's text.
+    pub arguments: String,
+}
+
+/// How a model writes tool calls in its text (e.g. `<tool_call>{…}</tool_call>`),
+/// both ways: an OpenAI-compatible chat server reads a response's calls with it
+/// and writes an assistant message's calls back into the conversation it renders.
+/// The environments' formats implement it (`metronome-reward`), so a server speaks
+/// the calls a run's environments train.
+pub trait ToolCallSyntax: Send + Sync {
+    /// Strings that end a turn holding a call (as `</tool_call>` does), for a
+    /// server to stop at when a request offers `tools` (their names).
+    fn turn_stops(&self, tools: &[&str]) -> Vec<String>;
+
+    /// The call in `text` among `tools`: the byte offset where it begins (the text
+    /// before it is the message's content) and the call; `None` when `text` holds
+    /// no well-formed call.
+    fn parse(&self, text: &str, tools: &[&str]) -> Option<(usize, ToolCallText)>;
+
+    /// `call` as the model writes it; an error names what cannot be written (e.g.
+    /// arguments that are not a JSON object).
+    fn render(&self, call: &ToolCallText) -> Result<String>;
+}
+
 /// One running episode: the environment's side of one trajectory.
 #[async_trait]
 pub trait Episode: Send {

@@ -44,7 +44,7 @@ pub use data::{
     ADVANTAGE_STD_EPS, AdvantageEstimator, Completion, EpisodeTrace, FinishReason, Group, GroupKey,
     GroupStats, GroupTiming, Prompt, Reward, ScoredGroup, TokenId, TokenSpan, VersionSwitch,
 };
-pub use env::{Environment, Episode, Observation, render_reply};
+pub use env::{Environment, Episode, Observation, ToolCallSyntax, ToolCallText, render_reply};
 pub use error::{Error, ErrorChain, Result};
 pub use ids::{PeriodId, PolicyVersion, PromptId, RunSeed, mix64, sample_seed, stream_seed};
 pub use layout::{PackedRow, Segment, Targets, TrainBatch, TrainGroup, TrainSequence};

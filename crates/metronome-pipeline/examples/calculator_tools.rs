@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run -p metronome-pipeline --example calculator_tools -- \
-//!     [--periods N] [--seed S] [--sft-steps N] [--tool-demonstrations SHARE]
+//!     [--periods N] [--seed S] [--sft-steps N] [--tool-demonstrations SHARE] [--agent]
 //! ```
 //! Both settings warm-start on the same prompts; with `[env]` a share of them (default
 //! 0.2, `sft.tool_demonstrations`) is shown solved with the calculator, so the policy
@@ -13,6 +13,13 @@
 //! environment when there is one) and the share of held-out trajectories that called
 //! the calculator, after the warm start and after the RL periods. Under `cargo test
 //! --examples` it runs one short period.
+//!
+//! With `--agent` it runs a third setting: the same `[env]` warm start and held-out
+//! evaluation, with rollouts by the example agent `examples/agents/calculator_agent.py`
+//! (the official `openai` client, its own calculator) through `rollout.backend =
+//! "agent"`. Its chat template writes tool messages as `<result>…</result>` and the
+//! others as their text, so its trajectories are the tag format's: the comparison is of
+//! the rollout path alone. It needs python3 with the `openai` package.
 
 use anyhow::Context;
 use metronome_pipeline::{EvalPoint, PipelineConfig, RunOptions};
@@ -20,12 +27,14 @@ use metronome_pipeline::{EvalPoint, PipelineConfig, RunOptions};
 /// Held-out evaluations after the warm start and after the last period.
 async fn measure(
     env: bool,
+    agent: bool,
     periods: u64,
     seed: u64,
     sft_steps: u64,
     shown: f64,
 ) -> anyhow::Result<(EvalPoint, EvalPoint)> {
-    let dir = std::env::temp_dir().join(format!("metronome-calculator-tools-{}-{env}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("metronome-calculator-tools-{}-{env}-{agent}", std::process::id()));
     let mut overrides = vec![
         format!("run.periods={periods}"),
         format!("run.seed={seed}"),
@@ -45,7 +54,28 @@ async fn measure(
             "rollout.max_seq_len=96".into(),
         ]);
     }
-    let config = PipelineConfig::embedded(&overrides)?;
+    let mut config = PipelineConfig::embedded(&overrides)?;
+    if agent {
+        let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../examples/agents/calculator_agent.py");
+        config.rollout.backend = metronome_rollout::Backend::Agent;
+        config.rollout.agent = metronome_rollout::AgentConfig {
+            command: vec!["python3".into(), example.display().to_string()],
+            env: [
+                ("AGENT_MAX_TURNS".to_owned(), "3".to_owned()),
+                ("AGENT_MAX_TOKENS".to_owned(), "32".to_owned()),
+            ]
+            .into(),
+            reward: metronome_rollout::AgentReward::Stage,
+            tool_format: metronome_rollout::AgentToolFormat::Tag,
+            chat_template: Some(
+                "{% for m in messages %}{% if m.role == 'tool' %}<result>{{ m.content }}</result>\
+                 {% else %}{{ m.content }}{% endif %}{% endfor %}"
+                    .into(),
+            ),
+            ..metronome_rollout::AgentConfig::default()
+        };
+    }
     let outcome = metronome_pipeline::run(config, RunOptions::default()).await;
     std::fs::remove_dir_all(&dir).ok();
     let evals = outcome?.evals;
@@ -65,9 +95,16 @@ async fn main() -> anyhow::Result<()> {
     let sft_steps: u64 = arg("--sft-steps").map_or(Ok(if quick { 5 } else { 800 }), |s| s.parse())?;
     let shown: f64 = arg("--tool-demonstrations").map_or(Ok(0.2), |s| s.parse())?;
     let percent = |x: f64| format!("{:.1}%", 100.0 * x);
-    for env in [false, true] {
-        let (before, after) = measure(env, periods, seed, sft_steps, shown).await?;
-        let setting = if env { "with [env] calculator" } else { "single-turn          " };
+    let agent = args.iter().any(|a| a == "--agent");
+    let settings: &[(bool, bool)] =
+        if agent { &[(false, false), (true, false), (true, true)] } else { &[(false, false), (true, false)] };
+    for &(env, agent) in settings {
+        let (before, after) = measure(env, agent, periods, seed, sft_steps, shown).await?;
+        let setting = match (env, agent) {
+            (_, true) => "agent (example agent)",
+            (true, false) => "with [env] calculator",
+            (false, false) => "single-turn          ",
+        };
         let tools = |p: &EvalPoint| p.tool_use.map_or_else(|| "-".into(), percent);
         println!(
             "{setting}: held-out success {} -> {} after {periods} GRPO periods; \

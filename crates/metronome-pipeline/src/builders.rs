@@ -235,5 +235,30 @@ pub(crate) fn rollout_engine(
         }
         #[cfg(not(feature = "http"))]
         metronome_rollout::Backend::Openai => Err(crate::config::openai_needs_http()),
+        #[cfg(feature = "http")]
+        metronome_rollout::Backend::Agent => {
+            let device = config.rollout_device().open()?;
+            let inference = policy.frozen_copy_on(&device)?;
+            let native = config.rollout.build(inference, version, tokenizer, RunSeed(config.run.seed))?;
+            let agent = &config.rollout.agent;
+            let chat =
+                metronome_rollout::http::Chat { template: None, tools: tool_syntax(agent.tool_format) };
+            Ok(Arc::new(metronome_rollout::agent::AgentEngine::new(native, agent.clone(), chat)?))
+        }
+        #[cfg(not(feature = "http"))]
+        metronome_rollout::Backend::Agent => Err(crate::config::openai_needs_http()),
+    }
+}
+
+/// The environments' tool-call format the agent proxy reads and writes.
+#[cfg(feature = "http")]
+fn tool_syntax(
+    format: metronome_rollout::AgentToolFormat,
+) -> Option<Arc<dyn metronome_core::ToolCallSyntax>> {
+    use metronome_reward::ToolCallFormat;
+    match format {
+        metronome_rollout::AgentToolFormat::Json => Some(Arc::new(ToolCallFormat::Json)),
+        metronome_rollout::AgentToolFormat::Tag => Some(Arc::new(ToolCallFormat::Tag)),
+        metronome_rollout::AgentToolFormat::None => None,
     }
 }

@@ -1,11 +1,12 @@
 //! `metronome serve`: the rollout engine of a config behind the OpenAI-compatible
-//! completions API (`metronome_rollout::http`), for clients that are not Metronome's
-//! pipeline, or for Metronome's `OpenAiEngine` in another process.
+//! completions and chat completions API (`metronome_rollout::http`), for clients that
+//! are not Metronome's pipeline (an agent, through the official `openai` client), or
+//! for Metronome's `OpenAiEngine` in another process.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use metronome_rollout::http::{ServerConfig, router, serve_until};
+use metronome_rollout::http::{Chat, ServerConfig, router_with_chat, serve_until};
 
 use crate::builders::load_model;
 use crate::config::PipelineConfig;
@@ -40,7 +41,11 @@ pub async fn serve(
     let local = listener.local_addr().map_err(|e| Error::Io { path: "socket".into(), source: e })?;
     tracing::info!(%local, model = %server.model_name, "serving");
     observer.emit(&Event::Serving { model: server.model_name.clone(), addr: local.to_string() });
-    serve_until(listener, router(Arc::new(engine), server.clone()), &server, shutdown)
+    // Chat requests' tool calls are read and written as `[env]`'s environments write
+    // them (the JSON format without `[env]`).
+    let format = config.env.as_ref().map_or(metronome_reward::ToolCallFormat::Json, |e| e.format);
+    let chat = Chat { template: None, tools: Some(Arc::new(format)) };
+    serve_until(listener, router_with_chat(Arc::new(engine), server.clone(), chat), &server, shutdown)
         .await
         .map_err(|e| Error::Io { path: "socket".into(), source: e })
 }

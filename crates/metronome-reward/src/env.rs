@@ -14,7 +14,10 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use metronome_core::{ChatMessage, Completion, Environment, Episode, Observation, Prompt, RewardFn};
+use metronome_core::{
+    ChatMessage, Completion, Environment, Episode, Observation, Prompt, RewardFn, ToolCallSyntax,
+    ToolCallText,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::{CountdownChecker, CountdownConfig, CountdownVerdict, Error, MathVerifier, Meter, Result};
@@ -114,6 +117,64 @@ fn parse_tag_call(turn: &str, tools: &[&str]) -> ParsedTurn {
     };
     let input = body[..end].trim().to_owned();
     ParsedTurn::Call(ToolCall { name: name.to_owned(), arguments: serde_json::json!({ "input": input }) })
+}
+
+impl ToolCallFormat {
+    /// Where the last call of `turn` begins (its opening tag), whether or not it is
+    /// well-formed.
+    fn call_start(self, turn: &str, tools: &[&str]) -> Option<usize> {
+        match self {
+            Self::Json => turn.rfind("<tool_call>"),
+            Self::Tag => tools.iter().filter_map(|t| turn.rfind(&format!("<{t}>"))).max(),
+        }
+    }
+}
+
+/// The formats as an OpenAI-compatible chat server reads and writes calls: the
+/// calls a model trained in these environments writes.
+impl ToolCallSyntax for ToolCallFormat {
+    fn turn_stops(&self, tools: &[&str]) -> Vec<String> {
+        match self {
+            Self::Json => vec!["</tool_call>".into()],
+            Self::Tag => tools.iter().map(|t| format!("</{t}>")).collect(),
+        }
+    }
+
+    fn parse(&self, text: &str, tools: &[&str]) -> Option<(usize, ToolCallText)> {
+        let ParsedTurn::Call(call) = parse_tool_call(*self, text, tools) else {
+            return None;
+        };
+        let at = self.call_start(text, tools)?;
+        Some((at, ToolCallText { name: call.name, arguments: call.arguments.to_string() }))
+    }
+
+    fn render(&self, call: &ToolCallText) -> metronome_core::Result<String> {
+        let arguments: serde_json::Value = serde_json::from_str(&call.arguments)
+            .ok()
+            .filter(serde_json::Value::is_object)
+            .ok_or_else(|| {
+                metronome_core::Error::invalid(
+                    format!("tool call `{}`", call.name),
+                    "has `arguments` that are not a JSON object",
+                )
+            })?;
+        Ok(match self {
+            // As `CalculatorEnv::call` writes it, so a re-sent call renders as sampled.
+            Self::Json => {
+                let call = serde_json::json!({ "name": call.name, "arguments": arguments });
+                format!("<tool_call>{call}</tool_call>")
+            }
+            Self::Tag => {
+                let Some(input) = arguments.get("input").and_then(serde_json::Value::as_str) else {
+                    return Err(metronome_core::Error::invalid(
+                        format!("tool call `{}`", call.name),
+                        "needs a string argument `input` in the tag format",
+                    ));
+                };
+                format!("<{0}>{input}</{0}>", call.name)
+            }
+        })
+    }
 }
 
 /// Which environment.
@@ -387,6 +448,26 @@ impl Episode for CountdownEpisode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a chat server reads from a turn and writes back renders as sampled, in
+    /// both formats, so a re-sent conversation extends the one sampled.
+    #[test]
+    fn calls_read_by_a_chat_server_render_back_as_written() {
+        for format in [ToolCallFormat::Json, ToolCallFormat::Tag] {
+            let env = CalculatorEnv::new(EnvConfig { format, ..EnvConfig::default() });
+            let turn = format!("Let me compute. {}", env.call("3*4"));
+            let (at, call) = format.parse(&turn, &["calculator"]).expect("a call");
+            assert_eq!(&turn[..at], "Let me compute. ");
+            assert_eq!(call.name, "calculator");
+            assert_eq!(format.render(&call).unwrap(), &turn[at..]);
+            assert!(format.turn_stops(&["calculator"]).iter().any(|s| turn.ends_with(s.as_str())));
+            assert_eq!(format.parse("the answer is 12", &["calculator"]), None);
+        }
+        let bad = ToolCallText { name: "calculator".into(), arguments: "[1]".into() };
+        assert!(ToolCallFormat::Json.render(&bad).unwrap_err().to_string().contains("not a JSON object"));
+        let no_input = ToolCallText { name: "calculator".into(), arguments: "{}".into() };
+        assert!(ToolCallFormat::Tag.render(&no_input).unwrap_err().to_string().contains("`input`"));
+    }
     use proptest::prelude::*;
 
     fn call(name: &str, arguments: serde_json::Value) -> ParsedTurn {

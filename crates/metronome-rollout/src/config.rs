@@ -1,5 +1,6 @@
 //! The serde configuration that builds an engine (the pipeline's `[rollout]` table).
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
@@ -16,6 +17,10 @@ pub enum Backend {
     /// One or more OpenAI-compatible `/v1/completions` servers (`[rollout.openai]`):
     /// `metronome serve`, vLLM or SGLang. Needs the `http` feature.
     Openai,
+    /// A program that calls an OpenAI-compatible chat API, run per response against
+    /// a recording proxy in front of the native engine (`[rollout.agent]`,
+    /// `crate::agent`). Needs the `http` feature.
+    Agent,
 }
 
 /// How new weights reach the servers of the `openai` backend at every period start.
@@ -275,6 +280,8 @@ pub struct EngineConfig {
     pub backend: Backend,
     /// The servers of the `openai` backend.
     pub openai: OpenAiClientConfig,
+    /// The agent of the `agent` backend.
+    pub agent: AgentConfig,
 }
 
 impl Default for EngineConfig {
@@ -291,6 +298,7 @@ impl Default for EngineConfig {
             device: None,
             backend: Backend::Native,
             openai: OpenAiClientConfig::default(),
+            agent: AgentConfig::default(),
         }
     }
 }
@@ -331,7 +339,141 @@ impl EngineConfig {
         if self.backend == Backend::Openai {
             self.openai.validate(&self.sampling)?;
         }
+        if self.backend == Backend::Agent {
+            self.agent.validate()?;
+        }
         self.sampling.validate()
+    }
+}
+
+// The `[rollout.agent]` table (the backend itself is `crate::agent`).
+
+/// How the task reaches the agent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskInput {
+    /// The prompt's text on stdin (then closed).
+    #[default]
+    Stdin,
+    /// The prompt's text in `METRONOME_TASK`.
+    Env,
+}
+
+/// Where an episode's reward comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentReward {
+    /// The agent's report: its stdout's last line, `{"reward": <number>}`; an agent
+    /// that reports none fails its episode (`no_reward`).
+    Agent,
+    /// The run's reward stage, on the last call's sampled text (the final answer).
+    Stage,
+    /// The agent's report when it gives one, else the reward stage.
+    #[default]
+    Either,
+}
+
+/// How the model writes tool calls, for the proxy to read them into OpenAI's
+/// `tool_calls` and write them back (the environments' formats, `[env] format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentToolFormat {
+    /// `<tool_call>{"name": …, "arguments": {…}}</tool_call>`.
+    #[default]
+    Json,
+    /// `<NAME>INPUT</NAME>`.
+    Tag,
+    /// No calls are read: requests that offer tools are refused.
+    None,
+}
+
+/// The `[rollout.agent]` table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The agent's argv: program and arguments.
+    pub command: Vec<String>,
+    /// Its working directory (the run's when unset).
+    pub working_dir: Option<PathBuf>,
+    /// Environment variables added to the run's.
+    pub env: BTreeMap<String, String>,
+    /// Seconds an episode may run; past them its process group is killed (`timeout`).
+    pub time_limit_s: f64,
+    /// Agents running at once at most.
+    pub concurrency: usize,
+    /// How the task is given.
+    pub task_input: TaskInput,
+    /// Where the reward comes from.
+    pub reward: AgentReward,
+    /// The reward of a failed episode's trajectories.
+    pub failure_reward: f32,
+    /// The model name agents ask for.
+    pub model_name: String,
+    /// A Jinja chat template that replaces the tokenizer's (for a tokenizer without
+    /// one, as the tiny tasks' character tokenizer).
+    pub chat_template: Option<String>,
+    /// How the model writes tool calls.
+    pub tool_format: AgentToolFormat,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            command: Vec::new(),
+            working_dir: None,
+            env: BTreeMap::new(),
+            time_limit_s: 60.0,
+            concurrency: 4,
+            task_input: TaskInput::Stdin,
+            reward: AgentReward::Either,
+            failure_reward: 0.0,
+            model_name: "metronome".into(),
+            chat_template: None,
+            tool_format: AgentToolFormat::Json,
+        }
+    }
+}
+
+/// The most agents a run may start at once.
+pub const MAX_AGENT_CONCURRENCY: usize = 4096;
+
+impl AgentConfig {
+    /// Checks every field; errors name it (`agent.<field>`, under `rollout.` in a run's config).
+    pub fn validate(&self) -> Result<()> {
+        if self.command.first().is_none_or(|p| p.is_empty()) {
+            return Err(Error::config(
+                "agent.command",
+                "is empty (expected the agent's program and arguments)",
+            ));
+        }
+        if !(self.time_limit_s.is_finite() && self.time_limit_s > 0.0 && self.time_limit_s <= 86_400.0) {
+            return Err(Error::config(
+                "agent.time_limit_s",
+                format!("is {} (expected in (0, 86400] seconds)", self.time_limit_s),
+            ));
+        }
+        if self.concurrency == 0 || self.concurrency > MAX_AGENT_CONCURRENCY {
+            return Err(Error::config(
+                "agent.concurrency",
+                format!("is {} (expected 1 to {MAX_AGENT_CONCURRENCY})", self.concurrency),
+            ));
+        }
+        if !self.failure_reward.is_finite() {
+            return Err(Error::config(
+                "agent.failure_reward",
+                format!("is {} (expected a finite number)", self.failure_reward),
+            ));
+        }
+        if let Some(bad) = self.env.keys().find(|k| k.is_empty() || k.contains(['=', '\0'])) {
+            return Err(Error::config(
+                "agent.env",
+                format!("has the name {bad:?}, which no environment variable can have"),
+            ));
+        }
+        if self.model_name.is_empty() {
+            return Err(Error::config("agent.model_name", "is empty"));
+        }
+        Ok(())
     }
 }
 

@@ -70,6 +70,8 @@
 //! network, KV cache and tokenizers), `metronome-pipeline` (which builds it from an
 //! [`EngineConfig`] and feeds it prompts from `metronome-dataloader`).
 
+#[cfg(feature = "http")]
+pub mod agent;
 mod backend;
 mod config;
 mod engine;
@@ -82,8 +84,8 @@ mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
 pub use config::{
-    Backend, Batching, EngineConfig, MAX_NUM_SEQS, MAX_SEQ_LEN, MAX_THREADS, MAX_WORKERS, OpenAiClientConfig,
-    PartialCache, WeightSync,
+    AgentConfig, AgentReward, AgentToolFormat, Backend, Batching, EngineConfig, MAX_NUM_SEQS, MAX_SEQ_LEN,
+    MAX_THREADS, MAX_WORKERS, OpenAiClientConfig, PartialCache, TaskInput, WeightSync,
 };
 pub use engine::{CollectSink, Engine, Episodes, Rollback, Submission, WorkerStats};
 pub use error::{Error, Result};

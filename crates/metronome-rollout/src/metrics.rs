@@ -26,7 +26,8 @@ metric_catalogue! {
         EPISODE_FAILURES = Metric::counter(
             "metronome_rollout_episode_failures_total",
             "multi-turn episodes ended before the environment said done, by reason (max_turns, max_tokens, \
-             tool_timeout, tool_panic, tool_error, tool_unavailable, observation)",
+             tool_timeout, tool_panic, tool_error, tool_unavailable, observation; agents: crash, timeout, no_call, \
+             no_reward, wrong_key, late_call, not_started)",
         )
         .labels(&["reason"]),
         WEIGHT_SWITCHES = Metric::counter(
@@ -34,6 +35,10 @@ metric_catalogue! {
             "running responses that continued under newer weights (partial rollouts), per worker",
         )
         .labels(&["worker"]),
+        AGENT_SPLITS = Metric::counter(
+            "metronome_rollout_agent_splits_total",
+            "agent episodes' extra trajectories: calls whose prompt did not extend the trajectory before them",
+        ),
         HTTP_RETRIES = Metric::counter(
             "metronome_rollout_http_retries_total",
             "completion requests to a server retried",
@@ -78,4 +83,9 @@ pub(crate) fn episode_failed(failure: &str) {
 #[cfg(feature = "http")]
 pub(crate) fn http_retry() {
     metrics::counter!(HTTP_RETRIES.name).increment(1);
+}
+
+/// Counts `n` trajectories that agent episodes split off.
+pub(crate) fn agent_splits(n: usize) {
+    metrics::counter!(AGENT_SPLITS.name).increment(n as u64);
 }

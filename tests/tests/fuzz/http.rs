@@ -1,11 +1,13 @@
 //! The OpenAI-compatible server: request bodies of every endpoint
-//! (`/v1/completions`, `/v1/models`, `/metronome/v1/load_weights`), with methods,
+//! (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+//! `/metronome/v1/load_weights`), with methods,
 //! routes, content types and keys around them, through its `Router` in process.
 //!
 //! Asserts: no panic and never a 5xx; every error is OpenAI's JSON shape with a
 //! message and the status as `code`, and an error about the body (400, 403, 409,
 //! 422) names its place: `param` (the field), or the line and column of a JSON
-//! syntax error; a 200 completion has a choice per prompt and `n`, a 200
+//! syntax error; a 200 completion has a choice per prompt and `n` (a chat
+//! completion one per `n`), a 200
 //! `load_weights` installed the version it names; and the server still answers a
 //! valid request after all of it.
 
@@ -17,8 +19,8 @@ use axum::http::{Method, Request, StatusCode, header};
 use metronome_core::PolicyVersion;
 use metronome_rollout::ModelEngine;
 use metronome_rollout::http::{
-    CompletionRequest, CompletionResponse, ErrorBody, PromptInput, ServerConfig, router,
-    snapshot_to_safetensors,
+    Chat, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorBody,
+    PromptInput, ServerConfig, router_with_chat, snapshot_to_safetensors,
 };
 use proptest::prelude::*;
 use proptest::sample::select;
@@ -63,7 +65,16 @@ pub(crate) fn server() -> &'static Server {
             ..ServerConfig::named("tiny")
         };
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        Server { router: router(Arc::clone(&engine), config), engine, runtime }
+        // The character tokenizer has no template: a plain one, and the tag format's calls.
+        let chat = Chat {
+            template: Some(metronome_model::ChatTemplate::new(
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ",
+                "",
+                "",
+            )),
+            tools: Some(Arc::new(metronome_reward::ToolCallFormat::Tag)),
+        };
+        Server { router: router_with_chat(Arc::clone(&engine), config, chat), engine, runtime }
     })
 }
 
@@ -96,6 +107,21 @@ fn seeds() -> Vec<(&'static str, Value)> {
         ),
         ("/metronome/v1/load_weights", json!({"path": "good.safetensors", "version": 5})),
         ("/metronome/v1/load_weights", json!({"path": "cut.safetensors", "version": 9})),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "messages": [{"role": "system", "content": "Add."},
+                   {"role": "user", "content": [{"type": "text", "text": "1 + 1 = "}]}],
+                   "max_completion_tokens": 3, "n": 2, "logprobs": true, "seed": 1, "stop": ["\n"]}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny", "max_tokens": 4, "tool_choice": "auto", "return_token_ids": true,
+                   "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {}}}],
+                   "messages": [{"role": "user", "content": "2*3"},
+                   {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                    "function": {"name": "calculator", "arguments": "{\"input\": \"2*3\"}"}}]},
+                   {"role": "tool", "tool_call_id": "c", "content": "6"}]}),
+        ),
         ("/v1/models", json!({})),
     ]
 }
@@ -234,6 +260,13 @@ pub(crate) fn check_answer(
             None => 0,
         };
         prop_assert_eq!(response.choices.len(), prompts * request.n.unwrap_or(1) as usize);
+    }
+    if status == StatusCode::OK && path == "/v1/chat/completions" {
+        let request: ChatCompletionRequest = serde_json::from_slice(body)
+            .map_err(|e| TestCaseError::fail(format!("200 to a body that is no chat request ({e})")))?;
+        let response: ChatCompletionResponse = serde_json::from_slice(answer)
+            .map_err(|e| TestCaseError::fail(format!("200 that is no chat completion ({e}): {text}")))?;
+        prop_assert_eq!(response.choices.len(), request.n.unwrap_or(1) as usize);
     }
     if status == StatusCode::OK && path == "/metronome/v1/load_weights" {
         let version = serde_json::from_slice::<Value>(answer).ok().and_then(|v| v["version"].as_u64());

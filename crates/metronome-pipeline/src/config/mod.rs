@@ -320,7 +320,7 @@ fn bad<T>(key: &str, reason: String) -> Result<T> {
 pub(crate) fn openai_needs_http() -> Error {
     Error::Config {
         key: "rollout.backend".into(),
-        reason: "is \"openai\", which needs the `http` feature, left out of this build".into(),
+        reason: "is \"openai\" or \"agent\", which need the `http` feature, left out of this build".into(),
     }
 }
 
@@ -402,7 +402,10 @@ impl PipelineConfig {
         self.data.validate().map_err(|e| stage("data", &e))?;
         self.rollout.validate()?;
         #[cfg(not(feature = "http"))]
-        if self.rollout.backend == metronome_rollout::Backend::Openai {
+        if matches!(
+            self.rollout.backend,
+            metronome_rollout::Backend::Openai | metronome_rollout::Backend::Agent
+        ) {
             return Err(openai_needs_http());
         }
         // The trainer names its keys from its own section: placed under `trainer.`.
@@ -481,7 +484,9 @@ impl PipelineConfig {
         if let Some(env) = &self.env {
             env.validate().map_err(|e| Error::Config { key: "env".into(), reason: e.to_string() })?;
             // Episodes keep a slot's KV cache between turns: only the native engine can.
-            if self.rollout.backend != metronome_rollout::Backend::Native {
+            // With agents, `[env]` serves the warm start's demonstrations and the
+            // held-out evaluation (both native); the agents' own tools answer in rollouts.
+            if self.rollout.backend == metronome_rollout::Backend::Openai {
                 return bad(
                     "env",
                     "multi-turn episodes run in the native engine only; with `rollout.backend = \"openai\"` \

@@ -1,6 +1,9 @@
 //! The OpenAI-compatible completions API, both ways: a server in front of an
 //! [`Engine`](crate::Engine) and a [`RolloutEngine`](metronome_core::RolloutEngine)
-//! client for any compatible server (vLLM, SGLang, or ours).
+//! client for any compatible server (vLLM, SGLang, or ours). The server answers chat
+//! completions too (`/v1/chat/completions`, [`Chat`]): a conversation rendered with
+//! the chat template becomes a completions request of its token ids, under the same
+//! limits, seed mapping (as prompt 0) and log-probs.
 //!
 //! # The seed mapping
 //! A request with `seed: s` samples the `j`-th choice of its `i`-th prompt with
@@ -38,17 +41,27 @@
 //! 400: `stream: true` and `echo: true`; other unknown fields (`best_of`,
 //! `logit_bias`, `suffix`, ...) are ignored.
 
+pub(crate) mod api;
+pub(crate) mod chat;
+pub(crate) mod chat_types;
 mod client;
-mod server;
+pub(crate) mod completions;
+pub(crate) mod server;
+pub(crate) mod server_config;
+mod snapshot;
 mod types;
 pub mod weight_sync;
 
 pub use crate::config::{OpenAiClientConfig, WeightSync};
-pub use client::OpenAiEngine;
-pub use server::{
-    LoadWeightsRequest, ServerConfig, router, serve, serve_until, snapshot_from_safetensors,
-    snapshot_to_safetensors,
+pub use chat::Chat;
+pub use chat_types::{
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatFunction, ChatFunctionCall, ChatLogprobs,
+    ChatRequestMessage, ChatResponseMessage, ChatTokenLogprob, ChatTool, ChatToolCall, ContentPart,
+    MessageContent,
 };
+pub use client::OpenAiEngine;
+pub use server::{LoadWeightsRequest, ServerConfig, router, router_with_chat, serve, serve_until};
+pub use snapshot::{snapshot_from_safetensors, snapshot_to_safetensors};
 pub use types::{
     Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
     PromptInput, StopInput, Usage,

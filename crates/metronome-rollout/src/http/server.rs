@@ -1,5 +1,8 @@
-//! The OpenAI-compatible server: `/v1/completions` and `/v1/models` in front of an
-//! [`Engine`], plus `POST /metronome/v1/load_weights` for the client's weight hook.
+//! The OpenAI-compatible server: `/v1/completions`, `/v1/chat/completions` and
+//! `/v1/models` in front of an [`Engine`], plus `POST /metronome/v1/load_weights` for
+//! the client's weight hook. A request's generation is `completions.rs`'s, a chat
+//! request's rendering and reading `chat.rs`'s; this file is the door, the routes and
+//! the accept loop.
 //!
 //! Hostile traffic is expected ([`ServerConfig`]): with an `api_key` every route needs
 //! `Authorization: Bearer <key>` (401 otherwise; the key is required to listen on a
@@ -20,10 +23,9 @@
 //! "code"}}`), with `param` naming the field at fault where there is one.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
@@ -32,155 +34,45 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use metronome_core::{
-    ErrorChain, FinishReason, HostTensor, PeriodId, PolicyVersion, Prompt, PromptId, RunSeed, Secret,
-    TensorData, WeightSnapshot,
-};
+use metronome_core::{ErrorChain, PolicyVersion};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use super::types::{
-    Choice, CompletionRequest, CompletionResponse, ErrorBody, ErrorDetail, LogProbs, ModelCard, ModelList,
-    PromptInput, Usage,
-};
-use crate::{Engine, Error, InferenceModel, LogprobsMode, Result, Rollback, SamplingConfig, Submission};
+use super::api::{ApiError, parse_json, unix_now};
+use super::chat::{Chat, Seeding, chat_turn};
+use super::completions::complete;
+pub use super::server_config::ServerConfig;
+use super::snapshot::snapshot_from_safetensors;
+use super::types::{CompletionRequest, ModelCard, ModelList};
+use crate::{Engine, Error, InferenceModel, Rollback};
 
-/// What the server accepts. Every limit has a default that serves a rollout client
-/// (`serde` form of `metronome serve`'s settings).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ServerConfig {
-    /// The served model name (`model` in requests).
-    pub model_name: String,
-    /// Every request must carry `Authorization: Bearer <api_key>`; required to listen
-    /// on a non-loopback address.
-    pub api_key: Option<Secret>,
-    /// The largest request body, in bytes (413 beyond).
-    pub max_body_bytes: usize,
-    /// Prompts per request at most.
-    pub max_prompts: usize,
-    /// Choices per prompt (`n`) at most.
-    pub max_n: u32,
-    /// `max_tokens` at most (the context length bounds it too).
-    pub max_tokens: usize,
-    /// Stop strings and stop token ids per request at most, each.
-    pub max_stop: usize,
-    /// Requests generating at once at most; more are answered 429 at once.
-    pub max_concurrent_requests: usize,
-    /// The only folder `load_weights` reads from; `None` refuses the route (403).
-    pub weights_dir: Option<PathBuf>,
-    /// The largest weights file `load_weights` reads, in bytes.
-    pub max_weights_bytes: u64,
-    /// Which log-prob every answer's `logprobs` carries: of the distribution each
-    /// token was sampled from (`sampled`, the default: what a trainer scores), or of
-    /// the raw model at temperature 1 (`raw`, as vLLM answers unless started with
-    /// `--logprobs-mode processed_logprobs`).
-    pub logprobs: LogprobsMode,
-    /// Connections open at once at most; more wait in the listen backlog.
-    pub max_connections: usize,
-    /// Seconds a client has to send a request's headers (a new connection's first,
-    /// or the next on a kept-alive one) before the connection is closed.
-    pub header_timeout_s: f64,
-    /// Seconds a client has to send a request's body once its headers are in (408).
-    pub body_timeout_s: f64,
-}
-
-impl Default for ServerConfig {
-    fn default() -> Self {
-        Self {
-            model_name: "metronome".into(),
-            api_key: None,
-            max_body_bytes: 4 << 20,
-            max_prompts: 256,
-            max_n: 64,
-            max_tokens: 4096,
-            max_stop: 16,
-            max_concurrent_requests: 16,
-            weights_dir: None,
-            max_weights_bytes: 64 << 30,
-            logprobs: LogprobsMode::Sampled,
-            max_connections: 256,
-            header_timeout_s: 10.0,
-            body_timeout_s: 30.0,
-        }
-    }
-}
-
-/// The longest stop string accepted, in bytes.
-const MAX_STOP_BYTES: usize = 256;
-
-/// The most connections a server may be configured to hold open.
-const MAX_CONNECTIONS: usize = 65_536;
-
-/// The longest header or body timeout a server may be configured with (one day).
-const MAX_TIMEOUT_S: f64 = 86_400.0;
-
-impl ServerConfig {
-    /// The default limits, serving `model_name`.
-    #[must_use]
-    pub fn named(model_name: impl Into<String>) -> Self {
-        Self { model_name: model_name.into(), ..Self::default() }
-    }
-
-    /// Checks the limits, and that a server reachable from other machines (bound to
-    /// `addr`, not a loopback address) asks for a key; errors name the field.
-    pub fn validate(&self, addr: std::net::SocketAddr) -> Result<()> {
-        for (field, value) in [
-            ("max_body_bytes", self.max_body_bytes),
-            ("max_prompts", self.max_prompts),
-            ("max_n", self.max_n as usize),
-            ("max_tokens", self.max_tokens),
-            ("max_concurrent_requests", self.max_concurrent_requests),
-            ("max_connections", self.max_connections),
-        ] {
-            if value == 0 {
-                return Err(Error::config(field, "is 0 (expected at least 1)"));
-            }
-        }
-        // A connection holds a task and its buffers: beyond this the bound is no bound.
-        if self.max_connections > MAX_CONNECTIONS {
-            return Err(Error::config(
-                "max_connections",
-                format!("is {} (expected at most {MAX_CONNECTIONS})", self.max_connections),
-            ));
-        }
-        for (field, value) in
-            [("header_timeout_s", self.header_timeout_s), ("body_timeout_s", self.body_timeout_s)]
-        {
-            if !(value.is_finite() && value > 0.0 && value <= MAX_TIMEOUT_S) {
-                return Err(Error::config(
-                    field,
-                    format!("is {value} (expected in (0, {MAX_TIMEOUT_S}] seconds)"),
-                ));
-            }
-        }
-        if self.api_key.as_ref().is_some_and(|k| k.expose().is_empty()) {
-            return Err(Error::config("api_key", "is empty"));
-        }
-        if !addr.ip().is_loopback() && self.api_key.is_none() {
-            return Err(Error::config(
-                "api_key",
-                format!("must be set to listen on {addr}, which other machines can reach"),
-            ));
-        }
-        Ok(())
-    }
-}
-
-struct AppState<M: InferenceModel> {
-    engine: Arc<Engine<M>>,
-    config: ServerConfig,
-    in_flight: Arc<Semaphore>,
+pub(super) struct AppState<M: InferenceModel> {
+    pub(super) engine: Arc<Engine<M>>,
+    pub(super) config: ServerConfig,
+    pub(super) chat: Chat,
+    pub(super) in_flight: Arc<Semaphore>,
     created: u64,
 }
 
-/// The routes, serving `engine` as `config` says.
+/// The routes, serving `engine` as `config` says; chat requests are rendered with
+/// the tokenizer's chat template and refused when they offer tools
+/// ([`router_with_chat`] says otherwise).
 pub fn router<M: InferenceModel>(engine: Arc<Engine<M>>, config: ServerConfig) -> Router {
+    router_with_chat(engine, config, Chat::default())
+}
+
+/// [`router`], rendering and reading chat requests as `chat` says.
+pub fn router_with_chat<M: InferenceModel>(
+    engine: Arc<Engine<M>>,
+    config: ServerConfig,
+    chat: Chat,
+) -> Router {
     let in_flight = Arc::new(Semaphore::new(config.max_concurrent_requests.max(1)));
     let body_limit = config.max_body_bytes;
-    let state = Arc::new(AppState { engine, config, in_flight, created: unix_now() });
+    let state = Arc::new(AppState { engine, config, chat, in_flight, created: unix_now() });
     Router::new()
         .route("/v1/completions", post(completions::<M>))
+        .route("/v1/chat/completions", post(chat_completions::<M>))
         .route("/v1/models", get(models::<M>))
         .route("/metronome/v1/load_weights", post(load_weights::<M>))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route", None) })
@@ -200,14 +92,23 @@ async fn guard<M: InferenceModel>(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    if let Err(e) = authorize(&s.config, &request) {
+    guarded(&s.config, request, next).await
+}
+
+/// [`guard`] under `config`'s key and limits.
+pub(crate) async fn guarded(
+    config: &ServerConfig,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Err(e) = authorize(config, &request) {
         return e.into_response();
     }
     if request.method() != axum::http::Method::POST {
         return next.run(request).await;
     }
     let (parts, body) = request.into_parts();
-    match read_body(&s.config, &parts.headers, body).await {
+    match read_body(config, &parts.headers, body).await {
         Ok(bytes) => next.run(axum::extract::Request::from_parts(parts, axum::body::Body::from(bytes))).await,
         Err(e) => e.into_response(),
     }
@@ -374,69 +275,6 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }
 
-/// A request body as `T`, keeping the path of the field where it went wrong. The
-/// body must be one JSON value: anything after it but whitespace is refused (it was
-/// ignored, so `{...} {"n": 64}` was served as the first object alone).
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8], what: &str) -> std::result::Result<T, ApiError> {
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| ApiError::json(what, &e))?;
-    de.end().map_err(|e| ApiError::bad(format!("request body is not a valid {what} request: {e}"), None))?;
-    Ok(value)
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
-
-/// A 4xx/5xx answer in OpenAI's error shape.
-#[derive(Debug)]
-struct ApiError {
-    status: StatusCode,
-    message: String,
-    param: Option<Cow<'static, str>>,
-}
-
-impl ApiError {
-    fn new(status: StatusCode, message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self { status, message: message.into(), param: param.map(Cow::Borrowed) }
-    }
-
-    fn bad(message: impl Into<String>, param: Option<&'static str>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, message, param)
-    }
-
-    /// A body that is not the JSON `what` expects: 400 naming where it went wrong
-    /// (`param`: the field's path, e.g. `stop[2]`), as serde found it.
-    fn json(what: &str, e: &serde_path_to_error::Error<serde_json::Error>) -> Self {
-        let path = e.path().to_string();
-        let param = (path != ".").then_some(Cow::Owned(path));
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            message: format!("request body is not a valid {what} request: {e}"),
-            param,
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::NOT_FOUND => "not_found_error",
-            s if s.is_client_error() => "invalid_request_error",
-            _ => "server_error",
-        };
-        let body = ErrorBody {
-            error: ErrorDetail {
-                message: self.message,
-                kind: kind.into(),
-                param: self.param.map(Cow::into_owned),
-                code: Some(self.status.as_u16()),
-            },
-        };
-        (self.status, Json(body)).into_response()
-    }
-}
-
 async fn models<M: InferenceModel>(State(s): State<Arc<AppState<M>>>) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
@@ -451,297 +289,70 @@ async fn models<M: InferenceModel>(State(s): State<Arc<AppState<M>>>) -> Json<Mo
 }
 
 async fn completions<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body: Bytes) -> Response {
-    // Beyond the limit, say so at once: a client backs off and retries (429), where a
-    // queue would hold its connection and memory.
-    let Ok(_permit) = Arc::clone(&s.in_flight).try_acquire_owned() else {
+    let _permit = match admit(&s.in_flight, s.config.max_concurrent_requests) {
+        Ok(permit) => permit,
+        Err(busy) => return busy.into_response(),
+    };
+    let result = async {
+        let req: CompletionRequest = parse_json(&body, "completion")?;
+        complete(&s.engine, &s.config, &req).await
+    }
+    .await;
+    match result {
+        Ok(r) => Json(r.response).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions<M: InferenceModel>(State(s): State<Arc<AppState<M>>>, body: Bytes) -> Response {
+    let _permit = match admit(&s.in_flight, s.config.max_concurrent_requests) {
+        Ok(permit) => permit,
+        Err(busy) => return busy.into_response(),
+    };
+    let result = async {
+        let req: super::chat_types::ChatCompletionRequest = parse_json(&body, "chat completion")?;
+        chat_turn(&s.engine, &s.config, &s.chat, &req, Seeding::Request).await
+    }
+    .await;
+    match result {
+        Ok(turn) => Json(turn.response).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A place among the requests generating at once, or [`Busy`]: beyond the limit a
+/// client backs off and retries, where a queue would hold its connection and memory.
+pub(crate) fn admit(
+    in_flight: &Arc<Semaphore>,
+    limit: usize,
+) -> std::result::Result<tokio::sync::OwnedSemaphorePermit, Busy> {
+    Arc::clone(in_flight).try_acquire_owned().map_err(|_| Busy { limit })
+}
+
+/// The 429 with `Retry-After` of a server serving `limit` requests already.
+#[derive(Debug)]
+pub(crate) struct Busy {
+    limit: usize,
+}
+
+impl IntoResponse for Busy {
+    fn into_response(self) -> Response {
         let mut r = ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
             message: format!(
                 "{} requests are being served, the most this server takes at once; retry later",
-                s.config.max_concurrent_requests
+                self.limit
             ),
             param: None,
         }
         .into_response();
         r.headers_mut().insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from_static("1"));
-        return r;
-    };
-    match complete(&s, &body).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-/// Validates a request, runs it on the engine, and shapes the answer.
-async fn complete<M: InferenceModel>(
-    s: &AppState<M>,
-    body: &[u8],
-) -> std::result::Result<CompletionResponse, ApiError> {
-    let req: CompletionRequest = parse_json(body, "completion")?;
-    let (n, max_tokens) = check_options(&req, &s.config)?;
-    let tokenizer = Arc::clone(s.engine.tokenizer());
-    let prompts = prompts_of(&req, tokenizer.as_ref(), &s.config, max_tokens, s.engine.max_seq_len())?;
-    let sampling = sampling_of(&req, max_tokens, &tokenizer.stop_token_ids(), s.config.logprobs);
-    sampling.validate().map_err(|e| match &e {
-        // The request's field: `sampling.top_p` is `top_p` here.
-        Error::Config { field, .. } => {
-            let param = field.strip_prefix("sampling.").unwrap_or(field);
-            ApiError::bad(e.to_string(), Some(param))
-        }
-        _ => ApiError::bad(e.to_string(), None),
-    })?;
-    let seed = req
-        .seed
-        .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64));
-    let index_of: HashMap<u64, usize> = prompts.iter().enumerate().map(|(i, p)| (p.id.0, i)).collect();
-    let prompt_tokens = prompts.iter().map(|p| p.tokens.len()).sum();
-    let sub = Submission {
-        period: PeriodId(0),
-        prompts,
-        group_size: n,
-        sampling: sampling.clone(),
-        seed: RunSeed(seed),
-    };
-    let groups = s.engine.generate_groups(sub).await.map_err(|e| ApiError {
-        status: StatusCode::INTERNAL_SERVER_ERROR,
-        message: format!("generation failed: {}", ErrorChain(&e)),
-        param: None,
-    })?;
-
-    let mut choices = Vec::with_capacity(index_of.len() * n as usize);
-    let mut version = PolicyVersion(0);
-    let mut completion_tokens = 0;
-    for group in &groups {
-        let i = index_of[&group.prompt.id.0] as u32;
-        for c in &group.completions {
-            version = version.max(c.version);
-            completion_tokens += c.tokens.len();
-            choices.push(choice(&req, c, i * n + c.sample_index, tokenizer.as_ref(), &sampling));
-        }
-    }
-    choices.sort_by_key(|c| c.index);
-    Ok(CompletionResponse {
-        id: format!("cmpl-{seed:016x}-{}", unix_now()),
-        object: "text_completion".into(),
-        created: unix_now(),
-        model: s.config.model_name.clone(),
-        system_fingerprint: Some(format!("metronome-v{version}")),
-        choices,
-        usage: Some(Usage {
-            prompt_tokens,
-            completion_tokens,
-            total_tokens: prompt_tokens + completion_tokens,
-        }),
-    })
-}
-
-/// Checks the request's options against the server's limits; `n` and `max_tokens`.
-fn check_options(
-    req: &CompletionRequest,
-    limits: &ServerConfig,
-) -> std::result::Result<(u32, usize), ApiError> {
-    if req.model != limits.model_name {
-        return Err(ApiError {
-            status: StatusCode::NOT_FOUND,
-            message: format!(
-                "model `{}` does not exist (this server serves `{}`)",
-                req.model, limits.model_name
-            ),
-            param: Some(Cow::Borrowed("model")),
-        });
-    }
-    if req.stream == Some(true) {
-        return Err(ApiError::bad(
-            "`stream` is true, but this server only answers whole responses",
-            Some("stream"),
-        ));
-    }
-    if req.echo == Some(true) {
-        return Err(ApiError::bad("`echo` is true, but this server does not echo prompts", Some("echo")));
-    }
-    let n = req.n.unwrap_or(1);
-    if n == 0 || n > limits.max_n {
-        return Err(ApiError::bad(format!("`n` is {n} (expected 1 to {})", limits.max_n), Some("n")));
-    }
-    let stops = req.stop.clone().map(super::StopInput::into_vec).unwrap_or_default();
-    if stops.len() > limits.max_stop || stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
-        return Err(ApiError::bad(
-            format!("`stop` takes at most {} strings of up to {MAX_STOP_BYTES} bytes", limits.max_stop),
-            Some("stop"),
-        ));
-    }
-    if req.stop_token_ids.as_ref().is_some_and(|ids| ids.len() > limits.max_stop) {
-        return Err(ApiError::bad(
-            format!("`stop_token_ids` takes at most {} ids", limits.max_stop),
-            Some("stop_token_ids"),
-        ));
-    }
-    let max_tokens = req.max_tokens.unwrap_or(16);
-    if max_tokens == 0 || max_tokens > limits.max_tokens {
-        return Err(ApiError::bad(
-            format!("`max_tokens` is {max_tokens} (expected 1 to {})", limits.max_tokens),
-            Some("max_tokens"),
-        ));
-    }
-    Ok((n, max_tokens))
-}
-
-/// The request's prompts, tokenised and checked: within the server's count, the
-/// vocabulary and, with `max_tokens` new ones, the engine's `context`.
-fn prompts_of(
-    req: &CompletionRequest,
-    tokenizer: &dyn metronome_core::Tokenizer,
-    limits: &ServerConfig,
-    max_tokens: usize,
-    context: usize,
-) -> std::result::Result<Vec<Prompt>, ApiError> {
-    let encode = |t: &str| {
-        tokenizer.encode(t).map_err(|e| ApiError::bad(format!("prompt: {}", ErrorChain(&e)), Some("prompt")))
-    };
-    let inputs: Vec<(String, Vec<u32>)> = match req.prompt.clone() {
-        None => return Err(ApiError::bad("`prompt` is missing", Some("prompt"))),
-        Some(PromptInput::Text(t)) => vec![(t.clone(), encode(&t)?)],
-        Some(PromptInput::Texts(ts)) => {
-            ts.into_iter().map(|t| Ok((t.clone(), encode(&t)?))).collect::<std::result::Result<_, _>>()?
-        }
-        Some(PromptInput::Tokens(ids)) => vec![(String::new(), ids)],
-        Some(PromptInput::TokenLists(lists)) => lists.into_iter().map(|ids| (String::new(), ids)).collect(),
-    };
-    if inputs.is_empty() {
-        return Err(ApiError::bad("`prompt` is an empty list", Some("prompt")));
-    }
-    if inputs.len() > limits.max_prompts {
-        return Err(ApiError::bad(
-            format!("`prompt` holds {} prompts (at most {})", inputs.len(), limits.max_prompts),
-            Some("prompt"),
-        ));
-    }
-    let vocab = tokenizer.vocab_size();
-    for (i, (_, tokens)) in inputs.iter().enumerate() {
-        if tokens.is_empty() {
-            return Err(ApiError::bad(format!("prompt {i} has no tokens"), Some("prompt")));
-        }
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::bad(
-                format!("prompt {i} has token id {bad}, outside the vocabulary of {vocab}"),
-                Some("prompt"),
-            ));
-        }
-        // Saturating: neither number is trusted to leave room for the sum.
-        if tokens.len().saturating_add(max_tokens) > context {
-            return Err(ApiError::bad(
-                format!(
-                    "`max_tokens` {max_tokens} plus the {} tokens of prompt {i} exceeds the context length {context}",
-                    tokens.len()
-                ),
-                Some("max_tokens"),
-            ));
-        }
-    }
-    let ids: Vec<u64> = match &req.prompt_ids {
-        Some(ids) if ids.len() != inputs.len() => {
-            return Err(ApiError::bad(
-                format!("`prompt_ids` has {} ids for {} prompts", ids.len(), inputs.len()),
-                Some("prompt_ids"),
-            ));
-        }
-        Some(ids) => ids.clone(),
-        None => (0..inputs.len() as u64).collect(),
-    };
-    if ids.iter().collect::<HashSet<_>>().len() != ids.len() {
-        return Err(ApiError::bad("`prompt_ids` has duplicates", Some("prompt_ids")));
-    }
-    Ok(inputs
-        .into_iter()
-        .zip(ids)
-        .map(|((text, tokens), id)| Prompt { id: PromptId(id), text, tokens, ..Prompt::default() })
-        .collect())
-}
-
-/// One completion as an API choice at `index`: its text, log-probs when asked for,
-/// and why it finished.
-fn choice(
-    req: &CompletionRequest,
-    c: &metronome_core::Completion,
-    index: u32,
-    tokenizer: &dyn metronome_core::Tokenizer,
-    sampling: &SamplingConfig,
-) -> Choice {
-    let logprobs = req.logprobs.map(|_| {
-        let as_ids = req.return_tokens_as_token_ids.unwrap_or(false);
-        let tokens: Vec<String> =
-            c.tokens
-                .iter()
-                .map(|&t| {
-                    if as_ids { format!("token_id:{t}") } else { tokenizer.decode(&[t]).unwrap_or_default() }
-                })
-                .collect();
-        let mut offset = 0;
-        let text_offset = tokens
-            .iter()
-            .map(|t| {
-                let o = offset;
-                offset += if as_ids { 0 } else { t.len() };
-                o
-            })
-            .collect();
-        LogProbs { tokens, token_logprobs: c.logprobs.clone(), top_logprobs: None, text_offset }
-    });
-    let (finish_reason, stop_reason) = match c.finish_reason {
-        FinishReason::Stop => ("stop", c.tokens.last().map(|&t| serde_json::json!(t))),
-        FinishReason::StopString => {
-            let full = tokenizer.decode(&c.tokens).unwrap_or_default();
-            let hit =
-                sampling.stop_strings.iter().filter_map(|s| full.find(s.as_str()).map(|at| (at, s))).min();
-            ("stop", hit.map(|(_, s)| serde_json::json!(s)))
-        }
-        // The server checks the context before it submits, so a prompt is never
-        // rejected here; no room left is "length" in the API's terms.
-        FinishReason::Length | FinishReason::PromptRejected => ("length", None),
-        FinishReason::Aborted => ("abort", None),
-    };
-    let token_ids = req.return_token_ids.unwrap_or(false).then(|| c.tokens.clone());
-    Choice {
-        index,
-        text: c.text.clone(),
-        logprobs,
-        finish_reason: Some(finish_reason.into()),
-        stop_reason,
-        token_ids,
-        matched_stop: None,
-    }
-}
-
-/// The request's sampling, recording log-probs as the server is configured to;
-/// unset fields take OpenAI's defaults (temperature 1, top-p 1).
-fn sampling_of(
-    req: &CompletionRequest,
-    max_tokens: usize,
-    eos: &[u32],
-    logprobs: LogprobsMode,
-) -> SamplingConfig {
-    let stop_token_ids = req.stop_token_ids.as_ref().map(|extra| {
-        let mut ids = eos.to_vec();
-        ids.extend(extra.iter().filter(|t| !eos.contains(t)));
-        ids
-    });
-    SamplingConfig {
-        temperature: req.temperature.unwrap_or(1.0),
-        top_k: req.top_k.filter(|&k| k > 0).map_or(0, |k| k as usize),
-        top_p: req.top_p.unwrap_or(1.0),
-        min_p: req.min_p.unwrap_or(0.0),
-        repetition_penalty: req.repetition_penalty.unwrap_or(1.0),
-        max_new_tokens: max_tokens,
-        stop_token_ids,
-        stop_strings: req.stop.clone().map(super::StopInput::into_vec).unwrap_or_default(),
-        include_stop_str_in_output: req.include_stop_str_in_output.unwrap_or(false),
-        ignore_eos: req.ignore_eos.unwrap_or(false),
-        logprobs,
+        r
     }
 }
 
 /// `POST /metronome/v1/load_weights` body: a safetensors file written by
-/// [`snapshot_to_safetensors`] (e.g. by [`super::SafetensorsReload`]) and its version.
+/// [`super::snapshot_to_safetensors`] (e.g. by [`super::SafetensorsReload`]) and its version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadWeightsRequest {
     /// The file, readable by the server.
@@ -829,106 +440,9 @@ async fn weights_file<M: InferenceModel>(
     Ok(path)
 }
 
-/// The snapshot as a safetensors file (f32, bf16 and f16 kept as they are); the version
-/// goes into the metadata as `metronome_version`. A snapshot holding a tensor name
-/// twice is refused, naming it (the `safetensors` writer panics on one, and a
-/// snapshot from the transport is not checked for it before it is exported).
-pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
-    let mut names = HashSet::with_capacity(s.tensors.len());
-    if let Some(twice) = s.tensors.iter().find(|t| !names.insert(t.name.as_str())) {
-        return Err(Error::model(format!("tensor `{}` appears twice in the snapshot", twice.name)));
-    }
-    let bytes: Vec<(safetensors::Dtype, Vec<u8>)> = s
-        .tensors
-        .iter()
-        .map(|t| match &t.data {
-            TensorData::F32(v) => (safetensors::Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-            TensorData::Bf16(v) => {
-                (safetensors::Dtype::BF16, v.iter().flat_map(|x| x.to_le_bytes()).collect())
-            }
-            TensorData::F16(v) => (safetensors::Dtype::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        })
-        .collect();
-    let views = s
-        .tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(t, (dtype, b))| {
-            safetensors::tensor::TensorView::new(*dtype, t.shape.clone(), b)
-                .map(|v| (t.name.clone(), v))
-                .map_err(|e| Error::model(format!("tensor `{}`: {e}", t.name)))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    // `format: pt` is what `transformers` asks of a Hugging Face folder's weights.
-    let meta = HashMap::from([
-        ("metronome_version".to_owned(), s.version.to_string()),
-        ("format".to_owned(), "pt".to_owned()),
-    ]);
-    safetensors::serialize(views, Some(meta)).map_err(Error::model)
-}
-
-/// A snapshot from a safetensors file's bytes (f32, bf16 or f16 tensors).
-pub fn snapshot_from_safetensors(bytes: &[u8], version: PolicyVersion) -> Result<WeightSnapshot> {
-    // The reader's own messages do not always say where (`invalid shape, data type,
-    // or offset for tensor`): what it checks is the header and the offsets it gives.
-    let st = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| Error::model(format!("the safetensors header does not describe the file: {e}")))?;
-    let mut tensors = Vec::new();
-    for (name, view) in st.iter() {
-        let raw = view.data();
-        let u16s = || raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-        let data = match view.dtype() {
-            safetensors::Dtype::F32 => TensorData::F32(
-                raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            ),
-            safetensors::Dtype::BF16 => TensorData::Bf16(u16s()),
-            safetensors::Dtype::F16 => TensorData::F16(u16s()),
-            other => return Err(Error::model(format!("tensor `{name}` has unsupported dtype {other:?}"))),
-        };
-        tensors.push(HostTensor { name: name.to_owned(), shape: view.shape().to_vec(), data });
-    }
-    Ok(WeightSnapshot { version, tensors })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn snapshots_round_trip_through_safetensors() {
-        let s = WeightSnapshot {
-            version: PolicyVersion(7),
-            tensors: vec![
-                HostTensor {
-                    name: "a.weight".into(),
-                    shape: vec![2, 3],
-                    data: TensorData::F32(vec![1.5, -2.0, 0.0, 3.25, f32::MIN_POSITIVE, 9.0]),
-                },
-                HostTensor {
-                    name: "b.bias".into(),
-                    shape: vec![2],
-                    data: TensorData::Bf16(vec![0x3f80, 0xc000]),
-                },
-                HostTensor { name: "c".into(), shape: vec![1], data: TensorData::F16(vec![0x3c00]) },
-            ],
-        };
-        let bytes = snapshot_to_safetensors(&s).unwrap();
-        let mut back = snapshot_from_safetensors(&bytes, PolicyVersion(7)).unwrap();
-        back.tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        assert_eq!(back, s);
-        assert!(snapshot_from_safetensors(b"not a file", PolicyVersion(0)).is_err());
-    }
-
-    /// Found by the fuzz suite: `safetensors::serialize` panicked (index out of
-    /// bounds) on a snapshot holding a name twice, which a weights message from the
-    /// transport may, on its way to an OpenAI-compatible server.
-    #[test]
-    fn a_snapshot_holding_a_name_twice_is_refused_naming_it() {
-        let t = HostTensor { name: "a.weight".into(), shape: vec![1], data: TensorData::F32(vec![1.0]) };
-        let s = WeightSnapshot { version: PolicyVersion(1), tensors: vec![t.clone(), t] };
-        let e = snapshot_to_safetensors(&s).unwrap_err().to_string();
-        assert!(e.contains("tensor `a.weight` appears twice"), "{e}");
-    }
 
     #[test]
     fn versions_parse_from_our_fingerprint_only() {

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use metronome_core::{
     Group, PolicyVersion, Prompt, PromptId, RolloutEngine, RolloutRequest, RunSeed, Tokenizer,
+    ToolCallSyntax, ToolCallText,
 };
 use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
 use metronome_rollout::{CollectSink, EngineConfig, ModelEngine, SamplingConfig, model_engine};
@@ -81,4 +82,30 @@ pub(crate) fn signature(groups: &[Group]) -> Vec<Signature> {
             })
         })
         .collect()
+}
+
+/// Reads every response as a call of the first offered tool whose `input` is the
+/// whole text, and writes a call back as its input: so a random model "calls" a
+/// tool on every turn, and a re-sent call renders as sampled.
+pub(crate) struct EverythingCalls;
+
+impl ToolCallSyntax for EverythingCalls {
+    fn turn_stops(&self, _tools: &[&str]) -> Vec<String> {
+        vec!["!".into()]
+    }
+    fn parse(&self, text: &str, tools: &[&str]) -> Option<(usize, ToolCallText)> {
+        let name = tools.first()?;
+        Some((
+            0,
+            ToolCallText {
+                name: (*name).into(),
+                arguments: serde_json::json!({ "input": text }).to_string(),
+            },
+        ))
+    }
+    fn render(&self, call: &ToolCallText) -> metronome_core::Result<String> {
+        let args: serde_json::Value = serde_json::from_str(&call.arguments)
+            .map_err(|e| metronome_core::Error::invalid("arguments", e.to_string()))?;
+        Ok(args["input"].as_str().unwrap_or_default().to_owned())
+    }
 }

@@ -2,6 +2,10 @@
 //! fixed seed): determinism across worker/slot layouts, streaming order, stop
 //! handling, versioned weights, and the OpenAI-compatible server and client.
 
+#[cfg(feature = "http")]
+mod agent;
+#[cfg(feature = "http")]
+mod chat;
 mod common;
 mod determinism;
 mod devices;

@@ -1,0 +1,220 @@
+//! The `agent` backend with a scripted agent (`agents/scripted.py`, whose task text
+//! says what it does): re-sent histories join one trajectory, rewritten ones split,
+//! and a crashing, hanging, silent or trespassing agent ends only its own episode,
+//! with its processes killed.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use metronome_core::{Group, PeriodId, Prompt, PromptId, RolloutEngine, RolloutRequest, Tokenizer};
+use metronome_model::CharTokenizer;
+use metronome_rollout::agent::AgentEngine;
+use metronome_rollout::http::Chat;
+use metronome_rollout::{AgentConfig, AgentReward, CollectSink, ModelEngine, TaskInput};
+
+use crate::common::{EverythingCalls, engine, sampling};
+
+/// A template for the character tokenizer: each message on a line after its role.
+const TEMPLATE: &str = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}\
+                        {% if add_generation_prompt %}assistant: {% endif %}";
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/it/agents/scripted.py")
+}
+
+/// Whether python3 runs here; under CI it must.
+fn python() -> bool {
+    let ok =
+        std::process::Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success());
+    assert!(ok || std::env::var_os("CI").is_none(), "python3 is missing under CI");
+    ok
+}
+
+fn agents(config: AgentConfig) -> AgentEngine<metronome_model::Model> {
+    agents_with(config, Chat::default())
+}
+
+fn agents_with(config: AgentConfig, chat: Chat) -> AgentEngine<metronome_model::Model> {
+    let inner: ModelEngine = engine(1, 8, sampling(16));
+    AgentEngine::new(inner, config, chat).unwrap()
+}
+
+/// The tiny engine with room for a few turns of a real agent's conversation.
+fn long_context_agents(config: AgentConfig, chat: Chat) -> AgentEngine<metronome_model::Model> {
+    let engine_config = metronome_rollout::EngineConfig {
+        threads_per_worker: Some(1),
+        max_num_seqs: 8,
+        max_seq_len: 1024,
+        sampling: sampling(16),
+        ..metronome_rollout::EngineConfig::default()
+    };
+    let model = crate::common::tiny_model(7);
+    let inner = metronome_rollout::model_engine(
+        model,
+        metronome_core::PolicyVersion(0),
+        crate::common::tokenizer(),
+        engine_config,
+        metronome_core::RunSeed(42),
+    )
+    .unwrap();
+    AgentEngine::new(inner, config, chat).unwrap()
+}
+
+fn config(time_limit_s: f64, env: &[(&str, String)]) -> AgentConfig {
+    AgentConfig {
+        command: vec!["python3".into(), script().display().to_string()],
+        time_limit_s,
+        concurrency: 3,
+        task_input: TaskInput::Stdin,
+        reward: AgentReward::Agent,
+        model_name: "tiny".into(),
+        chat_template: Some(TEMPLATE.into()),
+        env: env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect(),
+        ..AgentConfig::default()
+    }
+}
+
+fn prompt(id: u64, text: &str) -> Prompt {
+    Prompt {
+        id: PromptId(id),
+        text: text.into(),
+        tokens: CharTokenizer.encode(text).unwrap(),
+        ..Prompt::default()
+    }
+}
+
+async fn run(engine: &dyn RolloutEngine, prompts: Vec<Prompt>, group_size: u32) -> HashMap<String, Group> {
+    let sink = CollectSink::default();
+    let request = RolloutRequest { period: PeriodId(3), prompts: prompts.clone(), group_size };
+    engine.generate(request, &sink).await.unwrap();
+    let groups = sink.into_groups();
+    assert_eq!(groups.len(), prompts.len());
+    let text_of: HashMap<_, _> = prompts.iter().map(|p| (p.id, p.text.clone())).collect();
+    groups.into_iter().map(|g| (text_of[&g.prompt.id].clone(), g)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resent_histories_join_and_rewritten_ones_split() {
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let engine = agents(config(60.0, &[]));
+    let groups = run(&engine, vec![prompt(1, "join"), prompt(2, "split")], 2).await;
+
+    let join = &groups["join"];
+    join.validate().unwrap();
+    assert_eq!(join.period, PeriodId(3));
+    // The shared prompt is the rendered first call's, which the task's text is in.
+    assert_eq!(CharTokenizer.decode(&join.prompt.tokens).unwrap(), "user: join\nassistant: ");
+    assert_eq!(join.completions.len(), 2, "each episode is one trajectory");
+    for c in &join.completions {
+        let trace = c.episode.as_ref().unwrap();
+        assert_eq!(trace.turns, 2);
+        assert_eq!(trace.reward, Some(0.5));
+        assert_eq!(trace.failure, None);
+        // The tool's answer is context between the two sampled turns.
+        assert_eq!(trace.observations.len(), 1);
+        let span = trace.observations[0];
+        let context = CharTokenizer.decode(&c.tokens[span.start as usize..span.end() as usize]).unwrap();
+        assert!(context.starts_with('\n') && context.ends_with("\ntool: 6\nassistant: "), "{context:?}");
+        assert!(c.logprobs[span.start as usize..span.end() as usize].iter().all(|&l| l == 0.0));
+        assert!(c.num_policy_tokens() >= 2);
+    }
+
+    let split = &groups["split"];
+    split.validate().unwrap();
+    assert_eq!(split.completions.len(), 4, "each episode is two trajectories");
+    // The shared prompt is the longest prefix of both first prompts (`split`, `summary: split`).
+    assert_eq!(CharTokenizer.decode(&split.prompt.tokens).unwrap(), "user: s");
+    for c in &split.completions {
+        let trace = c.episode.as_ref().unwrap();
+        assert_eq!(trace.turns, 1);
+        assert_eq!(trace.reward, Some(0.5), "the trajectories share their episode's reward");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_agent_ends_only_its_own_episode_and_its_processes() {
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let pids = tempfile::tempdir().unwrap();
+    // The hanging agent is killed at this limit; every other ends on its own first.
+    let engine = agents(config(5.0, &[("PIDS_DIR", pids.path().display().to_string())]));
+    let tasks = ["crash", "hang", "silent", "wrong_key", "join"];
+    let prompts = tasks.iter().enumerate().map(|(i, t)| prompt(i as u64, t)).collect();
+    let groups = run(&engine, prompts, 1).await;
+
+    let failure = |task: &str| {
+        let g = &groups[task];
+        g.validate().unwrap();
+        let trace = g.completions[0].episode.clone().unwrap();
+        (trace.failure, trace.reward)
+    };
+    assert_eq!(failure("crash"), (Some("crash: exit status: 3".into()), Some(0.0)));
+    assert_eq!(failure("hang"), (Some("timeout".into()), Some(0.0)));
+    assert_eq!(failure("wrong_key"), (Some("wrong_key".into()), Some(0.0)));
+    assert_eq!(failure("join"), (None, Some(0.5)), "the others' failures do not touch it");
+    assert!(groups["silent"].is_rejected(), "an agent that never called left nothing to train");
+
+    // The hanging agent and the child it started are gone.
+    let written = std::fs::read_to_string(pids.path().join("pids")).unwrap();
+    for pid in written.split_whitespace() {
+        // Gone, or a zombie its parent has not reaped yet, once the signal has landed
+        // (SIGKILL is sent before `generate` returns; its delivery is the kernel's).
+        let dead = || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            stat.is_empty() || stat.contains(") Z ") || stat.contains(") X ")
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !dead() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(dead(), "process {pid} lives on: {stat}");
+    }
+
+    // The engine goes on: the next request is served.
+    let again = run(&engine, vec![prompt(9, "join")], 1).await;
+    assert_eq!(again["join"].completions[0].episode.as_ref().unwrap().failure, None);
+}
+
+/// The committed example agent (`examples/agents/calculator_agent.py`, the official
+/// `openai` client and its own calculator) runs unchanged through the proxy: every
+/// turn of its tool loop is recorded (the syntax here reads each response as a call,
+/// so it takes all its turns). Skipped without `openai`, except under CI.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_agent_runs_unchanged_through_the_proxy() {
+    let has_openai = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_openai {
+        assert!(std::env::var_os("CI").is_none(), "python3 with openai is missing under CI");
+        return eprintln!("skipped: no python3 with the openai package");
+    }
+    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/calculator_agent.py");
+    let config = AgentConfig {
+        command: vec!["python3".into(), example.display().to_string()],
+        reward: AgentReward::Stage,
+        env: [
+            ("AGENT_MAX_TURNS".to_owned(), "3".to_owned()),
+            ("AGENT_MAX_TOKENS".to_owned(), "6".to_owned()),
+        ]
+        .into(),
+        ..config(60.0, &[])
+    };
+    let chat = Chat { template: None, tools: Some(std::sync::Arc::new(EverythingCalls)) };
+    let engine = long_context_agents(config, chat);
+    let groups = run(&engine, vec![prompt(4, "3*4=")], 2).await;
+    let group = &groups["3*4="];
+    group.validate().unwrap();
+    let mut turns = 0;
+    for c in &group.completions {
+        let trace = c.episode.as_ref().unwrap();
+        assert_eq!(trace.failure, None);
+        assert_eq!(trace.reward, None, "the reward stage scores it");
+        turns += trace.turns;
+    }
+    assert_eq!(turns, 2 * 3, "every call of both episodes is in a trajectory");
+}
