@@ -84,8 +84,9 @@ mod stop;
 
 pub use backend::{InferenceModel, SnapshotLoader, WeightLoader};
 pub use config::{
-    AgentConfig, AgentReward, AgentToolFormat, Backend, Batching, EngineConfig, MAX_NUM_SEQS, MAX_SEQ_LEN,
-    MAX_THREADS, MAX_WORKERS, OpenAiClientConfig, PartialCache, TaskInput, WeightSync,
+    AgentConfig, AgentReward, AgentToolFormat, Backend, Batching, EngineConfig, MAX_AGENT_CONCURRENCY,
+    MAX_NUM_SEQS, MAX_SEQ_LEN, MAX_THREADS, MAX_WORKERS, OpenAiClientConfig, PartialCache, TaskInput,
+    WeightSync,
 };
 pub use engine::{CollectSink, Engine, Episodes, Rollback, Submission, WorkerStats};
 pub use error::{Error, Result};

@@ -86,6 +86,7 @@ pub(crate) fn http_retry() {
 }
 
 /// Counts `n` trajectories that agent episodes split off.
+#[cfg(feature = "http")]
 pub(crate) fn agent_splits(n: usize) {
     metrics::counter!(AGENT_SPLITS.name).increment(n as u64);
 }

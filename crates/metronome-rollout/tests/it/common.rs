@@ -4,7 +4,6 @@ use std::sync::Arc;
 
 use metronome_core::{
     Group, PolicyVersion, Prompt, PromptId, RolloutEngine, RolloutRequest, RunSeed, Tokenizer,
-    ToolCallSyntax, ToolCallText,
 };
 use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
 use metronome_rollout::{CollectSink, EngineConfig, ModelEngine, SamplingConfig, model_engine};
@@ -86,24 +85,27 @@ pub(crate) fn signature(groups: &[Group]) -> Vec<Signature> {
 
 /// Reads every response as a call of the first offered tool whose `input` is the
 /// whole text, and writes a call back as its input: so a random model "calls" a
-/// tool on every turn, and a re-sent call renders as sampled.
+/// tool on every turn, and a re-sent call renders as sampled. (For the chat and agent
+/// tests, which need the `http` feature.)
+#[cfg(feature = "http")]
 pub(crate) struct EverythingCalls;
 
-impl ToolCallSyntax for EverythingCalls {
+#[cfg(feature = "http")]
+impl metronome_core::ToolCallSyntax for EverythingCalls {
     fn turn_stops(&self, _tools: &[&str]) -> Vec<String> {
         vec!["!".into()]
     }
-    fn parse(&self, text: &str, tools: &[&str]) -> Option<(usize, ToolCallText)> {
+    fn parse(&self, text: &str, tools: &[&str]) -> Option<(usize, metronome_core::ToolCallText)> {
         let name = tools.first()?;
         Some((
             0,
-            ToolCallText {
+            metronome_core::ToolCallText {
                 name: (*name).into(),
                 arguments: serde_json::json!({ "input": text }).to_string(),
             },
         ))
     }
-    fn render(&self, call: &ToolCallText) -> metronome_core::Result<String> {
+    fn render(&self, call: &metronome_core::ToolCallText) -> metronome_core::Result<String> {
         let args: serde_json::Value = serde_json::from_str(&call.arguments)
             .map_err(|e| metronome_core::Error::invalid("arguments", e.to_string()))?;
         Ok(args["input"].as_str().unwrap_or_default().to_owned())
