@@ -4,6 +4,7 @@
 
 use candle_core::{CpuStorage, D, Device, Layout, Tensor};
 
+use super::decode::exp_vectorisable;
 use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair, fused_op_ran};
 use crate::Result;
 
@@ -98,23 +99,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
         // Filled row by row rather than zeroed first: this is the largest buffer of the
         // forward, and zeroing it was a visible share of the step's `memset`.
         let mut out = Vec::with_capacity(x.len());
-        for (r, xs) in x.chunks_exact(lk).enumerate() {
-            let ms = &mask[(r % lq) * lk..(r % lq + 1) * lk];
-            let at = out.len();
-            out.extend(xs.iter().zip(ms).map(|(&a, &m)| a + m));
-            let os = &mut out[at..];
-            let max = os.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for o in os.iter_mut() {
-                // Masked entries are exactly zero: skip their `exp` (half of a causal block).
-                *o = if *o == f32::NEG_INFINITY { 0.0 } else { (*o - max).exp() };
-                sum += *o;
-            }
-            let inv = 1.0 / sum;
-            for o in os.iter_mut() {
-                *o *= inv;
-            }
-        }
+        crate::simd::dispatch(MaskedSoftmaxRows { x, mask, lq, lk, out: &mut out });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -126,6 +111,43 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
         g: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(p.apply_op2_no_bwd(&g.contiguous()?, &SoftmaxGrad)?), None))
+    }
+}
+
+/// The rows of [`MaskedSoftmax`]'s forward, compiled for the instruction set
+/// `simd::dispatch` picks. The branch-free `exp` vectorises, so it runs on every
+/// entry and masked ones are selected to exactly zero after; the row's sum stays in
+/// order.
+struct MaskedSoftmaxRows<'a> {
+    x: &'a [f32],
+    mask: &'a [f32],
+    lq: usize,
+    lk: usize,
+    out: &'a mut Vec<f32>,
+}
+
+impl pulp::WithSimd for MaskedSoftmaxRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let MaskedSoftmaxRows { x, mask, lq, lk, out } = self;
+        for (r, xs) in x.chunks_exact(lk).enumerate() {
+            let ms = &mask[(r % lq) * lk..(r % lq + 1) * lk];
+            let at = out.len();
+            out.extend(xs.iter().zip(ms).map(|(&a, &m)| a + m));
+            let os = &mut out[at..];
+            let max = os.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            for o in os.iter_mut() {
+                let e = exp_vectorisable(*o - max);
+                *o = if *o == f32::NEG_INFINITY { 0.0 } else { e };
+            }
+            let sum: f32 = os.iter().sum();
+            let inv = 1.0 / sum;
+            for o in os.iter_mut() {
+                *o *= inv;
+            }
+        }
     }
 }
 
@@ -166,6 +188,30 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
 }
 
 /// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
+/// The loop of [`SwiGluGrad`], vectorised as [`SwiGlu`]'s forward is (the same `exp`).
+struct SwiGluGradLoop<'a> {
+    g: &'a [f32],
+    u: &'a [f32],
+    dy: &'a [f32],
+    dg: &'a mut [f32],
+    du: &'a mut [f32],
+}
+
+impl pulp::WithSimd for SwiGluGradLoop<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let SwiGluGradLoop { g, u, dy, dg, du } = self;
+        for i in 0..g.len() {
+            let (x, d) = (g[i], dy[i]);
+            let s = 1.0 / (1.0 + exp_vectorisable(-x));
+            du[i] = d * x * s;
+            dg[i] = d * u[i] * s * (1.0 + x * (1.0 - s));
+        }
+    }
+}
+
 #[cfg(test)]
 pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
@@ -461,12 +507,7 @@ impl CpuOp3 for SwiGluGrad {
         let n = g.len();
         let mut out = vec![0f32; 2 * n];
         let (dg, du) = out.split_at_mut(n);
-        for i in 0..n {
-            let (x, d) = (g[i], dy[i]);
-            let s = 1.0 / (1.0 + (-x).exp());
-            du[i] = d * x * s;
-            dg[i] = d * u[i] * s * (1.0 + x * (1.0 - s));
-        }
+        crate::simd::dispatch(SwiGluGradLoop { g, u, dy, dg, du });
         let mut dims = vec![2];
         dims.extend_from_slice(l1.dims());
         Ok((CpuStorage::F32(out), dims.into()))
