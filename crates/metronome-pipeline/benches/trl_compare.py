@@ -72,7 +72,9 @@ def metronome_args(out_dir):
 def run_metronome(binary, env):
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        subprocess.run([str(binary), *metronome_args(out)], check=True, env=env, capture_output=True)
+        done = subprocess.run([str(binary), *metronome_args(out)], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"metronome run failed ({done.returncode}):\n{done.stderr}")
         seconds = time.perf_counter() - start
         periods = [json.loads(l) for l in (pathlib.Path(out) / "trl-compare" / "metrics.jsonl").read_text().splitlines()]
     return {
@@ -91,8 +93,10 @@ def run_trl(python, env):
         done = subprocess.run(
             [str(python), str(HERE / "trl_grpo.py"), "--steps", str(STEPS), "--prompts", str(PROMPTS),
              "--group", str(GROUP), "--new-tokens", str(NEW_TOKENS), "--out", out],
-            check=True, env=env, capture_output=True, text=True,
+            env=env, capture_output=True, text=True,
         )
+        if done.returncode != 0:
+            sys.exit(f"TRL's side failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -456,25 +456,19 @@ impl PipelineConfig {
             }
         }
         // Both factors are bounded above, so the products do not overflow.
-        if batch * group > MAX_RESPONSES {
-            return bad(
-                "data.release.batch_size",
-                format!(
-                    "is {batch}: with run.group_size = {group} a period samples {} responses, more than \
-                     {MAX_RESPONSES}",
-                    batch * group
-                ),
-            );
-        }
-        if prompts * samples > MAX_RESPONSES {
-            return bad(
-                "eval.samples",
-                format!(
-                    "is {samples}: with eval.prompts = {prompts} an evaluation samples {} answers, more than \
-                     {MAX_RESPONSES}",
-                    prompts * samples
-                ),
-            );
+        for (key, value, other, other_value, what) in [
+            ("data.release.batch_size", batch, "run.group_size", group, "a period samples"),
+            ("eval.samples", samples, "eval.prompts", prompts, "an evaluation samples"),
+        ] {
+            if value * other_value > MAX_RESPONSES {
+                return bad(
+                    key,
+                    format!(
+                        "is {value}: with {other} = {other_value} {what} {} responses, more than {MAX_RESPONSES}",
+                        value * other_value
+                    ),
+                );
+            }
         }
         Ok(())
     }
