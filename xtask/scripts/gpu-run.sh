@@ -9,7 +9,7 @@
 # rayon/candle thread per test (as `cargo xtask ci` does). Logs go to $OUT/gpu-tests.log
 # when $OUT is set. Exits non-zero when any executable failed.
 #
-# `--bench` is the one device call of issue #30 (about 6 minutes on an H100): the GPU
+# `--bench` is the one device call of issues #30 and #31 (about 7 minutes on an H100): the GPU
 # tests, then for SmolLM2-135M at 8x512, 32x512 and 16x1024 and Qwen2.5-0.5B and
 # Qwen2.5-1.5B at 8x1024 (random weights, `crates/metronome-model/benches/llama_shapes.json`)
 # Metronome's training step in bf16 with the chunked head, without and with checkpointed
@@ -60,6 +60,21 @@ while IFS=$'\t' read -r name dir; do
     grep -E '^test .* FAILED|panicked' "$one" | head -n 5
 done <"$bin/tests.tsv"
 
+# The crate's own CUDA kernels once under compute-sanitizer (memcheck): one call finds
+# both wrong answers (the tests' assertions) and bad memory accesses (exit code 9).
+san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
+model_it=$(awk -F'\t' '$1 == "metronome-model-it" { print $2 }' "$bin/tests.tsv")
+if [ -n "$san" ] && [ -n "$model_it" ]; then
+    if ! (cd "$build_root/$model_it" && timeout 180 "$san" --tool memcheck --error-exitcode 9 \
+        "$bin/bin/metronome-model-it" cuda_draw) >"$bin/sanitizer.log" 2>&1; then
+        failed+=("compute-sanitizer")
+    fi
+    { echo "==> compute-sanitizer metronome-model-it cuda_draw"; cat "$bin/sanitizer.log"; } >>"$log"
+    echo "compute-sanitizer (draw kernel): $(grep -E 'ERROR SUMMARY|^test result' "$bin/sanitizer.log" | tr '\n' ' ')"
+else
+    echo "compute-sanitizer not found: the kernels ran without it"
+fi
+
 if [ ${#failed[@]} -gt 0 ]; then
     echo "FAILED: ${failed[*]} (log: $log)"
 else
@@ -98,5 +113,16 @@ for spec in smollm2-135m:8x512,32x512,16x1024:40 qwen2.5-0.5b:8x1024:40 qwen2.5-
     echo "${torch[*]}" >"$out/torch-$shape.cmd"
     timeout 200 "${torch[@]}" || echo "torch $shape: exit $?"
 done
+# Generation tokens/s (issue #31): SmolLM2-135M in f32, greedy, 64 and 256 sequences of
+# 32 + 128 tokens; Metronome with the logits to the host and with the tokens drawn on the
+# device, then `transformers` `generate` on the same work.
+gen=("$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision f32 --train ''
+    --generate 64,256 --json "$out/generate_metronome.json")
+echo "${gen[*]}" >"$out/generate_metronome.command"
+timeout 120 "${gen[@]}" || echo "metronome generate: exit $?"
+gen_torch=(python3 "$bench_dir/torch_gpu.py" --shape smollm2-135m --train '' --generate 64,256 --no-compile
+    --json "$out/generate_torch.json")
+echo "${gen_torch[*]}" >"$out/generate_torch.command"
+timeout 120 "${gen_torch[@]}" || echo "torch generate: exit $?"
 python3 "$bench_dir/gpu_report.py" "$out" >"${OUT:-$bin}/gpu.json" && echo "figures: ${OUT:-$bin}/gpu.json"
 [ ${#failed[@]} -eq 0 ]

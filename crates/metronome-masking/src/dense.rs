@@ -2,7 +2,7 @@
 //! attention takes a mask tensor, and for checking kernels that use the segments.
 //!
 //! Slicing goes through `slice_axis_mut` rather than ndarray's `s!` macro, whose
-//! expansion carries an `allow(unsafe_code)` that the workspace's `forbid` rejects.
+//! expansion carries an `allow(unsafe_code)`, which the workspace keeps to the CUDA launches.
 
 use metronome_core::PackedRow;
 use ndarray::{Array1, Array2, Axis, Slice};

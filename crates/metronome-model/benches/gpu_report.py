@@ -52,6 +52,7 @@ def main():
         "matmul_peak_tflops": None,
         "torch": None,
         "training": [],
+        "generation": [],
     }
     shapes = sorted({p.stem.split("-", 1)[1] for p in bench.glob("*.cmd")})
     for shape in shapes:
@@ -82,6 +83,24 @@ def main():
             eager = row.get("torch_eager_bf16", {}).get("tokens_per_s")
             row["metronome_best_over_torch_eager"] = ours_best / eager if ours_best and eager else None
             report["training"].append(row)
+    # Generation: Metronome with the logits to the host and drawn on the device, and
+    # `transformers` `generate`, per number of sequences.
+    ours, theirs = load(bench / "generate_metronome.json"), load(bench / "generate_torch.json")
+    commands = {k: read(bench / f"generate_{k}.command") for k in ("metronome", "torch")}
+    host = dict((ours or {}).get("generate", []))
+    drawn = dict((ours or {}).get("generate_drawn", []))
+    torch_tps = dict((theirs or {}).get("generate", []))
+    for n in sorted(set(host) | set(drawn) | set(torch_tps)):
+        row = {
+            "sequences": n,
+            "metronome_logits_to_host": host.get(n),
+            "metronome_drawn_on_device": drawn.get(n),
+            "transformers_generate": torch_tps.get(n),
+            "commands": commands,
+        }
+        best = max((x for x in (host.get(n), drawn.get(n)) if x), default=None)
+        row["metronome_best_over_transformers"] = best / torch_tps[n] if best and torch_tps.get(n) else None
+        report["generation"].append(row)
     json.dump(report, sys.stdout, indent=2)
     print()
 

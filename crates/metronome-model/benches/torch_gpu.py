@@ -164,7 +164,7 @@ def main():
         kinds.append(("eager_f32", step_fn(model, False)))
     compiled = None if args.no_compile else torch.compile(step_fn(model, True), dynamic=False)
     compile_spent = 0.0
-    for shape in args.train.split(","):
+    for shape in (s for s in args.train.split(",") if s):
         rows, length = (int(x) for x in shape.split("x"))
         ids = torch.randint(3, config.vocab_size, (rows, length), device="cuda")
         runs = list(kinds)

@@ -19,15 +19,18 @@
 //! every millisecond; this process's and any other's) is reported too; a setting
 //! that runs out of memory is reported as such and the next one runs. Generation: `N`
 //! sequences prefilled with a 32-token prompt, then greedy decode steps up to 128 new
-//! tokens each (`Model::decode_step`, logits to the host each step as the rollout
-//! engine reads them), timed from the prefill to the last token, as Hugging Face
-//! `generate` is timed; `--generate ''` skips it. `--json PATH` writes every figure.
+//! tokens each, timed from the prefill to the last token, as Hugging Face `generate` is
+//! timed, twice: with every row's logits to the host each step (`Model::decode_step`,
+//! argmax there) and with the next tokens drawn where the logits are
+//! (`Model::decode_step_drawing`, greedy draws: on a GPU the draw kernel, so only token
+//! ids cross), as the rollout engine now decodes; `--generate ''` skips it. `--json
+//! PATH` writes every figure.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use metronome_core::{PackedRow, Segment, Targets};
-use metronome_model::{DeviceSpec, KvCache, Model, Precision};
+use metronome_model::{DeviceSpec, Draw, KvCache, Model, Next, Precision};
 use serde::Serialize;
 
 #[path = "support/shapes.rs"]
@@ -107,7 +110,10 @@ struct Report {
     warmup: usize,
     reps: usize,
     train: Vec<TrainFigure>,
+    /// `(sequences, tokens/s)` with the logits to the host.
     generate: Vec<(usize, f64)>,
+    /// `(sequences, tokens/s)` with the tokens drawn where the logits are.
+    generate_drawn: Vec<(usize, f64)>,
 }
 
 /// Device memory in use (total minus free) polled every millisecond from a thread
@@ -174,21 +180,34 @@ fn train(model: &Model, rows: usize, len: usize, warmup: usize, reps: usize) -> 
     Ok(median(times))
 }
 
-/// Tokens/s of `n` sequences decoding greedily.
-fn generate(model: &Model, n: usize) -> Result<f64> {
+/// Tokens/s of `n` sequences decoding greedily: argmax of the host's logits, or
+/// (`drawn`) greedy draws where the logits are.
+fn generate(model: &Model, n: usize, drawn: bool) -> Result<f64> {
     let vocab = model.config().vocab_size;
     let mut cache = KvCache::new(model, n, PROMPT + NEW_TOKENS + 1)?;
     let prompts: Vec<Vec<u32>> = (0..n).map(|s| tokens(1000 + s as u64, PROMPT, vocab)).collect();
     let seqs: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(s, p)| (s, p.as_slice())).collect();
     synchronize(model)?;
     let start = Instant::now();
-    let logits = model.prefill_many(&mut cache, &seqs)?;
     let argmax =
         |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
-    let mut next: Vec<u32> = logits.iter().map(|l| argmax(l)).collect();
+    let greedy = vec![Some(Draw { temperature: 0.0, u: 0.0 }); n];
+    let token = |next: Next| match next {
+        Next::Drawn(d) => d.token,
+        Next::Logits(l) => argmax(&l),
+    };
+    let mut next: Vec<u32> = if drawn {
+        model.prefill_many_drawing(&mut cache, &seqs, &greedy)?.into_iter().map(token).collect()
+    } else {
+        model.prefill_many(&mut cache, &seqs)?.iter().map(|l| argmax(l)).collect()
+    };
     for _ in 1..NEW_TOKENS {
         let batch: Vec<(usize, u32)> = next.iter().enumerate().map(|(s, &t)| (s, t)).collect();
-        next = model.decode_step(&mut cache, &batch)?.iter().map(|l| argmax(l)).collect();
+        next = if drawn {
+            model.decode_step_drawing(&mut cache, &batch, &greedy)?.into_iter().map(token).collect()
+        } else {
+            model.decode_step(&mut cache, &batch)?.iter().map(|l| argmax(l)).collect()
+        };
     }
     synchronize(model)?;
     Ok((n * NEW_TOKENS) as f64 / start.elapsed().as_secs_f64())
@@ -266,6 +285,7 @@ fn main() -> Result<()> {
         reps,
         train: Vec::new(),
         generate: Vec::new(),
+        generate_drawn: Vec::new(),
     };
     for &(rows, len) in &train_shapes {
         for &m in &memory {
@@ -319,9 +339,16 @@ fn main() -> Result<()> {
     if !gen_sizes.is_empty() {
         let frozen = masters.frozen_copy()?;
         for n in gen_sizes {
-            let tps = generate(&frozen, n)?;
-            println!("generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32)");
+            let tps = generate(&frozen, n, false)?;
+            println!(
+                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32, logits to the host)"
+            );
             report.generate.push((n, tps));
+            let tps = generate(&frozen, n, true)?;
+            println!(
+                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32, drawn on the device)"
+            );
+            report.generate_drawn.push((n, tps));
         }
     }
     if let Some(path) = json {

@@ -25,6 +25,7 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::draw::{Draw, Next, check_draws};
 use crate::model::{DecodeWeights, Model};
 use crate::ops::{
     DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu_stacked,
@@ -190,13 +191,35 @@ impl Model {
     /// [`Model::decode_step`]: a slot's logits and cached keys and values are bitwise
     /// the same whichever other slots are prefilled with it.
     pub fn prefill_many(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
+        self.check_prefill(seqs)?;
+        Ok(self.extend(cache, seqs)?.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+    }
+
+    /// [`Model::prefill_many`] that draws each pair's next token where its logits are,
+    /// when `draws` (one per pair) gives it a [`Draw`]: on a GPU under
+    /// [`crate::Kernels::Cuda`] only the token and its log-prob cross to the host
+    /// (module `draw`). Pairs without a draw, and rows whose logits have no finite
+    /// maximum, come back as [`Next::Logits`].
+    pub fn prefill_many_drawing(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[(usize, &[u32])],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        self.check_prefill(seqs)?;
+        check_draws(draws, seqs.len())?;
+        let logits = self.extend(cache, seqs)?;
+        self.kernels.next_rows(&logits, draws)
+    }
+
+    fn check_prefill(&self, seqs: &[(usize, &[u32])]) -> Result<()> {
         for &(slot, tokens) in seqs {
             if tokens.is_empty() {
                 return Err(Error::invalid(format!("prefill of slot {slot}"), "has no tokens"));
             }
             self.check_tokens(tokens, &|| format!("prefill of slot {slot}"))?;
         }
-        self.extend(cache, seqs)
+        Ok(())
     }
 
     /// One decode step for several slots of possibly different lengths: each
@@ -208,6 +231,23 @@ impl Model {
     /// fused CPU op per layer reads every slot's prefix in place), and linear layers see
     /// at least [`DECODE_MIN_ROWS`] rows. Builds no autograd graph.
     pub fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, u32)]) -> Result<Vec<Vec<f32>>> {
+        Ok(self.decode_logits(cache, batch)?.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+    }
+
+    /// [`Model::decode_step`] that draws the next tokens as
+    /// [`Model::prefill_many_drawing`] does.
+    pub fn decode_step_drawing(
+        &self,
+        cache: &mut KvCache,
+        batch: &[(usize, u32)],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        check_draws(draws, batch.len())?;
+        let logits = self.decode_logits(cache, batch)?;
+        self.kernels.next_rows(&logits, draws)
+    }
+
+    fn decode_logits(&self, cache: &mut KvCache, batch: &[(usize, u32)]) -> Result<Tensor> {
         let tokens: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
         self.check_tokens(&tokens, &|| "decode step".to_owned())?;
         let seqs: Vec<(usize, &[u32])> =
@@ -216,15 +256,17 @@ impl Model {
     }
 
     /// Appends every `(slot, tokens)` to its slot in one forward pass; the logits of
-    /// each pair's last position. Tokens are already checked against the vocabulary.
+    /// each pair's last position, `[pairs, vocab]` on the model's device. Tokens are
+    /// already checked against the vocabulary.
     ///
     /// Every token is one row: linear layers run on all rows at once (padded to the
     /// cache's minimum rows), and attention is the fused per-row op over the row's own
     /// slot prefix (causal within a prompt, since token `j` sees `start + j + 1` cached
     /// positions). No row's arithmetic depends on another's, hence batch invariance.
-    fn extend(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
+    fn extend(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Tensor> {
         if seqs.is_empty() {
-            return Ok(Vec::new());
+            let vocab = self.config().vocab_size;
+            return Ok(Tensor::zeros((0, vocab), DType::F32, self.device())?);
         }
         if self.lora.is_some() {
             // The rollout engine decodes merged weights; a decode path with adapters
@@ -308,7 +350,7 @@ impl Model {
         for &(slot, tokens) in seqs {
             cache.lens[slot] += tokens.len();
         }
-        Ok(logits.to_vec2::<f32>()?)
+        Ok(logits)
     }
 
     /// The layers and LM head of [`Model::extend`] on decode-layout weights: the

@@ -69,8 +69,14 @@
 //! may opt out with [`KvCache::set_batch_invariant`]). `src/kv_cache.rs` says
 //! how, and the README's benchmark section what it costs.
 //!
-//! It is not a sampler (the rollout engine in `metronome-rollout` owns sampling,
-//! continuous batching and seeds), not a loss or optimiser (`metronome-trainer`), and
+//! - [`Model::decode_step_drawing`] and [`Model::prefill_many_drawing`] also draw the
+//!   next tokens of the rows the engine asks for where the logits are ([`draw`]:
+//!   temperature or greedy, no truncation; on a GPU by this crate's CUDA kernel under
+//!   [`Kernels::Cuda`], so `[rows, vocab]` logits stay on the device).
+//!
+//! It is not a sampler (the rollout engine in `metronome-rollout` owns sampling
+//! configs, truncation, penalties, continuous batching and seeds; [`draw`] is the
+//! untruncated draw it shares with the model), not a loss or optimiser (`metronome-trainer`), and
 //! it does not build packed layouts (`metronome-masking` does). It depends on
 //! `metronome-core` only among the workspace crates.
 //!
@@ -78,7 +84,10 @@
 //! barrier pool; run generation and training on their own pools (docs/design.md §6).
 
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod device;
+pub mod draw;
 mod error;
 mod gguf;
 mod head;
@@ -98,6 +107,7 @@ mod tokenizer;
 pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Architecture, ModelConfig};
 pub use device::DeviceSpec;
+pub use draw::{Draw, Drawn, Next};
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use kv_cache::{DECODE_MIN_ROWS, KvCache};

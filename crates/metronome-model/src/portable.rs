@@ -20,6 +20,7 @@
 
 use candle_core::{D, DType, Device, Tensor};
 
+use crate::draw::{Draw, DrawScratch, Next, draw_row};
 use crate::ops::{self, DecodeRows};
 use crate::{Error, Result};
 
@@ -30,16 +31,29 @@ pub enum Kernels {
     /// default on the CPU, unavailable elsewhere.
     #[default]
     Fused,
-    /// Composed candle-core ops, on every device; the default on GPUs. Matches
-    /// [`Kernels::Fused`] within 1e-5 on the CPU (tested), not bitwise.
+    /// Composed candle-core ops, on every device. Matches [`Kernels::Fused`] within
+    /// 1e-5 on the CPU (tested), not bitwise.
     Portable,
+    /// The portable ops with CUDA kernels of this crate where they are written
+    /// (`kernels/*.cu`, built by nvcc with the `cuda` feature): so far a decode step's
+    /// draw of its next tokens ([`crate::Next`]), so that `[rows, vocab]` logits stay on
+    /// the device. The default on CUDA devices; each kernel is tested against its CPU
+    /// reference on a GPU (`tests/it/devices.rs`).
+    Cuda,
 }
 
 impl Kernels {
-    /// The default for `device`: fused on the CPU, portable elsewhere.
+    /// The default for `device`: fused on the CPU, CUDA on CUDA devices, portable
+    /// elsewhere.
     #[must_use]
     pub fn for_device(device: &Device) -> Self {
-        if device.is_cpu() { Self::Fused } else { Self::Portable }
+        if device.is_cpu() {
+            Self::Fused
+        } else if device.is_cuda() {
+            Self::Cuda
+        } else {
+            Self::Portable
+        }
     }
 
     /// An error when these kernels cannot run on `device` with weights of `dtype`.
@@ -48,6 +62,12 @@ impl Kernels {
             return Err(Error::invalid(
                 "kernels",
                 format!("`Fused` runs on the CPU only, the model is on {device:?}: use `Portable`"),
+            ));
+        }
+        if self == Self::Cuda && !device.is_cuda() {
+            return Err(Error::invalid(
+                "kernels",
+                format!("`Cuda` runs on CUDA devices only, the model is on {device:?}: use `Portable`"),
             ));
         }
         // The fused ops read and write f32 slices; bf16 runs through candle's own ops.
@@ -64,7 +84,7 @@ impl Kernels {
     pub(crate) fn rms_norm(self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         match self {
             Self::Fused => ops::rms_norm(x, weight, eps),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 // In f32 whatever the activations' type, as `transformers` does.
                 let xf = x.to_dtype(DType::F32)?;
                 let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
@@ -80,7 +100,7 @@ impl Kernels {
     pub(crate) fn rope(self, x: &Tensor, t: &ops::RopeTables) -> Result<Tensor> {
         match self {
             Self::Fused => ops::apply_rope(x, t),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 let (n, _, hd) = x.dims3()?;
                 let half = hd / 2;
                 let (cos, sin) = t.on(x.device(), n, half)?;
@@ -101,7 +121,7 @@ impl Kernels {
     pub(crate) fn frozen_linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         match self {
             Self::Fused => ops::frozen_linear(x, w, b),
-            Self::Portable => ops::linear(x, w, b),
+            Self::Portable | Self::Cuda => ops::linear(x, w, b),
         }
     }
 
@@ -110,7 +130,7 @@ impl Kernels {
     pub(crate) fn masked_softmax(self, scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
         match self {
             Self::Fused => ops::masked_softmax(scores, mask),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 // In f32 whatever the scores' type: a bf16 sum over a thousand keys would
                 // keep three significant digits (flash attention accumulates in f32 too).
                 let s = scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?)?;
@@ -161,7 +181,7 @@ impl Kernels {
     pub(crate) fn swiglu_train(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         match self {
             Self::Fused => ops::swiglu_train(gate, up),
-            Self::Portable => Ok((gate.silu()? * up)?),
+            Self::Portable | Self::Cuda => Ok((gate.silu()? * up)?),
         }
     }
 
@@ -170,7 +190,7 @@ impl Kernels {
     pub(crate) fn swiglu(self, gate: &Tensor, up: &Tensor, rows: usize) -> Result<Tensor> {
         match self {
             Self::Fused => ops::swiglu(gate, up, rows),
-            Self::Portable => Ok((gate.silu()? * up)?),
+            Self::Portable | Self::Cuda => Ok((gate.silu()? * up)?),
         }
     }
 
@@ -184,7 +204,7 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::target_logprobs_entropy(logits, targets, inv_temperature),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 let (n, vocab) = logits.dims2()?;
                 if targets.len() != n {
                     return Err(Error::invalid(
@@ -221,7 +241,7 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::target_stats(logits, targets, inv_temperature),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 let (logp, lse) = portable_log_softmax(logits, inv_temperature)?;
                 let picked = logp.gather(&column.contiguous()?, 1)?;
                 let entropy = (logp.exp()? * &logp)?.sum_keepdim(D::Minus1)?.neg()?;
@@ -248,7 +268,7 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::target_columns_grad(z, stats, targets, first, g, inv_temperature),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 // d/dz_j of g_l·log p_t + g_e·H, with log p_j = z_j / T − lse:
                 // ([j = t]·g_l − p_j·(g_l + g_e·(log p_j + H))) / T.
                 let (n, cols) = z.dims2()?;
@@ -273,7 +293,7 @@ impl Kernels {
     pub(crate) fn write_decode_rows(self, cache: &Tensor, new: &Tensor, rows: DecodeRows<'_>) -> Result<()> {
         match self {
             Self::Fused => ops::write_decode_rows(cache, new, rows),
-            Self::Portable => {
+            Self::Portable | Self::Cuda => {
                 let (n, kvh, hd) = new.dims3()?;
                 rows.check("decode-write", n, cache.dim(0)?)?;
                 // One in-place scatter: element (i, h, d) goes to cache row
@@ -302,8 +322,35 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::decode_attention(q, keys, values, rows),
-            Self::Portable => portable_decode_attention(q, keys, values, rows),
+            Self::Portable | Self::Cuda => portable_decode_attention(q, keys, values, rows),
         }
+    }
+}
+
+impl Kernels {
+    /// A step's next tokens from its logits `[rows, vocab]` (f32 or bf16; module
+    /// [`crate::draw`]): each row with a draw is drawn (by the CUDA kernel under
+    /// [`Kernels::Cuda`], by the host reference otherwise), each row without one, or
+    /// whose logits have no finite maximum, comes back as its logits on the host for
+    /// the caller to sample (and to report). `draws` has one entry per row.
+    /// [`crate::Model::decode_step_drawing`] calls it; public so that a device's draw
+    /// can be tested against the host's on the same logits.
+    pub fn next_rows(self, logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<Next>> {
+        crate::draw::check_draws(draws, logits.dims2()?.0)?;
+        #[cfg(feature = "cuda")]
+        if self == Self::Cuda && draws.iter().any(Option::is_some) {
+            return crate::cuda::next_rows(logits, draws);
+        }
+        let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut scratch = DrawScratch::default();
+        Ok(rows
+            .into_iter()
+            .zip(draws)
+            .map(|(row, draw)| match draw.map(|d| draw_row(&row, d, &mut scratch)) {
+                Some(Ok(drawn)) => Next::Drawn(drawn),
+                None | Some(Err(_)) => Next::Logits(row),
+            })
+            .collect())
     }
 }
 

@@ -3,6 +3,7 @@
 //! keeps the scheduler testable and lets other backends plug in.
 
 use metronome_core::{TokenId, WeightSnapshot};
+use metronome_model::{Draw, Next};
 
 use crate::Result;
 
@@ -24,16 +25,32 @@ pub trait InferenceModel: Send + Sync + 'static {
     fn prefill(&self, cache: &mut Self::Cache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>>;
 
     /// Prefills several slots, each `(slot, tokens)`, and returns each one's last
-    /// position's logits, in order. Must give each slot what [`InferenceModel::prefill`]
-    /// gives it alone; the default does exactly that, one slot at a time. Models that
-    /// can prefill in one forward (as `metronome_model::Model` does) override it: the
-    /// engine calls it with every sequence it admits at once.
-    fn prefill_many(&self, cache: &mut Self::Cache, seqs: &[(usize, &[TokenId])]) -> Result<Vec<Vec<f32>>> {
-        seqs.iter().map(|&(slot, tokens)| self.prefill(cache, slot, tokens)).collect()
+    /// position's next token or logits, in order. `draws` has one entry per pair: a
+    /// pair with a [`Draw`] may come back drawn ([`Next::Drawn`], exactly as
+    /// `metronome_model::draw::draw_row` draws it from the logits), any pair may come
+    /// back as its logits ([`Next::Logits`]), which the engine samples itself. Must
+    /// give each slot what [`InferenceModel::prefill`] gives it alone; the default does
+    /// exactly that, one slot at a time, and draws nothing. Models that can prefill in
+    /// one forward (as `metronome_model::Model` does) override it: the engine calls it
+    /// with every sequence it admits at once.
+    fn prefill_many(
+        &self,
+        cache: &mut Self::Cache,
+        seqs: &[(usize, &[TokenId])],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        let _ = draws;
+        seqs.iter().map(|&(slot, tokens)| Ok(Next::Logits(self.prefill(cache, slot, tokens)?))).collect()
     }
 
-    /// Appends one token to each `(slot, token)` pair and returns one logits row per pair.
-    fn decode_step(&self, cache: &mut Self::Cache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>>;
+    /// Appends one token to each `(slot, token)` pair and returns one row per pair, its
+    /// next token or its logits as in [`InferenceModel::prefill_many`].
+    fn decode_step(
+        &self,
+        cache: &mut Self::Cache,
+        batch: &[(usize, TokenId)],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>>;
 
     /// Empties `slot` for the next sequence.
     fn free(&self, cache: &mut Self::Cache, slot: usize);
@@ -68,7 +85,7 @@ where
 }
 
 mod candle_model {
-    use metronome_model::{KvCache, Model};
+    use metronome_model::{Draw, KvCache, Model, Next};
 
     use super::{InferenceModel, TokenId};
     use crate::{Error, Result};
@@ -111,12 +128,22 @@ mod candle_model {
             Model::prefill(self, cache, slot, tokens).map_err(Error::model)
         }
 
-        fn prefill_many(&self, cache: &mut KvCache, seqs: &[(usize, &[TokenId])]) -> Result<Vec<Vec<f32>>> {
-            Model::prefill_many(self, cache, seqs).map_err(Error::model)
+        fn prefill_many(
+            &self,
+            cache: &mut KvCache,
+            seqs: &[(usize, &[TokenId])],
+            draws: &[Option<Draw>],
+        ) -> Result<Vec<Next>> {
+            Model::prefill_many_drawing(self, cache, seqs, draws).map_err(Error::model)
         }
 
-        fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>> {
-            Model::decode_step(self, cache, batch).map_err(Error::model)
+        fn decode_step(
+            &self,
+            cache: &mut KvCache,
+            batch: &[(usize, TokenId)],
+            draws: &[Option<Draw>],
+        ) -> Result<Vec<Next>> {
+            Model::decode_step_drawing(self, cache, batch, draws).map_err(Error::model)
         }
 
         fn free(&self, cache: &mut KvCache, slot: usize) {

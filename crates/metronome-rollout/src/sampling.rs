@@ -8,6 +8,14 @@
 //! draw therefore depends on the seed and on `k` only: not on the worker, the slot, the
 //! batch, or how many tokens other responses have drawn.
 //!
+//! # Where tokens are drawn
+//! A response whose settings need no host-side rule (no top-k, top-p, min-p or
+//! repetition penalty, sampled log-probs) is drawn by the decode step itself, where its
+//! logits are ([`SamplingConfig::draw`], `metronome_model::draw`: on a GPU a CUDA
+//! kernel, so `[slots, vocab]` logits never cross to the host); the others are sampled
+//! here from their logits. [`Sampler::sample`] is built from the same functions, so
+//! both give the same token and log-prob from the same logits.
+//!
 //! # Behaviour log-probs
 //! The log-prob recorded for a sampled token is taken from the log-softmax of the
 //! logits *after* the repetition penalty and the temperature, and *before* top-k,
@@ -33,6 +41,8 @@
 //! total and the result deterministic.
 
 use metronome_core::{TokenId, mix64};
+use metronome_model::Draw;
+use metronome_model::draw;
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -187,6 +197,18 @@ impl SamplingConfig {
         Ok(())
     }
 
+    /// The draw a decode step may make where the logits are for a response under these
+    /// settings, whose next token's uniform number is `u` (`metronome_model::draw`,
+    /// which is [`Sampler::sample`]'s own arithmetic for such settings); `None` when
+    /// sampling needs the host's rules: truncation, a repetition penalty (which reads
+    /// the context) or raw log-probs.
+    #[must_use]
+    pub fn draw(&self, u: f64) -> Option<Draw> {
+        let plain =
+            !self.truncates() && self.repetition_penalty == 1.0 && self.logprobs == LogprobsMode::Sampled;
+        plain.then_some(Draw { temperature: self.temperature, u })
+    }
+
     fn truncates(&self) -> bool {
         self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
     }
@@ -205,6 +227,8 @@ pub struct Sampled {
 /// Chooses tokens from logits; owns scratch buffers so a worker allocates once.
 #[derive(Debug, Default)]
 pub struct Sampler {
+    /// The logits after the repetition penalty (only when there is one).
+    penalised: Vec<f32>,
     scaled: Vec<f32>,
     /// `exp(scaled_i - max)` in f64, computed once per row: the normaliser, the
     /// inverse CDF and the truncation rules all read these instead of recomputing them
@@ -235,71 +259,38 @@ impl Sampler {
         if logits.is_empty() {
             return Err(Error::model("empty logits row"));
         }
-        self.scaled.clear();
-        self.scaled.extend_from_slice(logits);
-        if cfg.repetition_penalty != 1.0 {
-            self.penalise(context, cfg.repetition_penalty);
-        }
+        // The untruncated steps are `metronome_model::draw`'s, so that a token drawn by a
+        // decode step and one sampled here from the same logits are the same. The
+        // repetition penalty comes first, on the raw logits, as in Hugging Face.
+        let row = if cfg.repetition_penalty == 1.0 {
+            logits
+        } else {
+            self.penalised.clear();
+            self.penalised.extend_from_slice(logits);
+            penalise(&mut self.penalised, &mut self.seen, context, cfg.repetition_penalty);
+            &self.penalised
+        };
+        draw::scale(row, cfg.temperature, &mut self.scaled);
         let greedy = cfg.temperature == 0.0;
-        if !greedy && cfg.temperature != 1.0 {
-            let inv = 1.0 / cfg.temperature;
-            for x in &mut self.scaled {
-                *x *= inv;
+        let (max_i, max, total) = match draw::row_weights(&self.scaled, &mut self.weights) {
+            Ok(stats) => stats,
+            Err(_) => {
+                let (_, max) = draw::argmax(&self.scaled);
+                return Err(Error::model(format!("logits have no finite maximum ({max})")));
             }
-        }
-        let (max_i, max) = argmax(&self.scaled);
-        if !max.is_finite() {
-            return Err(Error::model(format!("logits have no finite maximum ({max})")));
-        }
-        self.weights.clear();
-        self.weights.extend(self.scaled.iter().map(|&x| weight(x, max)));
-        // Summed sequentially, so the result depends on the row alone.
-        let total: f64 = self.weights.iter().sum();
-        let log_z = f64::from(max) + total.ln();
-        let logprob_of = |x: f32| (f64::from(x) - log_z) as f32;
+        };
         let token = if greedy {
             max_i as TokenId
         } else if cfg.truncates() {
             self.sample_truncated(cfg, max, u)
         } else {
-            self.sample_full(total, u)
+            draw::invert_cdf(&self.weights, total, u)
         };
         let logprob = match cfg.logprobs {
-            LogprobsMode::Sampled => logprob_of(self.scaled[token as usize]),
+            LogprobsMode::Sampled => draw::logprob(self.scaled[token as usize], max, total),
             LogprobsMode::Raw => raw_logprob(logits, token as usize),
         };
         Ok(Sampled { token, logprob })
-    }
-
-    /// Hugging Face's rule: each distinct context token once, positive logits divided,
-    /// negative multiplied, so the token always becomes less likely.
-    fn penalise(&mut self, context: &[TokenId], penalty: f32) {
-        self.seen.clear();
-        self.seen.extend(context.iter().copied().filter(|&t| (t as usize) < self.scaled.len()));
-        self.seen.sort_unstable();
-        self.seen.dedup();
-        for &t in &self.seen {
-            let x = &mut self.scaled[t as usize];
-            *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
-        }
-    }
-
-    /// Inverse-CDF sampling over the whole vocabulary in token-id order.
-    /// `total` is the sum of the weights.
-    fn sample_full(&self, total: f64, u: f64) -> TokenId {
-        let target = u * total;
-        let mut acc = 0.0f64;
-        let mut last = 0;
-        for (i, &w) in self.weights.iter().enumerate() {
-            if w > 0.0 {
-                acc += w;
-                last = i;
-                if acc > target {
-                    return i as TokenId;
-                }
-            }
-        }
-        last as TokenId
     }
 
     /// Top-k, then top-p on the renormalised top-k set, then min-p; inverse-CDF over
@@ -358,32 +349,26 @@ impl Sampler {
     }
 }
 
+/// Hugging Face's repetition penalty on `row`: each distinct context token once (`seen`
+/// is scratch), positive logits divided, negative multiplied, so the token always
+/// becomes less likely.
+fn penalise(row: &mut [f32], seen: &mut Vec<u32>, context: &[TokenId], penalty: f32) {
+    seen.clear();
+    seen.extend(context.iter().copied().filter(|&t| (t as usize) < row.len()));
+    seen.sort_unstable();
+    seen.dedup();
+    for &t in seen.iter() {
+        let x = &mut row[t as usize];
+        *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
+    }
+}
+
 /// `log_softmax(logits)[token]` at temperature 1, summed in f64 in token order (so
 /// the value depends on the row alone).
 fn raw_logprob(logits: &[f32], token: usize) -> f32 {
-    let (_, max) = argmax(logits);
-    let total: f64 = logits.iter().map(|&x| weight(x, max)).sum();
+    let (_, max) = draw::argmax(logits);
+    let total: f64 = logits.iter().map(|&x| draw::weight(x, max)).sum();
     (f64::from(logits[token]) - f64::from(max) - total.ln()) as f32
-}
-
-/// `exp(x - max)` in f64; zero for `-inf` and NaN.
-fn weight(x: f32, max: f32) -> f64 {
-    if x.is_nan() { 0.0 } else { (f64::from(x) - f64::from(max)).exp() }
-}
-
-/// The first index of the largest value (NaN never wins), and that value.
-fn argmax(xs: &[f32]) -> (usize, f32) {
-    let mut best = (0, f32::NEG_INFINITY);
-    for (i, &x) in xs.iter().enumerate() {
-        if x > best.1 {
-            best = (i, x);
-        }
-    }
-    if best.1 == f32::NEG_INFINITY && !xs.is_empty() {
-        // All -inf or NaN: report the first value so the caller sees it is not finite.
-        return (0, if xs[0].is_nan() { f32::NAN } else { f32::NEG_INFINITY });
-    }
-    best
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! KV-cache decoding: equal to the full forward, and batch-invariant bitwise.
 
-use metronome_model::{Device, KvCache, Model, ModelConfig};
+use metronome_model::draw::{DrawScratch, draw_row};
+use metronome_model::{Device, Draw, Kernels, KvCache, Model, ModelConfig, Next};
 
 use crate::common::{fixture, full_logits, max_abs_diff, tokens};
 
@@ -51,6 +52,142 @@ fn kv_cache_decode_equals_full_forward_fixture() {
     // The fixture's weights are large (logits up to ~6); still within 1e-5.
     let model = Model::load_hf(&fixture("tiny_qwen2"), &Device::Cpu).unwrap();
     decode_matches_full_forward(&model, 1e-5);
+}
+
+/// A step that draws its rows gives what drawing them on the host from the step's
+/// logits gives: prefills and decode steps of four slots with a greedy row, rows at
+/// temperatures 0.7 and 1.0 and a row without a draw (its logits come back), against
+/// a twin cache fed the same tokens through `prefill_many`/`decode_step` and
+/// `draw::draw_row`. Returns how many drawn tokens had bitwise-equal log-probs, of all.
+pub(crate) fn drawing_matches_the_host_reference(model: &Model, logprob_tol: f32) -> (usize, usize) {
+    let vocab = model.config().vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(300 + i, 3 + 2 * i as usize, vocab)).collect();
+    let temperature = [Some(0.0), Some(0.7), None, Some(1.0)];
+    let draws = |k: u64| -> Vec<Option<Draw>> {
+        temperature
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                t.map(|temperature| Draw { temperature, u: ((k * 7 + i as u64 * 3) % 10) as f64 / 10.0 })
+            })
+            .collect()
+    };
+    let (mut drawing, mut twin) = (KvCache::new(model, 4, 32).unwrap(), KvCache::new(model, 4, 32).unwrap());
+    let seqs: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(s, p)| (s, p.as_slice())).collect();
+    let mut got = model.prefill_many_drawing(&mut drawing, &seqs, &draws(0)).unwrap();
+    let mut want = model.prefill_many(&mut twin, &seqs).unwrap();
+    let mut scratch = DrawScratch::default();
+    let (mut bitwise, mut total) = (0, 0);
+    for k in 0..6u64 {
+        let mut fed = Vec::new();
+        for (slot, ((next, logits), draw)) in got.iter().zip(&want).zip(draws(k)).enumerate() {
+            let token = match (next, draw) {
+                (Next::Drawn(d), Some(draw)) => {
+                    let host = draw_row(logits, draw, &mut scratch).unwrap();
+                    assert_eq!(d.token, host.token, "step {k}, slot {slot}: drawn vs host token");
+                    let diff = (d.logprob - host.logprob).abs();
+                    assert!(
+                        diff <= logprob_tol,
+                        "step {k}, slot {slot}: log-prob {} vs {}",
+                        d.logprob,
+                        host.logprob
+                    );
+                    bitwise += usize::from(d.logprob.to_bits() == host.logprob.to_bits());
+                    total += 1;
+                    d.token
+                }
+                (Next::Logits(l), None) => {
+                    assert_eq!(l, logits, "step {k}, slot {slot}: a row without a draw returns its logits");
+                    (k as u32 + 5) % vocab as u32
+                }
+                (other, draw) => panic!("step {k}, slot {slot}: {other:?} for {draw:?}"),
+            };
+            fed.push((slot, token));
+        }
+        got = model.decode_step_drawing(&mut drawing, &fed, &draws(k + 1)).unwrap();
+        want = model.decode_step(&mut twin, &fed).unwrap();
+    }
+    (bitwise, total)
+}
+
+#[test]
+fn drawing_steps_draw_what_the_host_draws_from_their_logits() {
+    let base = Model::new(ModelConfig::tiny(), &Device::Cpu, 7).unwrap();
+    for model in
+        [base.clone(), base.frozen_copy().unwrap(), base.clone().with_kernels(Kernels::Portable).unwrap()]
+    {
+        let (bitwise, total) = drawing_matches_the_host_reference(&model, 0.0);
+        assert_eq!(bitwise, total);
+    }
+    // Bad draws are refused before the cache moves.
+    let mut cache = KvCache::new(&base, 2, 8).unwrap();
+    let e = base.decode_step_drawing(&mut cache, &[(0, 3)], &[]).unwrap_err().to_string();
+    assert!(e.contains("0 for 1 rows"), "{e}");
+    let hot = [Some(Draw { temperature: f32::NAN, u: 0.5 })];
+    let e = base.prefill_many_drawing(&mut cache, &[(0, &[3, 4])], &hot).unwrap_err().to_string();
+    assert!(e.contains("draw 0"), "{e}");
+    assert_eq!(cache.len(0), 0);
+    let e = base.with_kernels(Kernels::Cuda).unwrap_err().to_string();
+    assert!(e.contains("CUDA devices only"), "{e}");
+}
+
+/// Rows of logits with edge cases and rows of noise, `[rows, vocab]` on `device`:
+/// a row without a finite maximum (NaN and `-inf`), one whose only finite logit is the
+/// last, one of equal logits (greedy takes the first), then noise at several scales.
+pub(crate) fn draw_logits(rows: usize, vocab: usize, device: &Device) -> metronome_model::Tensor {
+    let mut v = Vec::with_capacity(rows * vocab);
+    for r in 0..rows {
+        for i in 0..vocab {
+            let noise = (metronome_core::mix64((r as u64) << 32 | i as u64) % 100_000) as f32 / 10_000.0;
+            v.push(match r {
+                0 => {
+                    if i % 2 == 0 {
+                        f32::NAN
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                }
+                1 => {
+                    if i + 1 == vocab {
+                        2.5
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                }
+                2 => 0.25,
+                _ => noise * (r % 4) as f32 - if i % 7 == 0 { f32::INFINITY } else { 0.0 },
+            });
+        }
+    }
+    metronome_model::Tensor::from_vec(v, (rows, vocab), device).unwrap()
+}
+
+/// Draws for [`draw_logits`]' rows: every row drawn, temperatures and uniform numbers varied.
+pub(crate) fn draws_for(rows: usize) -> Vec<Option<Draw>> {
+    (0..rows)
+        .map(|r| {
+            let temperature = [0.6, 1.0, 0.0, 1.7][r % 4];
+            Some(Draw {
+                temperature,
+                u: (metronome_core::mix64(r as u64 + 99) >> 11) as f64 / (1u64 << 53) as f64,
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn kernels_draw_rows_as_the_reference_and_return_rows_without_a_maximum() {
+    let logits = draw_logits(12, 300, &Device::Cpu);
+    let draws = draws_for(12);
+    let fused = Kernels::Fused.next_rows(&logits, &draws).unwrap();
+    // Compared as printed: the first row's NaN logits are equal there, not under `==`.
+    let portable = Kernels::Portable.next_rows(&logits, &draws).unwrap();
+    assert_eq!(format!("{fused:?}"), format!("{portable:?}"));
+    assert!(matches!(&fused[0], Next::Logits(l) if l.len() == 300), "a row of NaN and -inf goes to the host");
+    assert!(matches!(fused[1], Next::Drawn(d) if d.token == 299 && d.logprob == 0.0));
+    assert!(matches!(fused[2], Next::Drawn(d) if d.token == 0), "greedy takes the first of equal logits");
+    let bf16 = logits.to_dtype(metronome_model::DType::BF16).unwrap();
+    assert_eq!(Kernels::Portable.next_rows(&bf16, &draws).unwrap().len(), 12);
 }
 
 /// Prefills `n` slots identically and returns the cache.

@@ -13,7 +13,9 @@ use crate::common::{
     close, fixture, full_logits, logprob_around_sgd, logprobs_and_gradients, max_abs_diff, separate_rows,
     tokens,
 };
-use crate::decode::decode_matches_full_forward;
+use crate::decode::{
+    decode_matches_full_forward, draw_logits, drawing_matches_the_host_reference, draws_for,
+};
 use crate::reference::logits_equal_transformers;
 use crate::training::{every_parameter_gets_a_gradient, shared_prompt_equals_separate_rows};
 
@@ -44,7 +46,7 @@ fn cuda() -> Option<Device> {
 fn cuda_fused_kernels_are_refused_off_the_cpu() {
     let Some(gpu) = cuda() else { return };
     let model = Model::new(ModelConfig::tiny(), &gpu, 1).unwrap();
-    assert_eq!(model.kernels(), Kernels::Portable);
+    assert_eq!(model.kernels(), Kernels::Cuda);
     let e = model.with_kernels(Kernels::Fused).unwrap_err().to_string();
     assert!(e.contains("CPU only"), "{e}");
 }
@@ -159,6 +161,53 @@ fn cuda_decode_is_reproducible_and_near_batch_invariant() {
     let d = max_abs_diff(&alone, &run(&[0, 3, 9, 12, 1, 2, 4, 5, 6, 7, 8, 10, 11, 13, 14, 15]));
     eprintln!("slot 3 alone vs in a batch of 16: max |diff| = {d:e}");
     assert!(d < 1e-5, "{d}");
+}
+
+/// The draw kernel (`kernels/draw.cu`) against its host reference on the same logits,
+/// f32 and bf16, at vocabulary sizes from the tiny model's to Qwen2's (one run or many
+/// per thread of its block), with the edge rows of `draw_logits`; then through a
+/// model's decode steps. Tokens must be identical (they differ only where `u · total`
+/// falls within f64 rounding of a boundary), log-probs within 1e-6.
+#[test]
+fn cuda_draw_kernel_draws_what_the_host_draws() {
+    use metronome_model::{DType, Next};
+    let Some(gpu) = cuda() else { return };
+    let (mut same, mut drawn, mut bitwise) = (0, 0, 0);
+    for vocab in [99, 1025, 49_152, 151_936] {
+        let draws = draws_for(64);
+        for dtype in [DType::F32, DType::BF16] {
+            let logits = draw_logits(64, vocab, &gpu).to_dtype(dtype).unwrap();
+            let device = Kernels::Cuda.next_rows(&logits, &draws).unwrap();
+            let host = Kernels::Portable.next_rows(&logits, &draws).unwrap();
+            for (r, (d, h)) in device.iter().zip(&host).enumerate() {
+                match (d, h) {
+                    (Next::Drawn(d), Next::Drawn(h)) => {
+                        drawn += 1;
+                        same += usize::from(d.token == h.token);
+                        bitwise += usize::from(d.logprob.to_bits() == h.logprob.to_bits());
+                        let diff = (d.logprob - h.logprob).abs();
+                        assert!(
+                            d.token != h.token || diff <= 1e-6 * h.logprob.abs().max(1.0),
+                            "vocab {vocab} {dtype:?} row {r}: log-prob {} vs {}",
+                            d.logprob,
+                            h.logprob
+                        );
+                    }
+                    (Next::Logits(d), Next::Logits(h)) => {
+                        assert_eq!(d.len(), h.len());
+                        assert!(d.iter().zip(h).all(|(a, b)| a.to_bits() == b.to_bits()), "row {r}'s logits");
+                    }
+                    (d, h) => panic!("vocab {vocab} {dtype:?} row {r}: device {d:?}, host {h:?}"),
+                }
+            }
+        }
+    }
+    eprintln!("draw kernel vs host: {same} of {drawn} tokens identical, {bitwise} log-probs bitwise equal");
+    assert_eq!(same, drawn, "tokens drawn on the GPU differ from the host's on the same logits");
+    let model = Model::load_hf(&fixture("tiny_llama"), &gpu).unwrap().frozen_copy().unwrap();
+    assert_eq!(model.kernels(), Kernels::Cuda);
+    let (bitwise, total) = drawing_matches_the_host_reference(&model, 1e-6);
+    eprintln!("decode steps on the GPU: {bitwise} of {total} drawn log-probs bitwise equal to the host's");
 }
 
 #[test]

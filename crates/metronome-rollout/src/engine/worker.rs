@@ -13,11 +13,13 @@ use metronome_core::{
     TokenSpan, VersionSwitch, sample_seed,
 };
 
+use metronome_model::{Draw, Next};
+
 use super::episodes::{EpisodeState, ToolCall, spawn_tool_call};
 use super::shared::{Event, Job, Request, Shared, Versioned, WorkerCounters};
 use crate::backend::InferenceModel;
 use crate::stop::Finish;
-use crate::{Batching, Error, PartialCache, Sampler, TokenRng};
+use crate::{Batching, Error, PartialCache, Sampled, Sampler, TokenRng};
 
 /// Most prompt tokens one prefill forward takes: sequences admitted together are
 /// prefilled in one forward (on a small model one prompt costs about what many cost),
@@ -314,21 +316,23 @@ impl<M: InferenceModel> Worker<M> {
             .iter()
             .filter_map(|&s| self.slots[s].as_ref().map(|seq| (s, seq.context.as_slice())))
             .collect();
-        let joint = match model.model.prefill_many(&mut self.cache, &seqs) {
+        let draws: Vec<Option<Draw>> = seqs.iter().map(|&(slot, _)| self.draw_of(slot)).collect();
+        let joint = match model.model.prefill_many(&mut self.cache, &seqs, &draws) {
             Ok(rows) if rows.len() == seqs.len() => Some(rows),
             _ => None,
         };
+        let prefilled: Vec<usize> = seqs.iter().map(|&(slot, _)| slot).collect();
         drop(seqs);
         if let Some(rows) = joint {
-            for (&slot, logits) in slots.iter().zip(&rows) {
-                self.advance(slot, logits);
+            for (slot, next) in prefilled.into_iter().zip(rows) {
+                self.advance(slot, next);
             }
             return;
         }
         for &slot in slots {
             let Some(seq) = self.slots[slot].as_ref() else { continue };
             match model.model.prefill(&mut self.cache, slot, &seq.context) {
-                Ok(logits) => self.advance(slot, &logits),
+                Ok(logits) => self.advance(slot, Next::Logits(logits)),
                 Err(e) => {
                     seq.request.fail(e);
                     self.release(slot);
@@ -364,12 +368,13 @@ impl<M: InferenceModel> Worker<M> {
         }
         self.counters().padding_rows.fetch_add(padding_rows, Ordering::Relaxed);
         for (model, batch) in batches {
-            let result = model.model.decode_step(&mut self.cache, &batch);
+            let draws: Vec<Option<Draw>> = batch.iter().map(|&(slot, _)| self.draw_of(slot)).collect();
+            let result = model.model.decode_step(&mut self.cache, &batch, &draws);
             self.counters().decode_steps.fetch_add(1, Ordering::Relaxed);
             self.counters().decode_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
             match result {
                 Ok(rows) if rows.len() == batch.len() => {
-                    for (&(slot, _), row) in batch.iter().zip(&rows) {
+                    for (&(slot, _), row) in batch.iter().zip(rows) {
                         // A slot without a live sequence was padding: its row is discarded.
                         if self.slots[slot].is_some() {
                             self.advance(slot, row);
@@ -433,10 +438,11 @@ impl<M: InferenceModel> Worker<M> {
             });
             feeds = rest;
             let seqs: Vec<(usize, &[TokenId])> = batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
-            match model.model.prefill_many(&mut self.cache, &seqs) {
+            let draws: Vec<Option<Draw>> = batch.iter().map(|&(slot, _)| self.draw_of(slot)).collect();
+            match model.model.prefill_many(&mut self.cache, &seqs, &draws) {
                 Ok(rows) if rows.len() == batch.len() => {
-                    for ((slot, _), logits) in batch.iter().zip(&rows) {
-                        self.advance(*slot, logits);
+                    for ((slot, _), next) in batch.iter().zip(rows) {
+                        self.advance(*slot, next);
                     }
                 }
                 Ok(rows) => {
@@ -557,12 +563,25 @@ impl<M: InferenceModel> Worker<M> {
         }
     }
 
-    /// Samples the next token of `slot` from `logits` and finishes the sequence if it ended.
-    fn advance(&mut self, slot: usize, logits: &[f32]) {
+    /// The draw the model may make for `slot`'s next token where its logits are (its
+    /// `k`-th token's uniform number); `None` when its settings need the host's rules
+    /// (truncation, a penalty, raw log-probs) or the slot holds no sequence.
+    fn draw_of(&self, slot: usize) -> Option<Draw> {
+        let seq = self.slots[slot].as_ref()?;
+        seq.request.sampling.draw(seq.rng.uniform(seq.sampled))
+    }
+
+    /// Takes the next token of `slot`, drawn by the model or sampled here from its
+    /// logits, and finishes the sequence if it ended.
+    fn advance(&mut self, slot: usize, next: Next) {
         let Some(seq) = self.slots[slot].as_mut() else { return };
         let k = seq.sampled;
         let sampling = &seq.request.sampling;
-        let sampled = match self.sampler.sample(sampling, logits, &seq.context, seq.rng.uniform(k)) {
+        let sampled = match next {
+            Next::Drawn(d) => Ok(Sampled { token: d.token, logprob: d.logprob }),
+            Next::Logits(logits) => self.sampler.sample(sampling, &logits, &seq.context, seq.rng.uniform(k)),
+        };
+        let sampled = match sampled {
             Ok(s) => s,
             Err(e) => {
                 seq.request.fail(e);

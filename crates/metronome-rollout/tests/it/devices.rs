@@ -41,18 +41,29 @@ async fn cuda_seeded_sampling_is_reproducible() {
         Ok(d) => d,
         Err(e) => return eprintln!("skipped: no CUDA device: {e}"),
     };
-    let mut s = SamplingConfig { temperature: 1.0, top_p: 0.9, ..sampling(24) };
-    s.stop_token_ids = Some(vec![2, 4, 40, 70]);
-    let a = generate(&gpu, 8, &s).await;
-    assert_eq!(a, generate(&gpu, 8, &s).await, "the same seed and layout on the GPU");
-    // Another slot count changes which rows share a decode step.
-    let layouts = generate(&gpu, 3, &s).await;
-    let same = a.iter().zip(&layouts).filter(|(x, y)| x.2 == y.2).count();
-    let cpu = generate(&metronome_model::Device::Cpu, 8, &s).await;
-    let same_cpu = a.iter().zip(&cpu).filter(|(x, y)| x.2 == y.2).count();
-    eprintln!(
-        "GPU, 8 vs 3 slots: {same} of {} responses with identical tokens; GPU vs CPU: {same_cpu}",
-        a.len()
-    );
-    assert_eq!(same, a.len(), "tokens depend on the slot layout on the GPU");
+    // Top-p samples on the host from copied logits; plain temperature is drawn on the
+    // device by the draw kernel (`metronome_model::draw`): both must be reproducible.
+    for (what, mut s) in [
+        ("top-p 0.9, sampled on the host", SamplingConfig { temperature: 1.0, top_p: 0.9, ..sampling(24) }),
+        ("temperature 0.8, drawn on the device", SamplingConfig { temperature: 0.8, ..sampling(24) }),
+    ] {
+        s.stop_token_ids = Some(vec![2, 4, 40, 70]);
+        let a = generate(&gpu, 8, &s).await;
+        assert_eq!(a, generate(&gpu, 8, &s).await, "{what}: the same seed and layout on the GPU");
+        // Another slot count changes which rows share a decode step.
+        let layouts = generate(&gpu, 3, &s).await;
+        let same = a.iter().zip(&layouts).filter(|(x, y)| x.2 == y.2).count();
+        let cpu = generate(&metronome_model::Device::Cpu, 8, &s).await;
+        let same_cpu = a.iter().zip(&cpu).filter(|(x, y)| x.2 == y.2).count();
+        let tokens = |v: &[crate::common::Signature]| v.iter().map(|x| x.2.len()).sum::<usize>();
+        let same_tokens: usize =
+            a.iter().zip(&cpu).map(|(x, y)| x.2.iter().zip(&y.2).take_while(|(p, q)| p == q).count()).sum();
+        eprintln!(
+            "{what}: GPU, 8 vs 3 slots: {same} of {} responses with identical tokens; GPU vs CPU: {same_cpu} \
+             responses identical, {same_tokens} of {} GPU tokens before the first difference",
+            a.len(),
+            tokens(&a)
+        );
+        assert_eq!(same, a.len(), "{what}: tokens depend on the slot layout on the GPU");
+    }
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use metronome_core::{PeriodId, PolicyVersion, RunSeed, TokenId, VersionSwitch, sample_seed};
-use metronome_model::{KvCache, Model};
+use metronome_model::{Draw, KvCache, Model, Next};
 use metronome_rollout::{
     CollectSink, Engine, EngineConfig, InferenceModel, PartialCache, Result, Sampler, SamplingConfig,
     Submission, TokenRng,
@@ -34,12 +34,22 @@ impl InferenceModel for Hooked {
         InferenceModel::prefill(&self.model, cache, slot, tokens)
     }
 
-    fn prefill_many(&self, cache: &mut KvCache, seqs: &[(usize, &[TokenId])]) -> Result<Vec<Vec<f32>>> {
-        InferenceModel::prefill_many(&self.model, cache, seqs)
+    fn prefill_many(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[(usize, &[TokenId])],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        InferenceModel::prefill_many(&self.model, cache, seqs, draws)
     }
 
-    fn decode_step(&self, cache: &mut KvCache, batch: &[(usize, TokenId)]) -> Result<Vec<Vec<f32>>> {
-        let rows = InferenceModel::decode_step(&self.model, cache, batch)?;
+    fn decode_step(
+        &self,
+        cache: &mut KvCache,
+        batch: &[(usize, TokenId)],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        let rows = InferenceModel::decode_step(&self.model, cache, batch, draws)?;
         let steps = self.steps.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some((at, next, version)) = &self.next
             && steps == *at
@@ -124,10 +134,15 @@ fn reference(switches: &[(usize, u64)], keep: bool) -> (Vec<TokenId>, Vec<f32>) 
             Some(&(_, seed)) => {
                 model = tiny_model(seed);
                 cache = InferenceModel::new_cache(&model, 1, 128).unwrap();
-                InferenceModel::prefill_many(&model, &mut cache, &[(0, &context)]).unwrap().remove(0)
+                InferenceModel::prefill_many(&model, &mut cache, &[(0, &context)], &[None]).unwrap().remove(0)
             }
-            None => InferenceModel::decode_step(&model, &mut cache, &[(0, tokens[k - 1])]).unwrap().remove(0),
+            None => InferenceModel::decode_step(&model, &mut cache, &[(0, tokens[k - 1])], &[None])
+                .unwrap()
+                .remove(0),
         };
+        // Sampled here on the host from the logits, while the engine's model draws its
+        // tokens itself (`metronome_model::draw`): the two must agree bit for bit.
+        let logits = logits.into_logits().expect("a row without a draw comes back as logits");
         let sampled = sampler.sample(&sampling(), &logits, &context, rng.uniform(k as u64)).unwrap();
         context.push(sampled.token);
         tokens.push(sampled.token);

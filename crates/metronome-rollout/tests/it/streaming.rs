@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use metronome_core::{Group, GroupSink, PeriodId, PolicyVersion, RolloutEngine, RolloutRequest, TokenId};
-use metronome_model::{KvCache, Model};
+use metronome_model::{Draw, KvCache, Model, Next};
 use metronome_rollout::{Engine, EngineConfig, InferenceModel};
 
 use crate::common::{prompts, sampling, tiny_model, tokenizer};
@@ -49,7 +49,8 @@ impl InferenceModel for Gated {
         &self,
         cache: &mut KvCache,
         batch: &[(usize, TokenId)],
-    ) -> metronome_rollout::Result<Vec<Vec<f32>>> {
+        draws: &[Option<Draw>],
+    ) -> metronome_rollout::Result<Vec<Next>> {
         if self.gate.finished.load(Ordering::SeqCst) > 0 {
             let opened = self.gate.opened.lock().unwrap();
             let (opened, timeout) =
@@ -59,7 +60,7 @@ impl InferenceModel for Gated {
             }
         }
         self.gate.decode_steps.fetch_add(1, Ordering::SeqCst);
-        InferenceModel::decode_step(&self.inner, cache, batch)
+        InferenceModel::decode_step(&self.inner, cache, batch, draws)
     }
 
     fn free(&self, cache: &mut KvCache, slot: usize) {

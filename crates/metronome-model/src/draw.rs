@@ -1,0 +1,236 @@
+//! Drawing a row's next token where its logits are: the untruncated part of sampling
+//! (temperature, or greedy at temperature 0), which a decode step can do on the device
+//! so that only token ids and log-probs cross to the host, not `[rows, vocab]` logits.
+//!
+//! The rollout engine owns sampling (configs, seeds, top-k/top-p/min-p, the repetition
+//! penalty); it asks a decode step to draw the rows whose settings need none of the
+//! host-side rules ([`Draw`]) and samples the others from their logits as before
+//! ([`Next::Logits`]). Its own sampler is built from the functions here, so a row drawn
+//! by the step and one sampled by the engine from the same logits get the same token:
+//!
+//! 1. scale the logits by `1 / T` in f32 ([`scale`]; not at `T = 0` or `T = 1`);
+//! 2. the first index of the largest scaled value, and `w_i = exp(x_i − max)` in f64,
+//!    summed in token order ([`row_weights`]);
+//! 3. greedy: that index; otherwise the first token whose running sum of weights
+//!    exceeds `u · total` ([`invert_cdf`]), `u` being the row's counter-based uniform
+//!    number (`metronome-rollout`'s `TokenRng`: run seed, version, prompt, sample index
+//!    and position, never the slot, batch or device);
+//! 4. the log-prob of the token under the scaled distribution, `x_t − max − ln total`
+//!    (at `T = 1` when greedy).
+//!
+//! On the CPU (and under [`crate::Kernels::Portable`]) a step draws its rows with
+//! exactly these functions ([`draw_row`]). The CUDA kernel (`kernels/draw.cu`, under
+//! [`crate::Kernels::Cuda`]) follows the same steps with one thread block per row: each
+//! thread sums a contiguous run of the vocabulary in order and the runs' sums are
+//! added in order, so the total differs from the sequential sum only in f64 rounding
+//! (about 1e-16 relative); a token differs only when `u · total` falls that close to
+//! a boundary between two tokens.
+
+use crate::{Error, Result};
+
+/// How one row's next token is drawn by a decode step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Draw {
+    /// Softmax temperature; `0` is greedy (the argmax, whose log-prob is then taken at
+    /// temperature 1).
+    pub temperature: f32,
+    /// The row's uniform number in `[0, 1)`.
+    pub u: f64,
+}
+
+/// A token drawn by a decode step and its log-prob under the temperature-scaled
+/// (untruncated) distribution.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Drawn {
+    /// The token.
+    pub token: u32,
+    /// `log_softmax(logits / T)[token]` (`T = 1` when greedy).
+    pub logprob: f32,
+}
+
+/// What a decode step gives back for one row: its drawn token, or its logits `[vocab]`
+/// for the caller to sample (rows that were given no [`Draw`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Next {
+    /// Drawn by the step.
+    Drawn(Drawn),
+    /// The row's logits, on the host.
+    Logits(Vec<f32>),
+}
+
+impl Next {
+    /// The logits of a row that was not drawn; `None` for a drawn one.
+    #[must_use]
+    pub fn into_logits(self) -> Option<Vec<f32>> {
+        match self {
+            Self::Logits(l) => Some(l),
+            Self::Drawn(_) => None,
+        }
+    }
+}
+
+/// Writes `logits / T` into `out` (the logits as they are at `T = 0` and `T = 1`), in
+/// f32 with the reciprocal taken once, as the sampler always has.
+pub fn scale(logits: &[f32], temperature: f32, out: &mut Vec<f32>) {
+    out.clear();
+    out.extend_from_slice(logits);
+    if temperature != 0.0 && temperature != 1.0 {
+        let inv = 1.0 / temperature;
+        for x in out {
+            *x *= inv;
+        }
+    }
+}
+
+/// The first index of the largest of `scaled` (NaN never wins), that value, and the
+/// sum of the weights `exp(x_i − max)` in f64 (zero for `-inf` and NaN), which are
+/// written into `weights`, summed sequentially so that the result depends on the row
+/// alone. Errors when the row is empty or has no finite maximum.
+pub fn row_weights(scaled: &[f32], weights: &mut Vec<f64>) -> Result<(usize, f32, f64)> {
+    if scaled.is_empty() {
+        return Err(Error::invalid("logits", "the row is empty"));
+    }
+    let (argmax, max) = argmax(scaled);
+    if !max.is_finite() {
+        return Err(Error::invalid("logits", format!("the row has no finite maximum ({max})")));
+    }
+    weights.clear();
+    weights.extend(scaled.iter().map(|&x| weight(x, max)));
+    Ok((argmax, max, weights.iter().sum()))
+}
+
+/// `exp(x − max)` in f64; zero for `-inf` and NaN.
+#[must_use]
+pub fn weight(x: f32, max: f32) -> f64 {
+    if x.is_nan() { 0.0 } else { (f64::from(x) - f64::from(max)).exp() }
+}
+
+/// The first index of the largest value (NaN never wins), and that value; for a row of
+/// `-inf` and NaN only, index 0 and a value that is not finite.
+#[must_use]
+pub fn argmax(xs: &[f32]) -> (usize, f32) {
+    let mut best = (0, f32::NEG_INFINITY);
+    for (i, &x) in xs.iter().enumerate() {
+        if x > best.1 {
+            best = (i, x);
+        }
+    }
+    if best.1 == f32::NEG_INFINITY && !xs.is_empty() {
+        return (0, if xs[0].is_nan() { f32::NAN } else { f32::NEG_INFINITY });
+    }
+    best
+}
+
+/// Inverse-CDF sampling over `weights` in token order: the first token whose running
+/// sum exceeds `u · total`; if rounding leaves the sum short of it, the last token of
+/// positive weight.
+#[must_use]
+pub fn invert_cdf(weights: &[f64], total: f64, u: f64) -> u32 {
+    let target = u * total;
+    let mut acc = 0.0f64;
+    let mut last = 0;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            acc += w;
+            last = i;
+            if acc > target {
+                return i as u32;
+            }
+        }
+    }
+    last as u32
+}
+
+/// The log-prob of a scaled value `x` in a row of maximum `max` and weight sum `total`.
+#[must_use]
+pub fn logprob(x: f32, max: f32, total: f64) -> f32 {
+    (f64::from(x) - (f64::from(max) + total.ln())) as f32
+}
+
+/// Reusable buffers of [`draw_row`].
+#[derive(Debug, Default)]
+pub struct DrawScratch {
+    scaled: Vec<f32>,
+    weights: Vec<f64>,
+}
+
+/// Draws one row's token on the host: the reference of every device's draw (module docs).
+pub fn draw_row(logits: &[f32], draw: Draw, scratch: &mut DrawScratch) -> Result<Drawn> {
+    scale(logits, draw.temperature, &mut scratch.scaled);
+    let (top, max, total) = row_weights(&scratch.scaled, &mut scratch.weights)?;
+    let token =
+        if draw.temperature == 0.0 { top as u32 } else { invert_cdf(&scratch.weights, total, draw.u) };
+    Ok(Drawn { token, logprob: logprob(scratch.scaled[token as usize], max, total) })
+}
+
+/// Checks a step's draws against its rows: one per row, temperatures of the sampler's
+/// domain (`0`, or finite and positive), uniform numbers in `[0, 1)`.
+pub(crate) fn check_draws(draws: &[Option<Draw>], rows: usize) -> Result<()> {
+    if draws.len() != rows {
+        return Err(Error::invalid("draws", format!("{} for {rows} rows", draws.len())));
+    }
+    for (i, d) in draws.iter().enumerate() {
+        let Some(d) = d else { continue };
+        if !(d.temperature == 0.0 || d.temperature.is_finite() && d.temperature > 0.0) {
+            return Err(Error::invalid(
+                format!("draw {i}"),
+                format!("temperature {} is not 0 or positive", d.temperature),
+            ));
+        }
+        if !(0.0..1.0).contains(&d.u) {
+            return Err(Error::invalid(
+                format!("draw {i}"),
+                format!("uniform number {} is not in [0, 1)", d.u),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_largest_and_its_temperature_one_logprob() {
+        let mut s = DrawScratch::default();
+        let d = draw_row(&[1.0, 3.0, 3.0, -1.0], Draw { temperature: 0.0, u: 0.99 }, &mut s).unwrap();
+        assert_eq!(d.token, 1);
+        let z = (1f64.exp() + 2.0 * 3f64.exp() + (-1f64).exp()).ln();
+        assert!((f64::from(d.logprob) - (3.0 - z)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn the_uniform_number_walks_the_cdf_in_token_order() {
+        let mut s = DrawScratch::default();
+        // Equal logits: token i owns [i/4, (i+1)/4).
+        for (u, want) in [(0.0, 0), (0.24, 0), (0.26, 1), (0.74, 2), (0.9999, 3)] {
+            let d = draw_row(&[0.5; 4], Draw { temperature: 0.7, u }, &mut s).unwrap();
+            assert_eq!(d.token, want, "u = {u}");
+            assert!((d.logprob - 0.25f32.ln()).abs() < 1e-6);
+        }
+        // A token of zero weight is never drawn, even where its interval would be.
+        let d = draw_row(&[0.0, f32::NEG_INFINITY, f32::NAN, 0.0], Draw { temperature: 1.0, u: 0.6 }, &mut s);
+        assert_eq!(d.unwrap().token, 3);
+    }
+
+    #[test]
+    fn rows_without_a_finite_maximum_and_bad_draws_are_errors_naming_them() {
+        let mut s = DrawScratch::default();
+        let e = draw_row(&[f32::NAN, f32::NEG_INFINITY], Draw { temperature: 1.0, u: 0.5 }, &mut s);
+        assert!(e.unwrap_err().to_string().contains("no finite maximum"));
+        assert!(
+            draw_row(&[], Draw { temperature: 1.0, u: 0.5 }, &mut s)
+                .unwrap_err()
+                .to_string()
+                .contains("empty")
+        );
+        let ok = Some(Draw { temperature: 1.0, u: 0.5 });
+        assert!(check_draws(&[ok, None], 2).is_ok());
+        assert!(check_draws(&[ok], 2).unwrap_err().to_string().contains("1 for 2 rows"));
+        let hot = Some(Draw { temperature: -1.0, u: 0.5 });
+        assert!(check_draws(&[None, hot], 2).unwrap_err().to_string().contains("draw 1"));
+        let far = Some(Draw { temperature: 1.0, u: 1.0 });
+        assert!(check_draws(&[far], 1).unwrap_err().to_string().contains("[0, 1)"));
+    }
+}
