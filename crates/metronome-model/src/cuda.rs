@@ -97,7 +97,10 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw]) -> Result<Vec<Option
         DType::F32 => launch!(f32, "draw_rows_f32"),
         DType::BF16 => launch!(half::bf16, "draw_rows_bf16"),
         other => {
-            return Err(Error::invalid("draw", format!("logits of {other:?}: the kernel reads f32 and bf16")));
+            return Err(Error::invalid(
+                "draw",
+                format!("logits of {other:?}: the kernel reads f32 and bf16"),
+            ));
         }
     }
     let tokens = stream.clone_dtoh(&tokens).map_err(cuda_err)?;

@@ -28,7 +28,7 @@ use candle_core::{DType, Tensor};
 use crate::draw::{Draw, Next, check_draws};
 use crate::model::{DecodeWeights, Model};
 use crate::ops::{
-    DecodeRows, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu_stacked,
+    DecodeRows, StepIndex, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu_stacked,
     write_decode_rows,
 };
 use crate::{Error, Result};
@@ -304,7 +304,8 @@ impl Model {
             }
             last.push((ids.len() - 1) as u32);
         }
-        let rows = DecodeRows { base: &base, len: &lens };
+        let index = StepIndex::default();
+        let rows = DecodeRows { base: &base, len: &lens, index: Some(&index) };
         let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
         let w = |v: &candle_core::Var| Self::w(v, false);
         let mut x = w(&m.embed).index_select(&Tensor::from_vec(ids, total, dev)?, 0)?;

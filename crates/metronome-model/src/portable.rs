@@ -21,7 +21,7 @@
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::draw::{Draw, DrawScratch, Next, draw_row};
-use crate::ops::{self, DecodeRows};
+use crate::ops::{self, DecodeRows, StepIndex};
 use crate::{Error, Result};
 
 /// Which implementation of the element-wise ops a [`crate::Model`] runs.
@@ -297,14 +297,17 @@ impl Kernels {
                 let (n, kvh, hd) = new.dims3()?;
                 rows.check("decode-write", n, cache.dim(0)?)?;
                 // One in-place scatter: element (i, h, d) goes to cache row
-                // `base[i] + len[i] - 1`.
-                let width = kvh * hd;
-                let mut index = Vec::with_capacity(n * width);
-                for i in 0..n {
-                    let at = (rows.base[i] + rows.len[i] - 1) as u32;
-                    index.extend(std::iter::repeat_n(at, width));
-                }
-                let index = Tensor::from_vec(index, (n, kvh, hd), cache.device())?;
+                // `base[i] + len[i] - 1`. The index is the same for the keys and values
+                // of every layer: built and uploaded once per step.
+                let index = StepIndex::get(rows.index.map(|s| &s.write), || {
+                    let width = kvh * hd;
+                    let mut index = Vec::with_capacity(n * width);
+                    for i in 0..n {
+                        let at = (rows.base[i] + rows.len[i] - 1) as u32;
+                        index.extend(std::iter::repeat_n(at, width));
+                    }
+                    Ok(Tensor::from_vec(index, (n, kvh, hd), cache.device())?)
+                })?;
                 cache.scatter_set(&index, &new.to_dtype(cache.dtype())?.contiguous()?, 0)?;
                 Ok(())
             }
@@ -383,17 +386,25 @@ fn portable_decode_attention(
     rows.check("decode-attention", n, cache_rows)?;
     let rep = heads / kvh;
     let longest = rows.len.iter().copied().max().unwrap_or(1);
-    let mut index = Vec::with_capacity(n * longest);
-    let mut mask = Vec::with_capacity(n * longest);
-    for i in 0..n {
-        for j in 0..longest {
-            index.push((rows.base[i] + j.min(rows.len[i] - 1)) as u32);
-            mask.push(if j < rows.len[i] { 0f32 } else { f32::NEG_INFINITY });
+    // Which cache rows each row reads, and the mask of its padding: the same in every
+    // layer of the step, so built and uploaded once per step.
+    let index = StepIndex::get(rows.index.map(|s| &s.gather), || {
+        let mut index = Vec::with_capacity(n * longest);
+        for i in 0..n {
+            for j in 0..longest {
+                index.push((rows.base[i] + j.min(rows.len[i] - 1)) as u32);
+            }
         }
-    }
-    let dev = q.device();
-    let index = Tensor::from_vec(index, n * longest, dev)?;
-    let mask = Tensor::from_vec(mask, (n, 1, 1, longest), dev)?.to_dtype(q.dtype())?;
+        Ok(Tensor::from_vec(index, n * longest, q.device())?)
+    })?;
+    let mask = StepIndex::get(rows.index.map(|s| &s.mask), || {
+        let mut mask = Vec::with_capacity(n * longest);
+        for i in 0..n {
+            mask.extend((0..longest).map(|j| if j < rows.len[i] { 0f32 } else { f32::NEG_INFINITY }));
+        }
+        Ok(Tensor::from_vec(mask, (n, 1, 1, longest), q.device())?)
+    })?
+    .to_dtype(q.dtype())?;
     let gather = |t: &Tensor| -> Result<Tensor> {
         // [n, kv_heads, longest, head_dim]
         Ok(t.index_select(&index, 0)?.reshape((n, longest, kvh, hd))?.transpose(1, 2)?.contiguous()?)
@@ -558,7 +569,9 @@ mod tests {
         let slot_of = [4usize, 0, 5, 2, 1];
         let len = [17usize, 1, 50, 33, 8];
         let base: Vec<usize> = slot_of.iter().map(|s| s * max_len).collect();
-        let rows = DecodeRows { base: &base, len: &len };
+        // The keys' write builds the step's index and the values' reuses it.
+        let step = StepIndex::default();
+        let rows = DecodeRows { base: &base, len: &len, index: Some(&step) };
         let n = slot_of.len();
         let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
         let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
@@ -591,7 +604,7 @@ mod tests {
         // Each row alone gives bitwise the batch's result.
         let all = fused.to_vec2::<f32>().unwrap();
         for i in 0..n {
-            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i] };
+            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i], index: None };
             let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
@@ -624,9 +637,9 @@ mod tests {
         let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
         let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
         let new = Tensor::zeros((1, 1, 4), candle_core::DType::F32, &dev).unwrap();
-        let past_end = DecodeRows { base: &[4], len: &[5] };
-        let empty = DecodeRows { base: &[0], len: &[0] };
-        let two = DecodeRows { base: &[0, 1], len: &[1, 1] };
+        let past_end = DecodeRows { base: &[4], len: &[5], index: None };
+        let empty = DecodeRows { base: &[0], len: &[0], index: None };
+        let two = DecodeRows { base: &[0, 1], len: &[1, 1], index: None };
         for rows in [past_end, empty, two] {
             assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
             assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
@@ -635,7 +648,7 @@ mod tests {
             return;
         }
         let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
-        let ok = DecodeRows { base: &[0], len: &[1] };
+        let ok = DecodeRows { base: &[0], len: &[1], index: None };
         let err = decode_attention(
             &wrong_heads,
             &cache.repeat((1, 2, 1)).unwrap(),

@@ -2,6 +2,8 @@
 //! that a sequence's result is bitwise the same whoever shares its step (cache
 //! writes, attention over a slot's prefix, the decode-layout linear layer, SwiGLU).
 
+use std::sync::OnceLock;
+
 use candle_core::{CpuStorage, Layout, Tensor};
 
 use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ran};
@@ -15,6 +17,37 @@ use crate::Result;
 pub(crate) struct DecodeRows<'a> {
     pub(crate) base: &'a [usize],
     pub(crate) len: &'a [usize],
+    /// The step's index tensors, shared by its layers (the portable kernels build them
+    /// on first use); `None` builds them at every call.
+    pub(crate) index: Option<&'a StepIndex>,
+}
+
+/// The index tensors the portable decode kernels derive from a step's [`DecodeRows`]:
+/// the cache rows its keys and values are written to, the cache rows each row's
+/// attention reads and the mask of their padding. The rows are the same in every
+/// layer, so each is built on the host and uploaded once per step, not once per layer
+/// (twice per layer for the writes), which on a GPU was a host loop and a copy per
+/// layer between kernel launches.
+#[derive(Debug, Default)]
+pub(crate) struct StepIndex {
+    pub(crate) write: OnceLock<Tensor>,
+    pub(crate) gather: OnceLock<Tensor>,
+    pub(crate) mask: OnceLock<Tensor>,
+}
+
+impl StepIndex {
+    /// The tensor in `cell`, built by `build` on first use; built every time without a cell.
+    pub(crate) fn get(
+        cell: Option<&OnceLock<Tensor>>,
+        build: impl FnOnce() -> crate::Result<Tensor>,
+    ) -> crate::Result<Tensor> {
+        let Some(cell) = cell else { return build() };
+        if let Some(t) = cell.get() {
+            return Ok(t.clone());
+        }
+        let t = build()?;
+        Ok(cell.get_or_init(|| t).clone())
+    }
 }
 
 impl DecodeRows<'_> {

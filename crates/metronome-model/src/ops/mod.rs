@@ -19,7 +19,7 @@ mod train;
 use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 
 pub(crate) use decode::{
-    DecodeRows, DenseWeight, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
+    DecodeRows, DenseWeight, StepIndex, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
 };
 pub use linear::Projection;
 pub(crate) use linear::{frozen_linear, linear};
