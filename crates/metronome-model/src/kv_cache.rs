@@ -44,7 +44,8 @@ pub const DECODE_MIN_ROWS: usize = 16;
 /// Cached keys and values for a fixed number of sequence slots. Each slot is filled
 /// ([`Model::prefill`], [`Model::decode_step`]) and freed ([`KvCache::free`])
 /// independently. Memory is allocated up front: `2 · layers · slots · max_seq_len ·
-/// kv_heads · head_dim` floats.
+/// kv_heads · head_dim` values in the model's type (f32, or bf16 for a bf16
+/// [`Model::compute_copy`]).
 #[derive(Debug)]
 pub struct KvCache {
     /// Per layer, `[num_slots * max_seq_len, kv_heads, head_dim]`: slot `s` owns rows
@@ -59,11 +60,13 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// The bytes of a cache of `num_slots` slots of `max_seq_len` tokens for a model
-    /// of `cfg` (keys and values of every layer, in f32); `None` beyond `u64`.
+    /// The bytes of a cache of `num_slots` slots of `max_seq_len` tokens for `model`
+    /// (keys and values of every layer, in the model's type); `None` beyond `u64`.
     #[must_use]
-    pub fn bytes(cfg: &crate::ModelConfig, num_slots: usize, max_seq_len: usize) -> Option<u64> {
-        [num_slots, max_seq_len, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, 4]
+    pub fn bytes(model: &Model, num_slots: usize, max_seq_len: usize) -> Option<u64> {
+        let cfg = model.config();
+        let size = model.dtype().size_in_bytes();
+        [num_slots, max_seq_len, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, size]
             .into_iter()
             .try_fold(1u64, |n, d| n.checked_mul(d as u64))
     }
@@ -80,9 +83,11 @@ impl KvCache {
         let shape = (rows, cfg.num_key_value_heads, cfg.head_dim);
         let mut keys = Vec::with_capacity(cfg.num_hidden_layers);
         let mut values = Vec::with_capacity(cfg.num_hidden_layers);
+        // In the weights' type: a bf16 model (generation in bf16) caches bf16 keys and
+        // values, half the memory and half the bytes each decode step reads.
         for _ in 0..cfg.num_hidden_layers {
-            keys.push(Tensor::zeros(shape, DType::F32, model.device())?);
-            values.push(Tensor::zeros(shape, DType::F32, model.device())?);
+            keys.push(Tensor::zeros(shape, model.dtype(), model.device())?);
+            values.push(Tensor::zeros(shape, model.dtype(), model.device())?);
         }
         Ok(Self { keys, values, lens: vec![0; num_slots], max_seq_len, min_rows: DECODE_MIN_ROWS })
     }

@@ -403,8 +403,7 @@ fn portable_decode_attention(
             mask.extend((0..longest).map(|j| if j < rows.len[i] { 0f32 } else { f32::NEG_INFINITY }));
         }
         Ok(Tensor::from_vec(mask, (n, 1, 1, longest), q.device())?)
-    })?
-    .to_dtype(q.dtype())?;
+    })?;
     let gather = |t: &Tensor| -> Result<Tensor> {
         // [n, kv_heads, longest, head_dim]
         Ok(t.index_select(&index, 0)?.reshape((n, longest, kvh, hd))?.transpose(1, 2)?.contiguous()?)
@@ -413,8 +412,9 @@ fn portable_decode_attention(
     let scale = 1.0 / (hd as f64).sqrt();
     let q = (q.reshape((n, kvh, rep, hd))? * scale)?;
     let scores = q.matmul(&k.transpose(2, 3)?.contiguous()?)?; // [n, kvh, rep, longest]
-    let probs = ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
-    Ok(probs.matmul(&v)?.reshape((n, heads * hd))?)
+    // The softmax in f32 whatever the cache's type, as in training (a no-op for f32).
+    let probs = ops::softmax_last_dim(&scores.to_dtype(DType::F32)?.broadcast_add(&mask)?)?;
+    Ok(probs.to_dtype(v.dtype())?.matmul(&v)?.reshape((n, heads * hd))?)
 }
 
 /// The portable forms against the fused ones on the CPU, values and gradients (both

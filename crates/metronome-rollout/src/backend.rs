@@ -103,7 +103,7 @@ mod candle_model {
             if !self.device().is_cpu() {
                 return Ok(());
             }
-            let per_slot = KvCache::bytes(self.config(), 1, max_seq_len);
+            let per_slot = KvCache::bytes(self, 1, max_seq_len);
             let need = per_slot.and_then(|b| b.checked_mul(num_slots as u64)?.checked_mul(caches as u64));
             let Some(available) = super::host_memory_available() else { return Ok(()) };
             if need.is_some_and(|n| n <= available) {
@@ -165,12 +165,18 @@ pub struct SnapshotLoader {
     pub config: metronome_model::ModelConfig,
     /// Where the weights live.
     pub device: candle_core::Device,
+    /// The type they decode in (snapshots are f32; a bf16 engine casts each one).
+    pub dtype: candle_core::DType,
 }
 
 impl WeightLoader<metronome_model::Model> for SnapshotLoader {
     fn load(&self, weights: &WeightSnapshot) -> Result<metronome_model::Model> {
-        metronome_model::Model::from_snapshot(self.config.clone(), weights, &self.device, false)
-            .map_err(crate::Error::model)
+        let model = metronome_model::Model::from_snapshot(self.config.clone(), weights, &self.device, false)
+            .map_err(crate::Error::model)?;
+        if model.dtype() == self.dtype {
+            return Ok(model);
+        }
+        model.compute_copy(self.dtype).map_err(crate::Error::model)
     }
 }
 

@@ -274,6 +274,13 @@ pub struct EngineConfig {
     /// The device the engine decodes on; absent, the model's (`model.device` in a run
     /// config). Read by whoever builds the engine's model (the pipeline).
     pub device: Option<metronome_model::DeviceSpec>,
+    /// The type the native engine decodes in, weights and KV cache: `"f32"` or
+    /// `"bf16"`; absent, bf16 on a GPU (half the bytes a decode step reads, which is
+    /// what bounds it there) and f32 on the CPU (whose fused kernels are f32, and
+    /// whose bf16 matrix products are slower). A bf16 engine's behaviour log-probs
+    /// differ from an f32 trainer's by bf16 rounding: the train-rollout mismatch
+    /// metrics report it.
+    pub precision: Option<metronome_model::Precision>,
     /// `native` (this process) or `openai` (the servers of `[rollout.openai]`). The
     /// layout keys above (`workers`, `max_num_seqs`, ...) configure the native engine
     /// and `metronome serve`; `sampling` applies to both.
@@ -296,6 +303,7 @@ impl Default for EngineConfig {
             partial_cache: PartialCache::default(),
             sampling: SamplingConfig::default(),
             device: None,
+            precision: None,
             backend: Backend::Native,
             openai: OpenAiClientConfig::default(),
             agent: AgentConfig::default(),
@@ -313,6 +321,13 @@ pub const MAX_NUM_SEQS: usize = 1 << 16;
 pub const MAX_SEQ_LEN: usize = 1 << 20;
 
 impl EngineConfig {
+    /// The precision the engine decodes in on `device`: `precision`, else bf16 on a
+    /// GPU and f32 on the CPU.
+    #[must_use]
+    pub fn precision_on(&self, device: &candle_core::Device) -> metronome_model::Precision {
+        self.precision.unwrap_or_else(|| metronome_model::Precision::for_device(device))
+    }
+
     /// Threads of each worker's pool: `threads_per_worker`, or 1 when unset.
     #[must_use]
     pub fn threads_per_worker(&self) -> usize {

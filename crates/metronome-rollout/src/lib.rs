@@ -102,7 +102,9 @@ pub type ModelEngine = Engine<metronome_model::Model>;
 
 /// Builds an engine on `model` (weights at `version`) sampling from the run seed
 /// `seed`, whose [`install_weights`](metronome_core::RolloutEngine::install_weights)
-/// rebuilds the model from snapshots with the same architecture and device.
+/// rebuilds the model from snapshots with the same architecture and device. The
+/// engine decodes in [`EngineConfig::precision_on`] the model's device: a bf16 engine
+/// gets a bf16 copy of `model` and of every snapshot it installs.
 pub fn model_engine(
     model: metronome_model::Model,
     version: metronome_core::PolicyVersion,
@@ -110,7 +112,10 @@ pub fn model_engine(
     config: EngineConfig,
     seed: metronome_core::RunSeed,
 ) -> Result<ModelEngine> {
-    let loader = SnapshotLoader { config: model.config().clone(), device: model.device().clone() };
+    let dtype = config.precision_on(model.device()).dtype();
+    let model =
+        if model.dtype() == dtype { model } else { model.compute_copy(dtype).map_err(Error::model)? };
+    let loader = SnapshotLoader { config: model.config().clone(), device: model.device().clone(), dtype };
     Ok(Engine::new(model, version, tokenizer, config)?.with_weight_loader(loader).with_seed(seed))
 }
 

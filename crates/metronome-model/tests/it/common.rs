@@ -24,10 +24,11 @@ pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-/// Logits `[seq, vocab]` of one ordinary causal row.
+/// Logits `[seq, vocab]` of one ordinary causal row (as f32, whatever the model's type).
 pub(crate) fn full_logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
     let t = Tensor::from_slice(tokens, (1, tokens.len()), model.device()).unwrap();
-    model.forward_logits(&t).unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap()
+    let logits = model.forward_logits(&t).unwrap().squeeze(0).unwrap();
+    logits.to_dtype(metronome_model::DType::F32).unwrap().to_vec2::<f32>().unwrap()
 }
 
 /// A deterministic token sequence in `3..vocab`.

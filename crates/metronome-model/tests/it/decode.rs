@@ -389,3 +389,44 @@ fn frozen_decode_follows_new_weights() {
     let full = full_logits(&trainable, &seq);
     assert!(max_abs_diff(&two_steps(&trainable)[0], full.last().unwrap()) < 1e-5);
 }
+
+/// A bf16 copy decodes (generation in bf16): its cache is bf16 (half the bytes), its
+/// portable kernels keep the norms' statistics and the attention's softmax in f32,
+/// and its decode steps' logits are as close to the f32 model's as its own full
+/// forward is (bf16 rounding, not a decode error); its greedy tokens are printed.
+#[test]
+fn a_bf16_copy_decodes_as_close_to_f32_as_its_full_forward() {
+    let f32_model = Model::load_hf(&fixture("tiny_llama"), &Device::Cpu).unwrap();
+    let bf16 = f32_model.frozen_copy().unwrap().compute_copy(metronome_model::DType::BF16).unwrap();
+    assert_eq!(bf16.kernels(), Kernels::Portable);
+    let vocab = f32_model.config().vocab_size;
+    let prompt = tokens(5, 7, vocab);
+    let mut cache = KvCache::new(&bf16, 2, 32).unwrap();
+    assert_eq!(
+        KvCache::bytes(&bf16, 2, 32).unwrap() * 2,
+        KvCache::bytes(&f32_model, 2, 32).unwrap(),
+        "a bf16 cache holds half the bytes"
+    );
+    let mut logits = bf16.prefill(&mut cache, 0, &prompt).unwrap();
+    let mut seq = prompt.clone();
+    let (mut decode, mut full, mut scale, mut same) = (0.0f32, 0.0f32, 0.0f32, 0);
+    let steps = 12;
+    let argmax = |l: &[f32]| (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b])).unwrap() as u32;
+    for _ in 0..steps {
+        let reference = full_logits(&f32_model, &seq).pop().unwrap();
+        let own = full_logits(&bf16, &seq).pop().unwrap();
+        decode = decode.max(max_abs_diff(&logits, &reference));
+        full = full.max(max_abs_diff(&own, &reference));
+        scale = scale.max(reference.iter().fold(0.0f32, |m, x| m.max(x.abs())));
+        let next = argmax(&reference);
+        same += usize::from(argmax(&logits) == next);
+        seq.push(next);
+        logits = bf16.decode_step(&mut cache, &[(0, next)]).unwrap().remove(0);
+    }
+    eprintln!(
+        "against the f32 full forward (max |logit| {scale}): bf16 decode max |diff| {decode}, bf16 full forward \
+         {full}; greedy tokens equal {same}/{steps}"
+    );
+    assert!(decode <= 1.5 * full + 1e-3, "bf16 decode {decode} vs bf16 full forward {full}");
+    assert!(full < 0.1 * scale, "bf16 full forward {full} at max |logit| {scale}");
+}

@@ -179,3 +179,70 @@ fn caches_beyond_the_machines_memory_are_refused_before_allocation() {
     );
     assert!(e.contains("available") && e.contains("slots per worker fit"), "{e}");
 }
+
+/// `precision = "bf16"` decodes in bf16, the first weights and every installed
+/// snapshot: its responses do not depend on the slot layout (the same groups from 1 x 4
+/// and 2 x 2 slots), and its behaviour log-probs are within bf16 rounding of the f32
+/// engine's on the tokens both sampled, without being the same numbers (so the bf16
+/// copy really decodes, before and after an install).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bf16_engine_decodes_in_bf16_before_and_after_an_install() {
+    use metronome_model::Precision;
+    let build = |workers, slots, precision| {
+        let config = metronome_rollout::EngineConfig {
+            workers,
+            threads_per_worker: Some(1),
+            max_num_seqs: slots,
+            max_seq_len: 128,
+            sampling: sampling(12),
+            precision,
+            ..metronome_rollout::EngineConfig::default()
+        };
+        metronome_rollout::model_engine(
+            tiny_model(7),
+            PolicyVersion(0),
+            crate::common::tokenizer(),
+            config,
+            metronome_core::RunSeed(42),
+        )
+        .unwrap()
+    };
+    let snapshot = Arc::new(tiny_model(99).snapshot(PolicyVersion(1)).unwrap());
+    let (bf16, bf16_2x2, f32) =
+        (build(1, 4, Some(Precision::Bf16)), build(2, 2, Some(Precision::Bf16)), build(1, 4, None));
+    for installed in [false, true] {
+        if installed {
+            for e in [&bf16, &bf16_2x2, &f32] {
+                e.install_weights(Arc::clone(&snapshot)).await.unwrap();
+            }
+        }
+        let a = crate::common::by_prompt(generate(&bf16, request()).await);
+        let b = crate::common::by_prompt(generate(&bf16_2x2, request()).await);
+        assert_eq!(signature(&a), signature(&b), "bf16 (installed: {installed}): 1x4 vs 2x2 slots");
+        let reference = crate::common::by_prompt(generate(&f32, request()).await);
+        let (mut diffs, mut bitwise) = (Vec::new(), 0);
+        for (ga, gr) in a.iter().zip(&reference) {
+            for (ca, cr) in ga.completions.iter().zip(&gr.completions) {
+                for ((ta, tr), (la, lr)) in
+                    ca.tokens.iter().zip(&cr.tokens).zip(ca.logprobs.iter().zip(&cr.logprobs))
+                {
+                    if ta != tr {
+                        break;
+                    }
+                    diffs.push((la - lr).abs());
+                    bitwise += usize::from(la.to_bits() == lr.to_bits());
+                }
+            }
+        }
+        let mean = diffs.iter().sum::<f32>() / diffs.len().max(1) as f32;
+        let max = diffs.iter().copied().fold(0.0f32, f32::max);
+        eprintln!(
+            "bf16 vs f32 engine (installed: {installed}): {} shared tokens, |logprob diff| mean {mean:.2e}, max \
+             {max:.2e}, {bitwise} bitwise equal",
+            diffs.len()
+        );
+        assert!(diffs.len() >= 10, "too few shared tokens to compare: {}", diffs.len());
+        assert!(mean < 0.01 && max < 0.05, "mean {mean}, max {max}");
+        assert!(bitwise < diffs.len(), "every log-prob equals the f32 engine's: not decoding in bf16");
+    }
+}
