@@ -726,6 +726,11 @@ impl PipelineConfig {
                 c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
                 Some(SourceConfig::Countdown(c))
             }
+            SourceConfig::WordProblems(c) => {
+                let mut c = c.clone();
+                c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
+                Some(SourceConfig::WordProblems(c))
+            }
             SourceConfig::Copy(c) => {
                 let mut c = c.clone();
                 c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
