@@ -6,6 +6,7 @@
 //! metronome trainer [--config FILE] [--set ...]     # the trainer of a multi-process run
 //! metronome rollout-worker --worker-id ID [--config FILE] [--set ...]
 //! metronome report RUN_DIR                         # the summary again, and report.html
+//! metronome export RUN_DIR [--checkpoint final|latest|period-N] [--out DIR] [--questions N] [--set ...]
 //! metronome serve [--addr A] [--api-key-file F] [--weights-dir D] [--logprobs sampled|raw] [--config FILE] [--set ...]
 //! ```
 //!
@@ -118,6 +119,27 @@ enum Command {
     Report {
         /// The run directory (`runs/<name>`).
         run: PathBuf,
+    },
+    /// Export a run's checkpoint as a Hugging Face folder (weights, the tokenizer
+    /// where the model source has one) with Metronome's greedy answers to held-out
+    /// questions, which `crates/metronome-pipeline/examples/check_export.py` compares
+    /// with `transformers`.
+    Export {
+        /// The run directory (`runs/<name>`); its `config.toml` says the model and task.
+        run: PathBuf,
+        /// `final`, `latest` (the newest period checkpoint) or `period-<n>`.
+        #[arg(long, default_value = "final")]
+        checkpoint: String,
+        /// Where to write the folder (default: `RUN/export`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Held-out questions to answer greedily (the first of the run's held-out split).
+        #[arg(long, default_value_t = 32)]
+        questions: usize,
+        /// Override a value of the run's stored config, e.g. `--set model.device="cpu"`
+        /// or `--set model.path=FILE` where the model lives elsewhere on this machine.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
     },
     /// Print the resolved configuration after overrides and validation.
     Config {
@@ -393,6 +415,32 @@ fn real_main() -> Result<()> {
             let page = metronome_pipeline::write_html_report(&dir)?;
             eprintln!("{}", metronome_pipeline::summary_table(&periods));
             eprintln!("report: {}", page.display());
+            Ok(())
+        }
+        Command::Export { run, checkpoint, out, questions, overrides } => {
+            let stored = run.join("config.toml");
+            if !stored.is_file() {
+                anyhow::bail!("{}: no config.toml there; is it a run directory?", run.display());
+            }
+            let config = PipelineConfig::load(&stored, &overrides)?;
+            let out = out.unwrap_or_else(|| run.join("export"));
+            let options = metronome_pipeline::ExportOptions { checkpoint, out, questions };
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            let done = runtime.block_on(metronome_pipeline::export(&run, &config, &options))?;
+            eprintln!("exported {} to {}", done.checkpoint.display(), done.out.display());
+            if !done.tokenizer {
+                eprintln!("(the run's character-level tokenizer has no Hugging Face form: weights only)");
+            }
+            eprintln!(
+                "greedy answers to {} held-out questions, {} correct, in {}",
+                done.questions,
+                done.correct,
+                done.out.join(metronome_pipeline::GREEDY_ANSWERS_FILE).display()
+            );
             Ok(())
         }
         Command::Config { config } => {

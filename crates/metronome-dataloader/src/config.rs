@@ -16,7 +16,7 @@ use crate::plan::ReleaseConfig;
 use crate::render::PromptConfig;
 use crate::tasks::{
     ArithmeticConfig, ArithmeticTask, CodeTask, CodeTaskConfig, CopyConfig, CopyTask, CountdownConfig,
-    CountdownTask,
+    CountdownTask, WordProblemConfig, WordProblemTask,
 };
 
 /// A file source: where it is, how its fields map, what to do with bad records.
@@ -46,6 +46,9 @@ pub enum SourceConfig {
     Arithmetic(ArithmeticConfig),
     /// The procedural countdown task.
     Countdown(CountdownConfig),
+    /// The procedural grade-school word problems (GSM8K-style stories of 2 to 4
+    /// operations, answers checked by the math verifier).
+    WordProblems(WordProblemConfig),
     /// The procedural copy task with long-tail lengths.
     Copy(CopyConfig),
     /// The procedural code task: small functions and programs with their tests.
@@ -89,6 +92,7 @@ impl SourceConfig {
             Self::Parquet(c) => file(c, FileFormat::Parquet)?,
             Self::Arithmetic(c) => task(Arc::new(ArithmeticTask::new(c.clone(), run)?)),
             Self::Countdown(c) => task(Arc::new(CountdownTask::new(c.clone(), run)?)),
+            Self::WordProblems(c) => task(Arc::new(WordProblemTask::new(c.clone(), run)?)),
             Self::Copy(c) => task(Arc::new(CopyTask::new(c.clone(), run)?)),
             Self::Code(c) => task(Arc::new(CodeTask::new(c.clone(), run)?)),
             Self::Humaneval(c) => code(c, CodeFormat::Humaneval)?,

@@ -10,11 +10,14 @@
 //!   shards, read whole and validated when opened, through a [`FieldMapping`]
 //!   (prompt, reference answer, metadata; dotted paths into nested fields; a prompt
 //!   may be a string or a list of chat messages), and procedural
-//!   tasks: [`ArithmeticTask`] (operators, digits, number of terms) and
-//!   [`CountdownTask`] (instances built from a solution, so always solvable), each with
+//!   tasks: [`ArithmeticTask`] (operators, digits, number of terms),
+//!   [`CountdownTask`] (instances built from a solution, so always solvable) and
+//!   [`WordProblemTask`] (grade-school stories of 2 to 4 operations in the style of
+//!   GSM8K, the answer asked for on a last line `#### N`), each with
 //!   its reference answer in `Prompt::reference` and task fields in
-//!   `Prompt::metadata` (countdown: `numbers` as `3,7,25`, `target` as `88`;
-//!   both: `task`). Code tasks: [`CodeTask`] (small functions and programs), and
+//!   `Prompt::metadata` (countdown: `numbers` as `3,7,25`, `target` as `88`; word
+//!   problems: `template`, `steps`, `solution` as `4*3=12; 20-12=8`; all: `task`).
+//!   Code tasks: [`CodeTask`] (small functions and programs), and
 //!   HumanEval or MBPP files ([`CodeFileConfig`], `kind = "humaneval"` / `"mbpp"`),
 //!   each prompt's tests in its reference as a [`metronome_core::CodeTests`] (JSON)
 //!   for the code-execution reward, the canonical solution in the `solution`
@@ -74,5 +77,6 @@ pub use rng::{SHUFFLE_STREAM, epoch_order};
 pub use tasks::{
     ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask, CODE_STREAM, COPY_STREAM, COUNTDOWN_STREAM,
     CodeFamily, CodeItem, CodeTask, CodeTaskConfig, CopyConfig, CopyTask, CountdownConfig, CountdownItem,
-    CountdownTask, Holdout, Operator, Span, Split, holdout_bucket,
+    CountdownTask, DEFAULT_WORD_PROBLEM_FORMAT, Holdout, Operator, Span, Split, WORD_PROBLEM_STREAM,
+    WordProblem, WordProblemConfig, WordProblemTask, WorkStep, holdout_bucket,
 };

@@ -15,12 +15,39 @@ use crate::report::EvalPoint;
 
 /// The per-completion scorer evaluation uses: the run's local scorer, or the math
 /// verifier when rewards come from a remote service.
-fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
+pub(crate) fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> {
     let scorer = match &config.reward {
         RewardConfig::Local { scorer, .. } => scorer.clone(),
         RewardConfig::Remote(_) | RewardConfig::Judge(_) => ScorerConfig::Math(Default::default()),
     };
     Ok(scorer.build()?)
+}
+
+/// The first `count` prompts of the run's held-out source, in order, rendered as its
+/// training prompts are: what every evaluation of the run answers (and an export).
+pub(crate) async fn heldout_prompts(
+    config: &PipelineConfig,
+    tokenizer: Arc<dyn Tokenizer>,
+    count: usize,
+) -> Result<Vec<Prompt>> {
+    let Some(source) = config.heldout_source() else {
+        return Err(Error::Config {
+            key: "eval.source".into(),
+            reason: "must be given for a file dataset (only procedural tasks have a built-in held-out split)"
+                .into(),
+        });
+    };
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let mut data = config.data.clone();
+    data.source = source;
+    data.release.batch_size = count;
+    data.release.shuffle = false;
+    data.release.prefetch = false;
+    data.release.epochs = None;
+    let mut loader = data.build(RunSeed(config.run.seed), tokenizer)?;
+    Ok(loader.next().await?.map(|b| b.prompts).unwrap_or_default())
 }
 
 /// Answers to held-out prompts (greedy, or sampled as `[eval]` says), scored by
@@ -43,15 +70,7 @@ impl Evaluator {
         if config.eval.prompts == 0 {
             return Ok(None);
         }
-        let source = config.heldout_source().expect("validated: a held-out source exists");
-        let mut data = config.data.clone();
-        data.source = source;
-        data.release.batch_size = config.eval.prompts;
-        data.release.shuffle = false;
-        data.release.prefetch = false;
-        data.release.epochs = None;
-        let mut loader = data.build(RunSeed(config.run.seed), tokenizer.clone())?;
-        let prompts = loader.next().await?.map(|b| b.prompts).unwrap_or_default();
+        let prompts = heldout_prompts(config, tokenizer.clone(), config.eval.prompts).await?;
         let mut engine = config.rollout.clone();
         engine.sampling.temperature = config.eval.temperature;
         engine.workers = 1;

@@ -27,6 +27,7 @@ mod config;
 mod error;
 mod evaluate;
 mod events;
+mod export;
 mod generator;
 mod html;
 mod metrics;
@@ -52,6 +53,7 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use events::{Event, Observer, WorkerOutcome};
+pub use export::{ExportOptions, ExportOutcome, GREEDY_ANSWERS_FILE, export};
 pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
 pub use metrics::{CLUSTER_METRICS, METRICS};
 pub use metronome_core::Secret;

@@ -2,6 +2,7 @@
 
 mod cluster;
 mod config;
+mod export;
 mod openai;
 mod prometheus;
 mod resume;

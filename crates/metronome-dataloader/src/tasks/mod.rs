@@ -11,6 +11,7 @@ mod arithmetic;
 mod code;
 mod copy;
 mod countdown;
+mod word_problems;
 
 use metronome_core::mix64;
 use serde::{Deserialize, Serialize};
@@ -19,6 +20,10 @@ pub use arithmetic::{ARITHMETIC_STREAM, ArithmeticConfig, ArithmeticTask};
 pub use code::{CODE_STREAM, CodeFamily, CodeItem, CodeTask, CodeTaskConfig};
 pub use copy::{COPY_STREAM, CopyConfig, CopyTask};
 pub use countdown::{COUNTDOWN_STREAM, CountdownConfig, CountdownItem, CountdownTask};
+pub use word_problems::{
+    DEFAULT_WORD_PROBLEM_FORMAT, WORD_PROBLEM_STREAM, WordProblem, WordProblemConfig, WordProblemTask,
+    WorkStep,
+};
 
 use crate::error::{Error, Result};
 
@@ -107,7 +112,8 @@ pub enum Split {
 /// A deterministic partition of a task's item space into train and held-out parts.
 ///
 /// An item belongs to the held-out part when the hash of its content key (the
-/// arithmetic expression; countdown's sorted numbers and target) falls in the first
+/// arithmetic expression; countdown's sorted numbers and target; a word problem's
+/// template and given numbers) falls in the first
 /// `percent` of 100 buckets. The partition depends on the content alone, not on a
 /// seed, so a training run and its evaluation (different seeds, different sizes)
 /// never share a problem.

@@ -9,3 +9,4 @@ mod overlong;
 mod parquet_files;
 mod release;
 mod tasks;
+mod word_problems;

