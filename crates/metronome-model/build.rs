@@ -4,13 +4,12 @@
 //! nvcc is `$NVCC`, else `$CUDA_HOME/bin/nvcc`, else `nvcc` on the `PATH` (`cargo xtask
 //! gpu` points these at the toolkit it assembles). The PTX targets the virtual
 //! architecture `compute_$CUDA_COMPUTE_CAP` (default 80): the driver compiles it for the
-//! GPU it runs on, that one or newer. `-fmad=false` keeps the host's rounding: the draw
-//! kernel's scaling and weights are then the reference's operations (`src/draw.rs`).
+//! GPU it runs on, that one or newer.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 1] = ["draw"];
+const KERNELS: [&str; 3] = ["draw", "layer", "decode"];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
@@ -35,7 +34,7 @@ fn main() {
     for k in KERNELS {
         let ptx = out.join(format!("{k}.ptx"));
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "-fmad=false"])
+            .args(["--ptx", "-O3", "-std=c++17"])
             .arg(format!("-arch=compute_{cap}"))
             .arg(format!("kernels/{k}.cu"))
             .arg("-o")

@@ -66,11 +66,11 @@ san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 
 model_it=$(awk -F'\t' '$1 == "metronome-model-it" { print $2 }' "$bin/tests.tsv")
 if [ -n "$san" ] && [ -n "$model_it" ]; then
     if ! (cd "$build_root/$model_it" && timeout 180 "$san" --tool memcheck --error-exitcode 9 \
-        "$bin/bin/metronome-model-it" cuda_draw) >"$bin/sanitizer.log" 2>&1; then
+        "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer.log" 2>&1; then
         failed+=("compute-sanitizer")
     fi
-    { echo "==> compute-sanitizer metronome-model-it cuda_draw"; cat "$bin/sanitizer.log"; } >>"$log"
-    echo "compute-sanitizer (draw kernel): $(grep -E 'ERROR SUMMARY|^test result' "$bin/sanitizer.log" | tr '\n' ' ')"
+    { echo "==> compute-sanitizer metronome-model-it cuda_kernel"; cat "$bin/sanitizer.log"; } >>"$log"
+    echo "compute-sanitizer (this crate's kernels): $(grep -E 'ERROR SUMMARY|^test result' "$bin/sanitizer.log" | tr '\n' ' ')"
 else
     echo "compute-sanitizer not found: the kernels ran without it"
 fi

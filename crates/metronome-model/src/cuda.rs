@@ -4,8 +4,12 @@
 //! the crate, which its GPU test compares it with (`tests/it/devices.rs`).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use candle_core::{DType, Storage, Tensor};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda::{CudaDType, WrapErr};
+use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
+
+/// What a custom op's CPU forward returns (these ops have none: they run on CUDA only).
+type FwdCpu = candle_core::Result<(CpuStorage, Shape)>;
 
 use crate::draw::{Draw, Drawn, Next};
 use crate::{Error, Result};
@@ -110,4 +114,628 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw]) -> Result<Vec<Option
         .zip(logprobs)
         .map(|(token, logprob)| (token != NONE).then_some(Drawn { token, logprob }))
         .collect())
+}
+
+/// `kernels/layer.cu`: RMSNorm and SwiGLU, forward and backward, f32 and bf16.
+const LAYER_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/layer.ptx"));
+/// Threads per row of the RMSNorm kernels (a multiple of 32: their sums go by warps).
+const NORM_THREADS: u32 = 256;
+/// Threads per block of the element-wise kernels.
+const ELEMENTWISE_THREADS: u32 = 256;
+
+/// What a CUDA forward returns.
+type CudaFwd = candle_core::Result<(CudaStorage, Shape)>;
+
+/// The contiguous elements of one operand as a device view.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, op: &str) -> candle_core::Result<CudaView<'a, T>> {
+    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// The kernel `$name` of a PTX module for `dtype` (`_f32` or `_bf16`), loaded.
+macro_rules! typed_func {
+    ($dev:expr, $module:literal, $ptx:expr, $name:literal, $dtype:expr) => {{
+        let suffix = match $dtype {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            other => candle_core::bail!("{}: the CUDA kernels take f32 and bf16, not {other:?}", $name),
+        };
+        $dev.get_or_load_custom_func(&format!("{}_{suffix}", $name), $module, $ptx)?
+    }};
+}
+
+/// A kernel of `kernels/layer.cu` for `dtype`.
+macro_rules! layer_func {
+    ($dev:expr, $name:literal, $dtype:expr) => {
+        typed_func!($dev, "metronome_layer", LAYER_PTX, $name, $dtype)
+    };
+}
+
+/// A kernel of `kernels/decode.cu` for `dtype`.
+macro_rules! decode_func {
+    ($dev:expr, $name:literal, $dtype:expr) => {
+        typed_func!($dev, "metronome_decode", DECODE_PTX, $name, $dtype)
+    };
+}
+
+/// One block per `n`-element chunk of `ELEMENTWISE_THREADS`.
+fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(ELEMENTWISE_THREADS as usize).max(1) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ELEMENTWISE_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// `rms_norm_*` over `rows` rows (at least one: the callers launch none for none),
+/// one block each.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (NORM_THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// RMSNorm of `x: [.., d]` with `weight: [d]` (cast to `x`'s type), one kernel forward
+/// and one backward: [`crate::Kernels::rms_norm`] under [`crate::Kernels::Cuda`].
+pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let w = weight.to_dtype(x.dtype())?.contiguous()?;
+    Ok(x.contiguous()?.apply_op2(&w, RmsNorm { eps: eps as f32 })?)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RmsNorm {
+    eps: f32,
+}
+
+/// The rows and width of an RMSNorm's operands.
+fn norm_dims(x: &Layout, w: &Layout) -> candle_core::Result<(usize, usize)> {
+    let d = w.shape().elem_count();
+    if x.dims().last() != Some(&d) || d == 0 {
+        candle_core::bail!("cuda-rms-norm: weight of {d} does not fit input {:?}", x.dims())
+    }
+    Ok((x.shape().elem_count() / d, d))
+}
+
+impl candle_core::CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "cuda-rms-norm"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> FwdCpu {
+        candle_core::bail!("cuda-rms-norm runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        let (rows, d) = norm_dims(l1, l2)?;
+        let dev = s1.device();
+        let func = layer_func!(dev, "rms_norm_fwd", s1.dtype());
+        let d32 = d as u32;
+        macro_rules! launch {
+            ($t:ty) => {{
+                let (x, w) = (view::<$t>(s1, l1, self.name())?, view::<$t>(s2, l2, self.name())?);
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let y = unsafe { dev.alloc::<$t>(rows * d) }?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&w).arg(&y).arg(&d32).arg(&self.eps);
+                // SAFETY: `rms_norm_fwd_*(x, w, y, d, eps)` over `rows` blocks: `x` and `y`
+                // hold `rows * d` elements, `w` holds `d`.
+                if rows > 0 {
+                    unsafe { b.launch(per_row(rows)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(y, dev.clone())
+            }};
+        }
+        let y = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((y, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let (d, rows) = (w.elem_count(), x.elem_count() / w.elem_count().max(1));
+        // `[2, rows, d]` f32: the input's gradient, then the rows' terms of the weight's.
+        let both = x.apply_op3_no_bwd(w, &g.contiguous()?, &RmsNormGrad { eps: self.eps })?;
+        let dx = both.get(0)?.reshape(x.shape())?.to_dtype(x.dtype())?;
+        let dw = both.get(1)?.reshape((rows, d))?.sum(0)?.reshape(w.shape())?.to_dtype(w.dtype())?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// RMSNorm's backward kernel: `[2, rows, d]` f32 from `(x, w, g)`.
+#[derive(Debug, Clone, Copy)]
+struct RmsNormGrad {
+    eps: f32,
+}
+
+impl candle_core::CustomOp3 for RmsNormGrad {
+    fn name(&self) -> &'static str {
+        "cuda-rms-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> FwdCpu {
+        candle_core::bail!("cuda-rms-norm-grad runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CudaFwd {
+        let (rows, d) = norm_dims(l1, l2)?;
+        if l3.shape() != l1.shape() {
+            candle_core::bail!("cuda-rms-norm-grad: gradient {:?} for input {:?}", l3.dims(), l1.dims())
+        }
+        let dev = s1.device();
+        let func = layer_func!(dev, "rms_norm_bwd", s1.dtype());
+        let d32 = d as u32;
+        // SAFETY: uninitialised, and every element is written by the kernel below.
+        let out = unsafe { dev.alloc::<f32>(2 * rows * d) }?;
+        macro_rules! launch {
+            ($t:ty) => {{
+                let x = view::<$t>(s1, l1, self.name())?;
+                let w = view::<$t>(s2, l2, self.name())?;
+                let g = view::<$t>(s3, l3, self.name())?;
+                let (dx, wrow) = out.split_at(rows * d);
+                let mut b = func.builder();
+                b.arg(&x).arg(&w).arg(&g).arg(&dx).arg(&wrow).arg(&d32).arg(&self.eps);
+                // SAFETY: `rms_norm_bwd_*(x, w, g, dx, wrow, d, eps)` over `rows` blocks:
+                // `x`, `g`, `dx` and `wrow` hold `rows * d` elements, `w` holds `d`.
+                if rows > 0 {
+                    unsafe { b.launch(per_row(rows)) }.w()?;
+                }
+            }};
+        }
+        match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((2, rows, d))))
+    }
+}
+
+/// `silu(gate) * up`, one kernel forward and one backward: [`crate::Kernels::swiglu_train`]
+/// (and the decode steps' SwiGLU) under [`crate::Kernels::Cuda`].
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let up = up.to_dtype(gate.dtype())?.contiguous()?;
+    Ok(gate.contiguous()?.apply_op2(&up, SwiGlu)?)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SwiGlu;
+
+impl candle_core::CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "cuda-swiglu"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> FwdCpu {
+        candle_core::bail!("cuda-swiglu runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        if l1.shape() != l2.shape() {
+            candle_core::bail!("cuda-swiglu: gate {:?} and up {:?} differ in shape", l1.dims(), l2.dims())
+        }
+        let n = l1.shape().elem_count();
+        let dev = s1.device();
+        let func = layer_func!(dev, "swiglu_fwd", s1.dtype());
+        macro_rules! launch {
+            ($t:ty) => {{
+                let (a, b) = (view::<$t>(s1, l1, self.name())?, view::<$t>(s2, l2, self.name())?);
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let o = unsafe { dev.alloc::<$t>(n) }?;
+                let mut args = func.builder();
+                args.arg(&a).arg(&b).arg(&o).arg(&n);
+                // SAFETY: `swiglu_fwd_*(a, b, o, n)`: each of the three holds `n` elements and
+                // the kernel returns past `n`.
+                unsafe { args.launch(elementwise(n)) }.w()?;
+                CudaStorage::wrap_cuda_slice(o, dev.clone())
+            }};
+        }
+        let o = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((o, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _o: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = a.apply_op3_no_bwd(b, &g.to_dtype(a.dtype())?.contiguous()?, &SwiGluGrad)?;
+        Ok((Some(both.get(0)?.reshape(a.shape())?), Some(both.get(1)?.reshape(b.shape())?)))
+    }
+}
+
+/// SwiGLU's backward kernel: `[2, n]` (the gate's gradient, then the up projection's)
+/// in the inputs' type, from `(gate, up, g)`.
+#[derive(Debug, Clone, Copy)]
+struct SwiGluGrad;
+
+impl candle_core::CustomOp3 for SwiGluGrad {
+    fn name(&self) -> &'static str {
+        "cuda-swiglu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> FwdCpu {
+        candle_core::bail!("cuda-swiglu-grad runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CudaFwd {
+        if l1.shape() != l2.shape() || l1.shape() != l3.shape() {
+            candle_core::bail!("cuda-swiglu-grad: shapes {:?}, {:?}, {:?}", l1.dims(), l2.dims(), l3.dims())
+        }
+        let n = l1.shape().elem_count();
+        let dev = s1.device();
+        let func = layer_func!(dev, "swiglu_bwd", s1.dtype());
+        macro_rules! launch {
+            ($t:ty) => {{
+                let a = view::<$t>(s1, l1, self.name())?;
+                let b = view::<$t>(s2, l2, self.name())?;
+                let g = view::<$t>(s3, l3, self.name())?;
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let out = unsafe { dev.alloc::<$t>(2 * n) }?;
+                let mut args = func.builder();
+                args.arg(&a).arg(&b).arg(&g).arg(&out).arg(&n);
+                // SAFETY: `swiglu_bwd_*(a, b, g, out, n)`: the inputs hold `n` elements and
+                // `out` holds `2 n`; the kernel returns past `n`.
+                unsafe { args.launch(elementwise(n)) }.w()?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((out, Shape::from((2, n))))
+    }
+}
+
+/// Rotary embeddings of `x: [n, heads, head_dim]` with the tables of `t` (rotate-half
+/// convention), one kernel forward and one backward (the inverse rotation):
+/// [`crate::Kernels::rope`] under [`crate::Kernels::Cuda`].
+pub(crate) fn rope(x: &Tensor, t: &crate::ops::RopeTables) -> Result<Tensor> {
+    let (n, _, hd) = x.dims3()?;
+    let (cos, sin) = t.on(x.device(), n, hd / 2)?;
+    Ok(x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { sign: 1.0 })?)
+}
+
+/// The rotation by the tables' angles (`sign` 1) or their negation (`sign` -1, the
+/// backward).
+#[derive(Debug, Clone, Copy)]
+struct Rope {
+    sign: f32,
+}
+
+impl candle_core::CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "cuda-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> FwdCpu {
+        candle_core::bail!("cuda-rope runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CudaFwd {
+        let (n, heads, hd) = l1.shape().dims3()?;
+        let half = hd / 2;
+        if hd % 2 != 0 || l2.shape().elem_count() != n * half || l3.shape().elem_count() != n * half {
+            candle_core::bail!(
+                "cuda-rope: tables {:?} and {:?} for input {:?}",
+                l2.dims(),
+                l3.dims(),
+                l1.dims()
+            )
+        }
+        let pairs = n * heads * half;
+        let dev = s1.device();
+        let func = layer_func!(dev, "rope", s1.dtype());
+        let (cos, sin) = (view::<f32>(s2, l2, self.name())?, view::<f32>(s3, l3, self.name())?);
+        let (heads32, half32) = (heads as u32, half as u32);
+        macro_rules! launch {
+            ($t:ty) => {{
+                let x = view::<$t>(s1, l1, self.name())?;
+                // SAFETY: uninitialised, and every element (both halves of every pair) is written
+                // by the kernel below.
+                let o = unsafe { dev.alloc::<$t>(n * heads * hd) }?;
+                let mut args = func.builder();
+                args.arg(&x)
+                    .arg(&cos)
+                    .arg(&sin)
+                    .arg(&o)
+                    .arg(&heads32)
+                    .arg(&half32)
+                    .arg(&pairs)
+                    .arg(&self.sign);
+                // SAFETY: `rope_*(x, cos, sin, o, heads, half, pairs, sign)`: `x` and `o` hold
+                // `2 pairs` elements, the tables `n half`; the kernel returns past `pairs`.
+                unsafe { args.launch(elementwise(pairs)) }.w()?;
+                CudaStorage::wrap_cuda_slice(o, dev.clone())
+            }};
+        }
+        let o = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((o, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _o: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let inverse = Rope { sign: -self.sign };
+        Ok((Some(g.contiguous()?.apply_op3_no_bwd(cos, sin, &inverse)?), None, None))
+    }
+}
+
+/// `kernels/decode.cu`: the cached forward's cache writes and attention, read in place.
+const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
+/// Threads per block of the attention kernel: one warp per (row, query head).
+const WARP: u32 = 32;
+/// The largest head dimension the attention kernel holds (`MAX_CHUNKS` there, times 32).
+const MAX_HEAD_DIM: usize = 256;
+
+/// The step's rows as the decode kernels read them: `[n, 2]` u32 (slot base, cached
+/// length), uploaded once per step (the step's [`crate::ops::StepIndex`]).
+fn rows_tensor(rows: crate::ops::DecodeRows<'_>, device: &candle_core::Device) -> Result<Tensor> {
+    crate::ops::StepIndex::get(rows.index.map(|s| &s.rows), || {
+        let mut v = Vec::with_capacity(2 * rows.base.len());
+        for (&b, &l) in rows.base.iter().zip(rows.len) {
+            let (b, l) = (u32::try_from(b), u32::try_from(l));
+            let (Ok(b), Ok(l)) = (b, l) else { return Err(Error::invalid("decode rows", "beyond u32")) };
+            v.extend([b, l]);
+        }
+        Ok(Tensor::from_vec(v, (rows.base.len(), 2), device)?)
+    })
+}
+
+/// Whether the attention kernel takes heads of `head_dim` (a multiple of 32 up to
+/// [`MAX_HEAD_DIM`]); others run the portable form.
+pub(crate) fn decode_kernels_fit(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(32) && head_dim <= MAX_HEAD_DIM
+}
+
+/// Writes a step's new keys (or values) `[n, kv_heads, head_dim]` into a layer's cache
+/// at the rows `rows` names, in place: [`crate::Kernels::write_decode_rows`] under
+/// [`crate::Kernels::Cuda`].
+pub(crate) fn write_decode_rows(
+    cache: &Tensor,
+    new: &Tensor,
+    rows: crate::ops::DecodeRows<'_>,
+) -> Result<()> {
+    let (n, kvh, hd) = new.dims3()?;
+    rows.check("cuda-decode-write", n, cache.dim(0)?)?;
+    if cache.dims()[1..] != [kvh, hd] {
+        return Err(Error::invalid(
+            "cuda-decode-write",
+            format!("rows {:?} into a cache of {:?}", new.dims(), cache.dims()),
+        ));
+    }
+    let op = DecodeWrite { rows: rows_tensor(rows, cache.device())? };
+    cache.inplace_op2(&new.to_dtype(cache.dtype())?.contiguous()?, &op)?;
+    Ok(())
+}
+
+#[derive(Debug)]
+struct DecodeWrite {
+    rows: Tensor,
+}
+
+impl candle_core::InplaceOp2 for DecodeWrite {
+    fn name(&self) -> &'static str {
+        "cuda-decode-write"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("cuda-decode-write runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let total = l2.shape().elem_count();
+        let width = (total / l2.dims()[0].max(1)) as u32;
+        let (rows_storage, rows_layout) = self.rows.storage_and_layout();
+        let Storage::Cuda(rs) = &*rows_storage else {
+            candle_core::bail!("cuda-decode-write: rows off the GPU")
+        };
+        let rows = view::<u32>(rs, rows_layout, self.name())?;
+        let dev = s1.device().clone();
+        let func = decode_func!(dev, "decode_write", s1.dtype());
+        let Some((c0, c1)) = l1.contiguous_offsets() else {
+            candle_core::bail!("cuda-decode-write: cache not contiguous")
+        };
+        macro_rules! launch {
+            ($t:ty) => {{
+                let src = view::<$t>(s2, l2, self.name())?;
+                let cache = s1.as_cuda_slice_mut::<$t>()?;
+                let mut cache = cache.slice_mut(c0..c1);
+                let mut args = func.builder();
+                args.arg(&mut cache).arg(&src).arg(&rows).arg(&width).arg(&total);
+                // SAFETY: `decode_write_*(cache, src, rows, width, total)`: `src` holds `total
+                // = n width` elements, `rows` n pairs checked against the cache's rows.
+                unsafe { args.launch(elementwise(total)) }.w()?;
+            }};
+        }
+        match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        }
+        Ok(())
+    }
+}
+
+/// Attention of a step's queries `q: [n, heads, head_dim]` over each row's cached prefix,
+/// read in place (no gather, no padding): `[n, heads * head_dim]`.
+/// [`crate::Kernels::decode_attention`] under [`crate::Kernels::Cuda`] for head
+/// dimensions [`decode_kernels_fit`] takes.
+pub(crate) fn decode_attention(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    rows: crate::ops::DecodeRows<'_>,
+) -> Result<Tensor> {
+    let (n, heads, hd) = q.dims3()?;
+    rows.check("cuda-decode-attention", n, keys.dim(0)?)?;
+    let kvh = keys.dim(1)?;
+    if kvh == 0 || heads % kvh != 0 || keys.dims() != values.dims() || keys.dim(2)? != hd {
+        return Err(Error::invalid(
+            "cuda-decode-attention",
+            format!("queries {:?} over keys {:?} and values {:?}", q.dims(), keys.dims(), values.dims()),
+        ));
+    }
+    let op = DecodeAttention { rows: rows_tensor(rows, q.device())? };
+    let q = q.to_dtype(keys.dtype())?.contiguous()?;
+    Ok(q.apply_op3_no_bwd(&keys.contiguous()?, &values.contiguous()?, &op)?.reshape((n, heads * hd))?)
+}
+
+#[derive(Debug)]
+struct DecodeAttention {
+    rows: Tensor,
+}
+
+impl candle_core::CustomOp3 for DecodeAttention {
+    fn name(&self) -> &'static str {
+        "cuda-decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> FwdCpu {
+        candle_core::bail!("cuda-decode-attention runs on CUDA devices only")
+    }
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CudaFwd {
+        let (n, heads, hd) = l1.shape().dims3()?;
+        let kvh = l2.dims()[1];
+        if !decode_kernels_fit(hd) {
+            candle_core::bail!(
+                "cuda-decode-attention: head dimension {hd} (multiples of 32 up to {MAX_HEAD_DIM})"
+            )
+        }
+        let (rows_storage, rows_layout) = self.rows.storage_and_layout();
+        let Storage::Cuda(rs) = &*rows_storage else {
+            candle_core::bail!("cuda-decode-attention: rows off the GPU")
+        };
+        let rows = view::<u32>(rs, rows_layout, self.name())?;
+        let dev = s1.device();
+        let func = decode_func!(dev, "decode_attention", s1.dtype());
+        let (heads32, kvh32, hd32) = (heads as u32, kvh as u32, hd as u32);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let cfg =
+            LaunchConfig { grid_dim: (n as u32, heads32, 1), block_dim: (WARP, 1, 1), shared_mem_bytes: 0 };
+        macro_rules! launch {
+            ($t:ty) => {{
+                let q = view::<$t>(s1, l1, self.name())?;
+                let (k, v) = (view::<$t>(s2, l2, self.name())?, view::<$t>(s3, l3, self.name())?);
+                // SAFETY: uninitialised, and every element is written by the kernel below
+                // (each (row, head) warp writes its head_dim outputs).
+                let out = unsafe { dev.alloc::<$t>(n * heads * hd) }?;
+                let mut args = func.builder();
+                args.arg(&q)
+                    .arg(&k)
+                    .arg(&v)
+                    .arg(&rows)
+                    .arg(&out)
+                    .arg(&heads32)
+                    .arg(&kvh32)
+                    .arg(&hd32)
+                    .arg(&scale);
+                // SAFETY: `decode_attention_*(q, keys, values, rows, out, heads, kv_heads,
+                // head_dim, scale)` over (n, heads) warps: `rows` holds n pairs checked
+                // against the cache's rows (each at least one position), `q` and `out`
+                // `n heads head_dim` elements, head_dim a multiple of 32 within the
+                // kernel's registers.
+                if n > 0 {
+                    unsafe { args.launch(cfg) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((out, l1.shape().clone()))
+    }
 }

@@ -114,7 +114,7 @@ pub use kv_cache::{DECODE_MIN_ROWS, KvCache};
 pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
 pub use model::{Model, ScoringBatch, TargetOutput};
 pub use ops::Projection;
-pub use portable::Kernels;
+pub use portable::{CUDA_KERNELS_ENV, Kernels};
 pub use precision::Precision;
 pub use simd::{SIMD_ENV, SimdLevel};
 pub use tokenizer::{CharTokenizer, ChatTemplate, GgufTokenizer, HfTokenizer};

@@ -24,6 +24,11 @@ use crate::draw::{Draw, DrawScratch, Next, draw_row};
 use crate::ops::{self, DecodeRows, StepIndex};
 use crate::{Error, Result};
 
+/// `METRONOME_CUDA_KERNELS=0` makes models on CUDA devices run [`Kernels::Portable`]
+/// instead of [`Kernels::Cuda`]: the way back to candle's own kernels without a rebuild,
+/// should one of this crate's misbehave on a GPU.
+pub const CUDA_KERNELS_ENV: &str = "METRONOME_CUDA_KERNELS";
+
 /// Which implementation of the element-wise ops a [`crate::Model`] runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Kernels {
@@ -35,21 +40,25 @@ pub enum Kernels {
     /// 1e-5 on the CPU (tested), not bitwise.
     Portable,
     /// The portable ops with CUDA kernels of this crate where they are written
-    /// (`kernels/*.cu`, built by nvcc with the `cuda` feature): so far a decode step's
-    /// draw of its next tokens ([`crate::Next`]), so that `[rows, vocab]` logits stay on
-    /// the device. The default on CUDA devices; each kernel is tested against its CPU
-    /// reference on a GPU (`tests/it/devices.rs`).
+    /// (`kernels/*.cu`, built by nvcc with the `cuda` feature): RMSNorm, SwiGLU and
+    /// rotary embeddings as one kernel each way (`kernels/layer.cu`), the cached
+    /// forward's cache writes and attention read in place, one launch per layer each
+    /// (`kernels/decode.cu`), and a decode step's draw of its next
+    /// tokens ([`crate::Next`], `kernels/draw.cu`), so that `[rows, vocab]` logits stay
+    /// on the device. The default on CUDA devices (unless [`CUDA_KERNELS_ENV`] says
+    /// `0`); each kernel is tested against the portable form or its CPU reference on a
+    /// GPU (`tests/it/devices.rs`).
     Cuda,
 }
 
 impl Kernels {
-    /// The default for `device`: fused on the CPU, CUDA on CUDA devices, portable
-    /// elsewhere.
+    /// The default for `device`: fused on the CPU, CUDA on CUDA devices (portable
+    /// there when [`CUDA_KERNELS_ENV`] is `0`), portable elsewhere.
     #[must_use]
     pub fn for_device(device: &Device) -> Self {
         if device.is_cpu() {
             Self::Fused
-        } else if device.is_cuda() {
+        } else if device.is_cuda() && std::env::var(CUDA_KERNELS_ENV).map_or(true, |v| v != "0") {
             Self::Cuda
         } else {
             Self::Portable
@@ -84,7 +93,10 @@ impl Kernels {
     pub(crate) fn rms_norm(self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         match self {
             Self::Fused => ops::rms_norm(x, weight, eps),
-            Self::Portable | Self::Cuda => {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::rms_norm(x, weight, eps),
+            // Portable (and `Cuda` in a build without CUDA, where no model can hold it).
+            _ => {
                 // In f32 whatever the activations' type, as `transformers` does.
                 let xf = x.to_dtype(DType::F32)?;
                 let inv = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
@@ -100,7 +112,9 @@ impl Kernels {
     pub(crate) fn rope(self, x: &Tensor, t: &ops::RopeTables) -> Result<Tensor> {
         match self {
             Self::Fused => ops::apply_rope(x, t),
-            Self::Portable | Self::Cuda => {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::rope(x, t),
+            _ => {
                 let (n, _, hd) = x.dims3()?;
                 let half = hd / 2;
                 let (cos, sin) = t.on(x.device(), n, half)?;
@@ -181,7 +195,9 @@ impl Kernels {
     pub(crate) fn swiglu_train(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         match self {
             Self::Fused => ops::swiglu_train(gate, up),
-            Self::Portable | Self::Cuda => Ok((gate.silu()? * up)?),
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::swiglu(gate, up),
+            _ => Ok((gate.silu()? * up)?),
         }
     }
 
@@ -190,7 +206,9 @@ impl Kernels {
     pub(crate) fn swiglu(self, gate: &Tensor, up: &Tensor, rows: usize) -> Result<Tensor> {
         match self {
             Self::Fused => ops::swiglu(gate, up, rows),
-            Self::Portable | Self::Cuda => Ok((gate.silu()? * up)?),
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::swiglu(gate, up),
+            _ => Ok((gate.silu()? * up)?),
         }
     }
 
@@ -293,7 +311,9 @@ impl Kernels {
     pub(crate) fn write_decode_rows(self, cache: &Tensor, new: &Tensor, rows: DecodeRows<'_>) -> Result<()> {
         match self {
             Self::Fused => ops::write_decode_rows(cache, new, rows),
-            Self::Portable | Self::Cuda => {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::write_decode_rows(cache, new, rows),
+            _ => {
                 let (n, kvh, hd) = new.dims3()?;
                 rows.check("decode-write", n, cache.dim(0)?)?;
                 // One in-place scatter: element (i, h, d) goes to cache row
@@ -325,7 +345,11 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::decode_attention(q, keys, values, rows),
-            Self::Portable | Self::Cuda => portable_decode_attention(q, keys, values, rows),
+            #[cfg(feature = "cuda")]
+            Self::Cuda if crate::cuda::decode_kernels_fit(q.dim(2)?) => {
+                crate::cuda::decode_attention(q, keys, values, rows)
+            }
+            _ => portable_decode_attention(q, keys, values, rows),
         }
     }
 }

@@ -22,9 +22,10 @@ pub(crate) struct DecodeRows<'a> {
     pub(crate) index: Option<&'a StepIndex>,
 }
 
-/// The index tensors the portable decode kernels derive from a step's [`DecodeRows`]:
-/// the cache rows its keys and values are written to, the cache rows each row's
-/// attention reads and the mask of their padding. The rows are the same in every
+/// The index tensors the portable and CUDA decode kernels derive from a step's
+/// [`DecodeRows`]: the cache rows its keys and values are written to, the cache rows
+/// each row's attention reads and the mask of their padding (portable), the rows
+/// themselves (CUDA). The rows are the same in every
 /// layer, so each is built on the host and uploaded once per step, not once per layer
 /// (twice per layer for the writes), which on a GPU was a host loop and a copy per
 /// layer between kernel launches.
@@ -33,6 +34,9 @@ pub(crate) struct StepIndex {
     pub(crate) write: OnceLock<Tensor>,
     pub(crate) gather: OnceLock<Tensor>,
     pub(crate) mask: OnceLock<Tensor>,
+    /// The rows themselves, `[n, 2]` u32 (base, length), for the CUDA decode kernels.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "read by the CUDA kernels only"))]
+    pub(crate) rows: OnceLock<Tensor>,
 }
 
 impl StepIndex {

@@ -163,13 +163,31 @@ fn cuda_decode_is_reproducible_and_near_batch_invariant() {
     assert!(d < 1e-5, "{d}");
 }
 
+/// This crate's CUDA kernels for RMSNorm, SwiGLU and rotary embeddings (`kernels/layer.cu`, the default
+/// `Kernels::Cuda` on a GPU) against the portable forms on the same GPU weights: a
+/// training step's log-probs and entropies within 1e-5, gradients within 1e-4, and a
+/// frozen copy's decode steps (which run them too) within 1e-5 of its full forward.
+/// bf16 is held by `cuda_bf16_compute_tracks_the_cpu_f32_step`, which runs them.
+#[test]
+fn cuda_kernels_match_the_portable_forms() {
+    let Some(gpu) = cuda() else { return };
+    for name in ["tiny_llama", "tiny_qwen2"] {
+        let model = Model::load_hf(&fixture(name), &gpu).unwrap();
+        assert_eq!(model.kernels(), Kernels::Cuda);
+        training_matches_fused_cpu(&model, &portable(model.clone()));
+        let frozen = model.frozen_copy().unwrap();
+        assert_eq!(frozen.kernels(), Kernels::Cuda);
+        decode_matches_full_forward(&frozen, 1e-5);
+    }
+}
+
 /// The draw kernel (`kernels/draw.cu`) against its host reference on the same logits,
 /// f32 and bf16, at vocabulary sizes from the tiny model's to Qwen2's (one run or many
 /// per thread of its block), with the edge rows of `draw_logits`; then through a
 /// model's decode steps. Tokens must be identical (they differ only where `u · total`
 /// falls within f64 rounding of a boundary), log-probs within 1e-6.
 #[test]
-fn cuda_draw_kernel_draws_what_the_host_draws() {
+fn cuda_kernel_draws_what_the_host_draws() {
     use metronome_model::{DType, Next};
     let Some(gpu) = cuda() else { return };
     let (mut same, mut drawn, mut bitwise) = (0, 0, 0);

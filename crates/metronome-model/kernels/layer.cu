@@ -1,0 +1,144 @@
+// The element-wise training ops of a decoder layer as one kernel each way, f32 and
+// bf16 (T): RMSNorm, SwiGLU and rotary embeddings, forward and backward. Their references are the
+// portable forms (src/portable.rs): the same formulas, with the statistics and every
+// product a gradient needs computed in f32 whatever T is, as the portable forms do.
+//
+// RMSNorm, one block of NORM_THREADS threads per row of d values:
+//   forward   r = 1 / sqrt(mean(x^2) + eps); y = T(T(x r) w)
+//   backward  gw = g w; dx = r (gw - x r mean(gw x r)); wrow = g T(x r), both in f32
+//             (wrow summed over rows by candle for the weight's gradient)
+// SwiGLU, one thread per element:
+//   forward   o = T(silu(a) b), silu(a) = a / (1 + exp(-a))
+//   backward  s = sigmoid(a); da = g b s (1 + a (1 - s)); db = g silu(a)
+// Rotary embeddings of x: [n, heads, hd] with f32 tables cos, sin: [n, hd / 2] (the
+// rotate-half convention), one thread per rotated pair:
+//   forward   o1 = x1 c - x2 s; o2 = x2 c + x1 s
+//   backward  the rotation by the negated angle, the same kernel with sign = -1
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define NORM_THREADS 256
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+
+// The sum of v over the block (every thread gets it); `shared` holds a float per warp.
+__device__ float block_sum(float v, float *shared) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? shared[lane] : 0.0f;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) shared[0] = v;
+    }
+    __syncthreads();
+    v = shared[0];
+    __syncthreads();  // `shared` may be reused by the caller's next sum
+    return v;
+}
+
+template <typename T>
+__device__ void rms_norm_fwd(const T *x, const T *w, T *y, uint32_t d, float eps) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const T *xr = x + row * d;
+    T *yr = y + row * d;
+    float ss = 0.0f;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss, shared) / (float)d + eps);
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float n = to_f(from_f<T>(to_f(xr[i]) * r));
+        yr[i] = from_f<T>(n * to_f(w[i]));
+    }
+}
+
+// dx: [rows, d] and wrow: [rows, d] (g * normalised x per row, the weight's gradient
+// once summed over rows), both f32: the host casts dx to T and sums wrow in f32.
+template <typename T>
+__device__ void rms_norm_bwd(const T *x, const T *w, const T *g, float *dx, float *wrow, uint32_t d, float eps) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const T *xr = x + row * d, *gr = g + row * d;
+    float ss = 0.0f;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = to_f(xr[i]);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss, shared) / (float)d + eps);
+    float dot = 0.0f;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        dot += to_f(gr[i]) * to_f(w[i]) * to_f(xr[i]) * r;
+    }
+    const float mean = block_sum(dot, shared) / (float)d;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = to_f(xr[i]), gv = to_f(gr[i]);
+        const float xhat = v * r;
+        dx[row * d + i] = r * (gv * to_f(w[i]) - xhat * mean);
+        wrow[row * d + i] = gv * to_f(from_f<T>(xhat));
+    }
+}
+
+template <typename T>
+__device__ void swiglu_fwd(const T *a, const T *b, T *o, size_t n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float av = to_f(a[i]);
+    o[i] = from_f<T>(av / (1.0f + expf(-av)) * to_f(b[i]));
+}
+
+// da and db side by side: out[0..n] = da, out[n..2n] = db.
+template <typename T>
+__device__ void swiglu_bwd(const T *a, const T *b, const T *g, T *out, size_t n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float av = to_f(a[i]), bv = to_f(b[i]), gv = to_f(g[i]);
+    const float s = 1.0f / (1.0f + expf(-av));
+    out[i] = from_f<T>(gv * bv * s * (1.0f + av * (1.0f - s)));
+    out[n + i] = from_f<T>(gv * av * s);
+}
+
+template <typename T>
+__device__ void rope(const T *x, const float *cos, const float *sin, T *o, uint32_t heads, uint32_t half,
+                     size_t pairs, float sign) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= pairs) return;
+    const size_t k = i % half;                     // the pair within its head
+    const size_t row = i / half;                   // (position, head)
+    const size_t pos = row / heads;
+    const size_t a = row * 2 * half + k, b = a + half;
+    const float c = cos[pos * half + k], s = sign * sin[pos * half + k];
+    const float x1 = to_f(x[a]), x2 = to_f(x[b]);
+    o[a] = from_f<T>(x1 * c - x2 * s);
+    o[b] = from_f<T>(x2 * c + x1 * s);
+}
+
+#define NORM_KERNELS(SUFFIX, T)                                                                         \
+    extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T *x, const T *w, T *y, uint32_t d, float eps) { \
+        rms_norm_fwd<T>(x, w, y, d, eps);                                                               \
+    }                                                                                                   \
+    extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T *x, const T *w, const T *g, float *dx, float *wrow, \
+                                                     uint32_t d, float eps) {                           \
+        rms_norm_bwd<T>(x, w, g, dx, wrow, d, eps);                                                     \
+    }                                                                                                   \
+    extern "C" __global__ void swiglu_fwd_##SUFFIX(const T *a, const T *b, T *o, size_t n) {            \
+        swiglu_fwd<T>(a, b, o, n);                                                                      \
+    }                                                                                                   \
+    extern "C" __global__ void swiglu_bwd_##SUFFIX(const T *a, const T *b, const T *g, T *out, size_t n) { \
+        swiglu_bwd<T>(a, b, g, out, n);                                                                 \
+    }                                                                                                   \
+    extern "C" __global__ void rope_##SUFFIX(const T *x, const float *cos, const float *sin, T *o,      \
+                                             uint32_t heads, uint32_t half, size_t pairs, float sign) { \
+        rope<T>(x, cos, sin, o, heads, half, pairs, sign);                                              \
+    }
+
+NORM_KERNELS(f32, float)
+NORM_KERNELS(bf16, __nv_bfloat16)
