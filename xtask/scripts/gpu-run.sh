@@ -4,6 +4,7 @@
 #
 #   bash target/gpu/run.sh [FILTER ...]     # from the repository root; FILTER goes to every test binary
 #   bash target/gpu/run.sh --bench          # every GPU test, then training tokens/s against PyTorch
+#   bash target/gpu/run.sh --learn GGUF     # the SmolLM2 learning run of issue #32 (no tests)
 #
 # Every executable runs from its package directory, as `cargo test` runs it, with one
 # rayon/candle thread per test (as `cargo xtask ci` does). Logs go to $OUT/gpu-tests.log
@@ -45,6 +46,50 @@ bench=false
 if [ "${1:-}" = "--bench" ]; then
     bench=true
     shift
+fi
+
+# `--learn GGUF` is issue #32's device call, without the tests: the SmolLM2 preset
+# (configs/smollm2-gsm.toml) on the GGUF at that path, limited to LEARN_S seconds
+# (default 330), held-out accuracy before, during and after; then `periodic` and
+# `sync` for LEARN_COMPARE_PERIODS periods (default 3) on the same seed, their rewards
+# side by side; then `metronome export` of the learned run and
+# `examples/check_export.py` (transformers' greedy answers against Metronome's). Into
+# $OUT: learn-metrics.jsonl, learn-summary.txt, compare.txt, export-check.txt.
+if [ "${1:-}" = "--learn" ]; then
+    gguf=${2:?usage: run.sh --learn PATH_TO_SmolLM2-135M-Instruct.Q4_1.gguf}
+    out=${OUT:-$bin}
+    runs=$bin/runs
+    mkdir -p "$runs"
+    metronome=("$bin/bin/metronome" run --config "$build_root/configs/smollm2-gsm.toml"
+        --set "model.path=\"$gguf\"" --set "run.out_dir=\"$runs\"")
+    echo "${metronome[*]}" >"$out/learn-summary.txt"
+    start=$(date +%s)
+    (cd "$build_root" && timeout "${LEARN_S:-330}" "${metronome[@]}" --set 'run.name="learn"') >"$bin/learn.log" 2>&1
+    echo "learning run: exit $?, $(($(date +%s) - start)) s" | tee -a "$out/learn-summary.txt"
+    learned=$(ls -d "$runs"/learn* 2>/dev/null | head -n 1)
+    if [ -n "$learned" ]; then
+        cp "$learned/metrics.jsonl" "$out/learn-metrics.jsonl" 2>/dev/null
+        grep -iE 'held-out|accuracy|period [0-9]+' "$bin/learn.log" | tail -n 60 >>"$out/learn-summary.txt"
+        # The final checkpoint, or the newest period's when the time limit cut the run.
+        export=("$bin/bin/metronome" export "$learned" --out "$bin/hf" --questions 32)
+        (cd "$build_root" && { timeout 120 "${export[@]}" || timeout 120 "${export[@]}" --checkpoint latest; } &&
+            timeout 150 python3 crates/metronome-pipeline/examples/check_export.py "$bin/hf" --device cuda) \
+            >"$out/export-check.txt" 2>&1
+        echo "export check: exit $?" >>"$out/export-check.txt"
+    else
+        tail -n 40 "$bin/learn.log" >>"$out/learn-summary.txt"
+    fi
+    : >"$out/compare.txt"
+    for schedule in periodic sync; do
+        start=$(date +%s)
+        (cd "$build_root" && timeout 150 "${metronome[@]}" --set "run.name=\"$schedule\"" \
+            --set "run.schedule=\"$schedule\"" --set "run.periods=${LEARN_COMPARE_PERIODS:-3}" \
+            --set eval.prompts=0) >"$bin/$schedule.log" 2>&1
+        echo "== $schedule: exit $?, $(($(date +%s) - start)) s" >>"$out/compare.txt"
+        dir=$(ls -d "$runs/$schedule"* 2>/dev/null | head -n 1)
+        [ -n "$dir" ] && grep -E '"reward_mean"|"period"' "$dir/metrics.jsonl" | head -n 20 >>"$out/compare.txt"
+    done
+    exit 0
 fi
 
 log=${OUT:-$bin}/gpu-tests.log
