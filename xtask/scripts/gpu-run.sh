@@ -158,13 +158,16 @@ for spec in smollm2-135m:8x512,32x512,16x1024:40 qwen2.5-0.5b:8x1024:40 qwen2.5-
     echo "${torch[*]}" >"$out/torch-$shape.cmd"
     timeout 200 "${torch[@]}" || echo "torch $shape: exit $?"
 done
-# Generation tokens/s (issue #31): SmolLM2-135M in f32, greedy, 64 and 256 sequences of
-# 32 + 128 tokens; Metronome with the logits to the host and with the tokens drawn on the
-# device, then `transformers` `generate` on the same work.
-gen=("$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision f32 --train ''
-    --generate 64,256 --json "$out/generate_metronome.json")
-echo "${gen[*]}" >"$out/generate_metronome.command"
-timeout 120 "${gen[@]}" || echo "metronome generate: exit $?"
+# Generation tokens/s (issue #31): SmolLM2-135M, greedy, 64 and 256 sequences of
+# 32 + 128 tokens; Metronome in f32 and in bf16 (the engine's default on a GPU), with
+# the logits to the host and with the tokens drawn on the device, beside the memory
+# roofline; then `transformers` `generate` (f32) on the same work.
+for precision in f32 bf16; do
+    gen=("$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision "$precision" --train ''
+        --generate 64,256 --json "$out/generate_metronome_$precision.json")
+    echo "${gen[*]}" >"$out/generate_metronome_$precision.command"
+    timeout 120 "${gen[@]}" || echo "metronome generate $precision: exit $?"
+done
 gen_torch=(python3 "$bench_dir/torch_gpu.py" --shape smollm2-135m --train '' --generate 64,256 --no-compile
     --json "$out/generate_torch.json")
 echo "${gen_torch[*]}" >"$out/generate_torch.command"

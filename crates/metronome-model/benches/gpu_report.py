@@ -83,24 +83,35 @@ def main():
             eager = row.get("torch_eager_bf16", {}).get("tokens_per_s")
             row["metronome_best_over_torch_eager"] = ours_best / eager if ours_best and eager else None
             report["training"].append(row)
-    # Generation: Metronome with the logits to the host and drawn on the device, and
-    # `transformers` `generate`, per number of sequences.
-    ours, theirs = load(bench / "generate_metronome.json"), load(bench / "generate_torch.json")
-    commands = {k: read(bench / f"generate_{k}.command") for k in ("metronome", "torch")}
-    host = dict((ours or {}).get("generate", []))
-    drawn = dict((ours or {}).get("generate_drawn", []))
+    # Generation: Metronome (f32 and bf16) with the logits to the host and drawn on the
+    # device, its memory roofline, and `transformers` `generate` (f32), per number of
+    # sequences.
+    theirs = load(bench / "generate_torch.json")
     torch_tps = dict((theirs or {}).get("generate", []))
-    for n in sorted(set(host) | set(drawn) | set(torch_tps)):
-        row = {
-            "sequences": n,
-            "metronome_logits_to_host": host.get(n),
-            "metronome_drawn_on_device": drawn.get(n),
-            "transformers_generate": torch_tps.get(n),
-            "commands": commands,
+    for precision in ("f32", "bf16"):
+        ours = load(bench / f"generate_metronome_{precision}.json")
+        commands = {
+            "metronome": read(bench / f"generate_metronome_{precision}.command"),
+            "torch": read(bench / "generate_torch.command"),
         }
-        best = max((x for x in (host.get(n), drawn.get(n)) if x), default=None)
-        row["metronome_best_over_transformers"] = best / torch_tps[n] if best and torch_tps.get(n) else None
-        report["generation"].append(row)
+        host = dict((ours or {}).get("generate", []))
+        drawn = dict((ours or {}).get("generate_drawn", []))
+        roofline = dict((ours or {}).get("generate_roofline", []))
+        for n in sorted(set(host) | set(drawn) | set(torch_tps)):
+            row = {
+                "sequences": n,
+                "precision": precision,
+                "metronome_logits_to_host": host.get(n),
+                "metronome_drawn_on_device": drawn.get(n),
+                "roofline": roofline.get(n),
+                "copy_bandwidth_gbps": (ours or {}).get("copy_bandwidth_gbps"),
+                "transformers_generate_f32": torch_tps.get(n),
+                "commands": commands,
+            }
+            best = max((x for x in (host.get(n), drawn.get(n)) if x), default=None)
+            row["metronome_best_over_transformers_f32"] = best / torch_tps[n] if best and torch_tps.get(n) else None
+            row["metronome_best_over_roofline"] = best / roofline[n] if best and roofline.get(n) else None
+            report["generation"].append(row)
     json.dump(report, sys.stdout, indent=2)
     print()
 

@@ -23,8 +23,10 @@
 //! timed, twice: with every row's logits to the host each step (`Model::decode_step`,
 //! argmax there) and with the next tokens drawn where the logits are
 //! (`Model::decode_step_drawing`, greedy draws: on a GPU the draw kernel, so only token
-//! ids cross), as the rollout engine now decodes; `--generate ''` skips it. `--json
-//! PATH` writes every figure.
+//! ids cross), as the rollout engine now decodes, in `--precision` (the engine's
+//! `rollout.precision`); beside them the memory roofline (the weights and every
+//! sequence's KV cache read once per step at the device's measured copy bandwidth);
+//! `--generate ''` skips it. `--json PATH` writes every figure.
 
 use std::time::Instant;
 
@@ -114,6 +116,11 @@ struct Report {
     generate: Vec<(usize, f64)>,
     /// `(sequences, tokens/s)` with the tokens drawn where the logits are.
     generate_drawn: Vec<(usize, f64)>,
+    /// The device's copy bandwidth (bytes read and written per second), in GB/s.
+    copy_bandwidth_gbps: Option<f64>,
+    /// `(sequences, tokens/s)` if every decode step only read the weights and the KV
+    /// cache once at that bandwidth: the memory roofline of greedy generation.
+    generate_roofline: Vec<(usize, f64)>,
 }
 
 /// Device memory in use (total minus free) polled every millisecond from a thread
@@ -213,6 +220,39 @@ fn generate(model: &Model, n: usize, drawn: bool) -> Result<f64> {
     Ok((n * NEW_TOKENS) as f64 / start.elapsed().as_secs_f64())
 }
 
+/// Bytes per second a device-to-device copy moves, counting the bytes read and written
+/// (the median of five copies of 256 MiB on a GPU, 64 MiB on the CPU).
+fn copy_bandwidth(dev: &metronome_model::Device) -> Result<f64> {
+    let elements = if dev.is_cpu() { 16 << 20 } else { 64 << 20 };
+    let t = metronome_model::Tensor::zeros(elements, metronome_model::DType::F32, dev)?;
+    let mut times = Vec::new();
+    for _ in 0..6 {
+        dev.synchronize()?;
+        let start = Instant::now();
+        let copy = t.copy()?;
+        dev.synchronize()?;
+        times.push(start.elapsed().as_secs_f64());
+        drop(copy);
+    }
+    times.remove(0); // the first allocates
+    Ok(2.0 * 4.0 * elements as f64 / median(times))
+}
+
+/// Greedy generation's memory roofline for `n` sequences of `PROMPT` + `NEW_TOKENS`:
+/// per decode step the weights are read once and each sequence's cached keys and values
+/// once (its mean length over the steps), in the model's type; tokens/s at `bandwidth`.
+fn decode_roofline(model: &Model, n: usize, bandwidth: f64) -> f64 {
+    let cfg = model.config();
+    let size = model.dtype().size_in_bytes() as f64;
+    let weights = model.num_parameters() as f64 * size;
+    let mean_len = PROMPT as f64 + NEW_TOKENS as f64 / 2.0;
+    let kv = n as f64
+        * mean_len
+        * (cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim) as f64
+        * size;
+    n as f64 * bandwidth / (weights + kv)
+}
+
 fn list<T: std::str::FromStr>(s: &str) -> Result<Vec<T>> {
     s.split(',')
         .filter(|x| !x.trim().is_empty())
@@ -286,6 +326,8 @@ fn main() -> Result<()> {
         train: Vec::new(),
         generate: Vec::new(),
         generate_drawn: Vec::new(),
+        copy_bandwidth_gbps: None,
+        generate_roofline: Vec::new(),
     };
     for &(rows, len) in &train_shapes {
         for &m in &memory {
@@ -337,16 +379,29 @@ fn main() -> Result<()> {
         }
     }
     if !gen_sizes.is_empty() {
+        // Generation in `--precision`, as the rollout engine decodes (`rollout.precision`).
         let frozen = masters.frozen_copy()?;
+        let frozen =
+            if precision == Precision::F32 { frozen } else { frozen.compute_copy(precision.dtype())? };
+        let bandwidth = copy_bandwidth(&dev)?;
+        println!("device copy bandwidth: {:.0} GB/s (read + write)", bandwidth / 1e9);
+        report.copy_bandwidth_gbps = Some(bandwidth / 1e9);
+        for &n in &gen_sizes {
+            let roofline = decode_roofline(&frozen, n, bandwidth);
+            println!(
+                "generate {n} seqs: roofline {roofline:.0} tokens/s (weights and KV cache read once per step at that bandwidth)"
+            );
+            report.generate_roofline.push((n, roofline));
+        }
         for n in gen_sizes {
             let tps = generate(&frozen, n, false)?;
             println!(
-                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32, logits to the host)"
+                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, {precision}, logits to the host)"
             );
             report.generate.push((n, tps));
             let tps = generate(&frozen, n, true)?;
             println!(
-                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32, drawn on the device)"
+                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, {precision}, drawn where the logits are)"
             );
             report.generate_drawn.push((n, tps));
         }
