@@ -459,7 +459,8 @@ impl Model {
     /// The same weights (shared) running `kernels`: [`Kernels::for_device`] is the
     /// default; [`Kernels::Portable`] on the CPU runs what a GPU runs (how the tests
     /// check the GPU's arithmetic without one). An error for [`Kernels::Fused`] off
-    /// the CPU or on weights other than f32 (a bf16 [`Model::compute_copy`]).
+    /// the CPU or on weights other than f32 (a bf16 [`Model::compute_copy`]), and for
+    /// [`Kernels::Cuda`] off a CUDA device.
     pub fn with_kernels(mut self, kernels: Kernels) -> Result<Self> {
         kernels.check(self.device(), self.dtype())?;
         self.kernels = kernels;
