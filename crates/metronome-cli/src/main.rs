@@ -279,33 +279,7 @@ impl ConfigArgs {
 }
 
 fn main() -> ExitCode {
-    // candle sizes its spinning element-wise pool from CANDLE_NUM_THREADS once, process
-    // wide; left to default it takes every core and oversubscribes the stages' own
-    // pools (docs/design.md §6). And without RAYON_NUM_THREADS, candle re-reads
-    // /proc/cpuinfo on every matmul to count the cores (`get_num_threads`): measured
-    // here, that made a period of the default run 4x slower, in system time. The value
-    // keeps what candle would compute (the cores), so `sync` still splits its matmuls.
-    // mimalloc, by default, hands freed memory back to the OS after a short delay, and
-    // a training step then faults it in zeroed again: about a fifth of the model bench's
-    // CPU time; MIMALLOC_PURGE_DELAY=-1 keeps it (read once, at start-up).
-    // Setting the environment of a running process is unsafe, so the binary replaces
-    // itself (exec: same process id, so a signal sent to it reaches the run) with the
-    // variables set instead. A value the caller set is kept.
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).to_string();
-    let defaults =
-        [("CANDLE_NUM_THREADS", "1"), ("RAYON_NUM_THREADS", cores.as_str()), ("MIMALLOC_PURGE_DELAY", "-1")];
-    let missing: Vec<_> = defaults.iter().filter(|(k, _)| std::env::var_os(k).is_none()).collect();
-    if !missing.is_empty() {
-        use std::os::unix::process::CommandExt;
-        let mut again =
-            std::process::Command::new(std::env::current_exe().unwrap_or_else(|_| "metronome".into()));
-        again.args(std::env::args_os().skip(1));
-        again.envs(missing.iter().map(|(k, v)| (k, v)));
-        // `exec` returns only when it failed.
-        let e = again.exec();
-        eprintln!("error: cannot re-execute metronome: {e}");
-        return ExitCode::FAILURE;
-    }
+    set_process_defaults();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -321,6 +295,46 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// mimalloc's `mi_option_purge_delay`, which `libmimalloc-sys` does not name: the entry
+/// before `mi_option_use_numa_nodes` (16) in `mi_option_e` of the mimalloc it builds
+/// (v3's `include/mimalloc.h`; the test below holds the neighbour).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// The process-wide settings of candle, rayon and mimalloc that a run needs, each kept
+/// when the caller set it:
+///
+/// - candle sizes its spinning element-wise pool from `CANDLE_NUM_THREADS` once,
+///   process wide; left to default it takes every core and oversubscribes the stages'
+///   own pools (docs/design.md §6). 1.
+/// - without `RAYON_NUM_THREADS` candle re-reads /proc/cpuinfo on every matmul to count
+///   the cores (`get_num_threads`): measured, that made a period of the default run 4x
+///   slower, in system time. The cores, what candle would compute, so `sync` still
+///   splits its matmuls.
+/// - mimalloc, by default, hands freed memory back to the OS after a short delay, and a
+///   training step then faults it in zeroed again: about a fifth of the model bench's
+///   CPU time. Never (`MIMALLOC_PURGE_DELAY=-1`, set as its option).
+///
+/// The binary used to re-execute itself with the variables set, to stay free of
+/// `unsafe`; the second start-up of a 200 MB binary doubled its page faults (1,211 vs
+/// 786 for the TRL-matched run), so they are set in place, before any thread exists.
+#[allow(unsafe_code, reason = "setting the environment and an allocator option before any thread starts")]
+fn set_process_defaults() {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).to_string();
+    for (key, value) in [("CANDLE_NUM_THREADS", "1"), ("RAYON_NUM_THREADS", cores.as_str())] {
+        if std::env::var_os(key).is_none() {
+            // SAFETY: called first in `main`, before this process starts any thread (no
+            // dependency starts one before `main`), so nothing reads the environment
+            // while it changes.
+            unsafe { std::env::set_var(key, value) };
+        }
+    }
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: mimalloc's documented option setter, on an option it reads when it
+        // next purges; no precondition beyond a valid option id.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
     }
 }
 
@@ -563,6 +577,24 @@ fn real_main() -> Result<()> {
                 }
                 anyhow::Ok(())
             })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The purge-delay option is the one before the NUMA-node count, as in mimalloc's
+    /// header, and setting it reads back.
+    #[test]
+    #[allow(unsafe_code, reason = "mimalloc's option getter and setter")]
+    fn the_purge_delay_option_is_mimallocs() {
+        assert_eq!(super::MI_OPTION_PURGE_DELAY + 1, libmimalloc_sys::mi_option_use_numa_nodes);
+        // SAFETY: mimalloc's documented option accessors, on a valid option id.
+        unsafe {
+            let before = libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY);
+            libmimalloc_sys::mi_option_set(super::MI_OPTION_PURGE_DELAY, 12_345);
+            assert_eq!(libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY), 12_345);
+            libmimalloc_sys::mi_option_set(super::MI_OPTION_PURGE_DELAY, before);
         }
     }
 }

@@ -90,8 +90,7 @@ impl Proc {
         for s in sets {
             command.arg("--set").arg(s);
         }
-        // Both set here so the binary does not re-execute itself: a signal must reach
-        // the process that does the work.
+        // One thread each: several processes share the machine in these tests.
         command.arg("--out-dir").arg(out).env("CANDLE_NUM_THREADS", "1").env("RAYON_NUM_THREADS", "1");
         Self::watch(name, command)
     }
