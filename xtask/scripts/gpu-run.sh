@@ -105,17 +105,20 @@ while IFS=$'\t' read -r name dir; do
     grep -E '^test .* FAILED|panicked' "$one" | head -n 5
 done <"$bin/tests.tsv"
 
-# The crate's own CUDA kernels once under compute-sanitizer (memcheck): one call finds
-# both wrong answers (the tests' assertions) and bad memory accesses (exit code 9).
+# The crate's own CUDA kernels under compute-sanitizer: memcheck (bad accesses) and
+# initcheck (reads of memory never written: their outputs are allocated uninitialised),
+# each failing with exit code 9; the tests' assertions check the answers meanwhile.
 san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
 model_it=$(awk -F'\t' '$1 == "metronome-model-it" { print $2 }' "$bin/tests.tsv")
 if [ -n "$san" ] && [ -n "$model_it" ]; then
-    if ! (cd "$build_root/$model_it" && timeout 180 "$san" --tool memcheck --error-exitcode 9 \
-        "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer.log" 2>&1; then
-        failed+=("compute-sanitizer")
-    fi
-    { echo "==> compute-sanitizer metronome-model-it cuda_kernel"; cat "$bin/sanitizer.log"; } >>"$log"
-    echo "compute-sanitizer (this crate's kernels): $(grep -E 'ERROR SUMMARY|^test result' "$bin/sanitizer.log" | tr '\n' ' ')"
+    for tool in memcheck initcheck; do
+        if ! (cd "$build_root/$model_it" && timeout 180 "$san" --tool "$tool" --error-exitcode 9 \
+            "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer-$tool.log" 2>&1; then
+            failed+=("compute-sanitizer-$tool")
+        fi
+        { echo "==> compute-sanitizer --tool $tool metronome-model-it cuda_kernel"; cat "$bin/sanitizer-$tool.log"; } >>"$log"
+        echo "compute-sanitizer $tool (this crate's kernels): $(grep -E 'ERROR SUMMARY|^test result' "$bin/sanitizer-$tool.log" | tr '\n' ' ')"
+    done
 else
     echo "compute-sanitizer not found: the kernels ran without it"
 fi
