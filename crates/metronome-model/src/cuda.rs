@@ -11,6 +11,41 @@ use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor
 /// What a custom op's CPU forward returns (these ops have none: they run on CUDA only).
 type FwdCpu = candle_core::Result<(CpuStorage, Shape)>;
 
+/// The `cpu_fwd` of a CUDA-only op of two or three operands (or an in-place op of two):
+/// an error naming the op. [`crate::Kernels::check`] keeps `Kernels::Cuda` off the CPU,
+/// so it is reached only by a tensor moved there by hand.
+macro_rules! cpu_fwd_refused {
+    (2) => {
+        fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> FwdCpu {
+            candle_core::bail!("{} runs on CUDA devices only", self.name())
+        }
+    };
+    (3) => {
+        fn cpu_fwd(
+            &self,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> FwdCpu {
+            candle_core::bail!("{} runs on CUDA devices only", self.name())
+        }
+    };
+    (in place) => {
+        fn cpu_fwd(
+            &self,
+            _: &mut CpuStorage,
+            _: &Layout,
+            _: &CpuStorage,
+            _: &Layout,
+        ) -> candle_core::Result<()> {
+            candle_core::bail!("{} runs on CUDA devices only", self.name())
+        }
+    };
+}
+
 use crate::draw::{Draw, Drawn, Next};
 use crate::{Error, Result};
 
@@ -196,9 +231,7 @@ impl candle_core::CustomOp2 for RmsNorm {
         "cuda-rms-norm"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> FwdCpu {
-        candle_core::bail!("cuda-rms-norm runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(2);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
@@ -255,17 +288,7 @@ impl candle_core::CustomOp3 for RmsNormGrad {
         "cuda-rms-norm-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> FwdCpu {
-        candle_core::bail!("cuda-rms-norm-grad runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(3);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(
@@ -324,9 +347,7 @@ impl candle_core::CustomOp2 for SwiGlu {
         "cuda-swiglu"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> FwdCpu {
-        candle_core::bail!("cuda-swiglu runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(2);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
@@ -378,17 +399,7 @@ impl candle_core::CustomOp3 for SwiGluGrad {
         "cuda-swiglu-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> FwdCpu {
-        candle_core::bail!("cuda-swiglu-grad runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(3);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(
@@ -450,17 +461,7 @@ impl candle_core::CustomOp3 for Rope {
         "cuda-rope"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> FwdCpu {
-        candle_core::bail!("cuda-rope runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(3);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(
@@ -586,9 +587,7 @@ impl candle_core::InplaceOp2 for DecodeWrite {
         "cuda-decode-write"
     }
 
-    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("cuda-decode-write runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(in place);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(
@@ -664,17 +663,7 @@ impl candle_core::CustomOp3 for DecodeAttention {
         "cuda-decode-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> FwdCpu {
-        candle_core::bail!("cuda-decode-attention runs on CUDA devices only")
-    }
+    cpu_fwd_refused!(3);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(

@@ -369,15 +369,20 @@ impl Kernels {
             return crate::cuda::next_rows(logits, draws);
         }
         let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let mut scratch = DrawScratch::default();
-        Ok(rows
-            .into_iter()
-            .zip(draws)
-            .map(|(row, draw)| match draw.map(|d| draw_row(&row, d, &mut scratch)) {
-                Some(Ok(drawn)) => Next::Drawn(drawn),
-                None | Some(Err(_)) => Next::Logits(row),
-            })
-            .collect())
+        // The draw's buffers (two of the vocabulary's size) live with the thread, as the
+        // engine's sampler keeps its own per worker: not allocated again every step.
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<DrawScratch> = std::cell::RefCell::default();
+        }
+        Ok(SCRATCH.with_borrow_mut(|scratch| {
+            rows.into_iter()
+                .zip(draws)
+                .map(|(row, draw)| match draw.map(|d| draw_row(&row, d, scratch)) {
+                    Some(Ok(drawn)) => Next::Drawn(drawn),
+                    None | Some(Err(_)) => Next::Logits(row),
+                })
+                .collect()
+        }))
     }
 }
 

@@ -354,6 +354,12 @@ fn the_trainer_precision_and_memory_levers_are_read_and_named_when_wrong() {
     assert_eq!(PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap(), config);
     let e = invalid(&["trainer.precision=\"fp16\""], "`trainer.precision`");
     assert!(e.contains("`fp16` is not a precision (expected `bf16` or `f32`)"), "{e}");
+    // The engine's precision, read and refused the same way.
+    assert_eq!(config.rollout.precision, None);
+    let bf16 = PipelineConfig::embedded(&["rollout.precision=\"bf16\"".into()]).unwrap();
+    assert_eq!(bf16.rollout.precision, Some(metronome_model::Precision::Bf16));
+    let e = invalid(&["rollout.precision=\"half\""], "`rollout.precision`");
+    assert!(e.contains("`half` is not a precision"), "{e}");
     invalid(&["trainer.gradient_checkpointing=\"yes\""], "`trainer.gradient_checkpointing`");
 }
 
