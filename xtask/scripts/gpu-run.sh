@@ -10,14 +10,17 @@
 # rayon/candle thread per test (as `cargo xtask ci` does). Logs go to $OUT/gpu-tests.log
 # when $OUT is set. Exits non-zero when any executable failed.
 #
-# `--bench` is the one device call of issues #30 and #31 (about 7 minutes on an H100): the GPU
-# tests, then for SmolLM2-135M at 8x512, 32x512 and 16x1024 and Qwen2.5-0.5B and
-# Qwen2.5-1.5B at 8x1024 (random weights, `crates/metronome-model/benches/llama_shapes.json`)
-# Metronome's training step in bf16 with the chunked head, without and with checkpointed
-# layers (`examples/throughput.rs`), and PyTorch's eager bf16 autocast and torch.compile
-# (`benches/torch_gpu.py`), then `benches/gpu_report.py` merges everything, with the
-# device, driver, commit and date, into $OUT/gpu.json (commit it as
-# crates/metronome-model/benches/results/gpu.json). Every figure's command is in it.
+# `--bench` is the one device call of issues #30 and #31 (at most BENCH_S seconds, default
+# 540, on an H100): the GPU tests (`cuda_*`) and the kernels under compute-sanitizer, then
+# the figures, most wanted first: Metronome's bf16 training step (chunked head, without
+# and with checkpointed layers; `examples/throughput.rs`) against PyTorch eager bf16
+# autocast and torch.compile (`benches/torch_gpu.py`) for SmolLM2-135M at 8x512, 32x512
+# and 16x1024; generation in bf16 at 1-256 sequences against `transformers` `generate`;
+# `periodic` against `sync` on the default run; Qwen2.5-0.5B and 1.5B at 8x1024 (random
+# weights, `crates/metronome-model/benches/llama_shapes.json`); f32 generation. Then
+# `benches/gpu_report.py` merges everything, with the device, driver, commit and date,
+# into $OUT/gpu.json (commit it as crates/metronome-model/benches/results/gpu.json) and
+# the raw figures into $OUT/bench.tar. Every figure's command is in it.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -42,10 +45,13 @@ rm -rf "$bin" && mkdir -p "$bin"
 tar -xJf "$here/bundle.tar.xz" -C "$bin"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
+script_start=$(date +%s)
 bench=false
 if [ "${1:-}" = "--bench" ]; then
     bench=true
     shift
+    # The GPU tests only (every one is named `cuda_*`): the rest is what CI runs.
+    [ $# -eq 0 ] && set -- cuda
 fi
 
 # `--learn GGUF` is issue #32's device call, without the tests: the SmolLM2 preset
@@ -111,8 +117,11 @@ done <"$bin/tests.tsv"
 san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
 model_it=$(awk -F'\t' '$1 == "metronome-model-it" { print $2 }' "$bin/tests.tsv")
 if [ -n "$san" ] && [ -n "$model_it" ]; then
-    for tool in memcheck initcheck; do
-        if ! (cd "$build_root/$model_it" && timeout 180 "$san" --tool "$tool" --error-exitcode 9 \
+    # With --bench, initcheck runs last, if the figures leave time for it.
+    tools=(memcheck initcheck)
+    $bench && tools=(memcheck)
+    for tool in "${tools[@]}"; do
+        if ! (cd "$build_root/$model_it" && timeout 120 "$san" --tool "$tool" --error-exitcode 9 \
             "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer-$tool.log" 2>&1; then
             failed+=("compute-sanitizer-$tool")
         fi
@@ -133,47 +142,91 @@ if ! $bench; then
     exit
 fi
 
-# Training tokens/s, Metronome then PyTorch, shape by shape, on this GPU. Each command
-# has a time limit so that the whole call stays inside the device lease: a shape that
-# runs over is reported as missing, never waited for.
-out=${OUT:-$bin}/bench
+# The figures, most wanted first, each step with its own time limit and all of them
+# inside BENCH_S seconds (default 540) from the script's start, so that the whole call
+# stays inside the device lease: a step that no longer fits is recorded as skipped,
+# never waited for. After every step the raw figures are packed into $OUT/bench.tar and
+# merged into $OUT/gpu.json, so a call cut short still returns what it measured (and
+# stays within the 8 files a call brings back).
+out=$bin/bench
 mkdir -p "$out"
+report=${OUT:-$bin}
 echo "${#failed[@]}" >"$out/tests-failed.txt"
-grep -E '^==> |^test result' "$log" >"$out/tests-summary.txt" || true
+grep -E '^==> |^test result|^test .* FAILED' "$log" >"$out/tests-summary.txt" || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/gpu.txt" 2>/dev/null || true
 date -u +%Y-%m-%dT%H:%M:%SZ >"$out/date.txt"
 cp "$here/commit.txt" "$out/commit.txt" 2>/dev/null || echo unknown >"$out/commit.txt"
 bench_dir="$build_root/crates/metronome-model/benches"
-for spec in smollm2-135m:8x512,32x512,16x1024:40 qwen2.5-0.5b:8x1024:40 qwen2.5-1.5b:8x1024:0; do
-    IFS=: read -r shape train compile <<<"$spec"
-    metronome=(
-        "$bin/bin/throughput" --device cuda:0 --shape "$shape" --precision bf16 --train "$train"
-        --memory chunked,chunked+checkpoint --generate '' --warmup 1 --reps 3 --json "$out/metronome-$shape.json"
-    )
-    echo "${metronome[*]}" >"$out/metronome-$shape.cmd"
+step() { # step NAME LIMIT_S COMMAND...: runs it if it fits, then packs what there is
+    local name=$1 limit=$2 left=$((deadline - $(date +%s)))
+    shift 2
+    if [ "$left" -lt 20 ]; then
+        echo "$name: skipped ($left s left)" | tee -a "$out/skipped.txt"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo "==> $name (limit $limit s)"
+    timeout "$limit" "$@" || echo "$name: exit $?" | tee -a "$out/exits.txt"
+    tar -cf "$report/bench.tar" -C "$bin" bench
+    python3 "$bench_dir/gpu_report.py" "$out" >"$report/gpu.json"
+}
+train() { # train SHAPE ROWSxLEN,... COMPILE_BUDGET_S: Metronome's step, then PyTorch's
+    local shape=$1 sizes=$2 compile=$3
+    local ours=("$bin/bin/throughput" --device cuda:0 --shape "$shape" --precision bf16 --train "$sizes"
+        --memory chunked,chunked+checkpoint --generate '' --warmup 1 --reps 3 --json "$out/metronome-$shape.json")
+    echo "${ours[*]}" >"$out/metronome-$shape.cmd"
     # Many threads for the host-side work (the random initialisation of 1.5 B weights).
-    RAYON_NUM_THREADS=$(nproc) timeout 150 "${metronome[@]}" || echo "metronome $shape: exit $?"
-    torch=(
-        python3 "$bench_dir/torch_gpu.py" --shape "$shape" --train "$train" --warmup 1 --reps 3
-        --json "$out/torch-$shape.json"
-    )
-    if [ "$compile" = 0 ]; then torch+=(--no-compile); else torch+=(--compile-budget-s "$compile"); fi
-    echo "${torch[*]}" >"$out/torch-$shape.cmd"
-    timeout 200 "${torch[@]}" || echo "torch $shape: exit $?"
-done
-# Generation tokens/s (issue #31): SmolLM2-135M, greedy, 64 and 256 sequences of
-# 32 + 128 tokens; Metronome in f32 and in bf16 (the engine's default on a GPU), with
-# the logits to the host and with the tokens drawn on the device, beside the memory
-# roofline; then `transformers` `generate` (f32) on the same work.
-for precision in f32 bf16; do
-    gen=("$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision "$precision" --train ''
-        --generate 64,256 --json "$out/generate_metronome_$precision.json")
-    echo "${gen[*]}" >"$out/generate_metronome_$precision.command"
-    timeout 120 "${gen[@]}" || echo "metronome generate $precision: exit $?"
-done
-gen_torch=(python3 "$bench_dir/torch_gpu.py" --shape smollm2-135m --train '' --generate 64,256 --no-compile
+    RAYON_NUM_THREADS=$(nproc) step "metronome train $shape" 120 "${ours[@]}"
+    local theirs=(python3 "$bench_dir/torch_gpu.py" --shape "$shape" --train "$sizes" --warmup 1 --reps 3
+        --generate '' --json "$out/torch-$shape.json")
+    if [ "$compile" = 0 ]; then theirs+=(--no-compile); else theirs+=(--compile-budget-s "$compile"); fi
+    echo "${theirs[*]}" >"$out/torch-$shape.cmd"
+    step "torch train $shape" 150 "${theirs[@]}"
+}
+generate() { # generate PRECISION SEQUENCES: Metronome's engine-style greedy decoding
+    local ours=("$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision "$1" --train ''
+        --generate "$2" --json "$out/generate_metronome_$1.json")
+    echo "${ours[*]}" >"$out/generate_metronome_$1.command"
+    step "metronome generate $1" 120 "${ours[@]}"
+}
+overlap() { # overlap SCHEDULE: the default run on the GPU, 4 periods, no warm start, no evaluation
+    local run=("$bin/bin/metronome" run --set 'model.device="cuda:0"' --set run.periods=4 --set sft.steps=0
+        --set eval.prompts=0 --set "run.schedule=\"$1\"" --set "run.out_dir=\"$bin/runs\"" --set "run.name=\"$1\"")
+    local start=$(date +%s.%N)
+    (cd "$build_root" && step "overlap $1" 60 "${run[@]}") >"$bin/overlap-$1.log" 2>&1
+    { echo "${run[*]}"; awk "BEGIN { print $(date +%s.%N) - $start }"; tail -n 12 "$bin/overlap-$1.log"; } >"$out/overlap-$1.txt"
+    tail -n 12 "$bin/overlap-$1.log"
+}
+deadline=$((script_start + ${BENCH_S:-540}))
+# When this crate's kernels failed their tests, the figures are taken without them.
+if grep -qE '^test .*cuda_kernel.* FAILED' "$log"; then
+    echo "the CUDA kernels failed their tests: the figures below are taken with METRONOME_CUDA_KERNELS=0" |
+        tee "$out/kernels-off.txt"
+    export METRONOME_CUDA_KERNELS=0
+fi
+# Training (issue #30): SmolLM2-135M at 8x512, 32x512, 16x1024; Qwen2.5-0.5B and 1.5B at
+# 8x1024 (random weights, llama_shapes.json); bf16 with the chunked head, without and with
+# checkpointed layers, against PyTorch eager bf16 autocast and torch.compile.
+train smollm2-135m 8x512,32x512,16x1024 25
+# Generation (issue #31): greedy, 32-token prompt + 128 new, in bf16 (the engine's
+# default on a GPU) at 1, 16, 64 and 256 sequences, logits to the host and drawn on the
+# device, beside the memory roofline, against `transformers` `generate` in bf16 with its
+# dynamic and static caches; then `periodic` against `sync` on the default run.
+generate bf16 1,16,64,256
+gen_torch=(python3 "$bench_dir/torch_gpu.py" --shape smollm2-135m --train '' --generate 1,16,64,256 --no-compile
     --json "$out/generate_torch.json")
 echo "${gen_torch[*]}" >"$out/generate_torch.command"
-timeout 120 "${gen_torch[@]}" || echo "torch generate: exit $?"
-python3 "$bench_dir/gpu_report.py" "$out" >"${OUT:-$bin}/gpu.json" && echo "figures: ${OUT:-$bin}/gpu.json"
+step "torch generate" 120 "${gen_torch[@]}"
+overlap sync
+overlap periodic
+train qwen2.5-0.5b 8x1024 0
+train qwen2.5-1.5b 8x1024 0
+# Last, what an earlier call measured before: f32 generation, and the kernels under initcheck.
+generate f32 64,256
+if [ -n "$san" ] && [ -n "$model_it" ]; then
+    (cd "$build_root/$model_it" && step "compute-sanitizer initcheck" 90 "$san" --tool initcheck --error-exitcode 9 \
+        "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer-initcheck.log" 2>&1
+    grep -E 'ERROR SUMMARY|^test result|exit' "$bin/sanitizer-initcheck.log" | tee "$out/initcheck.txt"
+fi
+echo "figures: $report/gpu.json, raw: $report/bench.tar"
 [ ${#failed[@]} -eq 0 ]

@@ -84,10 +84,12 @@ def main():
             row["metronome_best_over_torch_eager"] = ours_best / eager if ours_best and eager else None
             report["training"].append(row)
     # Generation: Metronome (f32 and bf16) with the logits to the host and drawn on the
-    # device, its memory roofline, and `transformers` `generate` (f32), per number of
-    # sequences.
+    # device, its memory roofline, and `transformers` `generate` in bf16 with its dynamic
+    # and static caches, per number of sequences; each ratio is against transformers'
+    # faster cache.
     theirs = load(bench / "generate_torch.json")
-    torch_tps = dict((theirs or {}).get("generate", []))
+    torch_figures = [f for f in (theirs or {}).get("generate", []) if isinstance(f, dict)]
+    report["generation_torch_attention"] = (theirs or {}).get("attention")
     for precision in ("f32", "bf16"):
         ours = load(bench / f"generate_metronome_{precision}.json")
         commands = {
@@ -97,7 +99,7 @@ def main():
         host = dict((ours or {}).get("generate", []))
         drawn = dict((ours or {}).get("generate_drawn", []))
         roofline = dict((ours or {}).get("generate_roofline", []))
-        for n in sorted(set(host) | set(drawn) | set(torch_tps)):
+        for n in sorted(set(host) | set(drawn)):
             row = {
                 "sequences": n,
                 "precision": precision,
@@ -105,13 +107,27 @@ def main():
                 "metronome_drawn_on_device": drawn.get(n),
                 "roofline": roofline.get(n),
                 "copy_bandwidth_gbps": (ours or {}).get("copy_bandwidth_gbps"),
-                "transformers_generate_f32": torch_tps.get(n),
                 "commands": commands,
             }
+            for f in torch_figures:
+                if f["sequences"] == n:
+                    row[f"transformers_{f['precision']}_{f['cache']}"] = f.get("tokens_per_s")
             best = max((x for x in (host.get(n), drawn.get(n)) if x), default=None)
-            row["metronome_best_over_transformers_f32"] = best / torch_tps[n] if best and torch_tps.get(n) else None
+            theirs_best = max(
+                (f["tokens_per_s"] for f in torch_figures if f["sequences"] == n and f["precision"] == "bf16" and f.get("tokens_per_s")),
+                default=None,
+            )
+            row["transformers_bf16_best"] = theirs_best
+            row["metronome_best_over_transformers_bf16"] = best / theirs_best if best and theirs_best else None
             row["metronome_best_over_roofline"] = best / roofline[n] if best and roofline.get(n) else None
             report["generation"].append(row)
+    # `periodic` against `sync` on the default run: each one's wall seconds and the run's
+    # own per-period table (generation and training busy seconds, overlap).
+    report["periodic_vs_sync"] = {}
+    for schedule in ("sync", "periodic"):
+        lines = (read(bench / f"overlap-{schedule}.txt", "") or "").splitlines()
+        if lines:
+            report["periodic_vs_sync"][schedule] = {"command": lines[0], "wall_s": lines[1], "summary": lines[2:]}
     json.dump(report, sys.stdout, indent=2)
     print()
 

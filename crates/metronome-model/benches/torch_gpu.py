@@ -8,7 +8,9 @@ the same GPU. `cargo xtask gpu bundle` packs the Rust side and `bash target/gpu/
 
 Training: forward and backward of the summed next-token log-probs of plain causal rows
 (log-softmax over the predicting positions, in f32), median of `--reps` steps after
-`--warmup`, Hugging Face's model with `attn_implementation="eager"`:
+`--warmup`, Hugging Face's model with its default attention, `sdpa` (PyTorch's fused
+scaled-dot-product attention: what a user gets; `--attention eager` for the unfused
+one):
 
 - `eager_bf16`: PyTorch eager under bf16 autocast (f32 parameters and gradients, bf16
   matmuls), the figure Metronome is compared with;
@@ -20,7 +22,10 @@ Each figure carries the peak device memory in use (total minus free, polled ever
 millisecond, as the Rust side polls it) and PyTorch's own peaks
 (`max_memory_allocated`, `max_memory_reserved`). A shape that runs out of memory is
 reported as such. Generation (`--generate N,...`): Hugging Face `generate`, greedy, a
-32-token prompt and exactly 128 new tokens per sequence, f32. Also measures the bf16
+32-token prompt and exactly 128 new tokens per sequence, with the weights in each of
+`--generate-precision` (default bf16) and each of `--generate-cache` (default `dynamic`,
+transformers' default, and `static`, its preallocated cache; a cache this transformers
+does not support is reported as an error, not a lost run). Also measures the bf16
 and f32 matmul peaks of the GPU (8192^3, median of ten), the denominators of the
 utilisation figures. `--json PATH` writes every figure.
 """
@@ -39,13 +44,13 @@ PROMPT = 32
 NEW_TOKENS = 128
 
 
-def model_config(name):
+def model_config(name, attention):
     """The shape `name` of llama_shapes.json (`smollm2-135m`, `qwen2.5-0.5b`, ...)."""
     shapes = json.loads((pathlib.Path(__file__).parent / "llama_shapes.json").read_text())
     shape = dict(shapes[name.lower().replace("-", "_").replace(".", "_")])
     if shape.pop("model_type", "llama") == "qwen2":
-        return transformers.Qwen2Config(**shape, attn_implementation="eager"), transformers.Qwen2ForCausalLM
-    return transformers.LlamaConfig(**shape, attn_implementation="eager"), transformers.LlamaForCausalLM
+        return transformers.Qwen2Config(**shape, attn_implementation=attention), transformers.Qwen2ForCausalLM
+    return transformers.LlamaConfig(**shape, attn_implementation=attention), transformers.LlamaForCausalLM
 
 
 def timed(fn, warmup=2, reps=5):
@@ -128,6 +133,10 @@ def main():
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--train", default="8x512")
     ap.add_argument("--generate", default="")
+    ap.add_argument("--generate-precision", default="bf16", help="comma list of bf16, f32")
+    ap.add_argument("--generate-cache", default="dynamic,static", help="comma list of dynamic, static")
+    ap.add_argument("--generate-reps", type=int, default=2)
+    ap.add_argument("--attention", default="sdpa", help="sdpa (transformers' default) or eager")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--f32", action="store_true", help="also time eager f32 (TF32 off)")
@@ -137,7 +146,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # f32 as f32, as Metronome computes it
-    config, cls = model_config(args.shape)
+    config, cls = model_config(args.shape, args.attention)
     with torch.device("cuda"):  # initialised on the GPU: a 1.5 B model's CPU init takes long
         model = cls(config).float()
     model.train()
@@ -147,6 +156,7 @@ def main():
         "parameters": params,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "attention": args.attention,
         "device": torch.cuda.get_device_name(),
         "matmul_peak_tflops": {"bf16": matmul_peak(torch.bfloat16), "f32": matmul_peak(torch.float32)},
         "warmup": args.warmup,
@@ -201,24 +211,41 @@ def main():
                     f"peak device memory {figure['peak_device_bytes'] / 2**30:.1f} GiB)"
                 )
     model.eval()
-    for n in (int(x) for x in args.generate.split(",") if x):
-        ids = torch.randint(3, config.vocab_size, (n, PROMPT), device="cuda")
-        mask = torch.ones_like(ids)
+    dtypes = {"bf16": torch.bfloat16, "f32": torch.float32}
+    for precision in (p for p in args.generate_precision.split(",") if p):
+        model.to(dtypes[precision])
+        for cache in (c for c in args.generate_cache.split(",") if c):
+            for n in (int(x) for x in args.generate.split(",") if x):
+                ids = torch.randint(3, config.vocab_size, (n, PROMPT), device="cuda")
+                mask = torch.ones_like(ids)
+                extra = {} if cache == "dynamic" else {"cache_implementation": cache}
 
-        def gen():
-            with torch.no_grad():
-                model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    do_sample=False,
-                    max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
-                    pad_token_id=0,
-                )
+                def gen():
+                    with torch.no_grad():
+                        model.generate(
+                            input_ids=ids,
+                            attention_mask=mask,
+                            do_sample=False,
+                            max_new_tokens=NEW_TOKENS,
+                            min_new_tokens=NEW_TOKENS,
+                            pad_token_id=0,
+                            **extra,
+                        )
 
-        secs = timed(gen, warmup=1, reps=3)
-        report["generate"].append([n, n * NEW_TOKENS / secs])
-        print(f"torch generate {n} seqs: {n * NEW_TOKENS / secs:.0f} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, f32)")
+                figure = {"sequences": n, "precision": precision, "cache": cache}
+                try:
+                    secs = timed(gen, warmup=1, reps=args.generate_reps)
+                    figure["tokens_per_s"] = n * NEW_TOKENS / secs
+                    print(
+                        f"torch generate {n} seqs: {figure['tokens_per_s']:.0f} tokens/s "
+                        f"(prompt {PROMPT}, {NEW_TOKENS} new, {precision}, {cache} cache)"
+                    )
+                except Exception as e:  # an unsupported cache is a figure missing, not a run lost
+                    figure.update(tokens_per_s=None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    print(f"torch generate {n} seqs {precision} {cache}: {figure['error']}")
+                report["generate"].append(figure)
+                if args.json:
+                    pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
 
