@@ -204,29 +204,51 @@ if grep -qE '^test .*cuda_kernel.* FAILED' "$log"; then
         tee "$out/kernels-off.txt"
     export METRONOME_CUDA_KERNELS=0
 fi
+# The steps, in this order; BENCH_ONLY="NAME ..." runs those alone (e.g. after a kernel
+# change, `BENCH_ONLY="smollm2 profile"`). TORCH_COMPILE_S (default 25) bounds
+# torch.compile's compiling for the SmolLM2 shapes (0: eager alone).
+wanted() { [ -z "${BENCH_ONLY:-}" ] && [ "$1" != profile ] || [[ " ${BENCH_ONLY:-} " == *" $1 "* ]]; }
 # Training (issue #30): SmolLM2-135M at 8x512, 32x512, 16x1024; Qwen2.5-0.5B and 1.5B at
 # 8x1024 (random weights, llama_shapes.json); bf16 with the chunked head, without and with
 # checkpointed layers, against PyTorch eager bf16 autocast and torch.compile.
-train smollm2-135m 8x512,32x512,16x1024 25
+wanted smollm2 && train smollm2-135m 8x512,32x512,16x1024 "${TORCH_COMPILE_S:-25}"
 # Generation (issue #31): greedy, 32-token prompt + 128 new, in bf16 (the engine's
 # default on a GPU) at 1, 16, 64 and 256 sequences, logits to the host and drawn on the
-# device, beside the memory roofline, against `transformers` `generate` in bf16 with its
-# dynamic and static caches; then `periodic` against `sync` on the default run.
-generate bf16 1,16,64,256
-gen_torch=(python3 "$bench_dir/torch_gpu.py" --shape smollm2-135m --train '' --generate 1,16,64,256 --no-compile
-    --json "$out/generate_torch.json")
-echo "${gen_torch[*]}" >"$out/generate_torch.command"
-step "torch generate" 120 "${gen_torch[@]}"
-overlap sync
-overlap periodic
-train qwen2.5-0.5b 8x1024 0
-train qwen2.5-1.5b 8x1024 0
-# Last, what an earlier call measured before: f32 generation, and the kernels under initcheck.
-generate f32 64,256
-if [ -n "$san" ] && [ -n "$model_it" ]; then
+# device, beside the memory roofline, against `transformers` `generate` in bf16 (its
+# dynamic cache: its static one, made for torch.compile, ran past two minutes in eager
+# on an H100); then `periodic` against `sync` on the default run.
+if wanted generate; then
+    generate bf16 1,16,64,256
+    gen_torch=(python3 "$bench_dir/torch_gpu.py" --shape smollm2-135m --train '' --generate 1,16,64,256 --no-compile
+        --generate-cache dynamic --json "$out/generate_torch.json")
+    echo "${gen_torch[*]}" >"$out/generate_torch.command"
+    step "torch generate" 100 "${gen_torch[@]}"
+fi
+if wanted overlap; then
+    overlap sync
+    overlap periodic
+fi
+wanted qwen0.5 && train qwen2.5-0.5b 8x1024 0
+wanted qwen1.5 && train qwen2.5-1.5b 8x1024 0
+# Then what an earlier call measured before: f32 generation, and the kernels under initcheck.
+wanted f32 && generate f32 64,256
+if wanted initcheck && [ -n "$san" ] && [ -n "$model_it" ]; then
     (cd "$build_root/$model_it" && step "compute-sanitizer initcheck" 90 "$san" --tool initcheck --error-exitcode 9 \
         "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer-initcheck.log" 2>&1
     grep -E 'ERROR SUMMARY|^test result|exit' "$bin/sanitizer-initcheck.log" | tee "$out/initcheck.txt"
+fi
+# On request only: where a SmolLM2 8x512 bf16 training step spends its GPU time, per
+# kernel (Nsight Compute's duration of every launch of one step, summed by name), and
+# the step's wall time beside it: GPU time well below the wall time means the host's
+# launches, not the kernels, set the pace.
+ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1 || true)
+if wanted profile && [ -n "$ncu_bin" ]; then
+    prof=("$ncu_bin" --metrics gpu__time_duration.sum --print-summary per-kernel --csv --cache-control none
+        --clock-control none "$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision bf16
+        --train 8x512 --memory chunked --generate '' --warmup 0 --reps 1)
+    echo "${prof[*]}" >"$out/profile.cmd"
+    step "profile" 120 "${prof[@]}" >"$out/profile.csv" 2>"$bin/profile.err"
+    tail -n 5 "$bin/profile.err"
 fi
 echo "figures: $report/gpu.json, raw: $report/bench.tar"
 [ ${#failed[@]} -eq 0 ]

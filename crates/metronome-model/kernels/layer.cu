@@ -14,6 +14,14 @@
 // rotate-half convention), one thread per rotated pair:
 //   forward   o1 = x1 c - x2 s; o2 = x2 c + x1 s
 //   backward  the rotation by the negated angle, the same kernel with sign = -1
+// Masked softmax of attention scores s: [rows, lk] (rows = heads x lq) with the additive
+// f32 mask m: [lq, lk] of the segment (broadcast over the heads), one block of
+// NORM_THREADS per row, in f32 whatever T is (as the portable form casts to f32):
+//   forward   p = T(exp(s + m - max) / sum); a row with no visible key (never built by
+//             the model: every query sees itself) gets zeros, where the portable form
+//             gets NaN
+//   backward  ds = T(p (g - sum(g p))), from the forward's p as saved (in T)
+// The composed form allocates and walks six [rows, lk] f32 buffers each way.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -40,6 +48,23 @@ __device__ float block_sum(float v, float *shared) {
     __syncthreads();
     v = shared[0];
     __syncthreads();  // `shared` may be reused by the caller's next sum
+    return v;
+}
+
+// The maximum of v over the block (every thread gets it), as block_sum.
+__device__ float block_max(float v, float *shared) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? shared[lane] : -INFINITY;
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) shared[0] = v;
+    }
+    __syncthreads();
+    v = shared[0];
+    __syncthreads();
     return v;
 }
 
@@ -121,6 +146,39 @@ __device__ void rope(const T *x, const float *cos, const float *sin, T *o, uint3
     o[b] = from_f<T>(x2 * c + x1 * s);
 }
 
+template <typename T>
+__device__ void masked_softmax_fwd(const T *s, const float *mask, T *p, uint32_t lq, uint32_t lk) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const T *sr = s + row * lk;
+    const float *mr = mask + (size_t)(row % lq) * lk;
+    T *pr = p + row * lk;
+    float mx = -INFINITY;
+    for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) mx = fmaxf(mx, to_f(sr[i]) + mr[i]);
+    mx = block_max(mx, shared);
+    if (mx == -INFINITY) {
+        for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) pr[i] = from_f<T>(0.0f);
+        return;
+    }
+    float sum = 0.0f;
+    for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) sum += expf(to_f(sr[i]) + mr[i] - mx);
+    sum = block_sum(sum, shared);
+    for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) pr[i] = from_f<T>(expf(to_f(sr[i]) + mr[i] - mx) / sum);
+}
+
+template <typename T>
+__device__ void masked_softmax_bwd(const T *p, const T *g, T *ds, uint32_t lk) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const T *pr = p + row * lk, *gr = g + row * lk;
+    float dot = 0.0f;
+    for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) dot += to_f(gr[i]) * to_f(pr[i]);
+    dot = block_sum(dot, shared);
+    for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) {
+        ds[row * lk + i] = from_f<T>(to_f(pr[i]) * (to_f(gr[i]) - dot));
+    }
+}
+
 #define NORM_KERNELS(SUFFIX, T)                                                                         \
     extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T *x, const T *w, T *y, uint32_t d, float eps) { \
         rms_norm_fwd<T>(x, w, y, d, eps);                                                               \
@@ -138,6 +196,13 @@ __device__ void rope(const T *x, const float *cos, const float *sin, T *o, uint3
     extern "C" __global__ void rope_##SUFFIX(const T *x, const float *cos, const float *sin, T *o,      \
                                              uint32_t heads, uint32_t half, size_t pairs, float sign) { \
         rope<T>(x, cos, sin, o, heads, half, pairs, sign);                                              \
+    }                                                                                                   \
+    extern "C" __global__ void masked_softmax_fwd_##SUFFIX(const T *s, const float *mask, T *p, uint32_t lq, \
+                                                           uint32_t lk) {                               \
+        masked_softmax_fwd<T>(s, mask, p, lq, lk);                                                      \
+    }                                                                                                   \
+    extern "C" __global__ void masked_softmax_bwd_##SUFFIX(const T *p, const T *g, T *ds, uint32_t lk) { \
+        masked_softmax_bwd<T>(p, g, ds, lk);                                                            \
     }
 
 NORM_KERNELS(f32, float)

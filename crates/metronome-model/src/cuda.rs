@@ -151,7 +151,8 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw]) -> Result<Vec<Option
         .collect())
 }
 
-/// `kernels/layer.cu`: RMSNorm and SwiGLU, forward and backward, f32 and bf16.
+/// `kernels/layer.cu`: RMSNorm, SwiGLU, rotary embeddings and the masked softmax,
+/// forward and backward, f32 and bf16.
 const LAYER_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/layer.ptx"));
 /// Threads per row of the RMSNorm kernels (a multiple of 32: their sums go by warps).
 const NORM_THREADS: u32 = 256;
@@ -437,6 +438,125 @@ impl candle_core::CustomOp3 for SwiGluGrad {
             _ => launch!(half::bf16),
         };
         Ok((out, Shape::from((2, n))))
+    }
+}
+
+/// `softmax(scores + mask)` over the last dimension, one kernel forward and one backward:
+/// [`crate::Kernels::masked_softmax`] under [`crate::Kernels::Cuda`]. `scores: [.., lq,
+/// lk]` in f32 or bf16, `mask: [lq, lk]` additive (cast to f32), broadcast over the
+/// leading dimensions; the probabilities come back in the scores' type, computed in f32.
+pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let mask = mask.to_dtype(DType::F32)?.contiguous()?;
+    Ok(scores.contiguous()?.apply_op2(&mask, MaskedSoftmax)?)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct MaskedSoftmax;
+
+/// The rows (every leading index and query) and keys of masked-softmax operands.
+fn softmax_dims(scores: &Layout, mask: &Layout) -> candle_core::Result<(usize, u32, u32)> {
+    let dims = scores.dims();
+    match (dims.len().checked_sub(2).map(|i| &dims[i..]), mask.dims()) {
+        (Some(&[lq, lk]), &[mq, mk]) if (lq, lk) == (mq, mk) && lk > 0 => {
+            Ok((scores.shape().elem_count() / lk, lq as u32, lk as u32))
+        }
+        _ => candle_core::bail!("cuda-masked-softmax: mask {:?} does not fit scores {dims:?}", mask.dims()),
+    }
+}
+
+impl candle_core::CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "cuda-masked-softmax"
+    }
+
+    cpu_fwd_refused!(2);
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        let (rows, lq, lk) = softmax_dims(l1, l2)?;
+        let dev = s1.device();
+        let func = layer_func!(dev, "masked_softmax_fwd", s1.dtype());
+        let mask = view::<f32>(s2, l2, self.name())?;
+        macro_rules! launch {
+            ($t:ty) => {{
+                let x = view::<$t>(s1, l1, self.name())?;
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let p = unsafe { dev.alloc::<$t>(rows * lk as usize) }?;
+                let mut b = func.builder();
+                b.arg(&x).arg(&mask).arg(&p).arg(&lq).arg(&lk);
+                // SAFETY: `masked_softmax_fwd_*(s, mask, p, lq, lk)` over `rows` blocks: `s` and
+                // `p` hold `rows * lk` elements, `mask` holds `lq * lk`, and `rows` is a
+                // multiple of `lq` (block `r` reads mask row `r % lq`).
+                if rows > 0 {
+                    unsafe { b.launch(per_row(rows)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(p, dev.clone())
+            }};
+        }
+        let p = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((p, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        _mask: &Tensor,
+        p: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let ds = p.apply_op2_no_bwd(&g.to_dtype(p.dtype())?.contiguous()?, &MaskedSoftmaxGrad)?;
+        Ok((Some(ds), None))
+    }
+}
+
+/// The masked softmax's backward kernel: the scores' gradient from `(p, g)`, in `p`'s type.
+#[derive(Debug, Clone, Copy)]
+struct MaskedSoftmaxGrad;
+
+impl candle_core::CustomOp2 for MaskedSoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "cuda-masked-softmax-grad"
+    }
+
+    cpu_fwd_refused!(2);
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        let lk = l1.dims().last().copied().unwrap_or(0);
+        if l1.shape() != l2.shape() || lk == 0 {
+            candle_core::bail!(
+                "cuda-masked-softmax-grad: probabilities {:?}, gradient {:?}",
+                l1.dims(),
+                l2.dims()
+            )
+        }
+        let rows = l1.shape().elem_count() / lk;
+        let lk32 = lk as u32;
+        let dev = s1.device();
+        let func = layer_func!(dev, "masked_softmax_bwd", s1.dtype());
+        macro_rules! launch {
+            ($t:ty) => {{
+                let (p, g) = (view::<$t>(s1, l1, self.name())?, view::<$t>(s2, l2, self.name())?);
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let ds = unsafe { dev.alloc::<$t>(rows * lk) }?;
+                let mut b = func.builder();
+                b.arg(&p).arg(&g).arg(&ds).arg(&lk32);
+                // SAFETY: `masked_softmax_bwd_*(p, g, ds, lk)` over `rows` blocks: each of the
+                // three holds `rows * lk` elements.
+                if rows > 0 {
+                    unsafe { b.launch(per_row(rows)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(ds, dev.clone())
+            }};
+        }
+        let ds = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((ds, l1.shape().clone()))
     }
 }
 

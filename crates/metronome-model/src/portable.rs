@@ -144,7 +144,9 @@ impl Kernels {
     pub(crate) fn masked_softmax(self, scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
         match self {
             Self::Fused => ops::masked_softmax(scores, mask),
-            Self::Portable | Self::Cuda => {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::masked_softmax(scores, mask),
+            _ => {
                 // In f32 whatever the scores' type: a bf16 sum over a thousand keys would
                 // keep three significant digits (flash attention accumulates in f32 too).
                 let s = scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?)?;

@@ -181,6 +181,37 @@ fn cuda_kernels_match_the_portable_forms() {
     }
 }
 
+/// The masked-softmax kernel over segments longer than its block (the tiny fixtures'
+/// rows fit in one pass of its threads): a shared prompt of 300 tokens and responses of
+/// 400, 250 and 5, so keys run to 700 per query. In f32 the training step's values and
+/// gradients equal the portable form's (1e-5, 1e-4); in bf16 they stay within a loose
+/// bound of it (the backward reads the probabilities as saved, in bf16, where the
+/// composed form keeps them in f32), which catches a wrong row or mask, not rounding.
+#[test]
+fn cuda_kernel_masked_softmax_over_long_segments_matches_the_portable_form() {
+    use crate::common::{logprobs_and_gradients_on, shared_prompt_row};
+    let Some(gpu) = cuda() else { return };
+    let model = Model::new(ModelConfig::tiny(), &gpu, 5).unwrap();
+    let vocab = model.config().vocab_size;
+    let (row, targets) = shared_prompt_row(
+        &tokens(21, 300, vocab),
+        &[tokens(22, 400, vocab), tokens(23, 250, vocab), tokens(24, 5, vocab)],
+    );
+    for (precision, model, tol) in [
+        ("f32", model.clone(), (1e-5, 1e-4)),
+        ("bf16", model.compute_copy(metronome_model::DType::BF16).unwrap(), (5e-2, 1e-1)),
+    ] {
+        let reference = portable(model.clone());
+        let on = |m: &Model| logprobs_and_gradients_on(m, m.parameters(), row.clone(), &targets);
+        let ((lp, h, g), (lp0, h0, g0)) = (on(&model), on(&reference));
+        close(&format!("{precision} log-probs"), &lp, &lp0, tol.0);
+        close(&format!("{precision} entropies"), &h, &h0, tol.0);
+        for ((name, a), (_, b)) in g.iter().zip(&g0) {
+            close(&format!("{precision} {name}"), a, b, tol.1);
+        }
+    }
+}
+
 /// The draw kernel (`kernels/draw.cu`) against its host reference on the same logits,
 /// f32 and bf16, at vocabulary sizes from the tiny model's to Qwen2's (one run or many
 /// per thread of its block), with the edge rows of `draw_logits`; then through a
