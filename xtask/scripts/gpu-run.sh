@@ -155,6 +155,8 @@ echo "${#failed[@]}" >"$out/tests-failed.txt"
 grep -E '^==> |^test result|^test .* FAILED' "$log" >"$out/tests-summary.txt" || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >"$out/gpu.txt" 2>/dev/null || true
 date -u +%Y-%m-%dT%H:%M:%SZ >"$out/date.txt"
+echo "BENCH_ONLY='${BENCH_ONLY:-}' TORCH_COMPILE_S=${TORCH_COMPILE_S:-25} BENCH_S=${BENCH_S:-540} bash target/gpu/run.sh --bench" \
+    >"$out/command.txt"
 cp "$here/commit.txt" "$out/commit.txt" 2>/dev/null || echo unknown >"$out/commit.txt"
 bench_dir="$build_root/crates/metronome-model/benches"
 step() { # step NAME LIMIT_S COMMAND...: runs it if it fits, then packs what there is

@@ -14,8 +14,14 @@ Metronome's figures (bf16, chunked head, with and without checkpointed layers) w
 PyTorch eager bf16 autocast and torch.compile on the same shape and rows, and gives
 Metronome's faster setting over eager, and each figure's model FLOP utilisation: 6N
 FLOPs per token against the bf16 matmul peak PyTorch measured on the same GPU.
+Generation rows pair Metronome's greedy decoding (f32 and bf16, logits to the host and
+drawn on the device, its memory roofline) with `transformers` `generate`; `periodic`
+against `sync` gives each run's wall time and per-period table; `profile` (when run.sh
+profiled a step) sums Nsight Compute's per-kernel times by kernel name.
 """
 
+import collections
+import csv
 import json
 import pathlib
 import sys
@@ -35,6 +41,31 @@ def load(path):
         return None
 
 
+def profile(bench):
+    """Nsight Compute's per-kernel summary of one training step (`profile.csv`, written
+    on request by run.sh), summed by kernel name: the step's GPU time, its launches, and
+    the kernels that took the most of it."""
+    lines = (read(bench / "profile.csv", "") or "").splitlines()
+    rows = [r for r in csv.reader(lines) if len(r) > 14 and r[0].isdigit()]
+    if not rows:
+        return None
+    time_ns, launches = collections.Counter(), collections.Counter()
+    for r in rows:
+        n, mean = int(r[8]), float(r[14].replace(",", ""))
+        time_ns[r[3]] += n * mean
+        launches[r[3]] += n
+    total = sum(time_ns.values())
+    return {
+        "command": read(bench / "profile.cmd"),
+        "gpu_time_ms": total / 1e6,
+        "launches": sum(launches.values()),
+        "top_kernels": [
+            {"kernel": k, "ms": t / 1e6, "share": t / total, "launches": launches[k]}
+            for k, t in time_ns.most_common(15)
+        ],
+    }
+
+
 def main():
     bench = pathlib.Path(sys.argv[1])
     gpu = (read(bench / "gpu.txt", "") or "").split(", ")
@@ -44,7 +75,7 @@ def main():
         "memory_total": gpu[2] if len(gpu) > 2 else None,
         "commit": read(bench / "commit.txt"),
         "date": read(bench / "date.txt"),
-        "command": "bash target/gpu/run.sh --bench",
+        "command": read(bench / "command.txt", "bash target/gpu/run.sh --bench"),
         "gpu_tests": {
             "failed_executables": int(read(bench / "tests-failed.txt", "-1")),
             "summary": (read(bench / "tests-summary.txt", "") or "").splitlines(),
@@ -54,7 +85,7 @@ def main():
         "training": [],
         "generation": [],
     }
-    shapes = sorted({p.stem.split("-", 1)[1] for p in bench.glob("*.cmd")})
+    shapes = sorted({p.stem.split("-", 1)[1] for p in bench.glob("*-*.cmd")})
     for shape in shapes:
         ours, theirs = load(bench / f"metronome-{shape}.json"), load(bench / f"torch-{shape}.json")
         commands = {k: read(bench / f"{k}-{shape}.cmd") for k in ("metronome", "torch")}
@@ -128,6 +159,7 @@ def main():
         lines = (read(bench / f"overlap-{schedule}.txt", "") or "").splitlines()
         if lines:
             report["periodic_vs_sync"][schedule] = {"command": lines[0], "wall_s": lines[1], "summary": lines[2:]}
+    report["profile"] = profile(bench)
     json.dump(report, sys.stdout, indent=2)
     print()
 
