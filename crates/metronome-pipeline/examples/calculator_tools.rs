@@ -19,7 +19,9 @@
 //! (the official `openai` client, its own calculator) through `rollout.backend =
 //! "agent"`. Its chat template writes tool messages as `<result>…</result>` and the
 //! others as their text, so its trajectories are the tag format's: the comparison is of
-//! the rollout path alone. It needs python3 with the `openai` package.
+//! the rollout path alone. It needs python3 with the `openai` package. The agent runs
+//! through `examples/agents/forkserver.py`, which imports `openai` once for the run
+//! instead of once per episode.
 
 use anyhow::Context;
 use metronome_pipeline::{EvalPoint, PipelineConfig, RunOptions};
@@ -56,11 +58,13 @@ async fn measure(
     }
     let mut config = PipelineConfig::embedded(&overrides)?;
     if agent {
-        let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../examples/agents/calculator_agent.py");
+        let agents = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents");
+        let path = |file: &str| agents.join(file).display().to_string();
         config.rollout.backend = metronome_rollout::Backend::Agent;
         config.rollout.agent = metronome_rollout::AgentConfig {
-            command: vec!["python3".into(), example.display().to_string()],
+            // Through the fork server: the agent unchanged, `openai` imported once
+            // instead of once per episode.
+            command: vec!["python3".into(), "-S".into(), path("forkserver.py"), path("calculator_agent.py")],
             env: [
                 ("AGENT_MAX_TURNS".to_owned(), "3".to_owned()),
                 ("AGENT_MAX_TOKENS".to_owned(), "32".to_owned()),

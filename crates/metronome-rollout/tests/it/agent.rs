@@ -138,9 +138,35 @@ async fn a_failing_agent_ends_only_its_own_episode_and_its_processes() {
     if !python() {
         return eprintln!("skipped: no python3");
     }
+    failing_agents_end_alone(vec!["python3".into(), script().display().to_string()]).await;
+}
+
+/// The same through `examples/agents/forkserver.py`, which runs each episode's agent in
+/// a fork of a long-lived server: the agent is not Metronome's child, yet the hanging
+/// one and the child it started die with the episode, and each failure reads as when
+/// the agent ran directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_agent_ends_alone_through_the_fork_server() {
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let launcher = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/forkserver.py");
+    let command = ["python3", "-S", &launcher.display().to_string(), "--preload", "", "--idle-s", "20"]
+        .into_iter()
+        .map(String::from)
+        .chain([script().display().to_string()])
+        .collect();
+    failing_agents_end_alone(command).await;
+}
+
+/// Agents that crash, hang, never call and trespass, beside one that succeeds, started
+/// by `command`: each failure ends its own episode with its reason, and the hanging
+/// agent's processes are gone afterwards.
+async fn failing_agents_end_alone(command: Vec<String>) {
     let pids = tempfile::tempdir().unwrap();
     // The hanging agent is killed at this limit; every other ends on its own first.
-    let engine = agents(config(5.0, &[("PIDS_DIR", pids.path().display().to_string())]));
+    let engine =
+        agents(AgentConfig { command, ..config(5.0, &[("PIDS_DIR", pids.path().display().to_string())]) });
     let tasks = ["crash", "hang", "silent", "wrong_key", "join"];
     let prompts = tasks.iter().enumerate().map(|(i, t)| prompt(i as u64, t)).collect();
     let groups = run(&engine, prompts, 1).await;
