@@ -14,8 +14,9 @@
 // rotate-half convention), one thread per rotated pair:
 //   forward   o1 = x1 c - x2 s; o2 = x2 c + x1 s
 //   backward  the rotation by the negated angle, the same kernel with sign = -1
-// Masked softmax of attention scores s: [rows, lk] (rows = heads x lq) with the additive
-// f32 mask m: [lq, lk] of the segment (broadcast over the heads), one block of
+// Masked softmax of attention scores s: [rows, lk] with the additive f32 mask m: blocks
+// of [lq, lk], one per `group` rows of s (group = rows: one mask, the segment's,
+// broadcast over the heads; group = heads x lq: one per row of a batch), one block of
 // NORM_THREADS per row, in f32 whatever T is (as the portable form casts to f32):
 //   forward   p = T(exp(s + m - max) / sum); a row with no visible key (never built by
 //             the model: every query sees itself) gets zeros, where the portable form
@@ -147,11 +148,11 @@ __device__ void rope(const T *x, const float *cos, const float *sin, T *o, uint3
 }
 
 template <typename T>
-__device__ void masked_softmax_fwd(const T *s, const float *mask, T *p, uint32_t lq, uint32_t lk) {
+__device__ void masked_softmax_fwd(const T *s, const float *mask, T *p, uint64_t group, uint32_t lq, uint32_t lk) {
     __shared__ float shared[32];
     const size_t row = blockIdx.x;
     const T *sr = s + row * lk;
-    const float *mr = mask + (size_t)(row % lq) * lk;
+    const float *mr = mask + ((size_t)(row / group) * lq + row % lq) * lk;
     T *pr = p + row * lk;
     float mx = -INFINITY;
     for (uint32_t i = threadIdx.x; i < lk; i += blockDim.x) mx = fmaxf(mx, to_f(sr[i]) + mr[i]);
@@ -197,9 +198,9 @@ __device__ void masked_softmax_bwd(const T *p, const T *g, T *ds, uint32_t lk) {
                                              uint32_t heads, uint32_t half, size_t pairs, float sign) { \
         rope<T>(x, cos, sin, o, heads, half, pairs, sign);                                              \
     }                                                                                                   \
-    extern "C" __global__ void masked_softmax_fwd_##SUFFIX(const T *s, const float *mask, T *p, uint32_t lq, \
-                                                           uint32_t lk) {                               \
-        masked_softmax_fwd<T>(s, mask, p, lq, lk);                                                      \
+    extern "C" __global__ void masked_softmax_fwd_##SUFFIX(const T *s, const float *mask, T *p, uint64_t group, \
+                                                           uint32_t lq, uint32_t lk) {                  \
+        masked_softmax_fwd<T>(s, mask, p, group, lq, lk);                                               \
     }                                                                                                   \
     extern "C" __global__ void masked_softmax_bwd_##SUFFIX(const T *p, const T *g, T *ds, uint32_t lk) { \
         masked_softmax_bwd<T>(p, g, ds, lk);                                                            \

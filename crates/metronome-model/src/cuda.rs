@@ -442,9 +442,12 @@ impl candle_core::CustomOp3 for SwiGluGrad {
 }
 
 /// `softmax(scores + mask)` over the last dimension, one kernel forward and one backward:
-/// [`crate::Kernels::masked_softmax`] under [`crate::Kernels::Cuda`]. `scores: [.., lq,
-/// lk]` in f32 or bf16, `mask: [lq, lk]` additive (cast to f32), broadcast over the
-/// leading dimensions; the probabilities come back in the scores' type, computed in f32.
+/// [`crate::Kernels::masked_softmax`] and [`crate::Kernels::row_masked_softmax`] under
+/// [`crate::Kernels::Cuda`]. `scores: [.., lq, lk]` in f32 or bf16, `mask: [lq, lk]` or
+/// `[b, lq, lk]` additive (cast to f32): its `b` blocks each cover an equal share of the
+/// scores' rows, in order (one mask broadcast over every leading dimension, or one per
+/// row of a batch, broadcast over the heads); the probabilities come back in the
+/// scores' type, computed in f32.
 pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let mask = mask.to_dtype(DType::F32)?.contiguous()?;
     Ok(scores.contiguous()?.apply_op2(&mask, MaskedSoftmax)?)
@@ -453,15 +456,24 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
 #[derive(Debug, Clone, Copy)]
 struct MaskedSoftmax;
 
-/// The rows (every leading index and query) and keys of masked-softmax operands.
-fn softmax_dims(scores: &Layout, mask: &Layout) -> candle_core::Result<(usize, u32, u32)> {
+/// The rows (every leading index and query), the scores' rows per mask block, the
+/// queries and the keys of masked-softmax operands.
+fn softmax_dims(scores: &Layout, mask: &Layout) -> candle_core::Result<(usize, u64, u32, u32)> {
     let dims = scores.dims();
-    match (dims.len().checked_sub(2).map(|i| &dims[i..]), mask.dims()) {
-        (Some(&[lq, lk]), &[mq, mk]) if (lq, lk) == (mq, mk) && lk > 0 => {
-            Ok((scores.shape().elem_count() / lk, lq as u32, lk as u32))
+    let (blocks, mask_tail) = match mask.dims() {
+        [b, rest @ ..] if rest.len() == 2 => (*b, rest),
+        rest => (1, rest),
+    };
+    match (dims.len().checked_sub(2).map(|i| &dims[i..]), mask_tail) {
+        (Some(&[lq, lk]), &[mq, mk]) if (lq, lk) == (mq, mk) && lk > 0 && lq > 0 && blocks > 0 => {
+            let rows = scores.shape().elem_count() / lk;
+            if rows % (blocks * lq) == 0 {
+                return Ok((rows, (rows / blocks) as u64, lq as u32, lk as u32));
+            }
         }
-        _ => candle_core::bail!("cuda-masked-softmax: mask {:?} does not fit scores {dims:?}", mask.dims()),
+        _ => {}
     }
+    candle_core::bail!("cuda-masked-softmax: mask {:?} does not fit scores {dims:?}", mask.dims())
 }
 
 impl candle_core::CustomOp2 for MaskedSoftmax {
@@ -473,7 +485,7 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
-        let (rows, lq, lk) = softmax_dims(l1, l2)?;
+        let (rows, group, lq, lk) = softmax_dims(l1, l2)?;
         let dev = s1.device();
         let func = layer_func!(dev, "masked_softmax_fwd", s1.dtype());
         let mask = view::<f32>(s2, l2, self.name())?;
@@ -483,10 +495,11 @@ impl candle_core::CustomOp2 for MaskedSoftmax {
                 // SAFETY: uninitialised, and every element is written by the kernel below.
                 let p = unsafe { dev.alloc::<$t>(rows * lk as usize) }?;
                 let mut b = func.builder();
-                b.arg(&x).arg(&mask).arg(&p).arg(&lq).arg(&lk);
-                // SAFETY: `masked_softmax_fwd_*(s, mask, p, lq, lk)` over `rows` blocks: `s` and
-                // `p` hold `rows * lk` elements, `mask` holds `lq * lk`, and `rows` is a
-                // multiple of `lq` (block `r` reads mask row `r % lq`).
+                b.arg(&x).arg(&mask).arg(&p).arg(&group).arg(&lq).arg(&lk);
+                // SAFETY: `masked_softmax_fwd_*(s, mask, p, group, lq, lk)` over `rows` blocks:
+                // `s` and `p` hold `rows * lk` elements, `mask` holds `rows / group` blocks
+                // of `lq * lk`, and `group` is a multiple of `lq` that divides `rows` (block
+                // `r` reads mask row `(r / group) * lq + r % lq`).
                 if rows > 0 {
                     unsafe { b.launch(per_row(rows)) }.w()?;
                 }

@@ -112,7 +112,7 @@ pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use kv_cache::{DECODE_MIN_ROWS, KvCache};
 pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
-pub use model::{Model, ScoringBatch, TargetOutput};
+pub use model::{BATCHED_MASK_BYTES, Model, ScoringBatch, TargetOutput};
 pub use ops::Projection;
 pub use portable::{CUDA_KERNELS_ENV, Kernels};
 pub use precision::Precision;

@@ -155,6 +155,64 @@ impl Kernels {
         }
     }
 
+    /// `softmax(scores + mask)` over the last dimension with one mask per row of a
+    /// batch: `scores: [rows, heads, lq, lk]`, `mask: [rows, lq, lk]` broadcast over the
+    /// heads; in f32 whatever the scores' type, as [`Kernels::masked_softmax`].
+    pub(crate) fn row_masked_softmax(self, scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::masked_softmax(scores, mask),
+            // The fused CPU op takes one `[lq, lk]` mask; rows attended whole are a GPU
+            // layout, so the CPU runs the composed form for them.
+            _ => {
+                let s =
+                    scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?.unsqueeze(1)?)?;
+                Ok(ops::softmax_last_dim(&s)?.to_dtype(scores.dtype())?)
+            }
+        }
+    }
+
+    /// Scaled dot-product attention of packed rows attended whole, every row in one
+    /// batched product ([`crate::Model::with_batched_attention`]): `q: [rows * len,
+    /// heads, hd]`, `k`, `v: [rows * len, kv_heads, hd]`, each row padded to `len`, under
+    /// `masks`; returns `[rows * len, heads * hd]`. The same grouped-query layout as
+    /// [`Kernels::attention`].
+    pub(crate) fn row_attention(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        masks: &ops::RowMasks,
+    ) -> Result<Tensor> {
+        let (n, heads, hd) = q.dims3()?;
+        let kv_heads = k.dim(1)?;
+        let rep = heads / kv_heads;
+        let (rows, len) = (masks.rows, masks.len);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let q = (q * scale)?
+            .reshape((rows, len, kv_heads, rep, hd))?
+            .permute((0, 2, 3, 1, 4))?
+            .contiguous()?
+            .reshape((rows * kv_heads, rep * len, hd))?;
+        let by_head = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.reshape((rows, len, kv_heads, hd))?.transpose(1, 2)?.contiguous()?.reshape((
+                rows * kv_heads,
+                len,
+                hd,
+            ))?)
+        };
+        let (k, v) = (by_head(k)?, by_head(v)?);
+        let scores = q.matmul(&k.t()?)?.reshape((rows, kv_heads * rep, len, len))?;
+        let probs =
+            self.row_masked_softmax(&scores, &masks.mask)?.reshape((rows * kv_heads, rep * len, len))?;
+        let out = probs.matmul(&v)?; // [rows * kv_heads, rep * len, hd]
+        Ok(out
+            .reshape((rows, kv_heads, rep, len, hd))?
+            .permute((0, 3, 1, 2, 4))?
+            .contiguous()?
+            .reshape((n, heads * hd))?)
+    }
+
     /// Scaled dot-product attention of one sequence with grouped-query heads.
     ///
     /// `q: [lq, heads, hd]`, `k`, `v: [lk, kv_heads, hd]`, `mask`: additive `[lq, lk]`

@@ -560,6 +560,47 @@ pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) ->
     Ok(plans)
 }
 
+/// The attention masks of rows attended whole ([`crate::Model::with_batched_attention`]):
+/// `mask: [rows, len, len]` additive f32, each row padded to `len`; a query sees what
+/// its segment's plan lets it see (its ancestors and its own causal prefix), a padding
+/// query itself alone.
+#[derive(Clone, Debug)]
+pub(crate) struct RowMasks {
+    pub(crate) rows: usize,
+    pub(crate) len: usize,
+    pub(crate) mask: Tensor,
+}
+
+impl RowMasks {
+    pub(crate) fn new(rows: &[metronome_core::PackedRow], len: usize, device: &Device) -> Result<Self> {
+        let mut mask = vec![f32::NEG_INFINITY; rows.len() * len * len];
+        for (r, row) in rows.iter().enumerate() {
+            let block = &mut mask[r * len * len..(r + 1) * len * len];
+            for seg in &row.segments {
+                let mut spans = Vec::new();
+                let mut parent = seg.parent;
+                while let Some(a) = parent {
+                    let ancestor = row.segments[a as usize];
+                    spans.push((ancestor.start as usize, ancestor.len as usize));
+                    parent = ancestor.parent;
+                }
+                for i in 0..seg.len as usize {
+                    let q = seg.start as usize + i;
+                    let line = &mut block[q * len..(q + 1) * len];
+                    for &(start, l) in &spans {
+                        line[start..start + l].fill(0.0);
+                    }
+                    line[seg.start as usize..=q].fill(0.0);
+                }
+            }
+            for q in row.len()..len {
+                block[q * len + q] = 0.0;
+            }
+        }
+        Ok(Self { rows: rows.len(), len, mask: Tensor::from_vec(mask, (rows.len(), len, len), device)? })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use metronome_core::{PackedRow, Segment};

@@ -92,17 +92,17 @@ pub(crate) fn logprobs_and_gradients_of(
         &tokens(1, 7, vocab),
         &[tokens(2, 5, vocab), tokens(3, 2, vocab), tokens(4, 6, vocab)],
     );
-    logprobs_and_gradients_on(model, params, row, &targets)
+    logprobs_and_gradients_on(model, params, &[row], &targets)
 }
 
-/// [`Forward`] under `model` for `params`, on one packed row and its targets.
+/// [`Forward`] under `model` for `params`, on packed rows and their targets.
 pub(crate) fn logprobs_and_gradients_on(
     model: &Model,
     params: Vec<(String, metronome_model::Var)>,
-    row: PackedRow,
+    rows: &[PackedRow],
     targets: &Targets,
 ) -> Forward {
-    let out = model.target_logprobs(&[row], targets).unwrap();
+    let out = model.target_logprobs(rows, targets).unwrap();
     let weights: Vec<f32> = (0..targets.token.len()).map(|i| ((i % 5) as f32 - 2.0) * 0.3).collect();
     let w = Tensor::from_slice(&weights, weights.len(), model.device()).unwrap();
     let loss = ((&out.logprobs * &w).unwrap().sum_all().unwrap()
