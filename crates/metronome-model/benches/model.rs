@@ -1,6 +1,7 @@
 //! Throughput of the tiny configuration: training forward+backward tokens/s and
 //! decode tokens/s at several batch sizes, a measured matmul peak (GFLOP/s), and the
-//! model FLOP utilisation (MFU) against it.
+//! model FLOP utilisation (MFU) against it; and what checking a snapshot's weights
+//! costs against installing them (`install`, at SmolLM2-135M's shape).
 //!
 //! `cargo bench -p metronome-model --bench model`; compare with PyTorch on the same
 //! machine with `python3 crates/metronome-model/benches/torch_compare.py`. Pin both to
@@ -115,6 +116,20 @@ fn benches(c: &mut Criterion) {
         });
     }
     g.finish();
+    // What the hostile-input checks add to installing weights (issue #37): every
+    // tensor's finiteness and element count (`HostTensor::check`, which every install
+    // runs before writing a weight) against the whole in-place install
+    // (`Model::load_snapshot`, the check included), at SmolLM2-135M's shape (540 MB).
+    let big = Model::new(ModelConfig::smollm2_135m(), &Device::Cpu, 1).expect("smollm2 shape");
+    let snapshot = big.snapshot(metronome_core::PolicyVersion(1)).expect("snapshot");
+    let mut g = c.benchmark_group("install");
+    g.sample_size(10);
+    g.bench_function("check", |b| {
+        b.iter(|| black_box(snapshot.tensors.iter().all(|t| t.check().is_ok())))
+    });
+    g.bench_function("load_snapshot", |b| b.iter(|| big.load_snapshot(&snapshot).expect("install")));
+    g.finish();
+    drop((big, snapshot));
     let mut g = c.benchmark_group("matmul");
     for n in [256usize, 512] {
         let a = Tensor::ones((n, n), candle_core::DType::F32, &Device::Cpu).expect("a");

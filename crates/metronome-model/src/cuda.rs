@@ -467,7 +467,7 @@ fn softmax_dims(scores: &Layout, mask: &Layout) -> candle_core::Result<(usize, u
     match (dims.len().checked_sub(2).map(|i| &dims[i..]), mask_tail) {
         (Some(&[lq, lk]), &[mq, mk]) if (lq, lk) == (mq, mk) && lk > 0 && lq > 0 && blocks > 0 => {
             let rows = scores.shape().elem_count() / lk;
-            if rows % (blocks * lq) == 0 {
+            if rows.is_multiple_of(blocks * lq) {
                 return Ok((rows, (rows / blocks) as u64, lq as u32, lk as u32));
             }
         }
