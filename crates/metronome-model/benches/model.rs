@@ -124,9 +124,7 @@ fn benches(c: &mut Criterion) {
     let snapshot = big.snapshot(metronome_core::PolicyVersion(1)).expect("snapshot");
     let mut g = c.benchmark_group("install");
     g.sample_size(10);
-    g.bench_function("check", |b| {
-        b.iter(|| black_box(snapshot.tensors.iter().all(|t| t.check().is_ok())))
-    });
+    g.bench_function("check", |b| b.iter(|| black_box(snapshot.tensors.iter().all(|t| t.check().is_ok()))));
     g.bench_function("load_snapshot", |b| b.iter(|| big.load_snapshot(&snapshot).expect("install")));
     g.finish();
     drop((big, snapshot));
