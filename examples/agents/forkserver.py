@@ -9,7 +9,8 @@ agent through this launcher instead, unchanged:
     command = ["python3", "-I", "-S", "examples/agents/forkserver.py", "examples/agents/calculator_agent.py"]
 
 The launcher itself imports nothing heavy. It connects to a server for that agent (a
-Unix socket in the temporary directory, one per agent path, Python and preload list)
+Unix socket in a directory of this user's alone in the temporary directory, one per
+agent path, Python and preload list)
 and starts the server the first time. The server has imported `--preload` (default:
 `openai`) once; for each launch it forks, and the child takes the launcher's stdin,
 stdout and stderr (passed over the socket), its environment, working directory and
@@ -183,6 +184,28 @@ def serve(path, preload, idle_s):
             pass
 
 
+def private_dir():
+    """This user's directory for servers' sockets: `metronome-forkserver-UID` in the
+    temporary directory, made with mode 0700. Anyone who can connect to a server runs
+    code as its user, and a launcher sends its environment (API keys) to whatever
+    listens at the path, so a directory that is a link, is another user's, or is open to
+    others is refused rather than used."""
+    import stat
+
+    path = os.path.join(tempfile.gettempdir(), f"metronome-forkserver-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(
+            f"{path} is not a directory of this user's alone (mode {stat.filemode(st.st_mode)}, "
+            f"owner {st.st_uid}): remove it, or set TMPDIR elsewhere"
+        )
+    return path
+
+
 def connect(path, server_argv):
     """A connection to the server at `path`, starting it (once, under a lock) if need be."""
     import fcntl
@@ -244,7 +267,11 @@ def main():
     if os.environ.get("AGENT_FORKSERVER") == "0":
         return run_agent(agent)
     key = hashlib.sha256(json.dumps([sys.executable, agent[0], preload]).encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"metronome-forkserver-{os.getuid()}-{key}.sock")
+    try:
+        path = os.path.join(private_dir(), f"{key}.sock")
+    except RuntimeError as e:
+        print(f"forkserver: {e}", file=sys.stderr)
+        return 1
     server = [sys.executable, os.path.abspath(__file__), "--preload", ",".join(preload),
               "--idle-s", str(idle_s), "--serve", path]
     sock = connect(path, server)

@@ -159,6 +159,35 @@ async fn a_failing_agent_ends_alone_through_the_fork_server() {
     failing_agents_end_alone(command).await;
 }
 
+/// The fork server's socket lives in a directory of this user's alone: one that others
+/// may write to (where another user could listen in the server's place and receive the
+/// episode's environment, its API key included) is refused, naming it, and no agent runs.
+#[test]
+fn the_fork_server_refuses_a_socket_directory_open_to_others() {
+    use std::os::unix::fs::PermissionsExt;
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let uid = String::from_utf8(std::process::Command::new("id").arg("-u").output().unwrap().stdout).unwrap();
+    let open = tmp.path().join(format!("metronome-forkserver-{}", uid.trim()));
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let launcher = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/forkserver.py");
+    let out = std::process::Command::new("python3")
+        .arg("-S")
+        .arg(&launcher)
+        .arg(script())
+        .env("TMPDIR", tmp.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&open.display().to_string()) && stderr.contains("alone"), "{stderr}");
+    assert!(out.stdout.is_empty(), "no agent ran");
+}
+
 /// Agents that crash, hang, never call and trespass, beside one that succeeds, started
 /// by `command`: each failure ends its own episode with its reason, and the hanging
 /// agent's processes are gone afterwards.
