@@ -535,18 +535,25 @@ pub(crate) struct SegmentPlan {
     pub(crate) mask: Tensor,
 }
 
+/// The `(start, len)` spans of `seg`'s ancestors in `row`, root first: the keys every
+/// query of the segment sees besides its own causal prefix.
+fn ancestor_spans(row: &metronome_core::PackedRow, seg: &metronome_core::Segment) -> Vec<(usize, usize)> {
+    let mut spans = Vec::new();
+    let mut parent = seg.parent;
+    while let Some(a) = parent {
+        let ancestor = row.segments[a as usize];
+        spans.push((ancestor.start as usize, ancestor.len as usize));
+        parent = ancestor.parent;
+    }
+    spans.reverse();
+    spans
+}
+
 /// One [`SegmentPlan`] per segment of `row`, in row order.
 pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) -> Result<Vec<SegmentPlan>> {
     let mut plans = Vec::with_capacity(row.segments.len());
     for seg in &row.segments {
-        let mut keys = Vec::new();
-        let mut parent = seg.parent;
-        while let Some(a) = parent {
-            let ancestor = row.segments[a as usize];
-            keys.push((ancestor.start as usize, ancestor.len as usize));
-            parent = ancestor.parent;
-        }
-        keys.reverse();
+        let mut keys = ancestor_spans(row, seg);
         let visible: usize = keys.iter().map(|k| k.1).sum();
         let (start, len) = (seg.start as usize, seg.len as usize);
         keys.push((start, len));
@@ -577,13 +584,7 @@ impl RowMasks {
         for (r, row) in rows.iter().enumerate() {
             let block = &mut mask[r * len * len..(r + 1) * len * len];
             for seg in &row.segments {
-                let mut spans = Vec::new();
-                let mut parent = seg.parent;
-                while let Some(a) = parent {
-                    let ancestor = row.segments[a as usize];
-                    spans.push((ancestor.start as usize, ancestor.len as usize));
-                    parent = ancestor.parent;
-                }
+                let spans = ancestor_spans(row, seg);
                 for i in 0..seg.len as usize {
                     let q = seg.start as usize + i;
                     let line = &mut block[q * len..(q + 1) * len];
