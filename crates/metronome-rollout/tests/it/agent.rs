@@ -150,8 +150,7 @@ async fn a_failing_agent_ends_alone_through_the_fork_server() {
     if !python() {
         return eprintln!("skipped: no python3");
     }
-    let launcher = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/forkserver.py");
-    let command = ["python3", "-S", &launcher.display().to_string(), "--preload", "", "--idle-s", "20"]
+    let command = ["python3", "-S", &launcher().display().to_string(), "--preload", "", "--idle-s", "20"]
         .into_iter()
         .map(String::from)
         .chain([script().display().to_string()])
@@ -173,10 +172,9 @@ fn the_fork_server_refuses_a_socket_directory_open_to_others() {
     let open = tmp.path().join(format!("metronome-forkserver-{}", uid.trim()));
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let launcher = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/forkserver.py");
     let out = std::process::Command::new("python3")
         .arg("-S")
-        .arg(&launcher)
+        .arg(launcher())
         .arg(script())
         .env("TMPDIR", tmp.path())
         .stdin(std::process::Stdio::null())
@@ -186,6 +184,137 @@ fn the_fork_server_refuses_a_socket_directory_open_to_others() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains(&open.display().to_string()) && stderr.contains("alone"), "{stderr}");
     assert!(out.stdout.is_empty(), "no agent ran");
+}
+
+fn launcher() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/forkserver.py")
+}
+
+/// Waits up to 30 s for process `pid` to be gone (or a zombie its parent has not
+/// reaped yet: a signal's delivery is the kernel's); whether it is.
+fn gone(pid: &str) -> bool {
+    let dead = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        stat.is_empty() || stat.contains(") Z ") || stat.contains(") X ")
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !dead() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    dead()
+}
+
+/// A fork server killed mid-episode takes the episode's agent and what it started
+/// with it: the launcher, which the server told the agent's pid, kills its process
+/// group and fails the episode, naming why.
+#[test]
+fn an_agent_dies_with_its_fork_server() {
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let agent = tmp.path().join("sleeper.py");
+    let pids = tmp.path().join("pids");
+    std::fs::write(
+        &agent,
+        format!(
+            "import os, subprocess, time\n\
+             child = subprocess.Popen(['sleep', '1000'])\n\
+             open({pids:?} + '.tmp', 'w').write(f'{{os.getpid()}} {{child.pid}}')\n\
+             os.rename({pids:?} + '.tmp', {pids:?})\n\
+             time.sleep(1000)\n"
+        ),
+    )
+    .unwrap();
+    let mut run = std::process::Command::new("python3")
+        .args(["-S".as_ref(), launcher().as_os_str(), "--preload".as_ref(), "".as_ref(), agent.as_os_str()])
+        .env("TMPDIR", tmp.path())
+        .stdin(std::process::Stdio::null())
+        // A file, not a pipe: the agent holds the launcher's stderr, and a test that
+        // read it to its end would wait for a failure to end on its own.
+        .stderr(std::fs::File::create(tmp.path().join("stderr")).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !pids.exists() {
+        assert!(std::time::Instant::now() < deadline, "the agent did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // The server is the one process whose arguments name this test's directory.
+    let server = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|pid| pid.bytes().all(|b| b.is_ascii_digit()))
+        .find(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            cmdline.contains("--serve") && cmdline.contains(&*tmp.path().to_string_lossy())
+        })
+        .expect("the fork server runs");
+    assert!(std::process::Command::new("kill").args(["-KILL", &server]).status().unwrap().success());
+
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = run.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            run.kill().unwrap();
+            panic!("the launcher outlived its server by 30 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let stderr = std::fs::read_to_string(tmp.path().join("stderr")).unwrap();
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("the server went away"), "{stderr}");
+    for pid in std::fs::read_to_string(&pids).unwrap().split_whitespace() {
+        assert!(gone(pid), "process {pid} outlived its fork server and launcher");
+    }
+}
+
+/// Two agents whose servers' sockets would share a name (a hash collision, made here
+/// by starting one agent's server at the other's path) never run each other: the
+/// server refuses a launch of another agent, naming what it runs, and nothing runs.
+#[test]
+fn a_fork_server_runs_only_its_own_agent() {
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (ours, theirs) = (tmp.path().join("ours.py"), tmp.path().join("theirs.py"));
+    std::fs::write(&ours, "print('ours ran')\n").unwrap();
+    std::fs::write(&theirs, "print('theirs ran')\n").unwrap();
+    let python = |args: &[&std::ffi::OsStr]| {
+        let mut command = std::process::Command::new("python3");
+        command.arg("-S").args(args).env("TMPDIR", tmp.path()).stdin(std::process::Stdio::null());
+        command
+    };
+    let find_path = "import sys; sys.path.insert(0, sys.argv[1]); import forkserver as f; \
+                     print(f.socket_path(f.identity_of(sys.argv[2], [])))";
+    let dir = launcher().parent().unwrap().to_owned();
+    let path =
+        python(&["-c".as_ref(), find_path.as_ref(), dir.as_os_str(), ours.as_os_str()]).output().unwrap();
+    assert!(path.status.success(), "{}", String::from_utf8_lossy(&path.stderr));
+    let path = String::from_utf8(path.stdout).unwrap().trim().to_owned();
+    let launch = [launcher().into_os_string(), "--preload".into(), "".into(), "--idle-s".into(), "20".into()];
+    let launch: Vec<&std::ffi::OsStr> = launch.iter().map(|a| a.as_os_str()).collect();
+    let mut server =
+        python(&[&launch[..], &["--serve".as_ref(), path.as_ref(), theirs.as_os_str()]].concat())
+            .spawn()
+            .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !std::path::Path::new(&path).exists() {
+        assert!(std::time::Instant::now() < deadline, "the server did not start");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    let out = python(&[&launch[..], &[ours.as_os_str()]].concat()).output().unwrap();
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&*theirs.to_string_lossy()) && stderr.contains(&path), "{stderr}");
+    assert!(out.stdout.is_empty(), "an agent ran: {}", String::from_utf8_lossy(&out.stdout));
 }
 
 /// Agents that crash, hang, never call and trespass, beside one that succeeds, started
@@ -215,18 +344,9 @@ async fn failing_agents_end_alone(command: Vec<String>) {
     // The hanging agent and the child it started are gone.
     let written = std::fs::read_to_string(pids.path().join("pids")).unwrap();
     for pid in written.split_whitespace() {
-        // Gone, or a zombie its parent has not reaped yet, once the signal has landed
-        // (SIGKILL is sent before `generate` returns; its delivery is the kernel's).
-        let dead = || {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            stat.is_empty() || stat.contains(") Z ") || stat.contains(") X ")
-        };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while !dead() && std::time::Instant::now() < deadline {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        assert!(dead(), "process {pid} lives on: {stat}");
+        // SIGKILL is sent before `generate` returns; its delivery is the kernel's.
+        let stat = || std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(tokio::task::block_in_place(|| gone(pid)), "process {pid} lives on: {}", stat());
     }
 
     // The engine goes on: the next request is served.
