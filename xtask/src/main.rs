@@ -7,6 +7,7 @@
 //! - `cargo xtask deps`: the dependency invariants of ARCHITECTURE.md.
 //! - `cargo xtask soak`: the fault-injection tests at length.
 //! - `cargo xtask fuzz`: the fuzz suite at length (`cargo test` runs a slice).
+//! - `cargo xtask agents`: the agent backend's learning test (too long for CI).
 //! - `cargo xtask gpu check | bundle`: the CUDA build without a GPU (see `gpu.rs`).
 
 use std::path::{Path, PathBuf};
@@ -35,6 +36,11 @@ tasks:
          3), then the nats-server restart test --restarts N times in a row (default 10)
   fuzz   the fuzz suite (tests/tests/fuzz) at length: --cases N inputs per target
          (default 100000; `cargo test` runs a few thousand), then the crash corpus
+  agents the agent backend's learning test: the example agent (official `openai`
+         client, examples/agents/) trained beside the native calculator environment
+         for --periods N (default 30); fails unless its held-out success rises by
+         --min-gain POINTS (default 10). About 30 minutes on 2 cores; needs python3
+         with `openai` (`cargo test` runs one short period of it)
 ";
 
 fn main() -> Result<()> {
@@ -50,6 +56,7 @@ fn main() -> Result<()> {
         Some("e2e") => e2e(&root, &args[1..]),
         Some("soak") => soak(&root, &args[1..]),
         Some("fuzz") => fuzz(&root, &args[1..]),
+        Some("agents") => agents(&root, &args[1..]),
         Some("bench") => bench(&root, &args[1..]),
         Some("gpu") => gpu::gpu(&root, &args[1..]),
         Some("-h" | "--help" | "help") | None => {
@@ -240,6 +247,36 @@ fn fuzz(root: &Path, args: &[String]) -> Result<()> {
         bail!(
             "fuzz: a target failed; its input is printed above and kept in tests/tests/proptest-regressions/"
         );
+    }
+    Ok(())
+}
+
+/// The agent backend's learning test: `calculator_tools --agent` in release, which
+/// trains the example agent beside the native calculator environment from one warm
+/// start and fails unless the agent's held-out success rose by `--min-gain` points.
+fn agents(root: &Path, args: &[String]) -> Result<()> {
+    let (mut periods, mut min_gain) = ("30".to_owned(), "10".to_owned());
+    let mut rest = args.iter();
+    while let Some(flag) = rest.next() {
+        match (flag.as_str(), rest.next()) {
+            ("--periods", Some(n)) if n.parse::<u64>().is_ok_and(|n| n > 0) => periods = n.clone(),
+            ("--min-gain", Some(p)) if p.parse::<f64>().is_ok_and(f64::is_finite) => min_gain = p.clone(),
+            _ => bail!("usage: cargo xtask agents [--periods N] [--min-gain POINTS]"),
+        }
+    }
+    let openai = Command::new("python3").args(["-c", "import openai"]).output();
+    if !openai.is_ok_and(|o| o.status.success()) {
+        bail!("agents: needs python3 with the `openai` package (`pip install openai`)");
+    }
+    eprintln!("==> agents: {periods} periods, at least {min_gain} points of held-out success");
+    let status = cargo()
+        .args(["run", "--release", "--package", "metronome-pipeline", "--example", "calculator_tools", "--"])
+        .args(["--agent", "--periods", &periods, "--min-gain", &min_gain])
+        .current_dir(root)
+        .status()
+        .context("starting cargo run")?;
+    if !status.success() {
+        bail!("agents: the example agent did not learn enough, or its run failed ({status})");
     }
     Ok(())
 }
