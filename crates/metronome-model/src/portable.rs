@@ -146,12 +146,7 @@ impl Kernels {
             Self::Fused => ops::masked_softmax(scores, mask),
             #[cfg(feature = "cuda")]
             Self::Cuda => crate::cuda::masked_softmax(scores, mask),
-            _ => {
-                // In f32 whatever the scores' type: a bf16 sum over a thousand keys would
-                // keep three significant digits (flash attention accumulates in f32 too).
-                let s = scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?)?;
-                Ok(ops::softmax_last_dim(&s)?.to_dtype(scores.dtype())?)
-            }
+            _ => composed_masked_softmax(scores, mask),
         }
     }
 
@@ -164,11 +159,7 @@ impl Kernels {
             Self::Cuda => crate::cuda::masked_softmax(scores, mask),
             // The fused CPU op takes one `[lq, lk]` mask; rows attended whole are a GPU
             // layout, so the CPU runs the composed form for them.
-            _ => {
-                let s =
-                    scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?.unsqueeze(1)?)?;
-                Ok(ops::softmax_last_dim(&s)?.to_dtype(scores.dtype())?)
-            }
+            _ => composed_masked_softmax(scores, &mask.unsqueeze(1)?),
         }
     }
 
@@ -508,6 +499,15 @@ fn portable_decode_attention(
 
 /// The portable forms against the fused ones on the CPU, values and gradients (both
 /// forms meet here, where the switch between them is).
+/// `softmax(scores + mask)` over the last dimension from candle's ops, `mask`
+/// broadcast to the scores. In f32 whatever the scores' type: a bf16 sum over a
+/// thousand keys would keep three significant digits (flash attention accumulates in
+/// f32 too).
+fn composed_masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let s = scores.to_dtype(DType::F32)?.broadcast_add(&mask.to_dtype(DType::F32)?)?;
+    Ok(ops::softmax_last_dim(&s)?.to_dtype(scores.dtype())?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,7 +15,7 @@
 //! or skipped and counted under the skip policy): it could never be scored.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use metronome_core::CodeTests;
@@ -25,7 +25,7 @@ use serde_json::Value;
 use super::mapping::{FieldError, type_name};
 use super::{BadRecordPolicy, Collector, FileDataset, FileFormat, shards};
 use crate::dataset::{PromptContent, Record};
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, Result};
 use crate::tasks::render;
 
 /// The layout of a code-task file.
@@ -216,56 +216,16 @@ fn refuse_compressed(path: &Path) -> Result<()> {
 
 fn read(path: &Path, format: CodeFormat, template: &str, out: &mut Collector) -> Result<u64> {
     refuse_compressed(path)?;
-    let io = |source| Error::Io { path: path.to_owned(), source };
-    let mut reader = BufReader::new(std::fs::File::open(path).map_err(io)?);
-    let mut buf = Vec::new();
-    let (mut line_no, mut record_index) = (0u64, 0u64);
-    loop {
-        buf.clear();
-        if reader.read_until(b'\n', &mut buf).map_err(io)? == 0 {
-            return Ok(record_index);
+    super::jsonl::read_lines(path, out, |value| {
+        if !value.is_object() {
+            let found = type_name(value);
+            return Err(FieldError::record(format!("expected a JSON object, found {found}")));
         }
-        line_no += 1;
-        let location = Location::Line(line_no);
-        let bad = |e: FieldError| Error::BadRecord {
-            path: path.to_owned(),
-            location,
-            field: e.field,
-            reason: e.reason,
-        };
-        let Ok(line) = std::str::from_utf8(&buf) else {
-            out.bad(bad(FieldError::record("is not valid UTF-8")))?;
-            record_index += 1;
-            continue;
-        };
-        if line.trim().is_empty() {
-            continue;
+        match format {
+            CodeFormat::Humaneval => humaneval(value, template),
+            CodeFormat::Mbpp => mbpp(value, template),
         }
-        let id = out.id(record_index);
-        record_index += 1;
-        let value: Value = match serde_json::from_str(line) {
-            Ok(Value::Object(map)) => Value::Object(map),
-            Ok(other) => {
-                out.bad(bad(FieldError::record(format!(
-                    "expected a JSON object, found {}",
-                    type_name(&other)
-                ))))?;
-                continue;
-            }
-            Err(e) => {
-                out.bad(bad(FieldError::record(format!("malformed JSON: {e}"))))?;
-                continue;
-            }
-        };
-        let parsed = match format {
-            CodeFormat::Humaneval => humaneval(&value, template),
-            CodeFormat::Mbpp => mbpp(&value, template),
-        };
-        match parsed {
-            Ok(record) => out.keep(Record { id, ..record }, location),
-            Err(e) => out.bad(bad(e))?,
-        }
-    }
+    })
 }
 
 impl FileDataset {

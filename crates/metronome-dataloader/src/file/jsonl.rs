@@ -1,4 +1,5 @@
-//! JSONL: one JSON object per line.
+//! JSONL: one JSON value per line; the line loop that every JSONL format shares
+//! ([`read_lines`]: the field-mapped rows here, the code tasks of `code.rs`).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader};
@@ -9,8 +10,29 @@ use super::mapping::{FieldError, FieldMapping};
 use crate::dataset::Record;
 use crate::error::{Error, Location, Result};
 
-/// Reads one file; returns how many record ids it used (bad records included).
+/// Reads one file of field-mapped rows; returns how many record ids it used (bad
+/// records included).
 pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> Result<u64> {
+    read_lines(path, out, |value| {
+        let m = fields.apply(value)?;
+        Ok(Record {
+            id: Default::default(),
+            content: m.content,
+            reference: m.reference,
+            metadata: m.metadata,
+        })
+    })
+}
+
+/// Reads one JSONL file, making each line's value a record with `parse` (its id is set
+/// here, from the line's place among the records); returns how many record ids it used.
+/// A blank line is skipped and uses no id; a line that is not UTF-8 or not JSON, or
+/// whose value `parse` refuses, is a bad record at its line, and uses its id.
+pub(super) fn read_lines(
+    path: &Path,
+    out: &mut Collector,
+    mut parse: impl FnMut(&serde_json::Value) -> std::result::Result<Record, FieldError>,
+) -> Result<u64> {
     let io = |source| Error::Io { path: path.to_owned(), source };
     let mut reader = BufReader::new(File::open(path).map_err(io)?);
     let mut buf = Vec::new();
@@ -39,18 +61,11 @@ pub(super) fn read(path: &Path, fields: &FieldMapping, out: &mut Collector) -> R
         }
         let id = out.id(record_index);
         record_index += 1;
-        let value: serde_json::Value = match serde_json::from_str(line) {
-            Ok(value) => value,
-            Err(e) => {
-                out.bad(bad(FieldError::record(format!("malformed JSON: {e}"))))?;
-                continue;
-            }
-        };
-        match fields.apply(&value) {
-            Ok(m) => out.keep(
-                Record { id, content: m.content, reference: m.reference, metadata: m.metadata },
-                location,
-            ),
+        let parsed = serde_json::from_str(line)
+            .map_err(|e| FieldError::record(format!("malformed JSON: {e}")))
+            .and_then(|value| parse(&value));
+        match parsed {
+            Ok(record) => out.keep(Record { id, ..record }, location),
             Err(e) => out.bad(bad(e))?,
         }
     }
