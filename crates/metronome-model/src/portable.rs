@@ -497,8 +497,6 @@ fn portable_decode_attention(
     Ok(probs.to_dtype(v.dtype())?.matmul(&v)?.reshape((n, heads * hd))?)
 }
 
-/// The portable forms against the fused ones on the CPU, values and gradients (both
-/// forms meet here, where the switch between them is).
 /// `softmax(scores + mask)` over the last dimension from candle's ops, `mask`
 /// broadcast to the scores. In f32 whatever the scores' type: a bf16 sum over a
 /// thousand keys would keep three significant digits (flash attention accumulates in
@@ -508,6 +506,8 @@ fn composed_masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
     Ok(ops::softmax_last_dim(&s)?.to_dtype(scores.dtype())?)
 }
 
+/// The portable forms against the fused ones on the CPU, values and gradients (both
+/// forms meet here, where the switch between them is).
 #[cfg(test)]
 mod tests {
     use super::*;

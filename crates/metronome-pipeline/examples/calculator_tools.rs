@@ -86,7 +86,10 @@ async fn measure(
                 ("AGENT_MAX_TOKENS".to_owned(), "32".to_owned()),
             ]
             .into(),
-            concurrency: std::env::var("AGENT_CONCURRENCY").ok().and_then(|c| c.parse().ok()).unwrap_or(16),
+            concurrency: match std::env::var("AGENT_CONCURRENCY") {
+                Ok(c) => c.parse().with_context(|| format!("AGENT_CONCURRENCY={c:?} is not a count"))?,
+                Err(_) => 16,
+            },
             reward: metronome_rollout::AgentReward::Stage,
             tool_format: metronome_rollout::AgentToolFormat::Tag,
             chat_template: Some(

@@ -272,6 +272,33 @@ fn an_agent_dies_with_its_fork_server() {
     }
 }
 
+/// A fork server that cannot start (a preload that does not import) fails the launch
+/// at once, quoting the server's error, instead of leaving it to wait for a socket
+/// that never comes; no agent runs.
+#[test]
+fn a_fork_server_that_cannot_start_fails_the_launch_naming_why() {
+    if !python() {
+        return eprintln!("skipped: no python3");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new("python3")
+        .arg("-S")
+        .arg(launcher())
+        .args(["--preload", "metronome_no_such_module"])
+        .arg(script())
+        .env("TMPDIR", tmp.path())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("before listening") && stderr.contains("metronome_no_such_module"), "{stderr}");
+    assert!(out.stdout.is_empty(), "no agent ran");
+    // Well inside the 60 s a launch waits for a server that is still starting.
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "took {:?}", started.elapsed());
+}
+
 /// Two agents whose servers' sockets would share a name (a hash collision, made here
 /// by starting one agent's server at the other's path) never run each other: the
 /// server refuses a launch of another agent, naming what it runs, and nothing runs.
@@ -355,7 +382,8 @@ async fn failing_agents_end_alone(command: Vec<String>) {
 }
 
 /// The committed example agent (`examples/agents/calculator_agent.py`, the official
-/// `openai` client and its own calculator) runs unchanged through the proxy: every
+/// `openai` client and its own calculator) runs unchanged through the proxy, started
+/// directly and through the fork server (which preloads and warms `openai`): every
 /// turn of its tool loop is recorded (the syntax here reads each response as a call,
 /// so it takes all its turns). Skipped without `openai`, except under CI.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -369,27 +397,33 @@ async fn the_example_agent_runs_unchanged_through_the_proxy() {
         return eprintln!("skipped: no python3 with the openai package");
     }
     let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/agents/calculator_agent.py");
-    let config = AgentConfig {
-        command: vec!["python3".into(), example.display().to_string()],
-        reward: AgentReward::Stage,
-        env: [
-            ("AGENT_MAX_TURNS".to_owned(), "3".to_owned()),
-            ("AGENT_MAX_TOKENS".to_owned(), "6".to_owned()),
-        ]
-        .into(),
-        ..config(60.0, &[])
-    };
-    let chat = Chat { template: None, tools: Some(std::sync::Arc::new(EverythingCalls)) };
-    let engine = long_context_agents(config, chat);
-    let groups = run(&engine, vec![prompt(4, "3*4=")], 2).await;
-    let group = &groups["3*4="];
-    group.validate().unwrap();
-    let mut turns = 0;
-    for c in &group.completions {
-        let trace = c.episode.as_ref().unwrap();
-        assert_eq!(trace.failure, None);
-        assert_eq!(trace.reward, None, "the reward stage scores it");
-        turns += trace.turns;
+    let example = example.display().to_string();
+    let launcher = launcher().display().to_string();
+    let direct = vec!["python3".to_owned(), example.clone()];
+    let forked = ["python3", "-S", &launcher, "--idle-s", "20", &example].map(String::from).to_vec();
+    for command in [direct, forked] {
+        let config = AgentConfig {
+            command: command.clone(),
+            reward: AgentReward::Stage,
+            env: [
+                ("AGENT_MAX_TURNS".to_owned(), "3".to_owned()),
+                ("AGENT_MAX_TOKENS".to_owned(), "6".to_owned()),
+            ]
+            .into(),
+            ..config(60.0, &[])
+        };
+        let chat = Chat { template: None, tools: Some(std::sync::Arc::new(EverythingCalls)) };
+        let engine = long_context_agents(config, chat);
+        let groups = run(&engine, vec![prompt(4, "3*4=")], 2).await;
+        let group = &groups["3*4="];
+        group.validate().unwrap();
+        let mut turns = 0;
+        for c in &group.completions {
+            let trace = c.episode.as_ref().unwrap();
+            assert_eq!(trace.failure, None, "{command:?}");
+            assert_eq!(trace.reward, None, "the reward stage scores it");
+            turns += trace.turns;
+        }
+        assert_eq!(turns, 2 * 3, "every call of both episodes is in a trajectory: {command:?}");
     }
-    assert_eq!(turns, 2 * 3, "every call of both episodes is in a trajectory");
 }
