@@ -230,16 +230,8 @@ if wanted overlap; then
     overlap sync
     overlap periodic
 fi
-wanted qwen0.5 && train qwen2.5-0.5b 8x1024 0
-wanted qwen1.5 && train qwen2.5-1.5b 8x1024 0
-# Then what an earlier call measured before: f32 generation, and the kernels under initcheck.
-wanted f32 && generate f32 64,256
-if wanted initcheck && [ -n "$san" ] && [ -n "$model_it" ]; then
-    (cd "$build_root/$model_it" && step "compute-sanitizer initcheck" 90 "$san" --tool initcheck --error-exitcode 9 \
-        "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer-initcheck.log" 2>&1
-    grep -E 'ERROR SUMMARY|^test result|exit' "$bin/sanitizer-initcheck.log" | tee "$out/initcheck.txt"
-fi
-# On request only: where a SmolLM2 8x512 bf16 training step spends its GPU time, per
+# On request only (and then before the larger shapes, which a short call may not
+# reach): where a SmolLM2 8x512 bf16 training step spends its GPU time, per
 # kernel (Nsight Compute's duration of every launch of one step, summed by name), and
 # the step's wall time beside it: GPU time well below the wall time means the host's
 # launches, not the kernels, set the pace.
@@ -251,6 +243,15 @@ if wanted profile && [ -n "$ncu_bin" ]; then
     echo "${prof[*]}" >"$out/profile.cmd"
     step "profile" 120 "${prof[@]}" >"$out/profile.csv" 2>"$bin/profile.err"
     tail -n 5 "$bin/profile.err"
+fi
+wanted qwen0.5 && train qwen2.5-0.5b 8x1024 0
+wanted qwen1.5 && train qwen2.5-1.5b 8x1024 0
+# Then what an earlier call measured before: f32 generation, and the kernels under initcheck.
+wanted f32 && generate f32 64,256
+if wanted initcheck && [ -n "$san" ] && [ -n "$model_it" ]; then
+    (cd "$build_root/$model_it" && step "compute-sanitizer initcheck" 90 "$san" --tool initcheck --error-exitcode 9 \
+        "$bin/bin/metronome-model-it" cuda_kernel) >"$bin/sanitizer-initcheck.log" 2>&1
+    grep -E 'ERROR SUMMARY|^test result|exit' "$bin/sanitizer-initcheck.log" | tee "$out/initcheck.txt"
 fi
 echo "figures: $report/gpu.json, raw: $report/bench.tar"
 [ ${#failed[@]} -eq 0 ]

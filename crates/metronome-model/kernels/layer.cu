@@ -1,5 +1,6 @@
 // The element-wise training ops of a decoder layer as one kernel each way, f32 and
-// bf16 (T): RMSNorm, SwiGLU and rotary embeddings, forward and backward. Their references are the
+// bf16 (T): RMSNorm, SwiGLU, rotary embeddings, the masked softmax, and the chunked
+// head's per-row work, forward and backward. Their references are the
 // portable forms (src/portable.rs): the same formulas, with the statistics and every
 // product a gradient needs computed in f32 whatever T is, as the portable forms do.
 //
@@ -23,6 +24,17 @@
 //             gets NaN
 //   backward  ds = T(p (g - sum(g p))), from the forward's p as saved (in T)
 // The composed form allocates and walks six [rows, lk] f32 buffers each way.
+// The chunked head's per-row work (src/head.rs), on the logits z of a chunk, in f32
+// whatever T is, at x = z / T (inv_t = 1 / T):
+//   stats     one block of NORM_THREADS per row of vocab values: m = max x,
+//             s = sum exp(x - m), u = sum exp(x - m) (x - m); lse = m + log s,
+//             entropy = log s - u / s, target log-prob = x[target] - lse, as [rows, 3]
+//             f32 (target log-prob, entropy, lse); two passes over the row
+//   columns   one thread per element of a block of cols vocabulary columns from
+//             `first`, with aux = [rows, 5] f32 (the stats, then the gradients g_l, g_e
+//             of the target log-prob and the entropy): log p = x - lse,
+//             dz = T([first + j = target] g_l - p (g_l + g_e (log p + entropy))) inv_t
+// The composed forms walk about a dozen [rows, vocab] f32 buffers each.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -180,6 +192,43 @@ __device__ void masked_softmax_bwd(const T *p, const T *g, T *ds, uint32_t lk) {
     }
 }
 
+template <typename T>
+__device__ void logprob_stats(const T *z, const uint32_t *target, float *stats, uint32_t vocab, float inv_t) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const T *zr = z + row * vocab;
+    float mx = -INFINITY;
+    for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) mx = fmaxf(mx, to_f(zr[i]) * inv_t);
+    mx = block_max(mx, shared);
+    float s = 0.0f, u = 0.0f;
+    for (uint32_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float x = to_f(zr[i]) * inv_t - mx, e = expf(x);
+        s += e;
+        if (e > 0.0f) u += e * x;  // exp(-inf) (-inf) would be NaN
+    }
+    s = block_sum(s, shared);
+    u = block_sum(u, shared);
+    if (threadIdx.x == 0) {
+        const float log_s = logf(s), lse = mx + log_s;
+        stats[row * 3] = to_f(zr[target[row]]) * inv_t - lse;
+        stats[row * 3 + 1] = log_s - u / s;
+        stats[row * 3 + 2] = lse;
+    }
+}
+
+template <typename T>
+__device__ void logprob_columns_grad(const T *z, const float *aux, const uint32_t *target, T *dz, uint32_t cols,
+                                     uint32_t first, float inv_t, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t row = i / cols;
+        const uint32_t j = (uint32_t)(i % cols);
+        const float *a = aux + row * 5;
+        const float logp = to_f(z[i]) * inv_t - a[2], g_l = a[3];
+        const float hot = first + j == target[row] ? g_l : 0.0f;
+        dz[i] = from_f<T>((hot - expf(logp) * (g_l + a[4] * (logp + a[1]))) * inv_t);
+    }
+}
+
 #define NORM_KERNELS(SUFFIX, T)                                                                         \
     extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T *x, const T *w, T *y, uint32_t d, float eps) { \
         rms_norm_fwd<T>(x, w, y, d, eps);                                                               \
@@ -204,6 +253,15 @@ __device__ void masked_softmax_bwd(const T *p, const T *g, T *ds, uint32_t lk) {
     }                                                                                                   \
     extern "C" __global__ void masked_softmax_bwd_##SUFFIX(const T *p, const T *g, T *ds, uint32_t lk) { \
         masked_softmax_bwd<T>(p, g, ds, lk);                                                            \
+    }                                                                                                   \
+    extern "C" __global__ void logprob_stats_##SUFFIX(const T *z, const uint32_t *target, float *stats,   \
+                                                      uint32_t vocab, float inv_t) {                    \
+        logprob_stats<T>(z, target, stats, vocab, inv_t);                                               \
+    }                                                                                                   \
+    extern "C" __global__ void logprob_columns_grad_##SUFFIX(const T *z, const float *aux, const uint32_t *target, \
+                                                             T *dz, uint32_t cols, uint32_t first, float inv_t, \
+                                                             size_t n) {                                \
+        logprob_columns_grad<T>(z, aux, target, dz, cols, first, inv_t, n);                             \
     }
 
 NORM_KERNELS(f32, float)

@@ -662,6 +662,147 @@ impl candle_core::CustomOp3 for Rope {
     }
 }
 
+/// The chunked head's forward for a chunk of rows, one kernel: per row of
+/// `logits / T: [n, vocab]` (f32 or bf16, `column: [n, 1]` u32 its targets) the
+/// target's log-prob, the entropy and the log-sum-exp as `[n, 3]` f32, computed in f32:
+/// [`crate::Kernels::logprob_stats`] under [`crate::Kernels::Cuda`]. No graph (the head
+/// attaches its own backward).
+pub(crate) fn logprob_stats(logits: &Tensor, column: &Tensor, inv_temperature: f32) -> Result<Tensor> {
+    Ok(logits.contiguous()?.apply_op2_no_bwd(&column.contiguous()?, &LogprobStats { inv_temperature })?)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LogprobStats {
+    inv_temperature: f32,
+}
+
+/// The rows and vocabulary of `logits: [n, vocab]` with `column: [n, 1]` u32.
+fn head_dims(op: &str, logits: &Layout, column: &Layout) -> candle_core::Result<(usize, usize)> {
+    match (logits.dims(), column.dims()) {
+        (&[n, vocab], &[m, 1]) if n == m && vocab > 0 && u32::try_from(vocab).is_ok() => Ok((n, vocab)),
+        (z, c) => candle_core::bail!("{op}: logits {z:?} with targets {c:?}"),
+    }
+}
+
+impl candle_core::CustomOp2 for LogprobStats {
+    fn name(&self) -> &'static str {
+        "cuda-logprob-stats"
+    }
+
+    cpu_fwd_refused!(2);
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        let (n, vocab) = head_dims(self.name(), l1, l2)?;
+        let dev = s1.device();
+        let func = layer_func!(dev, "logprob_stats", s1.dtype());
+        let target = view::<u32>(s2, l2, self.name())?;
+        let vocab32 = vocab as u32;
+        // SAFETY: uninitialised, and every element is written by the kernel below.
+        let stats = unsafe { dev.alloc::<f32>(n * 3) }?;
+        macro_rules! launch {
+            ($t:ty) => {{
+                let z = view::<$t>(s1, l1, self.name())?;
+                let mut b = func.builder();
+                b.arg(&z).arg(&target).arg(&stats).arg(&vocab32).arg(&self.inv_temperature);
+                // SAFETY: `logprob_stats_*(z, target, stats, vocab, inv_t)` over `n` blocks:
+                // `z` holds `n * vocab` elements, `target` `n` (each below `vocab`: the head
+                // checks its targets), `stats` `n * 3`.
+                if n > 0 {
+                    unsafe { b.launch(per_row(n)) }.w()?;
+                }
+            }};
+        }
+        match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        }
+        Ok((CudaStorage::wrap_cuda_slice(stats, dev.clone()), Shape::from((n, 3))))
+    }
+}
+
+/// The chunked head's backward for a block of vocabulary columns, one kernel: the
+/// `[n, cols]` gradient of the block's logits `z` (columns `first..`, f32 or bf16), in
+/// `z`'s type, from the rows' `[n, 3]` statistics and `[n, 2]` gradient:
+/// [`crate::Kernels::logprob_columns_grad`] under [`crate::Kernels::Cuda`].
+pub(crate) fn logprob_columns_grad(
+    z: &Tensor,
+    stats: &Tensor,
+    column: &Tensor,
+    first: usize,
+    g: &Tensor,
+    inv_temperature: f32,
+) -> Result<Tensor> {
+    let first =
+        u32::try_from(first).map_err(|_| Error::invalid("log-prob head", "a vocabulary beyond u32"))?;
+    let aux = Tensor::cat(&[stats.to_dtype(DType::F32)?, g.to_dtype(DType::F32)?], 1)?;
+    let op = LogprobColumnsGrad { first, inv_temperature };
+    Ok(z.contiguous()?.apply_op3_no_bwd(&aux, &column.contiguous()?, &op)?)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LogprobColumnsGrad {
+    first: u32,
+    inv_temperature: f32,
+}
+
+impl candle_core::CustomOp3 for LogprobColumnsGrad {
+    fn name(&self) -> &'static str {
+        "cuda-logprob-columns-grad"
+    }
+
+    cpu_fwd_refused!(3);
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CudaFwd {
+        let (n, cols) = head_dims(self.name(), l1, l3)?;
+        if l2.dims() != [n, 5] {
+            candle_core::bail!("{}: row statistics {:?} for {n} rows", self.name(), l2.dims())
+        }
+        let dev = s1.device();
+        let func = layer_func!(dev, "logprob_columns_grad", s1.dtype());
+        let aux = view::<f32>(s2, l2, self.name())?;
+        let target = view::<u32>(s3, l3, self.name())?;
+        let (count, cols32) = (n * cols, cols as u32);
+        macro_rules! launch {
+            ($t:ty) => {{
+                let z = view::<$t>(s1, l1, self.name())?;
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let dz = unsafe { dev.alloc::<$t>(count) }?;
+                let mut b = func.builder();
+                b.arg(&z)
+                    .arg(&aux)
+                    .arg(&target)
+                    .arg(&dz)
+                    .arg(&cols32)
+                    .arg(&self.first)
+                    .arg(&self.inv_temperature)
+                    .arg(&count);
+                // SAFETY: `logprob_columns_grad_*(z, aux, target, dz, cols, first, inv_t, n)`:
+                // `z` and `dz` hold `count = rows * cols` elements, `aux` `rows * 5`, `target`
+                // `rows`; the kernel's grid-stride loop stops at `count`.
+                if count > 0 {
+                    unsafe { b.launch(elementwise(count)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(dz, dev.clone())
+            }};
+        }
+        let dz = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((dz, l1.shape().clone()))
+    }
+}
+
 /// `kernels/decode.cu`: the cached forward's cache writes and attention, read in place.
 const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 /// Threads per block of the attention kernel: one warp per (row, query head).

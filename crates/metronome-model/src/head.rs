@@ -25,9 +25,10 @@
 //!   (accumulated in f32, `[targets, hidden]`: small).
 //!
 //! Both loops run candle ops only, so they run on every device; what a chunk computes
-//! per row goes through the [`Kernels`] seam (fused CPU kernels, or composed ops on
-//! other devices), where a GPU kernel of its own can be added. [`crate::recompute`]
-//! attaches the result to the hidden states and the weight.
+//! per row goes through the [`Kernels`] seam: fused CPU kernels, one CUDA kernel each
+//! way under `Kernels::Cuda` (`kernels/layer.cu`: about a dozen `[rows, vocab]` f32
+//! passes of the composed form become one read of the logits), composed ops otherwise.
+//! [`crate::recompute`] attaches the result to the hidden states and the weight.
 
 use std::sync::Arc;
 

@@ -310,7 +310,9 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::target_stats(logits, targets, inv_temperature),
-            Self::Portable | Self::Cuda => {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::logprob_stats(logits, column, inv_temperature),
+            _ => {
                 let (logp, lse) = portable_log_softmax(logits, inv_temperature)?;
                 let picked = logp.gather(&column.contiguous()?, 1)?;
                 let entropy = (logp.exp()? * &logp)?.sum_keepdim(D::Minus1)?.neg()?;
@@ -322,7 +324,9 @@ impl Kernels {
     /// The chunked head's backward for a block of vocabulary columns: from the block's
     /// logits `z: [n, cols]` (columns `first..first + cols`, any float type), the rows'
     /// statistics `[n, 3]` of [`Kernels::logprob_stats`] and the `[n, 2]` gradient of
-    /// (log-prob, entropy), the `[n, cols]` f32 gradient of the block's logits.
+    /// (log-prob, entropy), the `[n, cols]` gradient of the block's logits: in f32, or
+    /// in `z`'s type from the CUDA kernel (the caller casts it to the hidden states' type,
+    /// which `z` has).
     /// `targets` and `column` as in [`Kernels::logprob_stats`], for every row.
     #[allow(clippy::too_many_arguments, reason = "the row statistics, targets and gradient of one block")]
     pub(crate) fn logprob_columns_grad(
@@ -337,7 +341,9 @@ impl Kernels {
     ) -> Result<Tensor> {
         match self {
             Self::Fused => ops::target_columns_grad(z, stats, targets, first, g, inv_temperature),
-            Self::Portable | Self::Cuda => {
+            #[cfg(feature = "cuda")]
+            Self::Cuda => crate::cuda::logprob_columns_grad(z, stats, column, first, g, inv_temperature),
+            _ => {
                 // d/dz_j of g_l·log p_t + g_e·H, with log p_j = z_j / T − lse:
                 // ([j = t]·g_l − p_j·(g_l + g_e·(log p_j + H))) / T.
                 let (n, cols) = z.dims2()?;

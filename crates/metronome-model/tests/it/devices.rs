@@ -272,6 +272,50 @@ fn cuda_kernel_masked_softmax_over_long_segments_matches_the_portable_form() {
     }
 }
 
+/// The chunked head's kernels (`logprob_stats`, `logprob_columns_grad` in
+/// `kernels/layer.cu`) against the portable forms, through a model of 3,001 tokens
+/// (more than a block's threads per row, not a multiple of them) whose head runs
+/// several chunks of rows and blocks of columns: in f32 the training step's values and
+/// gradients within 1e-5 and 1e-4 (the portable step's own bound against the fused CPU
+/// one), and values at temperature 0.7; in bf16 the loose bound of the other bf16
+/// kernel tests, which catches a wrong row, column or target, not rounding.
+#[test]
+fn cuda_kernel_head_chunk_matches_the_portable_form() {
+    use crate::common::{logprobs_and_gradients_on, shared_prompt_row};
+    let Some(gpu) = cuda() else { return };
+    let cfg = ModelConfig { vocab_size: 3001, ..ModelConfig::tiny() };
+    let model = Model::new(cfg, &gpu, 9).unwrap().with_chunked_head(Some(3001 * 5));
+    let (row, targets) = shared_prompt_row(
+        &tokens(61, 9, 3001),
+        &[tokens(62, 12, 3001), tokens(63, 7, 3001), tokens(64, 3, 3001)],
+    );
+    for (precision, model, tol) in [
+        ("f32", model.clone(), (1e-5, 1e-4)),
+        ("bf16", model.compute_copy(metronome_model::DType::BF16).unwrap(), (5e-2, 1e-1)),
+    ] {
+        assert_eq!(model.kernels(), Kernels::Cuda);
+        let reference = portable(model.clone());
+        let on =
+            |m: &Model| logprobs_and_gradients_on(m, m.parameters(), std::slice::from_ref(&row), &targets);
+        let ((lp, h, g), (lp0, h0, g0)) = (on(&model), on(&reference));
+        close(&format!("{precision} log-probs"), &lp, &lp0, tol.0);
+        close(&format!("{precision} entropies"), &h, &h0, tol.0);
+        for ((name, a), (_, b)) in g.iter().zip(&g0) {
+            close(&format!("{precision} {name}"), a, b, tol.1);
+        }
+        let at = |m: &Model| {
+            let out = m.score(&m.prepare_batch(std::slice::from_ref(&row), &targets).unwrap(), 0.7).unwrap();
+            let v = |t: &metronome_model::Tensor| {
+                t.to_dtype(metronome_model::DType::F32).unwrap().to_vec1::<f32>().unwrap()
+            };
+            (v(&out.logprobs), v(&out.entropy))
+        };
+        let ((lp, h), (lp0, h0)) = (at(&model), at(&reference));
+        close(&format!("{precision} log-probs at T 0.7"), &lp, &lp0, tol.0);
+        close(&format!("{precision} entropies at T 0.7"), &h, &h0, tol.0);
+    }
+}
+
 /// The draw kernel (`kernels/draw.cu`) against its host reference on the same logits,
 /// f32 and bf16, at vocabulary sizes from the tiny model's to Qwen2's (one run or many
 /// per thread of its block), with the edge rows of `draw_logits`; then through a
