@@ -2,6 +2,7 @@
 //! (fixtures written once by `fixtures/make_fixtures.py`), gradients, KV-cache decoding
 //! and batch invariance, packed shared-prompt rows, checkpoints and tokenizers.
 
+mod backprop;
 mod checkpoint;
 mod common;
 mod decode;
