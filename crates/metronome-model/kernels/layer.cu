@@ -1,6 +1,6 @@
 // The element-wise training ops of a decoder layer as one kernel each way, f32 and
-// bf16 (T): RMSNorm, SwiGLU, rotary embeddings, the masked softmax, and the chunked
-// head's per-row work, forward and backward. Their references are the
+// bf16 (T): RMSNorm, SwiGLU, rotary embeddings, the masked softmax, the chunked head's
+// per-row work, and gathering rows, forward and backward. Their references are the
 // portable forms (src/portable.rs): the same formulas, with the statistics and every
 // product a gradient needs computed in f32 whatever T is, as the portable forms do.
 //
@@ -35,6 +35,12 @@
 //             of the target log-prob and the entropy): log p = x - lse,
 //             dz = T([first + j = target] g_l - p (g_l + g_e (log p + entropy))) inv_t
 // The composed forms walk about a dozen [rows, vocab] f32 buffers each.
+// Gathering rows of a table [rows, d] by ids [n] (the embedding, the targets' hidden
+// states), one block of NORM_THREADS per output row forward; backward one block per
+// row read, from the index's inverse inv = [rows read (m), offsets (m + 1), sources
+// (n)]: out[row] = T(sum of g[source] over its sources, in f32, in their order) into a
+// zeroed [rows, d]. candle's index-add runs one thread per column walking all n ids,
+// adding in T.
 
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -229,6 +235,25 @@ __device__ void logprob_columns_grad(const T *z, const float *aux, const uint32_
     }
 }
 
+template <typename T>
+__device__ void gather_rows_fwd(const T *table, const uint32_t *ids, T *out, uint32_t d) {
+    const size_t r = blockIdx.x;
+    const T *src = table + (size_t)ids[r] * d;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) out[r * d + c] = src[c];
+}
+
+template <typename T>
+__device__ void gather_rows_bwd(const T *g, const uint32_t *inv, T *out, uint32_t m, uint32_t d) {
+    const uint32_t b = blockIdx.x;
+    const uint32_t *offsets = inv + m, *sources = inv + 2 * (size_t)m + 1;
+    const size_t row = inv[b];
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        for (uint32_t k = offsets[b]; k < offsets[b + 1]; ++k) acc += to_f(g[(size_t)sources[k] * d + c]);
+        out[row * d + c] = from_f<T>(acc);
+    }
+}
+
 #define NORM_KERNELS(SUFFIX, T)                                                                         \
     extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T *x, const T *w, T *y, uint32_t d, float eps) { \
         rms_norm_fwd<T>(x, w, y, d, eps);                                                               \
@@ -262,6 +287,13 @@ __device__ void logprob_columns_grad(const T *z, const float *aux, const uint32_
                                                              T *dz, uint32_t cols, uint32_t first, float inv_t, \
                                                              size_t n) {                                \
         logprob_columns_grad<T>(z, aux, target, dz, cols, first, inv_t, n);                             \
+    }                                                                                                   \
+    extern "C" __global__ void gather_rows_fwd_##SUFFIX(const T *table, const uint32_t *ids, T *out, uint32_t d) { \
+        gather_rows_fwd<T>(table, ids, out, d);                                                         \
+    }                                                                                                   \
+    extern "C" __global__ void gather_rows_bwd_##SUFFIX(const T *g, const uint32_t *inv, T *out, uint32_t m, \
+                                                        uint32_t d) {                                   \
+        gather_rows_bwd<T>(g, inv, out, m, d);                                                          \
     }
 
 NORM_KERNELS(f32, float)

@@ -803,6 +803,120 @@ impl candle_core::CustomOp3 for LogprobColumnsGrad {
     }
 }
 
+/// The rows of `table: [rows, d]` that `ids: [n]` u32 names, one kernel each way:
+/// [`crate::Kernels::gather_rows`] under [`crate::Kernels::Cuda`]; `inverse` is the
+/// packed inverse of `ids` and the number of rows it reads (`ops::RowIndex`).
+pub(crate) fn gather_rows(table: &Tensor, ids: &Tensor, inverse: &(Tensor, usize)) -> Result<Tensor> {
+    let op = GatherRows { inverse: inverse.0.clone(), rows_read: inverse.1 };
+    Ok(table.contiguous()?.apply_op2(&ids.contiguous()?, op)?)
+}
+
+struct GatherRows {
+    inverse: Tensor,
+    rows_read: usize,
+}
+
+impl candle_core::CustomOp2 for GatherRows {
+    fn name(&self) -> &'static str {
+        "cuda-gather-rows"
+    }
+
+    cpu_fwd_refused!(2);
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        let ((_, d), n) = (l1.shape().dims2()?, l2.shape().dims1()?);
+        let dev = s1.device();
+        let func = layer_func!(dev, "gather_rows_fwd", s1.dtype());
+        let ids = view::<u32>(s2, l2, self.name())?;
+        let d32 =
+            u32::try_from(d).map_err(|_| candle_core::Error::msg("cuda-gather-rows: rows beyond u32"))?;
+        macro_rules! launch {
+            ($t:ty) => {{
+                let table = view::<$t>(s1, l1, self.name())?;
+                // SAFETY: uninitialised, and every element is written by the kernel below.
+                let out = unsafe { dev.alloc::<$t>(n * d) }?;
+                let mut b = func.builder();
+                b.arg(&table).arg(&ids).arg(&out).arg(&d32);
+                // SAFETY: `gather_rows_fwd_*(table, ids, out, d)` over `n` blocks: `ids` holds
+                // `n` ids, each below `rows` (the model checks tokens against its vocabulary and
+                // targets against their rows), `table` `rows * d` elements, `out` `n * d`.
+                if n > 0 && d > 0 {
+                    unsafe { b.launch(per_row(n)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((out, Shape::from((n, d))))
+    }
+
+    fn bwd(
+        &self,
+        table: &Tensor,
+        _ids: &Tensor,
+        _out: &Tensor,
+        g: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = GatherRowsGrad { rows: table.dim(0)?, rows_read: self.rows_read };
+        let g = g.to_dtype(table.dtype())?.contiguous()?;
+        Ok((Some(g.apply_op2_no_bwd(&self.inverse, &op)?), None))
+    }
+}
+
+/// The backward of [`GatherRows`]: the table's `[rows, d]` gradient from the outputs'
+/// `[n, d]` and the packed inverse of the ids.
+#[derive(Debug, Clone, Copy)]
+struct GatherRowsGrad {
+    rows: usize,
+    rows_read: usize,
+}
+
+impl candle_core::CustomOp2 for GatherRowsGrad {
+    fn name(&self) -> &'static str {
+        "cuda-gather-rows-grad"
+    }
+
+    cpu_fwd_refused!(2);
+
+    #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> CudaFwd {
+        let ((n, d), packed) = (l1.shape().dims2()?, l2.shape().dims1()?);
+        let m = self.rows_read;
+        if packed != 2 * m + 1 + n || m > self.rows {
+            candle_core::bail!("{}: an inverse of {packed} for {n} outputs of {m} rows", self.name())
+        }
+        let dev = s1.device();
+        let func = layer_func!(dev, "gather_rows_bwd", s1.dtype());
+        let inverse = view::<u32>(s2, l2, self.name())?;
+        let (m32, d32) = (m as u32, d as u32);
+        macro_rules! launch {
+            ($t:ty) => {{
+                let g = view::<$t>(s1, l1, self.name())?;
+                // Rows no output read keep a zero gradient.
+                let out = dev.alloc_zeros::<$t>(self.rows * d)?;
+                let mut b = func.builder();
+                b.arg(&g).arg(&inverse).arg(&out).arg(&m32).arg(&d32);
+                // SAFETY: `gather_rows_bwd_*(g, inv, out, m, d)` over `m` blocks: `g` holds `n * d`
+                // elements, `inv` the `m` rows read (each below `rows`, as the forward's ids),
+                // `m + 1` offsets into the `n` sources (each below `n`), `out` `rows * d`.
+                if m > 0 && d > 0 {
+                    unsafe { b.launch(per_row(m)) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = match s1.dtype() {
+            DType::F32 => launch!(f32),
+            _ => launch!(half::bf16),
+        };
+        Ok((out, Shape::from((self.rows, d))))
+    }
+}
+
 /// `kernels/decode.cu`: the cached forward's cache writes and attention, read in place.
 const DECODE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 /// Threads per block of the attention kernel: one warp per (row, query head).

@@ -8,7 +8,7 @@ use metronome_core::{PackedRow, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{
-    DenseWeight, Projection, RopeTables, RowMasks, SegmentPlan, linear, rope_tables, segment_plans,
+    DenseWeight, Projection, RopeTables, RowIndex, RowMasks, SegmentPlan, linear, rope_tables, segment_plans,
 };
 use crate::recompute::{Links, attach};
 use crate::{Error, Kernels, Result, head};
@@ -161,12 +161,12 @@ pub struct ScoringBatch {
     device: Device,
     /// Positions of the rows, without the padding of rows attended whole.
     positions: usize,
-    /// Token ids of the concatenated rows, `[positions]` u32.
-    ids: Tensor,
+    /// Token ids of the concatenated rows, `[positions]`.
+    ids: RowIndex,
     /// What every decoder layer reads of the layout.
     layout: LayerLayout,
-    /// Each target's predicting position in the concatenated rows, `[targets]` u32.
-    index: Tensor,
+    /// Each target's predicting position in the concatenated rows, `[targets]`.
+    index: RowIndex,
     targets: Vec<u32>,
 }
 
@@ -655,7 +655,6 @@ impl Model {
                 plans.push((row.len(), segment_plans(row, dev)?));
             }
         }
-        let positions_total = tokens.len();
         let mut index = Vec::with_capacity(n);
         for i in 0..n {
             let (row, pos) = (targets.row[i] as usize, targets.position[i]);
@@ -677,13 +676,13 @@ impl Model {
             shape: BatchShape::of(cfg),
             device: dev.clone(),
             positions: real_positions,
-            ids: Tensor::from_vec(tokens, positions_total, dev)?,
+            ids: RowIndex::new(tokens, dev)?,
             layout: LayerLayout {
                 rope: rope_tables(&positions, cfg.head_dim, cfg.rope_theta),
                 plans: Arc::new(plans),
                 batched: if whole { Some(RowMasks::new(rows, longest, dev)?) } else { None },
             },
-            index: Tensor::from_vec(index, n, dev)?,
+            index: RowIndex::new(index, dev)?,
             targets: targets.token.clone(),
         })
     }
@@ -693,7 +692,7 @@ impl Model {
     /// is set; adapters whenever this handle is trainable.
     fn hidden_states(&self, batch: &ScoringBatch, grad: bool) -> Result<Tensor> {
         let m = &self.inner;
-        let mut x = Self::w(&m.embed, grad).index_select(&batch.ids, 0)?;
+        let mut x = self.kernels.gather_rows(&Self::w(&m.embed, grad), &batch.ids)?;
         // Checkpointing only matters where a layer records a graph: through its base
         // weights, or through its adapters.
         let checkpoint = self.checkpoint_layers && (grad || (self.trainable && self.lora.is_some()));
@@ -871,7 +870,7 @@ impl Model {
         }
         let grad = self.base_grad();
         let hidden = self.hidden_states(batch, grad)?;
-        let picked = hidden.index_select(&batch.index, 0)?;
+        let picked = self.kernels.gather_rows(&hidden, &batch.index)?;
         let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
         let both = match self.head_chunk {
             Some(elements) => head::linear_logprobs(

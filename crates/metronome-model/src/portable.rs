@@ -89,6 +89,18 @@ impl Kernels {
         Ok(())
     }
 
+    /// The rows of `table: [rows, d]` that `index` names, `[n, d]`, differentiable in
+    /// the table: candle's `index_select`, whose backward is its index-add, or on CUDA
+    /// one kernel each way, the backward summing each row's gradients in f32 in a fixed
+    /// order from the index's inverse.
+    pub(crate) fn gather_rows(self, table: &Tensor, index: &ops::RowIndex) -> Result<Tensor> {
+        match (self, &index.inverse) {
+            #[cfg(feature = "cuda")]
+            (Self::Cuda, Some(inverse)) => crate::cuda::gather_rows(table, &index.ids, inverse),
+            _ => Ok(table.index_select(&index.ids, 0)?),
+        }
+    }
+
     /// RMSNorm over the last dimension: `w * x / sqrt(mean(x²) + eps)`.
     pub(crate) fn rms_norm(self, x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         match self {

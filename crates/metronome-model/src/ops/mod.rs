@@ -26,7 +26,7 @@ pub(crate) use linear::{frozen_linear, linear};
 #[cfg(test)]
 pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
-    RowMasks, SegmentPlan, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
+    RowIndex, RowMasks, SegmentPlan, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
     target_columns_grad, target_logprobs_entropy, target_stats,
 };
 
