@@ -46,6 +46,10 @@ pub fn binary() -> io::Result<PathBuf> {
     })
 }
 
+/// How many ports [`NatsServer::start`] tries when another process takes the one it
+/// chose first.
+pub const PORT_ATTEMPTS: u32 = 5;
+
 /// A loopback port that was free a moment ago.
 pub fn free_port() -> io::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -55,12 +59,29 @@ impl NatsServer {
     /// Starts a server with JetStream on a free loopback port, storing into a fresh
     /// temporary directory, with `extra` arguments (e.g. `--user`, `--pass`); returns
     /// once the server reports that it is ready.
+    ///
+    /// The port is free when chosen, but another test may bind it before the server
+    /// does (CI failed once so: "bind: address already in use"); the server is then
+    /// started again on another port, up to [`PORT_ATTEMPTS`] times.
     pub fn start(extra: &[&str]) -> io::Result<Self> {
+        Self::start_on(extra, free_port)
+    }
+
+    /// [`NatsServer::start`] on the ports `next_port` gives.
+    fn start_on(extra: &[&str], mut next_port: impl FnMut() -> io::Result<u16>) -> io::Result<Self> {
         let dir = tempfile::tempdir()?;
-        let port = free_port()?;
         let extra: Vec<String> = extra.iter().map(|s| (*s).to_owned()).collect();
-        let child = spawn(port, &dir, &extra)?;
-        Ok(Self { child: Some(child), port, extra, dir })
+        let mut attempt = 1;
+        loop {
+            let port = next_port()?;
+            match spawn(port, &dir, &extra) {
+                Ok(child) => return Ok(Self { child: Some(child), port, extra, dir }),
+                Err(e) if attempt < PORT_ATTEMPTS && e.to_string().contains("address already in use") => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// The client URL.
@@ -140,4 +161,29 @@ fn spawn(port: u16, dir: &tempfile::TempDir, extra: &[String]) -> io::Result<Chi
     let _ = child.kill();
     let _ = child.wait();
     Err(io::Error::other(failed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port taken between its choice and the server's bind is replaced by another;
+    /// one taken on every attempt is an error that says so.
+    #[test]
+    fn a_port_taken_before_the_server_binds_it_is_replaced() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken_port = taken.local_addr().unwrap().port();
+        let mut first = true;
+        let server =
+            NatsServer::start_on(
+                &[],
+                || {
+                    if std::mem::take(&mut first) { Ok(taken_port) } else { free_port() }
+                },
+            )
+            .expect("the second port is free");
+        assert_ne!(server.port, taken_port);
+        let e = NatsServer::start_on(&[], || Ok(taken_port)).err().expect("every attempt collides");
+        assert!(e.to_string().contains("address already in use"), "{e}");
+    }
 }
