@@ -183,7 +183,7 @@ mod tests {
             )
             .expect("the second port is free");
         assert_ne!(server.port, taken_port);
-        let e = NatsServer::start_on(&[], || Ok(taken_port)).err().expect("every attempt collides");
+        let Err(e) = NatsServer::start_on(&[], || Ok(taken_port)) else { panic!("every attempt collides") };
         assert!(e.to_string().contains("address already in use"), "{e}");
     }
 }
