@@ -248,7 +248,7 @@ fn cuda_kernels_match_the_portable_forms() {
 /// composed form keeps them in f32), which catches a wrong row or mask, not rounding.
 #[test]
 fn cuda_kernel_masked_softmax_over_long_segments_matches_the_portable_form() {
-    use crate::common::{logprobs_and_gradients_on, shared_prompt_row};
+    use crate::common::shared_prompt_row;
     let Some(gpu) = cuda() else { return };
     let model = Model::new(ModelConfig::tiny(), &gpu, 5).unwrap();
     let vocab = model.config().vocab_size;
@@ -256,20 +256,7 @@ fn cuda_kernel_masked_softmax_over_long_segments_matches_the_portable_form() {
         &tokens(21, 300, vocab),
         &[tokens(22, 400, vocab), tokens(23, 250, vocab), tokens(24, 5, vocab)],
     );
-    for (precision, model, tol) in [
-        ("f32", model.clone(), (1e-5, 1e-4)),
-        ("bf16", model.compute_copy(metronome_model::DType::BF16).unwrap(), (5e-2, 1e-1)),
-    ] {
-        let reference = portable(model.clone());
-        let on =
-            |m: &Model| logprobs_and_gradients_on(m, m.parameters(), std::slice::from_ref(&row), &targets);
-        let ((lp, h, g), (lp0, h0, g0)) = (on(&model), on(&reference));
-        close(&format!("{precision} log-probs"), &lp, &lp0, tol.0);
-        close(&format!("{precision} entropies"), &h, &h0, tol.0);
-        for ((name, a), (_, b)) in g.iter().zip(&g0) {
-            close(&format!("{precision} {name}"), a, b, tol.1);
-        }
-    }
+    kernel_step_matches_portable(&model, &row, &targets, |_, _, _, _| {});
 }
 
 /// The chunked head's kernels (`logprob_stats`, `logprob_columns_grad` in
@@ -281,7 +268,7 @@ fn cuda_kernel_masked_softmax_over_long_segments_matches_the_portable_form() {
 /// kernel tests, which catches a wrong row, column or target, not rounding.
 #[test]
 fn cuda_kernel_head_chunk_matches_the_portable_form() {
-    use crate::common::{logprobs_and_gradients_on, shared_prompt_row};
+    use crate::common::shared_prompt_row;
     let Some(gpu) = cuda() else { return };
     let cfg = ModelConfig { vocab_size: 3001, ..ModelConfig::tiny() };
     let model = Model::new(cfg, &gpu, 9).unwrap().with_chunked_head(Some(3001 * 5));
@@ -289,20 +276,7 @@ fn cuda_kernel_head_chunk_matches_the_portable_form() {
         &tokens(61, 9, 3001),
         &[tokens(62, 12, 3001), tokens(63, 7, 3001), tokens(64, 3, 3001)],
     );
-    for (precision, model, tol) in [
-        ("f32", model.clone(), (1e-5, 1e-4)),
-        ("bf16", model.compute_copy(metronome_model::DType::BF16).unwrap(), (5e-2, 1e-1)),
-    ] {
-        assert_eq!(model.kernels(), Kernels::Cuda);
-        let reference = portable(model.clone());
-        let on =
-            |m: &Model| logprobs_and_gradients_on(m, m.parameters(), std::slice::from_ref(&row), &targets);
-        let ((lp, h, g), (lp0, h0, g0)) = (on(&model), on(&reference));
-        close(&format!("{precision} log-probs"), &lp, &lp0, tol.0);
-        close(&format!("{precision} entropies"), &h, &h0, tol.0);
-        for ((name, a), (_, b)) in g.iter().zip(&g0) {
-            close(&format!("{precision} {name}"), a, b, tol.1);
-        }
+    kernel_step_matches_portable(&model, &row, &targets, |precision, model, reference, tol| {
         let at = |m: &Model| {
             let out = m.score(&m.prepare_batch(std::slice::from_ref(&row), &targets).unwrap(), 0.7).unwrap();
             let v = |t: &metronome_model::Tensor| {
@@ -310,9 +284,38 @@ fn cuda_kernel_head_chunk_matches_the_portable_form() {
             };
             (v(&out.logprobs), v(&out.entropy))
         };
-        let ((lp, h), (lp0, h0)) = (at(&model), at(&reference));
-        close(&format!("{precision} log-probs at T 0.7"), &lp, &lp0, tol.0);
-        close(&format!("{precision} entropies at T 0.7"), &h, &h0, tol.0);
+        let ((lp, h), (lp0, h0)) = (at(model), at(reference));
+        close(&format!("{precision} log-probs at T 0.7"), &lp, &lp0, tol);
+        close(&format!("{precision} entropies at T 0.7"), &h, &h0, tol);
+    });
+}
+
+/// `model`'s training step on `row` under its CUDA kernels against the portable forms'
+/// on the same weights: in f32 values within 1e-5 and gradients within 1e-4; in a bf16
+/// compute copy within 5e-2 and 1e-1, a loose bound that catches a wrong row, mask,
+/// column or target, not rounding. `also(precision, model, reference, value
+/// tolerance)` adds a test's own checks at each precision.
+fn kernel_step_matches_portable(
+    model: &Model,
+    row: &metronome_core::PackedRow,
+    targets: &Targets,
+    also: impl Fn(&str, &Model, &Model, f32),
+) {
+    use crate::common::logprobs_and_gradients_on;
+    for (precision, model, tol) in [
+        ("f32", model.clone(), (1e-5, 1e-4)),
+        ("bf16", model.compute_copy(metronome_model::DType::BF16).unwrap(), (5e-2, 1e-1)),
+    ] {
+        assert_eq!(model.kernels(), Kernels::Cuda);
+        let reference = portable(model.clone());
+        let on = |m: &Model| logprobs_and_gradients_on(m, m.parameters(), std::slice::from_ref(row), targets);
+        let ((lp, h, g), (lp0, h0, g0)) = (on(&model), on(&reference));
+        close(&format!("{precision} log-probs"), &lp, &lp0, tol.0);
+        close(&format!("{precision} entropies"), &h, &h0, tol.0);
+        for ((name, a), (_, b)) in g.iter().zip(&g0) {
+            close(&format!("{precision} {name}"), a, b, tol.1);
+        }
+        also(precision, &model, &reference, tol.0);
     }
 }
 

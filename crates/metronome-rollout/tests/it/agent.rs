@@ -172,18 +172,25 @@ fn the_fork_server_refuses_a_socket_directory_open_to_others() {
     let open = tmp.path().join(format!("metronome-forkserver-{}", uid.trim()));
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let out = std::process::Command::new("python3")
-        .arg("-S")
-        .arg(launcher())
-        .arg(script())
-        .env("TMPDIR", tmp.path())
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let out = launch_once(tmp.path(), &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains(&open.display().to_string()) && stderr.contains("alone"), "{stderr}");
     assert!(out.stdout.is_empty(), "no agent ran");
+}
+
+/// The test agent run once through the fork server's launcher with `options`, its
+/// sockets under `tmp`, no input.
+fn launch_once(tmp: &std::path::Path, options: &[&str]) -> std::process::Output {
+    std::process::Command::new("python3")
+        .arg("-S")
+        .arg(launcher())
+        .args(options)
+        .arg(script())
+        .env("TMPDIR", tmp)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
 }
 
 fn launcher() -> PathBuf {
@@ -282,15 +289,7 @@ fn a_fork_server_that_cannot_start_fails_the_launch_naming_why() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let started = std::time::Instant::now();
-    let out = std::process::Command::new("python3")
-        .arg("-S")
-        .arg(launcher())
-        .args(["--preload", "metronome_no_such_module"])
-        .arg(script())
-        .env("TMPDIR", tmp.path())
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
+    let out = launch_once(tmp.path(), &["--preload", "metronome_no_such_module"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("before listening") && stderr.contains("metronome_no_such_module"), "{stderr}");
