@@ -60,7 +60,8 @@ fi
 # `sync` for LEARN_COMPARE_PERIODS periods (default 3) on the same seed, their rewards
 # side by side; then `metronome export` of the learned run and
 # `examples/check_export.py` (transformers' greedy answers against Metronome's). Into
-# $OUT: learn-metrics.jsonl, learn-summary.txt, compare.txt, export-check.txt.
+# $OUT: learn-metrics.jsonl, learn.log, learn-plots/, learn-summary.txt, compare.txt,
+# export-check.txt.
 if [ "${1:-}" = "--learn" ]; then
     gguf=${2:?usage: run.sh --learn PATH_TO_SmolLM2-135M-Instruct.Q4_1.gguf}
     out=${OUT:-$bin}
@@ -75,8 +76,10 @@ if [ "${1:-}" = "--learn" ]; then
     learned=$(ls -d "$runs"/learn* 2>/dev/null | head -n 1)
     if [ -n "$learned" ]; then
         cp "$learned/metrics.jsonl" "$out/learn-metrics.jsonl" 2>/dev/null
+        mkdir -p "$out/learn-plots" && cp "$learned"/*.svg "$out/learn-plots/" 2>/dev/null
+        cp "$bin/learn.log" "$out/learn.log"
         grep -iE 'held-out|accuracy|period [0-9]+' "$bin/learn.log" | tail -n 60 >>"$out/learn-summary.txt"
-        # The final checkpoint, or the newest period's when the time limit cut the run.
+        # The final checkpoint, or the newest period's when LEARN_S killed the run.
         export=("$bin/bin/metronome" export "$learned" --out "$bin/hf" --questions 32)
         (cd "$build_root" && { timeout 120 "${export[@]}" || timeout 120 "${export[@]}" --checkpoint latest; } &&
             timeout 150 python3 crates/metronome-pipeline/examples/check_export.py "$bin/hf" --device cuda) \

@@ -41,8 +41,8 @@ pub fn load_model(config: &PipelineConfig, device: DeviceSpec) -> Result<(Model,
     })
 }
 
-/// The runner's options of a run: the schedule, periods, group size and dynamic
-/// sampling of `[run]`, the advantage estimator of `[trainer]`, partial rollouts of
+/// The runner's options of a run: the schedule, periods, time limit, group size and
+/// dynamic sampling of `[run]`, the advantage estimator of `[trainer]`, partial rollouts of
 /// `[rollout]`.
 impl From<&PipelineConfig> for RunnerOptions {
     fn from(config: &PipelineConfig) -> Self {
@@ -53,6 +53,8 @@ impl From<&PipelineConfig> for RunnerOptions {
             advantage: config.trainer.advantage,
             dynamic_sampling: config.run.dynamic_sampling.map(|d| d.groups),
             partial_rollouts: config.rollout.partial_rollouts,
+            time_limit: (config.run.time_limit_s > 0)
+                .then(|| std::time::Duration::from_secs(config.run.time_limit_s)),
         }
     }
 }

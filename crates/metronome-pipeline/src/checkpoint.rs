@@ -332,18 +332,18 @@ impl Checkpointer {
         Self { store: Checkpoints::new(policy.dir.clone()), policy, last: Instant::now() }
     }
 
-    /// Writes the checkpoint from which a run resumes at `next` (of `total`) when one
-    /// is due (by count, by time, or after the last); whether it did.
+    /// Writes the checkpoint from which a run resumes at `next` when one is due (by
+    /// count, by time, or after the `last` period or step); whether it did.
     pub(crate) async fn save_if_due(
         &mut self,
         trainer: &mut dyn Trainer,
         next: u64,
-        total: u64,
+        last: bool,
         cursor: Cursor,
     ) -> Result<bool> {
         let by_count = self.policy.every > 0 && next.is_multiple_of(self.policy.every);
         let by_time = !self.policy.interval.is_zero() && self.last.elapsed() >= self.policy.interval;
-        if !(by_count || by_time || next == total) {
+        if !(by_count || by_time || last) {
             return Ok(false);
         }
         self.store.save(trainer, RunState { next_period: next, cursor }).await?;

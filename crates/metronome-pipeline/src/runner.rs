@@ -135,6 +135,9 @@ pub struct RunnerOptions {
     /// previous period's slowest response, and responses still running continue
     /// under the newest weights (the engine's side of the setting).
     pub partial_rollouts: bool,
+    /// End after the first period that finishes once this much time has passed since
+    /// the periods started (`run.time_limit_s`); `None`: `periods` alone decides.
+    pub time_limit: Option<Duration>,
 }
 
 impl Default for RunnerOptions {
@@ -147,6 +150,7 @@ impl Default for RunnerOptions {
             advantage: AdvantageEstimator::default(),
             dynamic_sampling: None,
             partial_rollouts: false,
+            time_limit: None,
         }
     }
 }
@@ -161,6 +165,8 @@ pub struct PeriodEnd<'a> {
     /// Where the prompt source stands after this period's release: restored with
     /// the trainer's checkpoint of this moment, a run resumes with the next period.
     pub resume: Cursor,
+    /// Whether the run ends with this period: `periods` reached, or the time limit.
+    pub last: bool,
 }
 
 /// Called after every period, before its checkpoint; an error stops the run (a
@@ -436,8 +442,9 @@ impl Driver {
         let mut reports = Vec::new();
         let mut weights = Arc::new(self.trainer.snapshot().await?);
         let mut period = self.first;
+        let began = Instant::now();
         // A period starts when its weights go out.
-        let mut start = Instant::now();
+        let mut start = began;
         let mut publishing = publish(publisher.as_ref(), &weights, self.clock, period);
         let mut released =
             if period.0 < self.options.periods { release.release(period, &weights).await? } else { None };
@@ -457,14 +464,17 @@ impl Driver {
                 loss = report.step.loss,
                 "period done"
             );
-            if let Some(hook) = hook.as_mut() {
-                hook(&PeriodEnd { report: &report, weights: &weights, resume })?;
-            }
             let next = PeriodId(period.0 + 1);
+            let out_of_time = self.options.time_limit.is_some_and(|limit| began.elapsed() >= limit);
+            if out_of_time && next.0 < self.options.periods {
+                tracing::info!(period = period.0, "time limit reached: this period is the last");
+            }
+            let last = next.0 >= self.options.periods || out_of_time;
+            if let Some(hook) = hook.as_mut() {
+                hook(&PeriodEnd { report: &report, weights: &weights, resume, last })?;
+            }
             let checkpointed = match checkpoints.as_mut() {
-                Some(c) => {
-                    in_place(c.save_if_due(self.trainer.as_mut(), next.0, self.options.periods, resume))?
-                }
+                Some(c) => in_place(c.save_if_due(self.trainer.as_mut(), next.0, last, resume))?,
                 None => false,
             };
             // The new weights go out only now: a published version is recorded, and in
@@ -481,7 +491,7 @@ impl Driver {
             release.close(period).await?;
             reports.push(report);
             period = next;
-            if period.0 < self.options.periods {
+            if !last {
                 released = release.release(period, &weights).await?;
             }
         }

@@ -145,7 +145,6 @@ impl Session {
             evals: shared_evals.clone(),
             observer: self.observer.clone(),
             eval_every: config.eval.every,
-            periods: config.run.periods,
         };
         let started = Instant::now();
         let end =
@@ -173,7 +172,6 @@ struct PeriodEndHook {
     evals: Arc<Mutex<Vec<EvalPoint>>>,
     observer: Observer,
     eval_every: u64,
-    periods: u64,
 }
 
 impl PeriodEndHook {
@@ -186,7 +184,7 @@ impl PeriodEndHook {
         let mut accuracy = None;
         let mut scalars = period_scalars(report);
         if let Some(e) = &mut self.evaluator
-            && (done.is_multiple_of(self.eval_every) || done == self.periods)
+            && (done.is_multiple_of(self.eval_every) || end.last)
         {
             let handle = tokio::runtime::Handle::current();
             match tokio::task::block_in_place(|| handle.block_on(e.evaluate(end.weights.clone(), done))) {

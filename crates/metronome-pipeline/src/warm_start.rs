@@ -107,7 +107,7 @@ pub(crate) async fn warm_start(
         let loss = report.loss_sum / report.tokens.max(1) as f64;
         observer.emit(&Event::WarmStartStep { step, steps: sft.steps, loss });
         losses.push(loss);
-        checkpointer.save_if_due(&mut trainer, step, sft.steps, loader.cursor()).await?;
+        checkpointer.save_if_due(&mut trainer, step, step == sft.steps, loader.cursor()).await?;
     }
     let first_last = losses.first().copied().zip(losses.last().copied());
     // With `trainer.lora` the warm start trained adapters: RL starts from the merged

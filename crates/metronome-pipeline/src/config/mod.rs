@@ -96,6 +96,12 @@ pub struct RunConfig {
     /// Also save one at the end of a period when this many seconds passed since the
     /// last (0: by period count only), so a long run keeps a recent resumable point.
     pub checkpoint_interval_s: u64,
+    /// End the run after the first period that finishes once this many seconds of
+    /// periods have passed (0: no limit, `run.periods` alone decides): that period
+    /// is then the last, with the held-out evaluation, final checkpoint and plots a
+    /// run's last period gets. For a run that must fit a wall-clock budget (a lent
+    /// GPU, a job slot), `run.periods` becomes an upper bound.
+    pub time_limit_s: u64,
     /// Size the stages' thread pools from the cores (`rollout.threads_per_worker`,
     /// `trainer.threads`): `sync` gives every stage all cores in turn; overlapped
     /// schedules give the rollout workers half of them and the trainer all (see
@@ -132,6 +138,7 @@ impl Default for RunConfig {
             name: None,
             checkpoint_every: 0,
             checkpoint_interval_s: 300,
+            time_limit_s: 0,
             auto_placement: true,
             cores: 0,
             dynamic_sampling: None,
@@ -791,6 +798,7 @@ impl PipelineConfig {
             "run.name",
             "run.checkpoint_every",
             "run.checkpoint_interval_s",
+            "run.time_limit_s",
             "sft.checkpoint_every",
             "run.auto_placement",
             "run.cores",

@@ -676,6 +676,7 @@ fn the_smollm2_gsm_preset_is_valid_and_names_a_missing_model() {
         matches!(&c.model, metronome_pipeline::ModelSource::Gguf { path, .. } if path.ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"))
     );
     assert_eq!(c.run.schedule, Schedule::Periodic);
+    assert_eq!((c.run.periods, c.run.time_limit_s), (100, 240), "five minutes in all, loading included");
     assert_eq!(
         (c.data.release.batch_size, c.run.group_size, c.rollout.sampling.max_new_tokens),
         (64, 8, 256)

@@ -91,6 +91,55 @@ async fn a_run_continued_from_its_checkpoint_ends_with_the_weights_of_an_uninter
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_time_limit_makes_the_period_that_passes_it_the_last_with_its_checkpoint_and_the_run_resumes_after_it()
+ {
+    for layout in layouts(5) {
+        let what = format!("{} (partial rollouts: {})", layout.schedule, layout.partial_rollouts);
+        let dir = tempfile::tempdir().unwrap();
+        let run = |time_limit: Option<Duration>| {
+            let engine = MockEngine::new(Duration::from_millis(1));
+            let trainer = MockTrainer::new(engine.generating.clone());
+            let events = trainer.events.clone();
+            let lasts = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let seen = lasts.clone();
+            let runner = Runner::new(
+                stages(engine, trainer, Arc::new(MockScorer)),
+                Some(channel_transport(4)),
+                RunnerOptions { time_limit, ..layout },
+            )
+            .unwrap()
+            // No checkpoint by count or time: only the last period's.
+            .checkpoint(checkpointing(dir.path(), 0))
+            .on_period(move |end| {
+                seen.lock().unwrap().push((end.report.period.0, end.last));
+                Ok(())
+            });
+            (runner, events, lasts)
+        };
+        // A limit of zero has passed when the first period ends.
+        let (runner, events, lasts) = run(Some(Duration::ZERO));
+        let end = finish(runner, &what).await;
+        assert_eq!(end.reports.len(), 1, "{what}");
+        assert_eq!(end.trainer.version(), PolicyVersion(1), "{what}");
+        assert_eq!(*lasts.lock().unwrap(), [(0, true)], "{what}: the hook is told the period is the last");
+        let saved: Vec<u64> = events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|e| if let Recorded::Checkpoint(v) = e { Some(*v) } else { None })
+            .collect();
+        assert_eq!(saved, [1], "{what}: the last period's checkpoint");
+
+        let (runner, _, lasts) = run(None);
+        let rest = finish(runner, &what).await;
+        assert_eq!(rest.resumed_at, Some(1), "{what}");
+        let expected = [(1, false), (2, false), (3, false), (4, true)];
+        assert_eq!(*lasts.lock().unwrap(), expected, "{what}: without the limit, the rest of the run");
+        assert_eq!(rest.trainer.version(), PolicyVersion(5), "{what}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_are_acknowledged_only_once_a_checkpoint_contains_them() {
     for layout in layouts(5).into_iter().filter(|l| l.schedule != Schedule::Sync) {
         let schedule = format!("{} (partial rollouts: {})", layout.schedule, layout.partial_rollouts);
