@@ -73,6 +73,10 @@ pub async fn export(run: &Path, config: &PipelineConfig, options: &ExportOptions
     let mut engine = config.rollout.clone();
     engine.sampling.temperature = 0.0;
     engine.workers = 1;
+    // In f32, the precision of the exported weights, whatever the run's rollouts used
+    // (bf16 on a GPU): these answers are what another f32 implementation of the same
+    // weights must reproduce, and bf16 rounding changes greedy choices at near-ties.
+    engine.precision = Some(metronome_model::Precision::F32);
     let engine = native_engine(config, &engine, &model, PolicyVersion(0), tokenizer.clone())?;
     let mut groups = if prompts.is_empty() {
         Vec::new()

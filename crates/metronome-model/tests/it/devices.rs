@@ -42,6 +42,22 @@ fn cuda() -> Option<Device> {
     }
 }
 
+/// A tensor dropped on a thread that never used the GPU (a tokio or rayon worker) is
+/// freed there, which needs the context current on that thread: without it the free
+/// fails, and the next call anywhere returns `CUDA_ERROR_INVALID_CONTEXT` (a `periodic`
+/// run on an H100 stopped so; the vendored candle-core binds it, `vendor/candle-core/PATCH.md`).
+#[test]
+fn cuda_tensors_dropped_on_a_thread_that_never_used_the_gpu_leave_the_device_working() {
+    use metronome_model::{DType, Tensor};
+    let Some(gpu) = cuda() else { return };
+    for _ in 0..4 {
+        let t = Tensor::ones(4096, DType::F32, &gpu).unwrap();
+        std::thread::spawn(move || drop(t)).join().unwrap();
+    }
+    let sum = Tensor::ones(8, DType::F32, &gpu).unwrap().sum_all().unwrap();
+    assert_eq!(sum.to_scalar::<f32>().unwrap(), 8.0);
+}
+
 #[test]
 fn cuda_fused_kernels_are_refused_off_the_cpu() {
     let Some(gpu) = cuda() else { return };

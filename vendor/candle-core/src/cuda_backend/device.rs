@@ -285,6 +285,18 @@ impl CudaFunc {
 }
 
 impl CudaDevice {
+    /// Makes this device's context current on the calling thread, as cudarc's own calls
+    /// do, without reading (and so clearing) an error recorded in the context: for the
+    /// drop of a storage, whose free needs it. (Metronome's patch, see PATCH.md.)
+    pub(crate) fn bind_context_for_drop(&self) {
+        let ctx = &self.context;
+        let current = cudarc::driver::result::ctx::get_current();
+        if !matches!(current, Ok(Some(c)) if c == ctx.cu_ctx()) {
+            // SAFETY: the context is alive: this device holds it.
+            ctx.record_err(unsafe { cudarc::driver::result::ctx::set_current(ctx.cu_ctx()) });
+        }
+    }
+
     pub fn cuda_stream(&self) -> Arc<cudarc::driver::CudaStream> {
         self.stream.clone()
     }

@@ -1253,6 +1253,17 @@ pub struct CudaStorage {
     pub device: CudaDevice,
 }
 
+/// The slice is freed by cudarc's `CudaSlice::drop` (`cuMemFreeAsync`), which needs the
+/// context current on the dropping thread and does not make it so: on a thread that never
+/// used the GPU the free fails, the memory leaks, and the error, recorded in the context,
+/// is returned by the next unrelated call anywhere (`CUDA_ERROR_INVALID_CONTEXT`).
+/// (Metronome's patch, see PATCH.md.)
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        self.device.bind_context_for_drop();
+    }
+}
+
 pub trait CudaDType: Sized {
     fn as_cuda_slice(s: &CudaStorage) -> Result<&CudaSlice<Self>>;
     fn as_cuda_slice_mut(s: &mut CudaStorage) -> Result<&mut CudaSlice<Self>>;
