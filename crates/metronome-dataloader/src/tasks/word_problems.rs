@@ -48,6 +48,10 @@ pub struct WordProblemConfig {
     /// Operations a solution takes (2 to 4): each item draws a count uniformly from
     /// this range, then a template with that many operations.
     pub steps: Span,
+    /// Caps the numbers a question states at this value (each drawn range's upper end,
+    /// never below its lower end; results may exceed it): small numbers for a model too
+    /// small for two-digit arithmetic. `None`: each template's own ranges.
+    pub max_number: Option<u64>,
     /// The prompt text; `{question}` becomes the problem. The default asks for the
     /// answer on a last line `#### N`.
     pub format: String,
@@ -64,6 +68,7 @@ impl Default for WordProblemConfig {
         Self {
             size: 10_000,
             steps: Span::new(STEPS.0, STEPS.1),
+            max_number: None,
             format: DEFAULT_WORD_PROBLEM_FORMAT.into(),
             seed: None,
             holdout: Holdout::default(),
@@ -78,6 +83,9 @@ impl WordProblemConfig {
             return Err(Error::config("word_problems.size", "must be at least 1"));
         }
         self.steps.check("word_problems.steps", STEPS.0, STEPS.1)?;
+        if self.max_number == Some(0) {
+            return Err(Error::config("word_problems.max_number", "must be at least 1 (or absent)"));
+        }
         if !self.format.contains("{question}") {
             return Err(Error::config("word_problems.format", "must contain `{question}`"));
         }
@@ -163,7 +171,7 @@ impl WordProblemTask {
             let steps = rng.between(c.steps.min, c.steps.max) as usize;
             let candidates: Vec<&Template> = TEMPLATES.iter().filter(|t| t.steps == steps).collect();
             let template = candidates[rng.below(candidates.len() as u64) as usize];
-            let mut draw = Draw { rng: &mut rng, steps: Vec::new(), givens: Vec::new() };
+            let mut draw = Draw { rng: &mut rng, steps: Vec::new(), givens: Vec::new(), cap: c.max_number };
             let question = (template.write)(&mut draw);
             let problem =
                 WordProblem { template: template.name, question, steps: draw.steps, givens: draw.givens };
@@ -215,11 +223,15 @@ struct Draw<'a> {
     rng: &'a mut SplitMix64,
     steps: Vec<WorkStep>,
     givens: Vec<u64>,
+    /// `max_number`.
+    cap: Option<u64>,
 }
 
 impl Draw<'_> {
-    /// A number the question states, uniform in `lo..=hi`.
+    /// A number the question states, uniform in `lo..=hi` (`hi` lowered to the cap, but
+    /// not below `lo`).
     fn given(&mut self, lo: u64, hi: u64) -> u64 {
+        let hi = self.cap.map_or(hi, |cap| hi.min(cap.max(lo)));
         let n = self.rng.between(lo, hi);
         self.givens.push(n);
         n
@@ -685,9 +697,11 @@ mod tests {
     #[test]
     fn every_template_counts_its_steps_and_stays_whole() {
         for (i, template) in TEMPLATES.iter().enumerate() {
-            for draw in 0..500u64 {
+            for draw in 0..2000u64 {
                 let mut rng = SplitMix64::new(mix(i as u64, draw));
-                let mut d = Draw { rng: &mut rng, steps: Vec::new(), givens: Vec::new() };
+                // Each template's own ranges, and capped at 1, 5, 10 and 20.
+                let cap = [None, Some(1), Some(5), Some(10), Some(20)][(draw % 5) as usize];
+                let mut d = Draw { rng: &mut rng, steps: Vec::new(), givens: Vec::new(), cap };
                 let question = (template.write)(&mut d);
                 assert_eq!(d.steps.len(), template.steps, "{}: {question}", template.name);
                 for s in &d.steps {

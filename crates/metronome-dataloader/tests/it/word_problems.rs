@@ -105,6 +105,29 @@ fn every_answer_is_recomputed_from_its_solution() {
     assert!(quantile(0.5) >= 10, "median answer {}", quantile(0.5));
 }
 
+/// `max_number` keeps the numbers a question states small (those a template computes,
+/// such as the bill that covers a cost, may exceed it) and every answer right.
+#[test]
+fn max_number_caps_the_stated_numbers_and_every_answer_stays_right() {
+    let config = WordProblemConfig { size: 2000, max_number: Some(10), ..Default::default() };
+    let task = WordProblemTask::new(config, RunSeed(9)).unwrap();
+    let (mut small, mut stated) = (0, 0);
+    for i in 0..task.len() {
+        let (_, reference, metadata) = record(&task, i);
+        let question = &metadata["question"];
+        let (_, answer) = recompute(&metadata["solution"], question);
+        assert_eq!(reference.parse::<u64>().unwrap(), answer, "{question}");
+        for n in numbers_in(question) {
+            stated += 1;
+            small += usize::from(n <= 10);
+        }
+    }
+    eprintln!("{small} of {stated} stated numbers are at most 10");
+    assert!(small * 10 >= stated * 8, "{small} of {stated} stated numbers are at most 10");
+    let bad = WordProblemConfig { max_number: Some(0), ..Default::default() };
+    assert!(bad.validate().unwrap_err().to_string().contains("word_problems.max_number"));
+}
+
 #[test]
 fn steps_and_templates_are_spread() {
     let task =
