@@ -79,8 +79,9 @@ if [ "${1:-}" = "--learn" ]; then
         mkdir -p "$out/learn-plots" && cp "$learned"/*.svg "$out/learn-plots/" 2>/dev/null
         cp "$bin/learn.log" "$out/learn.log"
         grep -iE 'held-out|accuracy|period [0-9]+' "$bin/learn.log" | tail -n 60 >>"$out/learn-summary.txt"
-        # The final checkpoint, or the newest period's when LEARN_S killed the run.
-        export=("$bin/bin/metronome" export "$learned" --out "$bin/hf" --questions 32)
+        # The final checkpoint, or the newest period's when LEARN_S killed the run; 20
+        # questions, as transformers' unbatched greedy decoding took about 5 s each there.
+        export=("$bin/bin/metronome" export "$learned" --out "$bin/hf" --questions 20)
         (cd "$build_root" && { timeout 120 "${export[@]}" || timeout 120 "${export[@]}" --checkpoint latest; } &&
             timeout 150 python3 crates/metronome-pipeline/examples/check_export.py "$bin/hf" --device cuda) \
             >"$out/export-check.txt" 2>&1
