@@ -679,12 +679,14 @@ fn the_smollm2_gsm_preset_is_valid_and_names_a_missing_model() {
     assert_eq!((c.run.periods, c.run.time_limit_s), (100, 240), "five minutes in all, loading included");
     assert_eq!(
         (c.data.release.batch_size, c.run.group_size, c.rollout.sampling.max_new_tokens),
-        (64, 8, 256)
+        (64, 8, 192)
     );
+    assert_eq!(c.rollout.sampling.temperature, 0.7);
+    assert_eq!(c.rollout.sampling.stop_strings, ["\nProblem:", "\nExample problem:"]);
     assert_eq!(c.trainer.precision, Some(metronome_model::Precision::Bf16));
     assert_eq!(
         (c.trainer.schedule.lr, c.trainer.schedule.warmup_steps, c.trainer.loss.kl_coef),
-        (3e-6, 5, 0.0)
+        (5e-6, 5, 0.0)
     );
     assert_eq!((c.sft.steps, c.eval.prompts, c.eval.every, c.eval.temperature), (0, 256, 10, 0.0));
     assert!(c.data.prompt.chat_template);
@@ -692,6 +694,8 @@ fn the_smollm2_gsm_preset_is_valid_and_names_a_missing_model() {
         panic!("the preset trains on word problems: {:?}", c.data.source)
     };
     assert_eq!(train.holdout, metronome_dataloader::Holdout::train(10));
+    assert_eq!((train.steps, train.max_number), (metronome_dataloader::Span::exactly(2), Some(10)));
+    assert!(train.format.contains("#### 10\n\nProblem: {question}"), "one worked example, then the problem");
     let Some(metronome_dataloader::SourceConfig::WordProblems(heldout)) = c.heldout_source() else {
         panic!("the held-out source is the word problems' held-out split")
     };
