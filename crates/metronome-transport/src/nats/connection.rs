@@ -152,7 +152,8 @@ impl NatsTransport {
     }
 }
 
-/// The stream `config.name`: created when missing; when a stream of that name exists
+/// The stream `config.name`: created when missing (also when processes create it at
+/// once); when a stream of that name exists
 /// with other settings (left by an earlier run of the same name, or an older
 /// release), updated to these, and when the server refuses the update (retention
 /// and storage cannot change), an error naming the stream and what differs, instead
@@ -171,7 +172,13 @@ pub(crate) async fn ensure_stream(
                     if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
             ) =>
         {
-            return js.get_or_create_stream(config).await.map_err(|e| Error::nats(what, e));
+            match js.get_or_create_stream(config.clone()).await {
+                Ok(stream) => return Ok(stream),
+                // Another process created it between the two calls (the server then
+                // refuses this create, saying the subjects overlap the new stream's):
+                // the one it made is compared with these settings below.
+                Err(create) => js.get_stream(&config.name).await.map_err(|_| Error::nats(what, create))?,
+            }
         }
         Err(e) => return Err(Error::nats(what, e)),
     };

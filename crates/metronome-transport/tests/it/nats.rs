@@ -387,6 +387,36 @@ async fn a_version_put_again_while_read_is_read_from_the_new_object_never_waited
     again.await.unwrap();
 }
 
+/// Processes that start together create the streams together: every one of them gets
+/// its sender and receiver (a worker of a cluster test once failed with the server's
+/// "subjects overlap with an existing stream" when it lost that race).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transports_creating_the_streams_at_once_all_succeed() {
+    let server = NatsServer::start(&[]).expect("start nats-server");
+    for round in 0..3 {
+        let prefix = format!("race{round}");
+        // Half with a smaller message limit, as processes of one cluster may have: the
+        // streams they ask for differ in it.
+        let connecting = (0..8).map(|i| {
+            let mut c = config(&server, &prefix);
+            if i % 2 == 1 {
+                c.max_message_bytes = 1 << 20;
+            }
+            NatsTransport::connect(c)
+        });
+        let transports: Vec<NatsTransport> =
+            futures::future::join_all(connecting).await.into_iter().map(|t| t.expect("connects")).collect();
+        let made = futures::future::join_all(transports.iter().map(|t| async move {
+            t.control_sender().await.map(drop)?;
+            t.control_receiver().await.map(drop)
+        }))
+        .await;
+        for (i, m) in made.into_iter().enumerate() {
+            m.unwrap_or_else(|e| panic!("round {round}, transport {i}: {e}"));
+        }
+    }
+}
+
 #[tokio::test]
 async fn connecting_to_nothing_is_a_clear_error() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
