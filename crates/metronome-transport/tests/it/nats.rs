@@ -387,9 +387,10 @@ async fn a_version_put_again_while_read_is_read_from_the_new_object_never_waited
     again.await.unwrap();
 }
 
-/// Processes that start together create the streams together: every one of them gets
-/// its sender and receiver (a worker of a cluster test once failed with the server's
-/// "subjects overlap with an existing stream" when it lost that race).
+/// Processes that start together create the streams and the weight bucket together:
+/// every one of them gets its publisher, sender and receiver (workers of a cluster test
+/// failed with the server's "subjects overlap with an existing stream" when they lost
+/// that race, for the control stream and for the weight bucket).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transports_creating_the_streams_at_once_all_succeed() {
     let server = NatsServer::start(&[]).expect("start nats-server");
@@ -407,6 +408,7 @@ async fn transports_creating_the_streams_at_once_all_succeed() {
         let transports: Vec<NatsTransport> =
             futures::future::join_all(connecting).await.into_iter().map(|t| t.expect("connects")).collect();
         let made = futures::future::join_all(transports.iter().map(|t| async move {
+            t.weight_publisher().await.map(drop)?;
             t.control_sender().await.map(drop)?;
             t.control_receiver().await.map(drop)
         }))

@@ -22,15 +22,23 @@ impl NatsTransport {
         let c = &self.config.weights;
         let store = match self.js.get_object_store(&c.bucket).await {
             Ok(store) => store,
-            Err(_) => self
-                .js
-                .create_object_store(object_store::Config {
+            Err(_) => {
+                let config = object_store::Config {
                     bucket: c.bucket.clone(),
                     storage: c.storage.into(),
                     ..object_store::Config::default()
-                })
-                .await
-                .map_err(|e| Error::nats("create weight bucket", e))?,
+                };
+                match self.js.create_object_store(config).await {
+                    Ok(store) => store,
+                    // Another process created it between the two calls (as for streams,
+                    // `ensure_stream`): the server refuses this create; use theirs.
+                    Err(create) => self
+                        .js
+                        .get_object_store(&c.bucket)
+                        .await
+                        .map_err(|_| Error::nats("create weight bucket", create))?,
+                }
+            }
         };
         let config = stream::Config {
             name: c.announce_stream.clone(),
