@@ -61,24 +61,31 @@ fi
 # side by side; then `metronome export` of the learned run and
 # `examples/check_export.py` (transformers' greedy answers against Metronome's). Into
 # $OUT: learn-metrics.jsonl, learn.log, learn-plots/, learn-summary.txt, compare.txt,
-# export-check.txt.
+# export-check.txt. Arguments after the GGUF go to every `metronome run` (e.g. `--set
+# run.seed=1` for a second seed); LEARN_EXPORT=0 and LEARN_COMPARE_PERIODS=0 skip the
+# export check and the comparison, so a call holds the learning run alone.
 if [ "${1:-}" = "--learn" ]; then
-    gguf=${2:?usage: run.sh --learn PATH_TO_SmolLM2-135M-Instruct.Q4_1.gguf}
+    gguf=${2:?usage: run.sh --learn PATH_TO_SmolLM2-135M-Instruct.Q4_1.gguf [--set KEY=VALUE ...]}
+    shift 2
     out=${OUT:-$bin}
     runs=$bin/runs
     mkdir -p "$runs"
     metronome=("$bin/bin/metronome" run --config "$build_root/configs/smollm2-gsm.toml"
-        --set "model.path=\"$gguf\"" --set "run.out_dir=\"$runs\"")
+        --set "model.path=\"$gguf\"" --set "run.out_dir=\"$runs\"" "$@")
     echo "${metronome[*]}" >"$out/learn-summary.txt"
     start=$(date +%s)
     (cd "$build_root" && timeout "${LEARN_S:-330}" "${metronome[@]}" --set 'run.name="learn"') >"$bin/learn.log" 2>&1
     echo "learning run: exit $?, $(($(date +%s) - start)) s" | tee -a "$out/learn-summary.txt"
     learned=$(ls -d "$runs"/learn* 2>/dev/null | head -n 1)
-    if [ -n "$learned" ]; then
-        cp "$learned/metrics.jsonl" "$out/learn-metrics.jsonl" 2>/dev/null
-        mkdir -p "$out/learn-plots" && cp "$learned"/*.svg "$out/learn-plots/" 2>/dev/null
-        cp "$bin/learn.log" "$out/learn.log"
-        grep -iE 'held-out|accuracy|period [0-9]+' "$bin/learn.log" | tail -n 60 >>"$out/learn-summary.txt"
+    if [ -z "$learned" ]; then
+        tail -n 40 "$bin/learn.log" >>"$out/learn-summary.txt"
+        exit 0
+    fi
+    cp "$learned/metrics.jsonl" "$out/learn-metrics.jsonl" 2>/dev/null
+    mkdir -p "$out/learn-plots" && cp "$learned"/*.svg "$out/learn-plots/" 2>/dev/null
+    cp "$bin/learn.log" "$out/learn.log"
+    grep -iE 'held-out|accuracy|period [0-9]+' "$bin/learn.log" | tail -n 60 >>"$out/learn-summary.txt"
+    if [ "${LEARN_EXPORT:-1}" != 0 ]; then
         # The final checkpoint, or the newest period's when LEARN_S killed the run; 20
         # questions, as transformers' unbatched greedy decoding took about 5 s each there.
         export=("$bin/bin/metronome" export "$learned" --out "$bin/hf" --questions 20)
@@ -86,9 +93,8 @@ if [ "${1:-}" = "--learn" ]; then
             timeout 150 python3 crates/metronome-pipeline/examples/check_export.py "$bin/hf" --device cuda) \
             >"$out/export-check.txt" 2>&1
         echo "export check: exit $?" >>"$out/export-check.txt"
-    else
-        tail -n 40 "$bin/learn.log" >>"$out/learn-summary.txt"
     fi
+    [ "${LEARN_COMPARE_PERIODS:-3}" = 0 ] && exit 0
     : >"$out/compare.txt"
     for schedule in periodic sync; do
         start=$(date +%s)
