@@ -50,6 +50,19 @@ pub struct ExportOutcome {
     pub correct: usize,
 }
 
+/// The engine of the export's answers: the run's, greedy, one worker, and in f32, the
+/// precision of the exported weights, whatever the run's rollouts used (bf16 on a GPU):
+/// these answers are what another f32 implementation of the same weights must
+/// reproduce, and bf16 rounding changes greedy choices at near-ties (on an H100, 24 of
+/// 28 answers decoded in bf16 parted from transformers' f32 ones).
+fn greedy_engine(config: &PipelineConfig) -> metronome_rollout::EngineConfig {
+    let mut engine = config.rollout.clone();
+    engine.sampling.temperature = 0.0;
+    engine.workers = 1;
+    engine.precision = Some(metronome_model::Precision::F32);
+    engine
+}
+
 /// Exports checkpoint `options.checkpoint` of the run in `run` (whose stored config
 /// is `config`) to `options.out`.
 pub async fn export(run: &Path, config: &PipelineConfig, options: &ExportOptions) -> Result<ExportOutcome> {
@@ -70,14 +83,7 @@ pub async fn export(run: &Path, config: &PipelineConfig, options: &ExportOptions
     let (tokenizer, wrote_tokenizer) = write_tokenizer(config, out)?;
 
     let prompts = heldout_prompts(config, tokenizer.clone(), options.questions).await?;
-    let mut engine = config.rollout.clone();
-    engine.sampling.temperature = 0.0;
-    engine.workers = 1;
-    // In f32, the precision of the exported weights, whatever the run's rollouts used
-    // (bf16 on a GPU): these answers are what another f32 implementation of the same
-    // weights must reproduce, and bf16 rounding changes greedy choices at near-ties.
-    engine.precision = Some(metronome_model::Precision::F32);
-    let engine = native_engine(config, &engine, &model, PolicyVersion(0), tokenizer.clone())?;
+    let engine = native_engine(config, &greedy_engine(config), &model, PolicyVersion(0), tokenizer.clone())?;
     let mut groups = if prompts.is_empty() {
         Vec::new()
     } else {
@@ -201,5 +207,20 @@ fn write_tokenizer(config: &PipelineConfig, out: &Path) -> Result<(Arc<dyn Token
             std::fs::write(&file, format!("{tokenizer_config:#}\n")).map_err(io(file))?;
             Ok((Arc::new(gguf), true))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_answers_are_decoded_greedily_in_f32_whatever_the_rollouts_used() {
+        let set = ["rollout.precision=\"bf16\"".to_owned(), "rollout.workers=3".to_owned()];
+        let config = PipelineConfig::embedded(&set).unwrap();
+        assert_eq!(config.rollout.precision, Some(metronome_model::Precision::Bf16));
+        let engine = greedy_engine(&config);
+        assert_eq!(engine.precision, Some(metronome_model::Precision::F32));
+        assert_eq!((engine.sampling.temperature, engine.workers), (0.0, 1));
     }
 }
