@@ -630,7 +630,18 @@ pub(crate) fn exp_vectorisable(x: f32) -> f32 {
     p = p.mul_add(r, 1.666_666_5e-1);
     p = p.mul_add(r, 0.5); // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
     let y = (p * r).mul_add(r, r) + 1.0;
-    y * f32::from_bits(((n as i32).wrapping_add(127) << 23) as u32)
+    y * pow2_integer(n)
+}
+
+/// `2^n` for an integer `n` in `[-126, 127]` (as an f32), built in the exponent bits:
+/// `n + 127 + 2^23` is exact, and its low mantissa bits are `n + 127`, which the shift
+/// moves into the exponent field (the high bits fall off). The same bits as
+/// `(n as i32 + 127) << 23` without the float-to-int cast, whose saturating semantics
+/// x86 has no vector instruction for: with the cast the compiler converted a vector's
+/// 16 lanes one by one, a third of the time of every loop over [`exp_vectorisable`].
+#[inline(always)]
+fn pow2_integer(n: f32) -> f32 {
+    f32::from_bits((n + (127.0 + 8_388_608.0)).to_bits() << 23)
 }
 
 /// `silu(gate) * up` of a stacked `[n, 2 * intermediate]` gate/up product (see
@@ -716,5 +727,8 @@ mod tests {
         assert!(worst < 3e-7, "max relative error {worst}");
         assert!(exp_vectorisable(-1e4) > 0.0 && exp_vectorisable(1e4).is_finite());
         assert_eq!(exp_vectorisable(0.0), 1.0);
+        for n in -126..=127 {
+            assert_eq!(pow2_integer(n as f32).to_bits(), ((n + 127) << 23) as u32, "2^{n}");
+        }
     }
 }
