@@ -7,7 +7,8 @@
 //! machine with `python3 crates/metronome-model/benches/torch_compare.py`. Pin both to
 //! the same thread count (`RAYON_NUM_THREADS=1` here, `--threads 1` there) for a fair
 //! ratio. After criterion's report a summary prints tokens/s and MFU
-//! (`METRONOME_BENCH_SUMMARY=1` prints only the summary).
+//! (`METRONOME_BENCH_SUMMARY=1` prints only the summary; `METRONOME_BENCH_PROFILE=4`
+//! only runs 4x256 training steps for 20 s, to profile).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -214,6 +215,22 @@ fn reexec_with_allocator_env() {
 
 fn main() {
     reexec_with_allocator_env();
+    // `METRONOME_BENCH_PROFILE=ROWS` runs only training steps of ROWS x 256 tokens for
+    // 20 s, for `perf record` without the other groups' set-up (the SmolLM2-shaped
+    // model of `install` alone faults in 540 MB).
+    if let Some(rows) = std::env::var("METRONOME_BENCH_PROFILE").ok().and_then(|r| r.parse().ok()) {
+        let (m, (batch, targets)) = (model(), train_batch(rows));
+        let (start, mut steps) = (Instant::now(), 0);
+        while start.elapsed() < Duration::from_secs(20) {
+            train_step(&m, &batch, &targets);
+            steps += 1;
+        }
+        println!(
+            "train fwd+bwd {rows}x{SEQ}: {:.0} tokens/s",
+            (steps * rows * SEQ) as f64 / start.elapsed().as_secs_f64()
+        );
+        return;
+    }
     // `METRONOME_BENCH_SUMMARY=1` skips criterion, for quick back-to-back comparisons.
     if std::env::var_os("METRONOME_BENCH_SUMMARY").is_some() {
         summary();

@@ -8,7 +8,7 @@ use metronome_core::{PackedRow, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{
-    DenseWeight, Projection, RopeTables, RowIndex, RowMasks, SegmentPlan, linear, rope_tables, segment_plans,
+    DenseWeight, Projection, RopeTables, RowIndex, RowMasks, SegmentPlan, rope_tables, segment_plans,
 };
 use crate::recompute::{Links, attach};
 use crate::{Error, Kernels, Result, head};
@@ -760,7 +760,7 @@ impl Model {
                     Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
                 };
                 let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                outs.push(ks.attention(&q, &gather(k)?, &gather(v)?, Some(&plan.mask))?);
+                outs.push(ks.prefix_attention(&q, &gather(k)?, &gather(v)?, plan.visible, &plan.mask)?);
             }
             row_start += row_len;
         }
@@ -821,9 +821,9 @@ impl Model {
 
     /// The product with a base weight: [`Kernels::frozen_linear`] under adapters (the
     /// base is frozen, and candle's matmul would compute its gradient anyway), else
-    /// [`linear`].
+    /// [`Kernels::linear`].
     fn base_linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-        if self.lora.is_some() { self.kernels.frozen_linear(x, w, b) } else { linear(x, w, b) }
+        if self.lora.is_some() { self.kernels.frozen_linear(x, w, b) } else { self.kernels.linear(x, w, b) }
     }
 
     /// Whether the base weights record a graph: on a trainable handle without

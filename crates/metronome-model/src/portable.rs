@@ -140,6 +140,16 @@ impl Kernels {
         }
     }
 
+    /// `x·Wᵀ + b`, differentiable in all three: fused, one op whose backward makes
+    /// `dW = dyᵀ·x` in `W`'s layout; portable, candle's product with the transposed
+    /// view of `W`, whose gradient is transposed back by a copy.
+    pub(crate) fn linear(self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+        match self {
+            Self::Fused => ops::fused_linear(x, w, b),
+            Self::Portable | Self::Cuda => ops::linear(x, w, b),
+        }
+    }
+
     /// `x·Wᵀ + b` for a frozen `W` and `b` (a LoRA handle's base weights): fused, the
     /// CPU product whose backward skips the weight's gradient; portable, the plain
     /// product, whose backward also computes the unused weight gradient (no portable
@@ -252,6 +262,23 @@ impl Kernels {
         };
         let out = probs.matmul(&v)?; // [kv, rep * lq, hd]
         Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
+    }
+
+    /// [`Kernels::attention`] of one packed segment, whose query `i` sees its first
+    /// `visible + i + 1` keys (`mask` is that pattern, additive `[lq, lk]`): fused, one
+    /// op over the causal blocks only (`ops/attention.rs`); otherwise the masked square.
+    pub(crate) fn prefix_attention(
+        self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        visible: usize,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        match self {
+            Self::Fused => ops::prefix_attention(q, k, v, visible),
+            _ => self.attention(q, k, v, Some(mask)),
+        }
     }
 
     /// `silu(gate) * up`, differentiable in both.
@@ -583,6 +610,113 @@ mod tests {
         assert!(max_diff(&yf, &yc) < 1e-5, "forward {}", max_diff(&yf, &yc));
         assert!(max_diff(&gxf, &gxc) < 1e-5, "dx {}", max_diff(&gxf, &gxc));
         assert!(max_diff(&gwf, &gwc) < 1e-5, "dw {}", max_diff(&gwf, &gwc));
+    }
+
+    #[test]
+    fn fused_rms_norm_gradients_match_over_several_row_blocks_on_any_number_of_threads() {
+        let dev = Device::Cpu;
+        let (rows, d) = (150, 24);
+        let x =
+            candle_core::Var::from_tensor(&Tensor::from_vec(noise(41, rows * d), (rows, d), &dev).unwrap())
+                .unwrap();
+        let w = candle_core::Var::from_tensor(&Tensor::from_vec(noise(42, d), d, &dev).unwrap()).unwrap();
+        let probe = Tensor::from_vec(noise(43, rows * d), (rows, d), &dev).unwrap();
+        let run = |kernels: Kernels, threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let y = kernels.rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+                let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+                [g.get(x.as_tensor()).unwrap().clone(), g.get(w.as_tensor()).unwrap().clone()]
+            })
+        };
+        let (fused, composed) = (run(Kernels::Fused, 1), run(Kernels::Portable, 1));
+        assert!(max_diff(&fused[0], &composed[0]) < 1e-5, "dx {}", max_diff(&fused[0], &composed[0]));
+        assert!(max_diff(&fused[1], &composed[1]) < 1e-4, "dw {}", max_diff(&fused[1], &composed[1]));
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let on_three = run(Kernels::Fused, 3);
+        assert_eq!(bits(&fused[0]), bits(&on_three[0]));
+        assert_eq!(bits(&fused[1]), bits(&on_three[1]));
+    }
+
+    /// The additive mask of a segment whose query `i` sees its first `visible + i + 1` keys.
+    fn prefix_mask(lq: usize, visible: usize) -> Tensor {
+        let lk = visible + lq;
+        let mask = (0..lq * lk).map(|x| if x % lk <= visible + x / lk { 0.0 } else { f32::NEG_INFINITY });
+        Tensor::from_vec(mask.collect::<Vec<f32>>(), (lq, lk), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn fused_prefix_attention_matches_the_masked_square_and_its_gradients() {
+        let dev = Device::Cpu;
+        // (queries, ancestor keys, heads, kv heads, head dim): one query, less than a
+        // block, exactly one, several with a partial last one and ancestors, no grouping.
+        for (lq, visible, heads, kvh, hd) in
+            [(1, 0, 2, 1, 8), (5, 0, 4, 2, 8), (64, 0, 4, 2, 8), (150, 9, 6, 2, 16), (70, 3, 3, 3, 8)]
+        {
+            let lk = visible + lq;
+            let var = |seed, n, shape: (usize, usize, usize)| {
+                let t = Tensor::from_vec(noise(seed, n), shape, &dev).unwrap();
+                candle_core::Var::from_tensor(&(t * 2.0).unwrap()).unwrap()
+            };
+            let q = var(21, lq * heads * hd, (lq, heads, hd));
+            let k = var(22, lk * kvh * hd, (lk, kvh, hd));
+            let v = var(23, lk * kvh * hd, (lk, kvh, hd));
+            let probe = Tensor::from_vec(noise(24, lq * heads * hd), (lq, heads * hd), &dev).unwrap();
+            let mask = prefix_mask(lq, visible);
+            let run = |kernels: Kernels| {
+                let (q, k, v) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
+                let y = kernels.prefix_attention(q, k, v, visible, &mask).unwrap();
+                let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+                [y, g.get(q).unwrap().clone(), g.get(k).unwrap().clone(), g.get(v).unwrap().clone()]
+            };
+            let fused = run(Kernels::Fused);
+            let composed = run(Kernels::Portable);
+            for (name, (f, c)) in ["out", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&composed)) {
+                assert_eq!(f.dims(), c.dims(), "{name}");
+                // Relative to the largest value: the gradients of keys that many queries see
+                // are sums of up to `lk` terms, taken in another order by each form.
+                let scale = c.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
+                let d = max_diff(f, c) / scale;
+                assert!(
+                    d < 1e-5,
+                    "{lq} queries, {visible} visible, {heads}/{kvh} heads: {name} differs by {d} of {scale}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn fused_prefix_attention_is_the_same_on_any_number_of_threads_and_refuses_misfit_keys() {
+        let dev = Device::Cpu;
+        let (lq, visible, heads, kvh, hd) = (140, 5, 4, 2, 8);
+        let t = |seed, n, shape| {
+            candle_core::Var::from_tensor(&Tensor::from_vec(noise(seed, n), shape, &dev).unwrap()).unwrap()
+        };
+        let q = t(31, lq * heads * hd, (lq, heads, hd));
+        let k = t(32, (lq + visible) * kvh * hd, (lq + visible, kvh, hd));
+        let v = t(33, (lq + visible) * kvh * hd, (lq + visible, kvh, hd));
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let y = ops::prefix_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), visible).unwrap();
+                let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+                [y, g.get(q.as_tensor()).unwrap().clone(), g.get(k.as_tensor()).unwrap().clone()].map(|t| {
+                    t.flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                })
+            })
+        };
+        assert_eq!(run(1), run(3));
+        let err =
+            ops::prefix_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), visible + 1).unwrap_err();
+        assert!(err.to_string().contains("do not fit 6 visible keys"), "{err}");
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The network's linear layers: which projection of a decoder layer a weight is
 //! ([`Projection`], by its Hugging Face name), and the product `x·Wᵀ (+ b)`, plain
-//! ([`linear`]) and with a frozen weight whose backward skips the weight's gradient
-//! ([`frozen_linear`], what a LoRA handle's base weights go through).
+//! ([`linear`]), as one op whose backward makes the weight's gradient in its own
+//! layout ([`fused_linear`]), and with a frozen weight whose backward skips the
+//! weight's gradient ([`frozen_linear`], what a LoRA handle's base weights go through).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
@@ -67,25 +68,29 @@ impl Projection {
 
 /// `x @ wᵀ (+ b)` for `x: [n, in]`, `w: [out, in]`.
 pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.matmul(&w.t()?)?;
-    Ok(match b {
-        Some(b) => y.broadcast_add(b)?,
-        None => y,
-    })
+    with_bias(x.matmul(&w.t()?)?, b)
 }
 
-/// `x·Wᵀ` for a frozen weight `W` (`[out, in]`) whose backward gives the gradient of
-/// `x` only. candle's matmul backward computes the gradient of both operands even
-/// when one is detached: a frozen base would still pay a weight-gradient product per
-/// projection and hold an `[out, in]` gradient of every layer until the step (on
-/// SmolLM2-135M's shape that was ~1 GB of the LoRA step's peak memory). The forward
-/// is the same storage matmul `Tensor::matmul` runs, so the values are bitwise those
-/// of [`linear`].
-struct FrozenMatmul;
+/// `x·Wᵀ` as one op, whose backward computes `dx = dy·W` and, unless the weight is
+/// frozen, `dW = dyᵀ·x` directly in `W`'s `[out, in]` layout.
+///
+/// candle differentiates `x.matmul(&w.t())` through the transposed view: its matmul
+/// rule makes `d(Wᵀ) = xᵀ·dy`, `[in, out]`, and the transpose's rule hands `W` that
+/// transposed, which the gradient store then copies element by element into `[out, in]`
+/// (5% of a training step of the tiny model on the CPU). A frozen weight (a LoRA
+/// handle's base) skips `dW` altogether: candle's matmul backward computes the gradient
+/// of both operands even when one is detached, which would pay a weight-gradient
+/// product per projection and hold an `[out, in]` gradient of every layer until the
+/// step (on SmolLM2-135M's shape that was ~1 GB of the LoRA step's peak memory). The
+/// forward is the same storage matmul `Tensor::matmul` runs, so the values are bitwise
+/// those of [`linear`].
+struct Matmul {
+    weight_grad: bool,
+}
 
-impl CustomOp2 for FrozenMatmul {
+impl CustomOp2 for Matmul {
     fn name(&self) -> &'static str {
-        "frozen-matmul"
+        if self.weight_grad { "linear-matmul" } else { "frozen-matmul" }
     }
 
     fn cpu_fwd(
@@ -99,27 +104,38 @@ impl CustomOp2 for FrozenMatmul {
         let (m, k) = lx.shape().dims2()?;
         let (n, k2) = lw.shape().dims2()?;
         if k != k2 {
-            candle_core::bail!("frozen matmul: input of width {k} for a weight of width {k2}");
+            candle_core::bail!("{}: input of width {k} for a weight of width {k2}", self.name());
         }
         Ok((x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?, (m, n).into()))
     }
 
     fn bwd(
         &self,
-        _x: &Tensor,
+        x: &Tensor,
         w: &Tensor,
         _res: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(grad.matmul(w)?), None))
+        let dw = if self.weight_grad { Some(grad.t()?.matmul(x)?) } else { None };
+        Ok((Some(grad.matmul(w)?), dw))
     }
 }
 
-/// `x·Wᵀ + b` for frozen `W` and `b` (detached) through [`FrozenMatmul`], so the
-/// backward skips the weight's gradient. A fused CPU op: the model reaches it through
+/// `x·Wᵀ + b` through [`Matmul`]: the weight's gradient made in its own layout. A
+/// fused CPU op: the model reaches it through `Kernels::linear`, which runs the plain
+/// product under the portable kernels.
+pub(crate) fn fused_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    with_bias(x.contiguous()?.apply_op2(w, Matmul { weight_grad: true })?, b)
+}
+
+/// `x·Wᵀ + b` for frozen `W` and `b` (detached) through [`Matmul`], so the backward
+/// skips the weight's gradient. A fused CPU op: the model reaches it through
 /// `Kernels::frozen_linear`, which runs the plain product under the portable kernels.
 pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.contiguous()?.apply_op2(w, FrozenMatmul)?;
+    with_bias(x.contiguous()?.apply_op2(w, Matmul { weight_grad: false })?, b)
+}
+
+fn with_bias(y: Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     Ok(match b {
         Some(b) => y.broadcast_add(b)?,
         None => y,

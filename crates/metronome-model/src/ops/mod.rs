@@ -1,5 +1,6 @@
 //! The network's kernels on candle: the training kernels (differentiable, fused with
-//! their own backward) in `train`, the decode kernels (forward only, batch-invariant)
+//! their own backward) in `train`, a packed segment's attention over its causal blocks
+//! in `attention` (on `gemm`'s products of strided blocks, `gemm`), the decode kernels (forward only, batch-invariant)
 //! in `decode`, the linear layers a decoder layer is made of in `linear` (its
 //! projections by name, the plain and the frozen-weight product), and what both use
 //! here (rotary embeddings and their tables' copy on a device, the SwiGLU forward,
@@ -12,17 +13,20 @@
 //! only and fix their reduction order, so a row's result does not depend on the rows
 //! that share its step.
 
+mod attention;
 mod decode;
+mod gemm;
 mod linear;
 mod train;
 
 use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 
+pub(crate) use attention::prefix_attention;
 pub(crate) use decode::{
     DecodeRows, DenseWeight, StepIndex, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
 };
 pub use linear::Projection;
-pub(crate) use linear::{frozen_linear, linear};
+pub(crate) use linear::{frozen_linear, fused_linear, linear};
 #[cfg(test)]
 pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
