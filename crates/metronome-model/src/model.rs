@@ -760,7 +760,7 @@ impl Model {
                     Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
                 };
                 let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                outs.push(ks.prefix_attention(&q, &gather(k)?, &gather(v)?, plan.visible, &plan.mask)?);
+                outs.push(ks.prefix_attention(&q, &gather(k)?, &gather(v)?, plan)?);
             }
             row_start += row_len;
         }

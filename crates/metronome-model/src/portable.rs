@@ -264,20 +264,19 @@ impl Kernels {
         Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
     }
 
-    /// [`Kernels::attention`] of one packed segment, whose query `i` sees its first
-    /// `visible + i + 1` keys (`mask` is that pattern, additive `[lq, lk]`): fused, one
-    /// op over the causal blocks only (`ops/attention.rs`); otherwise the masked square.
+    /// [`Kernels::attention`] of one packed segment's queries to the keys its plan
+    /// lets them see (query `i` the first `plan.visible + i + 1`): fused, one op over
+    /// the causal blocks only (`ops/attention.rs`); otherwise the masked square.
     pub(crate) fn prefix_attention(
         self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        visible: usize,
-        mask: &Tensor,
+        plan: &ops::SegmentPlan,
     ) -> Result<Tensor> {
         match self {
-            Self::Fused => ops::prefix_attention(q, k, v, visible),
-            _ => self.attention(q, k, v, Some(mask)),
+            Self::Fused => ops::prefix_attention(q, k, v, plan.visible),
+            _ => self.attention(q, k, v, Some(plan.mask()?)),
         }
     }
 
@@ -640,13 +639,6 @@ mod tests {
         assert_eq!(bits(&fused[1]), bits(&on_three[1]));
     }
 
-    /// The additive mask of a segment whose query `i` sees its first `visible + i + 1` keys.
-    fn prefix_mask(lq: usize, visible: usize) -> Tensor {
-        let lk = visible + lq;
-        let mask = (0..lq * lk).map(|x| if x % lk <= visible + x / lk { 0.0 } else { f32::NEG_INFINITY });
-        Tensor::from_vec(mask.collect::<Vec<f32>>(), (lq, lk), &Device::Cpu).unwrap()
-    }
-
     #[test]
     fn fused_prefix_attention_matches_the_masked_square_and_its_gradients() {
         let dev = Device::Cpu;
@@ -664,10 +656,10 @@ mod tests {
             let k = var(22, lk * kvh * hd, (lk, kvh, hd));
             let v = var(23, lk * kvh * hd, (lk, kvh, hd));
             let probe = Tensor::from_vec(noise(24, lq * heads * hd), (lq, heads * hd), &dev).unwrap();
-            let mask = prefix_mask(lq, visible);
+            let plan = ops::SegmentPlan::new(0, lq, vec![(0, lk)], visible, &dev);
             let run = |kernels: Kernels| {
                 let (q, k, v) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-                let y = kernels.prefix_attention(q, k, v, visible, &mask).unwrap();
+                let y = kernels.prefix_attention(q, k, v, &plan).unwrap();
                 let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
                 [y, g.get(q).unwrap().clone(), g.get(k).unwrap().clone(), g.get(v).unwrap().clone()]
             };

@@ -205,14 +205,8 @@ fn backward(
                 // dV += Pᵀ·dO; dP = dO·Vᵀ; dS = P ⊙ (dP − rowsum(dO ⊙ O)).
                 matmul(&mut dv, key_grad, true, &p, pb.t(), dout, qb, 1.0);
                 matmul(&mut ds, pb, false, dout, qb, v, kb.t(), 1.0);
-                for r in 0..rows {
-                    let at = qb.offset + r * qb.rs;
-                    let dot: f32 = dout[at..at + hd].iter().zip(&o[at..at + hd]).map(|(a, b)| a * b).sum();
-                    for (s, &pr) in ds[r * keys..(r + 1) * keys].iter_mut().zip(&p[r * keys..(r + 1) * keys])
-                    {
-                        *s = pr * (*s - dot);
-                    }
-                }
+                let n = rows * keys;
+                crate::simd::dispatch(ScoreGrad { ds: &mut ds[..n], p: &p[..n], keys, dout, o, rows: qb });
                 // dQ = scale · dS·K; dK += scale · dSᵀ·Q.
                 matmul(&mut dq, Block::rows(i0 * hd, rows, hd, hd), false, &ds, pb, k, kb, scale);
                 matmul(&mut dk, key_grad, true, &ds, pb.t(), q, qb, scale);
@@ -241,6 +235,35 @@ fn backward(
         }
     }
     (dq, dk, dv)
+}
+
+/// `dS = P ⊙ (dP − rowsum(dO ⊙ O))` in place of `ds` (holding `dP`), `[rows, keys]`,
+/// for the query rows `rows` of `dout` and `o`; compiled for the instruction set
+/// `simd::dispatch` picks.
+struct ScoreGrad<'a> {
+    ds: &'a mut [f32],
+    p: &'a [f32],
+    keys: usize,
+    dout: &'a [f32],
+    o: &'a [f32],
+    rows: Block,
+}
+
+impl pulp::WithSimd for ScoreGrad<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let ScoreGrad { ds, p, keys, dout, o, rows } = self;
+        for (r, (ds, p)) in ds.chunks_exact_mut(keys).zip(p.chunks_exact(keys)).enumerate() {
+            let at = rows.offset + r * rows.rs;
+            let dot: f32 =
+                dout[at..at + rows.cols].iter().zip(&o[at..at + rows.cols]).map(|(a, b)| a * b).sum();
+            for (s, &pr) in ds.iter_mut().zip(p) {
+                *s = pr * (*s - dot);
+            }
+        }
+    }
 }
 
 /// Softmax of each row of `p: [rows, keys]` over its first `first + r` entries (row

@@ -588,8 +588,38 @@ pub(crate) struct SegmentPlan {
     pub(crate) keys: Vec<(usize, usize)>,
     /// The ancestors' keys, which every query sees: query `i` sees `visible + i + 1` keys.
     pub(crate) visible: usize,
-    /// `[len, keys]` additive mask: 0 on the ancestors and the causal prefix, `-inf` after.
-    pub(crate) mask: Tensor,
+    device: Device,
+    /// [`SegmentPlan::mask`], made on first use: the fused attention reads `visible`
+    /// only, and building `[len, keys]` per segment was a visible share of its step.
+    mask: std::sync::OnceLock<Tensor>,
+}
+
+impl SegmentPlan {
+    /// The plan of `len` queries from `start` that see `visible` ancestor keys first.
+    pub(crate) fn new(
+        start: usize,
+        len: usize,
+        keys: Vec<(usize, usize)>,
+        visible: usize,
+        device: &Device,
+    ) -> Self {
+        Self { start, len, keys, visible, device: device.clone(), mask: std::sync::OnceLock::new() }
+    }
+
+    /// The `[len, visible + len]` additive mask: 0 on the ancestors and the causal
+    /// prefix, `-inf` after.
+    pub(crate) fn mask(&self) -> Result<&Tensor> {
+        if let Some(m) = self.mask.get() {
+            return Ok(m);
+        }
+        let width = self.visible + self.len;
+        let mut mask = vec![f32::NEG_INFINITY; self.len * width];
+        for i in 0..self.len {
+            mask[i * width..i * width + self.visible + i + 1].fill(0.0);
+        }
+        let mask = Tensor::from_vec(mask, (self.len, width), &self.device)?;
+        Ok(self.mask.get_or_init(|| mask))
+    }
 }
 
 /// The `(start, len)` spans of `seg`'s ancestors in `row`, root first: the keys every
@@ -614,18 +644,7 @@ pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) ->
         let visible: usize = keys.iter().map(|k| k.1).sum();
         let (start, len) = (seg.start as usize, seg.len as usize);
         keys.push((start, len));
-        let width = visible + len;
-        let mut mask = vec![f32::NEG_INFINITY; len * width];
-        for i in 0..len {
-            mask[i * width..i * width + visible + i + 1].fill(0.0);
-        }
-        plans.push(SegmentPlan {
-            start,
-            len,
-            keys,
-            visible,
-            mask: Tensor::from_vec(mask, (len, width), device)?,
-        });
+        plans.push(SegmentPlan::new(start, len, keys, visible, device));
     }
     Ok(plans)
 }
@@ -749,7 +768,7 @@ mod tests {
         let mut allowed = vec![vec![false; row.len()]; row.len()];
         for plan in segment_plans(&row, &Device::Cpu).unwrap() {
             let key_positions: Vec<usize> = plan.keys.iter().flat_map(|&(s, l)| s..s + l).collect();
-            let mask = plan.mask.to_vec2::<f32>().unwrap();
+            let mask = plan.mask().unwrap().to_vec2::<f32>().unwrap();
             for i in 0..plan.len {
                 for (j, &k) in key_positions.iter().enumerate() {
                     allowed[plan.start + i][k] |= mask[i][j] == 0.0;
