@@ -5,6 +5,7 @@
 #   bash target/gpu/run.sh [FILTER ...]     # from the repository root; FILTER goes to every test binary
 #   bash target/gpu/run.sh --bench          # every GPU test, then training tokens/s against PyTorch
 #   bash target/gpu/run.sh --learn GGUF     # the SmolLM2 learning run of issue #32 (no tests)
+#   bash target/gpu/run.sh --trl GGUF WHEELS  # TRL's GRPOTrainer on the same data (#32)
 #
 # Every executable runs from its package directory, as `cargo test` runs it, with one
 # rayon/candle thread per test (as `cargo xtask ci` does). Logs go to $OUT/gpu-tests.log
@@ -105,6 +106,32 @@ if [ "${1:-}" = "--learn" ]; then
         dir=$(ls -d "$runs/$schedule"* 2>/dev/null | head -n 1)
         [ -n "$dir" ] && grep -E '"reward_mean"|"period"' "$dir/metrics.jsonl" | head -n 20 >>"$out/compare.txt"
     done
+    exit 0
+fi
+
+# `--trl GGUF WHEELS` is issue #32's comparison with TRL: GRPOTrainer on the preset's
+# data and settings (benches/trl_gsm.py), its base model exported by Metronome
+# (`metronome export --checkpoint base`) and its prompts written by `metronome prompts`
+# (TRL_STEPS periods' batches, 64 held-out prompts). The machine has no trl and no
+# datasets: WHEELS is a folder of their wheels (and of whatever else they need that it
+# lacks), installed offline into $bin/pylib. Into $OUT: trl-gsm.json, trl.log.
+if [ "${1:-}" = "--trl" ]; then
+    gguf=${2:?usage: run.sh --trl PATH_TO_SmolLM2-135M-Instruct.Q4_1.gguf WHEELS_DIR}
+    wheels=${3:?usage: run.sh --trl GGUF WHEELS_DIR}
+    out=${OUT:-$bin}
+    base=$bin/runs/base
+    mkdir -p "$base"
+    python3 -m pip install --quiet --no-index --find-links "$wheels" --target "$bin/pylib" trl datasets \
+        >"$out/trl.log" 2>&1
+    (cd "$build_root" && "$bin/bin/metronome" config --config configs/smollm2-gsm.toml \
+        --set "model.path=\"$gguf\"" >"$base/config.toml" &&
+        "$bin/bin/metronome" export "$base" --checkpoint base --out "$bin/smol-hf" --questions 0 &&
+        "$bin/bin/metronome" prompts --config configs/smollm2-gsm.toml --set "model.path=\"$gguf\"" \
+            --periods "${TRL_STEPS:-40}" --heldout 64 --out "$bin/gsm.jsonl" &&
+        PYTHONPATH="$bin/pylib" timeout "${TRL_S:-400}" python3 crates/metronome-pipeline/benches/trl_gsm.py \
+            --model "$bin/smol-hf" --prompts "$bin/gsm.jsonl" --steps "${TRL_STEPS:-40}" --out "$out/trl-gsm.json") \
+        >>"$out/trl.log" 2>&1
+    echo "trl: exit $?" >>"$out/trl.log"
     exit 0
 fi
 

@@ -127,7 +127,8 @@ enum Command {
     Export {
         /// The run directory (`runs/<name>`); its `config.toml` says the model and task.
         run: PathBuf,
-        /// `final`, `latest` (the newest period checkpoint) or `period-<n>`.
+        /// `final`, `latest` (the newest period checkpoint), `period-<n>`, or `base`:
+        /// the model the run starts from, untrained.
         #[arg(long, default_value = "final")]
         checkpoint: String,
         /// Where to write the folder (default: `RUN/export`).
@@ -140,6 +141,20 @@ enum Command {
         /// or `--set model.path=FILE` where the model lives elsewhere on this machine.
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
+    },
+    /// Write the prompts a run draws as JSON lines (id, text after the chat template,
+    /// token ids, reference): the batches of its periods (`run.periods`, `--periods`)
+    /// in release order, then its held-out split, for another framework to train and
+    /// evaluate on the same data (`crates/metronome-pipeline/benches/trl_gsm.py`).
+    Prompts {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Held-out prompts to write after them.
+        #[arg(long, default_value_t = 0)]
+        heldout: usize,
+        /// The file to write (default: standard output).
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Print the resolved configuration after overrides and validation.
     Config {
@@ -455,6 +470,24 @@ fn real_main() -> Result<()> {
                 done.correct,
                 done.out.join(metronome_pipeline::GREEDY_ANSWERS_FILE).display()
             );
+            Ok(())
+        }
+        Command::Prompts { config, heldout, out } => {
+            let config = config.load()?;
+            let periods = config.run.periods;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("starting the async runtime")?;
+            let lines = runtime.block_on(metronome_pipeline::prompt_lines(&config, periods, heldout))?;
+            let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+            match out {
+                Some(path) => {
+                    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+                    eprintln!("{} prompts written to {}", lines.len(), path.display());
+                }
+                None => print!("{text}"),
+            }
             Ok(())
         }
         Command::Config { config } => {

@@ -25,11 +25,15 @@ pub(crate) fn eval_scorer(config: &PipelineConfig) -> Result<Arc<dyn RewardFn>> 
 
 /// The first `count` prompts of the run's held-out source, in order, rendered as its
 /// training prompts are: what every evaluation of the run answers (and an export).
+/// None asked for, none read: a run without a held-out source may ask for 0.
 pub(crate) async fn heldout_prompts(
     config: &PipelineConfig,
     tokenizer: Arc<dyn Tokenizer>,
     count: usize,
 ) -> Result<Vec<Prompt>> {
+    if count == 0 {
+        return Ok(Vec::new());
+    }
     let Some(source) = config.heldout_source() else {
         return Err(Error::Config {
             key: "eval.source".into(),
@@ -37,9 +41,6 @@ pub(crate) async fn heldout_prompts(
                 .into(),
         });
     };
-    if count == 0 {
-        return Ok(Vec::new());
-    }
     let mut data = config.data.clone();
     data.source = source;
     data.release.batch_size = count;

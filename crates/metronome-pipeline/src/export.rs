@@ -22,11 +22,16 @@ use crate::generator::Generator;
 /// The file of greedy answers an export writes beside the weights.
 pub const GREEDY_ANSWERS_FILE: &str = "metronome_greedy.json";
 
+/// [`ExportOptions::checkpoint`] naming the run's model source itself, untrained.
+pub const BASE_CHECKPOINT: &str = "base";
+
 /// What to export and where.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExportOptions {
     /// The checkpoint: `final` (written after the last period), `latest` (the newest
-    /// period checkpoint) or `period-<n>`.
+    /// period checkpoint), `period-<n>`, or [`BASE_CHECKPOINT`]: the model the run
+    /// starts from, as its config loads it (the base another framework's run of the
+    /// same data starts from; a run directory with its `config.toml` is still read).
     pub checkpoint: String,
     /// The folder to write; created, and its files replaced.
     pub out: PathBuf,
@@ -38,7 +43,7 @@ pub struct ExportOptions {
 /// What an export wrote.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExportOutcome {
-    /// The checkpoint folder read.
+    /// The checkpoint folder read (the model source's path for [`BASE_CHECKPOINT`]).
     pub checkpoint: PathBuf,
     /// The folder written.
     pub out: PathBuf,
@@ -66,18 +71,26 @@ fn greedy_engine(config: &PipelineConfig) -> metronome_rollout::EngineConfig {
 /// Exports checkpoint `options.checkpoint` of the run in `run` (whose stored config
 /// is `config`) to `options.out`.
 pub async fn export(run: &Path, config: &PipelineConfig, options: &ExportOptions) -> Result<ExportOutcome> {
-    let checkpoint = checkpoint_dir(run, &options.checkpoint)?;
-    let policy_dir = checkpoint.join("policy");
-    if !policy_dir.join("config.json").is_file() {
-        return Err(missing(&policy_dir, "holds no policy (config.json and model.safetensors)"));
-    }
     // The weights decode where the run's rollouts did; the files are written from the host.
-    let device = config.rollout_device().open()?;
-    let mut model = Model::load_hf(&policy_dir, &device)?;
-    let adapter = checkpoint.join("adapter");
-    if adapter.is_dir() {
-        model = model.with_lora_adapter(&adapter)?.merged()?;
-    }
+    let (model, checkpoint) = if options.checkpoint == BASE_CHECKPOINT {
+        let source = match &config.model {
+            ModelSource::Tiny { .. } => PathBuf::from("tiny (built-in, run.seed)"),
+            ModelSource::Hf { path, .. } | ModelSource::Gguf { path, .. } => path.clone(),
+        };
+        (crate::load_model(config, config.rollout_device())?.0, source)
+    } else {
+        let checkpoint = checkpoint_dir(run, &options.checkpoint)?;
+        let policy_dir = checkpoint.join("policy");
+        if !policy_dir.join("config.json").is_file() {
+            return Err(missing(&policy_dir, "holds no policy (config.json and model.safetensors)"));
+        }
+        let mut model = Model::load_hf(&policy_dir, &config.rollout_device().open()?)?;
+        let adapter = checkpoint.join("adapter");
+        if adapter.is_dir() {
+            model = model.with_lora_adapter(&adapter)?.merged()?;
+        }
+        (model, checkpoint)
+    };
     let out = &options.out;
     model.save_hf(out)?;
     let (tokenizer, wrote_tokenizer) = write_tokenizer(config, out)?;

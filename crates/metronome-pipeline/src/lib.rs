@@ -32,6 +32,7 @@ mod generator;
 mod html;
 mod metrics;
 mod plots;
+mod prompts;
 mod release;
 mod report;
 mod rundir;
@@ -53,12 +54,13 @@ pub use config::{
 };
 pub use error::{Error, Result};
 pub use events::{Event, Observer, WorkerOutcome};
-pub use export::{ExportOptions, ExportOutcome, GREEDY_ANSWERS_FILE, export};
+pub use export::{BASE_CHECKPOINT, ExportOptions, ExportOutcome, GREEDY_ANSWERS_FILE, export};
 pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
 pub use metrics::{CLUSTER_METRICS, METRICS};
 pub use metronome_core::Secret;
 #[cfg(feature = "http")]
 pub use metronome_rollout::{LogprobsMode, http::ServerConfig};
+pub use prompts::prompt_lines;
 pub use release::{Release, Released};
 pub use report::{Clock, EvalPoint, Interval, PeriodReport, StageKind};
 pub use rundir::RunDir;

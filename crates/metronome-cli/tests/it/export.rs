@@ -86,6 +86,15 @@ fn a_run_exports_its_final_weights_bit_for_bit_with_deterministic_greedy_answers
     assert!(ok, "{err}");
     assert_eq!(weights(&latest), weights(&out));
 
+    // `base`: the model the run started from, before its warm start and periods.
+    let base = dir.path().join("base");
+    let (ok, err) = export("base", &base);
+    assert!(ok, "{err}");
+    assert_ne!(weights(&base), weights(&out));
+    let (ok, err) = export("base", &dir.path().join("base-again"));
+    assert!(ok, "{err}");
+    assert_eq!(weights(&dir.path().join("base-again")), weights(&base));
+
     // What cannot be exported is named.
     let (ok, err) = export("period-99", &dir.path().join("x"));
     assert!(!ok && err.contains("period-99") && err.contains("not a checkpoint folder"), "{err}");
@@ -161,4 +170,41 @@ fn the_smollm2_gsm_preset_runs_and_exports_on_the_cpu_where_smollm2_is_installed
     assert!(out.join("tokenizer.json").is_file());
     let answers = std::fs::read_to_string(out.join("metronome_greedy.json")).unwrap();
     assert!(answers.contains("#### N"), "the prompts ask for the verifier's format");
+}
+
+/// `metronome prompts`: the run's training batches, then held-out prompts, as JSON lines.
+#[test]
+fn prompts_writes_the_run_s_batches_then_its_held_out_prompts_as_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("p.jsonl");
+    let args = ["prompts", "--periods", "2", "--heldout", "3", "--set", "data.release.batch_size=4"];
+    let (ok, err) = metronome(&[&args[..], &["--out", file.to_str().unwrap()]].concat());
+    assert!(ok, "{err}");
+    assert!(err.contains("11 prompts written"), "{err}");
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&file).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let splits: Vec<(&str, Option<u64>)> =
+        lines.iter().map(|l| (l["split"].as_str().unwrap(), l["period"].as_u64())).collect();
+    let want: Vec<(&str, Option<u64>)> = [[("train", Some(0)); 4], [("train", Some(1)); 4]]
+        .concat()
+        .into_iter()
+        .chain([("heldout", None); 3])
+        .collect();
+    assert_eq!(splits, want);
+    for l in &lines {
+        assert!(
+            l["text"].is_string()
+                && l["reference"].is_string()
+                && !l["tokens"].as_array().unwrap().is_empty(),
+            "{l}"
+        );
+    }
+    // The same command gives the same lines (the run's seed decides them).
+    let again = dir.path().join("q.jsonl");
+    let (ok, err) = metronome(&[&args[..], &["--out", again.to_str().unwrap()]].concat());
+    assert!(ok, "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), std::fs::read(&again).unwrap());
+    // A bad value is named.
+    let (ok, err) = metronome(&["prompts", "--set", "data.release.batch_size=0"]);
+    assert!(!ok && err.contains("data.release.batch_size"), "{err}");
 }
