@@ -80,6 +80,17 @@ impl Dims {
         Block::rows(g * self.hd, n, self.hd, self.kv_heads * self.hd)
     }
 
+    /// Per-head `[lq, hd]` buffers, in head order, as one `[lq, heads · hd]` buffer.
+    fn interleave<'a>(self, heads: impl Iterator<Item = &'a [f32]> + Clone) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.lq * self.heads * self.hd);
+        for i in 0..self.lq {
+            for head in heads.clone() {
+                out.extend_from_slice(&head[i * self.hd..(i + 1) * self.hd]);
+            }
+        }
+        out
+    }
+
     /// The blocks of queries: `(i0, rows, keys)`, `keys` being those the last query sees.
     fn blocks(self) -> impl Iterator<Item = (usize, usize, usize)> {
         (0..self.lq).step_by(BLOCK).map(move |i0| {
@@ -147,12 +158,7 @@ impl candle_core::CustomOp3 for PrefixAttention {
                 out
             })
             .collect();
-        let mut out = Vec::with_capacity(d.lq * d.heads * hd);
-        for i in 0..d.lq {
-            for head in &per_head {
-                out.extend_from_slice(&head[i * hd..(i + 1) * hd]);
-            }
-        }
+        let out = d.interleave(per_head.iter().map(Vec::as_slice));
         Ok((CpuStorage::F32(out), (d.lq, d.heads * hd).into()))
     }
 
@@ -214,12 +220,7 @@ fn backward(
             [dq, dk, dv]
         })
         .collect();
-    let mut dq = Vec::with_capacity(d.lq * d.heads * hd);
-    for i in 0..d.lq {
-        for [head, _, _] in &per_head {
-            dq.extend_from_slice(&head[i * hd..(i + 1) * hd]);
-        }
-    }
+    let dq = d.interleave(per_head.iter().map(|[dq, _, _]| dq.as_slice()));
     // Each key/value head sums its query heads' gradients in head order.
     let (mut dk, mut dv) = (vec![0f32; d.lk * d.kv_heads * hd], vec![0f32; d.lk * d.kv_heads * hd]);
     for (h, [_, hk, hv]) in per_head.iter().enumerate() {
