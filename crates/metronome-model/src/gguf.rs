@@ -48,14 +48,30 @@ fn unpermute(w: &Tensor, heads: usize) -> Result<Tensor> {
     Ok(w.reshape((heads, hd / 2, 2, cols))?.transpose(1, 2)?.contiguous()?.reshape((rows, cols))?)
 }
 
+/// The GGUF file at `path`, open, with its header, metadata and tensor index read (no
+/// tensor data); errors name the file.
+fn read_content(path: &Path) -> Result<(std::fs::File, Content)> {
+    let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+    let content =
+        Content::read(&mut file).map_err(|e| Error::checkpoint(path.display().to_string(), e.to_string()))?;
+    Ok((file, content))
+}
+
+impl GgufTokenizer {
+    /// The tokenizer and chat template the GGUF file at `path` embeds, from its metadata
+    /// alone: no tensor is read (what [`Model::load_gguf`] returns beside the weights).
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        Self::from_metadata(&read_content(path)?.1.metadata, &path.display().to_string())
+    }
+}
+
 impl Model {
     /// Loads a GGUF file of the llama or qwen2 architecture, dequantising every
     /// tensor to f32, with the tokenizer and chat template it embeds. The model is
     /// trainable; use [`Model::with_trainable`] for inference only.
     pub fn load_gguf(path: &Path, device: &Device) -> Result<(Self, GgufTokenizer)> {
         let file_name = path.display().to_string();
-        let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let content = Content::read(&mut file).map_err(|e| Error::checkpoint(&file_name, e.to_string()))?;
+        let (mut file, content) = read_content(path)?;
         let md = &content.metadata;
         let key = |k: &str| format!("{file_name}: metadata `{k}`");
         let arch = md

@@ -41,6 +41,16 @@ pub fn load_model(config: &PipelineConfig, device: DeviceSpec) -> Result<(Model,
     })
 }
 
+/// The tokenizer of the config's model source, without its weights (a GGUF's from its
+/// metadata): what [`load_model`] returns beside the network.
+pub(crate) fn load_tokenizer(config: &PipelineConfig) -> Result<Arc<dyn Tokenizer>> {
+    Ok(match &config.model {
+        ModelSource::Tiny { .. } => Arc::new(CharTokenizer),
+        ModelSource::Hf { path, .. } => Arc::new(HfTokenizer::from_dir(path)?),
+        ModelSource::Gguf { path, .. } => Arc::new(metronome_model::GgufTokenizer::from_gguf(path)?),
+    })
+}
+
 /// The runner's options of a run: the schedule, periods, time limit, group size and
 /// dynamic sampling of `[run]`, the advantage estimator of `[trainer]`, partial rollouts of
 /// `[rollout]`.

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use metronome_core::{PeriodId, PolicyVersion, Tokenizer};
-use metronome_model::{Device, Model};
+use metronome_model::Model;
 
 use crate::builders::native_engine;
 use crate::config::{ModelSource, PipelineConfig};
@@ -156,7 +156,9 @@ fn checkpoint_dir(run: &Path, name: &str) -> Result<PathBuf> {
         other => {
             return Err(Error::Config {
                 key: "--checkpoint".into(),
-                reason: format!("is `{other}`, expected `final`, `latest` or `period-<n>`"),
+                reason: format!(
+                    "is `{other}`, expected `final`, `latest`, `period-<n>` or `{BASE_CHECKPOINT}`"
+                ),
             });
         }
     };
@@ -197,9 +199,8 @@ fn write_tokenizer(config: &PipelineConfig, out: &Path) -> Result<(Arc<dyn Token
         }
         ModelSource::Gguf { path, .. } => {
             config.check_model_files()?;
-            // The tokenizer lives in the file's metadata; the weights read with it are
-            // the base model's and are dropped.
-            let (_, gguf) = Model::load_gguf(path, &Device::Cpu)?;
+            // The tokenizer lives in the file's metadata.
+            let gguf = metronome_model::GgufTokenizer::from_gguf(path)?;
             let hf = gguf.as_hf();
             let file = out.join("tokenizer.json");
             hf.inner().save(&file, false).map_err(|e| Error::Io {

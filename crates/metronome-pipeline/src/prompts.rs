@@ -13,14 +13,14 @@ use crate::evaluate::heldout_prompts;
 
 /// The first `periods` training batches of `config`'s run and its first `heldout`
 /// held-out prompts, one JSON object each, in that order, tokenised by the model
-/// source's tokenizer (loaded on the CPU). Fewer training batches when the dataset
-/// ends first (`data.release.epochs`).
+/// source's tokenizer (its weights are not read). Fewer training batches when the
+/// dataset ends first (`data.release.epochs`).
 pub async fn prompt_lines(
     config: &PipelineConfig,
     periods: u64,
     heldout: usize,
 ) -> Result<Vec<serde_json::Value>> {
-    let (_, tokenizer) = crate::load_model(config, metronome_model::DeviceSpec::Cpu)?;
+    let tokenizer = crate::builders::load_tokenizer(config)?;
     let line =
         |split: &str, period: Option<u64>, prompt: &metronome_core::Prompt| -> Result<serde_json::Value> {
             let mut value = serde_json::to_value(prompt).map_err(|e| Error::Config {
@@ -36,12 +36,13 @@ pub async fn prompt_lines(
             Ok(value)
         };
     let mut lines = Vec::new();
-    // The run's own loader, built as `builders` builds it: the same seed, order and batches.
+    // The run's loader, built as `builders` builds it: the same seed, order and batches,
+    // each stamped with the period it is for (which the run checks on release).
     let mut loader = config.data.build(RunSeed(config.run.seed), tokenizer.clone())?;
-    for period in 0..periods {
+    for _ in 0..periods {
         let Some(batch) = loader.next().await? else { break };
         for prompt in &batch.prompts {
-            lines.push(line("train", Some(period), prompt)?);
+            lines.push(line("train", Some(batch.period.0), prompt)?);
         }
     }
     for prompt in &heldout_prompts(config, tokenizer, heldout).await? {

@@ -99,7 +99,7 @@ fn a_run_exports_its_final_weights_bit_for_bit_with_deterministic_greedy_answers
     let (ok, err) = export("period-99", &dir.path().join("x"));
     assert!(!ok && err.contains("period-99") && err.contains("not a checkpoint folder"), "{err}");
     let (ok, err) = export("best", &dir.path().join("x"));
-    assert!(!ok && err.contains("`--checkpoint`"), "{err}");
+    assert!(!ok && err.contains("`--checkpoint`") && err.contains("`base`"), "{err}");
     let (ok, err) = metronome(&["export", root]);
     assert!(!ok && err.contains("no config.toml"), "{err}");
 }
@@ -204,7 +204,10 @@ fn prompts_writes_the_run_s_batches_then_its_held_out_prompts_as_json_lines() {
     let (ok, err) = metronome(&[&args[..], &["--out", again.to_str().unwrap()]].concat());
     assert!(ok, "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), std::fs::read(&again).unwrap());
-    // A bad value is named.
+    // A bad value is named, and so is a file that cannot be written.
     let (ok, err) = metronome(&["prompts", "--set", "data.release.batch_size=0"]);
     assert!(!ok && err.contains("data.release.batch_size"), "{err}");
+    let nowhere = dir.path().join("missing-dir").join("p.jsonl");
+    let (ok, err) = metronome(&[&args[..], &["--out", nowhere.to_str().unwrap()]].concat());
+    assert!(!ok && err.contains("missing-dir"), "{err}");
 }

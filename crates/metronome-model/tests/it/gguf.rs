@@ -105,6 +105,11 @@ fn f32_gguf_loads_with_transformers_logits() {
     assert_eq!(tok.decode(&ids).unwrap(), "user\nhi\nassistant\n", "control tokens are skipped");
     assert!(tok.stop_token_ids().contains(&1));
 
+    // The same tokenizer from the file's metadata alone.
+    let alone = GgufTokenizer::from_gguf(&dir.path().join("tiny-F32.gguf")).unwrap();
+    assert_eq!(alone.encode(&text).unwrap(), ids);
+    assert_eq!((alone.stop_token_ids(), alone.bos_token_id()), (tok.stop_token_ids(), tok.bos_token_id()));
+
     // The same tokenizer through tokenizer.json + tokenizer_config.json.
     tok.as_hf().inner().save(dir.path().join("tokenizer.json"), false).unwrap();
     std::fs::write(
@@ -136,6 +141,10 @@ fn bad_gguf_files_are_errors() {
     let e = Model::load_gguf(&path, &Device::Cpu).unwrap_err().to_string();
     assert!(e.contains("bad.gguf"), "{e}");
     let e = Model::load_gguf(&dir.path().join("missing.gguf"), &Device::Cpu).unwrap_err().to_string();
+    assert!(e.contains("missing.gguf"), "{e}");
+    let e = GgufTokenizer::from_gguf(&path).unwrap_err().to_string();
+    assert!(e.contains("bad.gguf"), "{e}");
+    let e = GgufTokenizer::from_gguf(&dir.path().join("missing.gguf")).unwrap_err().to_string();
     assert!(e.contains("missing.gguf"), "{e}");
 }
 
