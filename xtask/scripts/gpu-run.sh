@@ -117,11 +117,13 @@ fi
 # lacks), installed offline into $bin/pylib. Into $OUT: trl-gsm.json, trl.log.
 if [ "${1:-}" = "--trl" ]; then
     gguf=${2:?usage: run.sh --trl PATH_TO_SmolLM2-135M-Instruct.Q4_1.gguf WHEELS_DIR}
-    wheels=${3:?usage: run.sh --trl GGUF WHEELS_DIR}
+    wheels=$(cd "${3:?usage: run.sh --trl GGUF WHEELS_DIR}" && pwd)
     out=${OUT:-$bin}
     base=$bin/runs/base
     mkdir -p "$base"
-    python3 -m pip install --quiet --no-index --find-links "$wheels" --target "$bin/pylib" trl datasets \
+    # --no-deps: the machine's own packages (transformers, accelerate, pyarrow, ...) stay
+    # the ones used; WHEELS holds exactly what it lacks.
+    python3 -m pip install --quiet --no-index --no-deps --target "$bin/pylib" "$wheels"/*.whl \
         >"$out/trl.log" 2>&1
     (cd "$build_root" && "$bin/bin/metronome" config --config configs/smollm2-gsm.toml \
         --set "model.path=\"$gguf\"" >"$base/config.toml" &&
@@ -129,7 +131,8 @@ if [ "${1:-}" = "--trl" ]; then
         "$bin/bin/metronome" prompts --config configs/smollm2-gsm.toml --set "model.path=\"$gguf\"" \
             --periods "${TRL_STEPS:-40}" --heldout 64 --out "$bin/gsm.jsonl" &&
         PYTHONPATH="$bin/pylib" timeout "${TRL_S:-400}" python3 crates/metronome-pipeline/benches/trl_gsm.py \
-            --model "$bin/smol-hf" --prompts "$bin/gsm.jsonl" --steps "${TRL_STEPS:-40}" --out "$out/trl-gsm.json") \
+            --model "$bin/smol-hf" --prompts "$bin/gsm.jsonl" --steps "${TRL_STEPS:-40}" \
+            --eval-every "${TRL_EVAL_EVERY:-10}" --out "$out/trl-gsm.json") \
         >>"$out/trl.log" 2>&1
     echo "trl: exit $?" >>"$out/trl.log"
     exit 0

@@ -114,6 +114,7 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64, help="prompts per optimiser step")
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=64, help="answers per forward and backward")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--lr", type=float, default=5e-6)
@@ -128,6 +129,9 @@ def main():
     if len(train) < args.steps * args.batch:
         raise SystemExit(f"{args.prompts}: {len(train)} training prompts, {args.steps} steps need {args.steps * args.batch}")
     cuda = torch.cuda.is_available()
+    accumulation, rest = divmod(args.batch * args.group, args.micro_batch)
+    if rest or accumulation == 0:
+        raise SystemExit(f"--micro-batch {args.micro_batch} must divide --batch x --group = {args.batch * args.group}")
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -136,7 +140,11 @@ def main():
     dataset = Dataset.from_list([{"prompt": l["text"], "reference": l["reference"]} for l in train])
     config = GRPOConfig(
         output_dir=str(pathlib.Path(args.out).with_suffix("")) + "-trainer",
-        per_device_train_batch_size=args.batch * args.group,
+        # One generation batch of `batch` x `group` answers per optimiser step, trained
+        # in micro-batches (TRL's steps_per_generation follows gradient accumulation): a
+        # single forward over all 512 answers would hold [tokens, vocab] logits of ~45 GB.
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=accumulation,
         num_generations=args.group,
         max_completion_length=args.new_tokens,
         temperature=args.temperature,
@@ -146,7 +154,6 @@ def main():
         lr_scheduler_type="constant_with_warmup",
         max_steps=args.steps,
         num_iterations=1,
-        gradient_accumulation_steps=1,
         shuffle_dataset=False,
         bf16=cuda,
         use_cpu=not cuda,
