@@ -1,6 +1,7 @@
 //! Word problems: grade-school arithmetic stories in the style of GSM8K ("Maya buys 4
 //! notebooks at $3 each and pays with a $20 bill. How much change does she get?"),
-//! each solved by 2 to 4 whole-number operations.
+//! each solved by 1 to 4 whole-number operations (2 to 4 unless `steps` asks for
+//! one-operation stories, which a model too small for two-step problems starts from).
 //!
 //! Every problem is drawn from one of a fixed set of templates (buying, sharing,
 //! rates, ages, leftovers, wages, travel, ...), with names, objects and wording varied,
@@ -31,7 +32,10 @@ pub const WORD_PROBLEM_STREAM: u64 = 0x776f_7264_7072_6f62; // "wordprob"
 const SPLIT_ATTEMPTS: usize = 10_000;
 
 /// The fewest and most operations a template's solution takes.
-const STEPS: (u64, u64) = (2, 4);
+const STEPS: (u64, u64) = (1, 4);
+
+/// The default `steps`: the multi-step stories GSM8K is made of.
+const DEFAULT_STEPS: (u64, u64) = (2, 4);
 
 /// The default prompt: the question, then the answer format the math verifier of
 /// `metronome-reward` reads first among plain-text forms (the rest of the line after
@@ -45,8 +49,8 @@ pub const DEFAULT_WORD_PROBLEM_FORMAT: &str = "{question}\nSolve the problem ste
 pub struct WordProblemConfig {
     /// Items per epoch.
     pub size: u64,
-    /// Operations a solution takes (2 to 4): each item draws a count uniformly from
-    /// this range, then a template with that many operations.
+    /// Operations a solution takes (1 to 4; default 2 to 4): each item draws a count
+    /// uniformly from this range, then a template with that many operations.
     pub steps: Span,
     /// Caps the numbers a question states at this value (each drawn range's upper end,
     /// never below its lower end; results may exceed it): small numbers for a model too
@@ -67,7 +71,7 @@ impl Default for WordProblemConfig {
     fn default() -> Self {
         Self {
             size: 10_000,
-            steps: Span::new(STEPS.0, STEPS.1),
+            steps: Span::new(DEFAULT_STEPS.0, DEFAULT_STEPS.1),
             max_number: None,
             format: DEFAULT_WORD_PROBLEM_FORMAT.into(),
             seed: None,
@@ -349,6 +353,11 @@ struct Template {
 }
 
 const TEMPLATES: &[Template] = &[
+    // One operation.
+    Template { name: "more", steps: 1, write: more },
+    Template { name: "gave_away", steps: 1, write: gave_away },
+    Template { name: "packs", steps: 1, write: packs },
+    Template { name: "split", steps: 1, write: split },
     // Two operations.
     Template { name: "change", steps: 2, write: change },
     Template { name: "share", steps: 2, write: share },
@@ -369,6 +378,64 @@ const TEMPLATES: &[Template] = &[
     Template { name: "three_ages", steps: 4, write: three_ages },
     Template { name: "bookshop", steps: 4, write: bookshop },
 ];
+
+fn more(d: &mut Draw<'_>) -> String {
+    let p = d.person();
+    let thing = d.pick(&["apples", "stickers", "marbles", "books", "shells", "pencils"]);
+    let had = d.given(2, 40);
+    let got = d.given(1, 30);
+    d.add(had, got);
+    let how = d.pick(&["buys", "is given", "finds"]);
+    format!(
+        "{name} has {had} {thing}. {They} {how} {got} more. How many {thing} does {they} have now?",
+        name = p.name,
+        They = capital(p.they),
+        they = p.they
+    )
+}
+
+fn gave_away(d: &mut Draw<'_>) -> String {
+    let (a, b) = d.two_people();
+    let thing = d.pick(&["cookies", "cards", "balloons", "stamps", "crayons", "toy cars"]);
+    let had = d.given(3, 50);
+    // At least one left: the answer is never zero.
+    let gave = d.given(1, had - 1);
+    d.sub(had, gave);
+    format!(
+        "{an} has {had} {thing} and gives {gave} of them to {bn}. How many {thing} does {an} have left?",
+        an = a.name,
+        bn = b.name
+    )
+}
+
+fn packs(d: &mut Draw<'_>) -> String {
+    let p = d.person();
+    let (pack, thing) =
+        d.pick(&[("boxes", "pens"), ("bags", "oranges"), ("packs", "cards"), ("jars", "candies")]);
+    let n = d.given(2, 12);
+    let each = d.given(2, 12);
+    d.mul(n, each);
+    format!(
+        "{name} buys {n} {pack} with {each} {thing} in each. How many {thing} does {they} buy in all?",
+        name = p.name,
+        they = p.they
+    )
+}
+
+fn split(d: &mut Draw<'_>) -> String {
+    let p = d.person();
+    let thing = d.pick(&["grapes", "beads", "crackers", "coins", "blocks"]);
+    let k = d.given(2, 9);
+    let each = d.rng.between(1, 12);
+    let total = d.stated(k * each);
+    d.div(total, k);
+    let into = d.pick(&["bowls", "boxes", "piles", "bags"]);
+    format!(
+        "{name} puts {total} {thing} into {k} {into}, the same number in each. How many {thing} are in each of \
+         the {into}?",
+        name = p.name
+    )
+}
 
 fn change(d: &mut Draw<'_>) -> String {
     let p = d.person();
@@ -724,7 +791,9 @@ mod tests {
 
     #[test]
     fn validation_names_the_key() {
-        let bad = WordProblemConfig { steps: Span::new(1, 4), ..Default::default() };
+        let bad = WordProblemConfig { steps: Span::new(0, 4), ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("word_problems.steps"));
+        let bad = WordProblemConfig { steps: Span::new(1, 5), ..Default::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("word_problems.steps"));
         let bad = WordProblemConfig { format: "no placeholder".into(), ..Default::default() };
         assert!(bad.validate().unwrap_err().to_string().contains("word_problems.format"));

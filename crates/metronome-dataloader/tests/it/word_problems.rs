@@ -153,6 +153,37 @@ fn steps_and_templates_are_spread() {
     assert!((0..task.len()).all(|i| record(&task, i).2["steps"] == "3"));
 }
 
+/// One-operation stories (`steps = 1`, for a model too small for two-step problems):
+/// every one of the four templates drawn, every answer recomputed and positive, and
+/// none of them among the default's draws.
+#[test]
+fn one_step_problems_are_drawn_only_when_asked_for() {
+    let one =
+        WordProblemConfig { size: 800, steps: Span::exactly(1), max_number: Some(10), ..Default::default() };
+    let task = WordProblemTask::new(one, RunSeed(5)).unwrap();
+    let mut templates = BTreeMap::new();
+    for i in 0..task.len() {
+        let (_, reference, metadata) = record(&task, i);
+        let question = &metadata["question"];
+        let (steps, answer) = recompute(&metadata["solution"], question);
+        assert_eq!((steps, metadata["steps"].as_str()), (1, "1"), "{question}");
+        assert_eq!(reference.parse::<u64>().unwrap(), answer, "{question}");
+        assert!(answer >= 1, "answer {answer}: {question}");
+        *templates.entry(metadata["template"].clone()).or_insert(0usize) += 1;
+    }
+    eprintln!("one-step templates {templates:?}");
+    assert_eq!(templates.len(), 4, "{templates:?}");
+    assert!(templates.values().all(|&n| n >= 120), "{templates:?}");
+
+    let default =
+        WordProblemTask::new(WordProblemConfig { size: 500, ..Default::default() }, RunSeed(5)).unwrap();
+    assert!((0..default.len()).all(|i| record(&default, i).2["steps"] != "1"));
+    let mixed = WordProblemConfig { size: 400, steps: Span::new(1, 2), ..Default::default() };
+    let task = WordProblemTask::new(mixed, RunSeed(5)).unwrap();
+    let ones = (0..task.len()).filter(|&i| record(&task, i).2["steps"] == "1").count();
+    assert!((140..=260).contains(&ones), "{ones} of 400 problems take one step");
+}
+
 #[test]
 fn items_are_deterministic_per_seed() {
     let items = |config: WordProblemConfig, run: u64| {
