@@ -14,7 +14,7 @@ The inputs are made by Metronome, so both sides see the same model and prompts:
 
 Matched to the preset: 64 prompts x G = 8 per optimiser step, in the order the run
 releases them (`shuffle_dataset=False`); temperature 0.7; at most 192 new tokens; no KL;
-learning rate 5e-6 with 5 warm-up steps; bf16 compute with f32 weights; one optimiser
+learning rate 1e-5 with 5 warm-up steps; bf16 compute with f32 weights; one optimiser
 step per batch of generations (on-policy, as `periodic`). The reward is the preset's:
 1 when the final answer (`#### N`, else "the answer is N", else the last number; the
 text cut at the preset's stop strings, which `generate` here does not stop at) equals
@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=64, help="answers per forward and backward")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--lr", type=float, default=5e-6)
+    ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="trl-gsm.json")

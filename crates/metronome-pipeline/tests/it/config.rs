@@ -686,7 +686,7 @@ fn the_smollm2_gsm_preset_is_valid_and_names_a_missing_model() {
     assert_eq!(c.trainer.precision, Some(metronome_model::Precision::Bf16));
     assert_eq!(
         (c.trainer.schedule.lr, c.trainer.schedule.warmup_steps, c.trainer.loss.kl_coef),
-        (5e-6, 5, 0.0)
+        (1e-5, 5, 0.0)
     );
     assert_eq!((c.sft.steps, c.eval.prompts, c.eval.every, c.eval.temperature), (0, 256, 10, 0.0));
     assert!(c.data.prompt.chat_template);
@@ -694,7 +694,7 @@ fn the_smollm2_gsm_preset_is_valid_and_names_a_missing_model() {
         panic!("the preset trains on word problems: {:?}", c.data.source)
     };
     assert_eq!(train.holdout, metronome_dataloader::Holdout::train(10));
-    assert_eq!((train.steps, train.max_number), (metronome_dataloader::Span::exactly(2), Some(10)));
+    assert_eq!((train.steps, train.max_number), (metronome_dataloader::Span::exactly(1), Some(10)));
     assert!(train.format.contains("#### 10\n\nProblem: {question}"), "one worked example, then the problem");
     let Some(metronome_dataloader::SourceConfig::WordProblems(heldout)) = c.heldout_source() else {
         panic!("the held-out source is the word problems' held-out split")
