@@ -9,6 +9,7 @@ mod decode;
 mod devices;
 mod gguf;
 mod lora;
+mod matmul;
 mod memory;
 mod precision;
 mod reference;

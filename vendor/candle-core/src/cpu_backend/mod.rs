@@ -1478,7 +1478,12 @@ impl Map2 for MatMul {
         let dst_rs = dst_strides[0];
         let dst_cs = dst_strides[1];
 
-        let mut dst = vec![T::zero(); b * m * n];
+        // Not zero-filled (metronome's patch, PATCH.md): every gemm call below runs with
+        // `read_dst = false`, which stores each element of its m x n block (zeros when
+        // k = 0) without reading it, and the blocks tile the buffer; the length is set
+        // once they are written.
+        let len = b * m * n;
+        let mut dst: Vec<T> = Vec::with_capacity(len);
         let num_threads = crate::utils::get_num_threads();
         let parallelism = if num_threads > 1 {
             Parallelism::Rayon(num_threads)
@@ -1502,13 +1507,14 @@ impl Map2 for MatMul {
         for step in 0..b {
             let lhs_p = &lhs[step * a_skip..];
             let rhs_p = &rhs[step * b_skip..];
-            let dst_p = &mut dst[step * c_skip..];
+            // Within the capacity: step * c_skip + m * n <= len.
+            let dst_p = unsafe { dst.as_mut_ptr().add(step * c_skip) };
             unsafe {
                 gemm(
                     /* m: usize = */ m,
                     /* n: usize = */ n,
                     /* k: usize = */ k,
-                    /* dst: *mut T = */ dst_p.as_mut_ptr(),
+                    /* dst: *mut T = */ dst_p,
                     /* dst_cs: isize = */ dst_cs as isize,
                     /* dst_rs: isize = */ dst_rs as isize,
                     /* read_dst: bool = */ false,
@@ -1527,6 +1533,8 @@ impl Map2 for MatMul {
                 )
             }
         }
+        // SAFETY: the gemm calls above wrote all `len` elements (see the allocation).
+        unsafe { dst.set_len(len) };
         Ok(dst)
     }
 

@@ -1,0 +1,72 @@
+//! The workspace's third change to candle (`vendor/candle-core/PATCH.md`): the CPU
+//! matmul no longer zero-fills its output before gemm writes it. What the change must
+//! keep: every element of the result is written, whatever path gemm takes (an empty
+//! inner dimension, a batch whose right operand is shared and folds into one product,
+//! batches with operands of their own, transposed operands, a single row or column).
+//! Each case runs after a same-sized buffer of NaNs was freed, so a recycled allocation
+//! shows through any element left unwritten, and is compared with a plain triple loop.
+
+use candle_core::{Device, Tensor};
+
+/// `[b, m, k] x [b, k, n]` (or `[k, n]` shared by the batch) by definition.
+fn naive(a: &[f32], b: &[f32], (batch, m, k, n): (usize, usize, usize, usize), shared_rhs: bool) -> Vec<f32> {
+    let mut out = Vec::with_capacity(batch * m * n);
+    for s in 0..batch {
+        let rhs = if shared_rhs { 0 } else { s * k * n };
+        for i in 0..m {
+            for j in 0..n {
+                out.push((0..k).map(|p| a[s * m * k + i * k + p] * b[rhs + p * n + j]).sum());
+            }
+        }
+    }
+    out
+}
+
+fn values(len: usize, seed: u32) -> Vec<f32> {
+    (0..len).map(|i| ((i as u32 * 2_654_435_761 ^ seed) % 17) as f32 / 8.0 - 1.0).collect()
+}
+
+/// Frees a buffer of NaNs the size of the product's output, for the allocator to hand back.
+fn poison(len: usize) {
+    let nans = Tensor::from_vec(vec![f32::NAN; len], len, &Device::Cpu).unwrap();
+    drop(std::hint::black_box(nans));
+}
+
+fn check(dims: (usize, usize, usize, usize), shared_rhs: bool, transposed: bool) {
+    let (batch, m, k, n) = dims;
+    let (a, b) = (values(batch * m * k, 1), values(if shared_rhs { k * n } else { batch * k * n }, 2));
+    let lhs = Tensor::from_vec(a.clone(), (batch, m, k), &Device::Cpu).unwrap();
+    let rhs = if shared_rhs {
+        Tensor::from_vec(b.clone(), (k, n), &Device::Cpu).unwrap().broadcast_as((batch, k, n)).unwrap()
+    } else {
+        Tensor::from_vec(b.clone(), (batch, k, n), &Device::Cpu).unwrap()
+    };
+    // The same right operand, stored transposed and read through a strided view.
+    let rhs = if transposed {
+        rhs.transpose(1, 2).unwrap().contiguous().unwrap().transpose(1, 2).unwrap()
+    } else {
+        rhs
+    };
+    poison(batch * m * n);
+    let got: Vec<f32> = lhs.matmul(&rhs).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let want = naive(&a, &b, dims, shared_rhs);
+    assert_eq!(got.len(), want.len(), "{dims:?}");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+            "{dims:?} shared {shared_rhs} transposed {transposed}: element {i} is {g}, not {w}"
+        );
+    }
+}
+
+#[test]
+fn every_element_of_a_product_is_written() {
+    for dims in [(3, 37, 29, 41), (2, 5, 0, 7), (4, 1, 16, 33), (2, 33, 16, 1), (1, 8, 8, 8), (5, 64, 3, 70)]
+    {
+        for shared_rhs in [false, true] {
+            for transposed in [false, true] {
+                check(dims, shared_rhs, transposed);
+            }
+        }
+    }
+}
