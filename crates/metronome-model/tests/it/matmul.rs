@@ -23,7 +23,7 @@ fn naive(a: &[f32], b: &[f32], (batch, m, k, n): (usize, usize, usize, usize), s
 }
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
-    (0..len).map(|i| ((i as u32 * 2_654_435_761 ^ seed) % 17) as f32 / 8.0 - 1.0).collect()
+    (0..len).map(|i| (((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 17) as f32 / 8.0 - 1.0).collect()
 }
 
 /// Frees a buffer of NaNs the size of the product's output, for the allocator to hand back.
