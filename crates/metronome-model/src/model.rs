@@ -8,7 +8,7 @@ use metronome_core::{PackedRow, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{
-    DenseWeight, Projection, RopeTables, RowIndex, RowMasks, SegmentPlan, rope_tables, segment_plans,
+    DenseWeight, Projection, RopeTables, RowIndex, RowMasks, RowPlans, rope_tables, segment_plans,
 };
 use crate::recompute::{Links, attach};
 use crate::{Error, Kernels, Result, head};
@@ -192,7 +192,7 @@ struct LayerLayout {
     rope: RopeTables,
     /// Per row: its length and the attention plan of each segment (empty when the
     /// rows are attended whole).
-    plans: Arc<Vec<(usize, Vec<SegmentPlan>)>>,
+    plans: Arc<RowPlans>,
     /// With [`Model::with_batched_attention`]: the rows, each padded to the longest,
     /// attended whole.
     batched: Option<RowMasks>,
@@ -733,42 +733,12 @@ impl Model {
         let k = ks.rope(&k, rope)?;
         let att = match &layout.batched {
             Some(masks) => ks.row_attention(&q, &k, &v, masks)?,
-            None => self.segment_attention(&q, &k, &v, layout)?,
+            None => ks.segment_attention(&q, &k, &v, &layout.plans)?,
         };
         let x = (x + proj(Projection::O, &att, &None)?)?;
         let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
         let gu = ks.swiglu_train(&proj(Projection::Gate, &b, &None)?, &proj(Projection::Up, &b, &None)?)?;
         Ok((&x + proj(Projection::Down, &gu, &None)?)?)
-    }
-
-    /// Attention per segment, without padding: each segment's queries against its
-    /// ancestors' keys and its own causal prefix, the only pairs it may see. `q: [n,
-    /// heads, hd]`, `k`, `v: [n, kv_heads, hd]` of the concatenated rows; returns `[n,
-    /// heads * hd]`.
-    fn segment_attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, layout: &LayerLayout) -> Result<Tensor> {
-        let ks = self.kernels;
-        let mut outs = Vec::new();
-        let mut row_start = 0;
-        for (row_len, row_plans) in layout.plans.iter() {
-            for plan in row_plans {
-                let gather = |t: &Tensor| -> Result<Tensor> {
-                    let parts = plan
-                        .keys
-                        .iter()
-                        .map(|&(s, l)| t.narrow(0, row_start + s, l))
-                        .collect::<std::result::Result<Vec<_>, _>>()?;
-                    Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
-                };
-                let q = q.narrow(0, row_start + plan.start, plan.len)?;
-                outs.push(ks.prefix_attention(&q, &gather(k)?, &gather(v)?, plan)?);
-            }
-            row_start += row_len;
-        }
-        Ok(if outs.len() == 1 {
-            outs.pop().unwrap_or_else(|| unreachable!())
-        } else {
-            Tensor::cat(&outs, 0)?
-        })
     }
 
     /// [`Model::layer`] with gradient checkpointing: the forward runs without a graph

@@ -18,6 +18,8 @@
 //! decode attention gathers each row's cached prefix, padded to the longest row of the
 //! step with `-inf` scores, in one batched product per layer.
 
+use std::sync::Arc;
+
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::draw::{Draw, DrawScratch, Next, draw_row};
@@ -264,20 +266,45 @@ impl Kernels {
         Ok(out.reshape((heads, lq, hd))?.transpose(0, 1)?.contiguous()?.reshape((lq, heads * hd))?)
     }
 
-    /// [`Kernels::attention`] of one packed segment's queries to the keys its plan
-    /// lets them see (query `i` the first `plan.visible + i + 1`): fused, one op over
-    /// the causal blocks only (`ops/attention.rs`); otherwise the masked square.
-    pub(crate) fn prefix_attention(
+    /// Attention of packed rows per segment, without padding: each segment's queries
+    /// against its ancestors' keys and its own causal prefix, the only pairs it may see
+    /// (query `i` the first `plan.visible + i + 1` of its plan's keys). `q: [n, heads,
+    /// hd]`, `k`, `v: [n, kv_heads, hd]` of the concatenated rows; returns `[n, heads *
+    /// hd]`. Fused: one op for the whole batch over the causal blocks only
+    /// (`ops/attention.rs`); otherwise each segment's [`Kernels::attention`] under its
+    /// mask, from `narrow`s of the batch's tensors.
+    pub(crate) fn segment_attention(
         self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        plan: &ops::SegmentPlan,
+        plans: &Arc<ops::RowPlans>,
     ) -> Result<Tensor> {
-        match self {
-            Self::Fused => ops::prefix_attention(q, k, v, plan.visible),
-            _ => self.attention(q, k, v, Some(plan.mask()?)),
+        if self == Self::Fused {
+            return ops::packed_attention(q, k, v, plans);
         }
+        let mut outs = Vec::new();
+        let mut row_start = 0;
+        for (row_len, row_plans) in plans.iter() {
+            for plan in row_plans {
+                let gather = |t: &Tensor| -> Result<Tensor> {
+                    let parts = plan
+                        .keys
+                        .iter()
+                        .map(|&(s, l)| t.narrow(0, row_start + s, l))
+                        .collect::<std::result::Result<Vec<_>, _>>()?;
+                    Ok(if parts.len() == 1 { parts[0].clone() } else { Tensor::cat(&parts, 0)? })
+                };
+                let q = q.narrow(0, row_start + plan.start, plan.len)?;
+                outs.push(self.attention(&q, &gather(k)?, &gather(v)?, Some(plan.mask()?))?);
+            }
+            row_start += row_len;
+        }
+        Ok(if outs.len() == 1 {
+            outs.pop().unwrap_or_else(|| unreachable!())
+        } else {
+            Tensor::cat(&outs, 0)?
+        })
     }
 
     /// `silu(gate) * up`, differentiable in both.
@@ -639,27 +666,58 @@ mod tests {
         assert_eq!(bits(&fused[1]), bits(&on_three[1]));
     }
 
+    /// A packed row as its segments' `(len, parent)`.
+    type Row<'a> = &'a [(u32, Option<u32>)];
+
+    /// The attention plans of packed rows, and their number of positions.
+    fn row_plans(rows: &[Row<'_>]) -> (Arc<ops::RowPlans>, usize) {
+        let mut plans = Vec::new();
+        for segs in rows {
+            let mut start = 0;
+            let segments = segs
+                .iter()
+                .map(|&(len, parent)| {
+                    start += len;
+                    metronome_core::Segment { start: start - len, len, parent }
+                })
+                .collect::<Vec<_>>();
+            let n = start as usize;
+            let row = metronome_core::PackedRow {
+                tokens: vec![0; n],
+                positions: (0..n as u32).collect(),
+                segments,
+            };
+            plans.push((n, ops::segment_plans(&row, &Device::Cpu).unwrap()));
+        }
+        let n = plans.iter().map(|p| p.0).sum();
+        (Arc::new(plans), n)
+    }
+
     #[test]
-    fn fused_prefix_attention_matches_the_masked_square_and_its_gradients() {
+    fn fused_segment_attention_matches_the_masked_squares_and_its_gradients() {
         let dev = Device::Cpu;
-        // (queries, ancestor keys, heads, kv heads, head dim): one query, less than a
-        // block, exactly one, several with a partial last one and ancestors, no grouping.
-        for (lq, visible, heads, kvh, hd) in
-            [(1, 0, 2, 1, 8), (5, 0, 4, 2, 8), (64, 0, 4, 2, 8), (150, 9, 6, 2, 16), (70, 3, 3, 3, 8)]
-        {
-            let lk = visible + lq;
-            let var = |seed, n, shape: (usize, usize, usize)| {
-                let t = Tensor::from_vec(noise(seed, n), shape, &dev).unwrap();
+        // Packed rows as segments (len, parent), with (heads, kv heads, head dim): one
+        // query, less than a block, exactly one; a shared prompt whose responses end in
+        // a partial block, span several and hold one query; two rows, the second a
+        // block and a bit; no grouping.
+        let cases: [(&[Row<'_>], _); 5] = [
+            (&[&[(1, None)]], (2, 1, 8)),
+            (&[&[(5, None)]], (4, 2, 8)),
+            (&[&[(64, None)]], (4, 2, 8)),
+            (&[&[(9, None), (150, Some(0)), (70, Some(0)), (1, Some(0))]], (6, 2, 16)),
+            (&[&[(4, None), (5, Some(0)), (3, Some(1))], &[(66, None)]], (3, 3, 8)),
+        ];
+        for (rows, (heads, kvh, hd)) in cases {
+            let (plans, n) = row_plans(rows);
+            let var = |seed, width| {
+                let t = Tensor::from_vec(noise(seed, n * width * hd), (n, width, hd), &dev).unwrap();
                 candle_core::Var::from_tensor(&(t * 2.0).unwrap()).unwrap()
             };
-            let q = var(21, lq * heads * hd, (lq, heads, hd));
-            let k = var(22, lk * kvh * hd, (lk, kvh, hd));
-            let v = var(23, lk * kvh * hd, (lk, kvh, hd));
-            let probe = Tensor::from_vec(noise(24, lq * heads * hd), (lq, heads * hd), &dev).unwrap();
-            let plan = ops::SegmentPlan::new(0, lq, vec![(0, lk)], visible, &dev);
+            let (q, k, v) = (var(21, heads), var(22, kvh), var(23, kvh));
+            let probe = Tensor::from_vec(noise(24, n * heads * hd), (n, heads * hd), &dev).unwrap();
             let run = |kernels: Kernels| {
                 let (q, k, v) = (q.as_tensor(), k.as_tensor(), v.as_tensor());
-                let y = kernels.prefix_attention(q, k, v, &plan).unwrap();
+                let y = kernels.segment_attention(q, k, v, &plans).unwrap();
                 let g = (&y * &probe).unwrap().sum_all().unwrap().backward().unwrap();
                 [y, g.get(q).unwrap().clone(), g.get(k).unwrap().clone(), g.get(v).unwrap().clone()]
             };
@@ -668,31 +726,28 @@ mod tests {
             for (name, (f, c)) in ["out", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&composed)) {
                 assert_eq!(f.dims(), c.dims(), "{name}");
                 // Relative to the largest value: the gradients of keys that many queries see
-                // are sums of up to `lk` terms, taken in another order by each form.
+                // are sums of up to `n` terms, taken in another order by each form.
                 let scale = c.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1.0);
                 let d = max_diff(f, c) / scale;
-                assert!(
-                    d < 1e-5,
-                    "{lq} queries, {visible} visible, {heads}/{kvh} heads: {name} differs by {d} of {scale}"
-                );
+                assert!(d < 1e-5, "rows {rows:?}, {heads}/{kvh} heads: {name} differs by {d} of {scale}");
             }
         }
     }
 
     #[test]
-    fn fused_prefix_attention_is_the_same_on_any_number_of_threads_and_refuses_misfit_keys() {
+    fn fused_segment_attention_is_the_same_on_any_number_of_threads_and_refuses_misfit_plans() {
         let dev = Device::Cpu;
-        let (lq, visible, heads, kvh, hd) = (140, 5, 4, 2, 8);
-        let t = |seed, n, shape| {
-            candle_core::Var::from_tensor(&Tensor::from_vec(noise(seed, n), shape, &dev).unwrap()).unwrap()
+        let (heads, kvh, hd) = (4, 2, 8);
+        let (plans, n) = row_plans(&[&[(5, None), (140, Some(0)), (7, Some(0))], &[(3, None)]]);
+        let t = |seed, width| {
+            let t = Tensor::from_vec(noise(seed, n * width * hd), (n, width, hd), &dev).unwrap();
+            candle_core::Var::from_tensor(&t).unwrap()
         };
-        let q = t(31, lq * heads * hd, (lq, heads, hd));
-        let k = t(32, (lq + visible) * kvh * hd, (lq + visible, kvh, hd));
-        let v = t(33, (lq + visible) * kvh * hd, (lq + visible, kvh, hd));
+        let (q, k, v) = (t(31, heads), t(32, kvh), t(33, kvh));
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
             pool.install(|| {
-                let y = ops::prefix_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), visible).unwrap();
+                let y = ops::packed_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &plans).unwrap();
                 let g = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
                 [y, g.get(q.as_tensor()).unwrap().clone(), g.get(k.as_tensor()).unwrap().clone()].map(|t| {
                     t.flatten_all()
@@ -706,9 +761,12 @@ mod tests {
             })
         };
         assert_eq!(run(1), run(3));
-        let err =
-            ops::prefix_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), visible + 1).unwrap_err();
-        assert!(err.to_string().contains("do not fit 6 visible keys"), "{err}");
+        let (short, _) = row_plans(&[&[(5, None), (140, Some(0)), (7, Some(0))]]);
+        let err = ops::packed_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &short).unwrap_err();
+        assert!(err.to_string().contains("the rows hold 152 positions, q 155"), "{err}");
+        let short_keys = k.as_tensor().narrow(0, 0, n - 1).unwrap();
+        let err = ops::packed_attention(q.as_tensor(), &short_keys, &short_keys, &plans).unwrap_err();
+        assert!(err.to_string().contains("do not fit one another"), "{err}");
     }
 
     #[test]

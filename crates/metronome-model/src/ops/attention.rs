@@ -1,5 +1,5 @@
-//! The attention of one packed segment as one CPU op with its own backward, over the
-//! causal blocks that can be non-zero only.
+//! The attention of a batch's packed rows as one CPU op with its own backward: every
+//! segment over the causal blocks that can be non-zero only.
 //!
 //! A segment's query `i` sees the first `visible + i + 1` of its keys: its ancestors'
 //! `visible` keys, then its own causal prefix ([`super::SegmentPlan`]). Composed from
@@ -12,16 +12,30 @@
 //! attention does, instead of keeping `[heads, lq, lk]` of them from the forward: one
 //! product more per block, and no activation quadratic in the segment's length.
 //!
-//! Heads run in parallel (rayon), each over its blocks in order into buffers of its
-//! own; the query heads of a key/value head add their key and value gradients in head
-//! order, so the result does not depend on the number of threads.
+//! One op covers every segment of every row, reading each segment's queries and keys
+//! in place from the batch's `q`, `k` and `v` and writing its output and gradients in
+//! place. Per segment, as candle ops, the queries and key spans were `narrow`s and a
+//! `cat`, and each `narrow`'s backward builds a zero-padded gradient of the whole
+//! batch that the graph then adds up: per layer, per segment, three full-size
+//! tensors zeroed, copied and added (a tenth of the TRL-matched run's memory traffic,
+//! `README`, "AVX-512").
+//!
+//! Segments run in row order; within one, heads run in parallel (rayon), each over its
+//! blocks in order into buffers of its own; the query heads of a key/value head add
+//! their key and value gradients in head order, and a key that several segments see
+//! (a shared prompt) sums their gradients in segment order, so the result does not
+//! depend on the number of threads.
 
-use candle_core::{CpuStorage, Layout, Tensor};
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, Layout, Storage, Tensor};
 use rayon::prelude::*;
 
 use super::decode::exp_vectorisable;
 use super::gemm::{Block, matmul};
-use super::{FwdResult, contiguous_f32, fused_op_ran};
+use super::train::{RowPlans, SegmentPlan};
+use super::{FwdResult, contiguous_f32, fused_op_ran, output};
 use crate::Result;
 
 /// Query rows per block: the blocks' key ranges follow the diagonal in steps of this
@@ -29,19 +43,121 @@ use crate::Result;
 /// about 64 rows here: a [64, 128] × [128, 64] product as fast per FLOP as a square one).
 const BLOCK: usize = 64;
 
-/// Attention of `q: [lq, heads, hd]` to `k`, `v: [visible + lq, kv_heads, hd]`, query `i`
-/// seeing keys `0..=visible + i`, scaled by `1/sqrt(hd)`; `[lq, heads * hd]`, with its
+/// Attention of packed rows' segments: `q: [n, heads, hd]`, `k`, `v: [n, kv_heads, hd]`
+/// of the rows concatenated, each segment's query `i` seeing its plan's ancestor keys
+/// and its own keys up to `i`, scaled by `1/sqrt(hd)`; `[n, heads * hd]`, with its
 /// backward. f32 on the CPU ([`crate::Kernels::Fused`]).
-pub(crate) fn prefix_attention(q: &Tensor, k: &Tensor, v: &Tensor, visible: usize) -> Result<Tensor> {
-    Ok(q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, PrefixAttention { visible })?)
+pub(crate) fn packed_attention(q: &Tensor, k: &Tensor, v: &Tensor, plans: &Arc<RowPlans>) -> Result<Tensor> {
+    let op = PackedAttention { plans: Arc::clone(plans) };
+    Ok(q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?)
 }
 
+#[derive(Debug, Clone)]
+struct PackedAttention {
+    plans: Arc<RowPlans>,
+}
+
+/// The batch's sizes: `n` positions, grouped-query heads of `hd` dimensions.
 #[derive(Debug, Clone, Copy)]
-struct PrefixAttention {
-    visible: usize,
+struct Heads {
+    n: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
 }
 
-/// The sizes of one call, checked against each other.
+impl Heads {
+    fn new(q: &[usize], k: &[usize], v: &[usize]) -> candle_core::Result<Self> {
+        let (&[n, heads, hd], &[nk, kv_heads, khd]) = (q, k) else {
+            candle_core::bail!("packed-attention: q {q:?} and k {k:?} are not 3-d")
+        };
+        if k != v || nk != n || khd != hd || kv_heads == 0 || heads % kv_heads != 0 {
+            candle_core::bail!("packed-attention: q {q:?}, k {k:?} and v {v:?} do not fit one another")
+        }
+        Ok(Self { n, heads, kv_heads, hd })
+    }
+}
+
+/// One segment of the batch: its plan, and where its row starts among the positions.
+#[derive(Clone, Copy)]
+struct Span<'a> {
+    row: usize,
+    plan: &'a SegmentPlan,
+}
+
+impl Span<'_> {
+    /// Every segment of `plans` in row order, checked to lie within its row, the rows
+    /// to cover the batch's `n` positions and each plan's keys to end in its queries.
+    fn all(plans: &RowPlans, n: usize) -> candle_core::Result<Vec<Span<'_>>> {
+        let mut spans = Vec::new();
+        let mut row = 0;
+        for (row_len, row_plans) in plans {
+            for plan in row_plans {
+                let keys: usize = plan.keys.iter().map(|k| k.1).sum();
+                if plan.keys.iter().any(|&(s, l)| s + l > *row_len)
+                    || plan.start + plan.len > *row_len
+                    || keys != plan.visible + plan.len
+                {
+                    candle_core::bail!(
+                        "packed-attention: segment at {} ({} queries, keys {:?}) does not fit its {row_len}-position row",
+                        plan.start,
+                        plan.len,
+                        plan.keys
+                    )
+                }
+                spans.push(Span { row, plan });
+            }
+            row += row_len;
+        }
+        if row != n {
+            candle_core::bail!("packed-attention: the rows hold {row} positions, q {n}")
+        }
+        Ok(spans)
+    }
+
+    fn dims(self, b: Heads) -> Dims {
+        let (lq, visible) = (self.plan.len, self.plan.visible);
+        Dims { lq, lk: visible + lq, heads: b.heads, kv_heads: b.kv_heads, hd: b.hd, visible }
+    }
+
+    /// The segment's queries (and output rows) in a `[n, width]` buffer.
+    fn queries(self, width: usize) -> Range<usize> {
+        let first = (self.row + self.plan.start) * width;
+        first..first + self.plan.len * width
+    }
+
+    /// The segment's keys in a `[n, width]` buffer, span by span, root first.
+    fn keys(self, width: usize) -> impl Iterator<Item = Range<usize>> {
+        self.plan.keys.iter().map(move |&(s, l)| (self.row + s) * width..(self.row + s + l) * width)
+    }
+
+    /// The segment's keys (or values) of `t: [n, width]` as one slice: in place when
+    /// they are one span, otherwise copied into `buf`.
+    fn gather<'b>(self, t: &'b [f32], width: usize, buf: &'b mut Vec<f32>) -> &'b [f32] {
+        if let [(s, l)] = self.plan.keys[..] {
+            return &t[(self.row + s) * width..(self.row + s + l) * width];
+        }
+        buf.clear();
+        for r in self.keys(width) {
+            buf.extend_from_slice(&t[r]);
+        }
+        buf
+    }
+
+    /// Adds a gradient of the segment's gathered keys (or values) into `t: [n, width]`.
+    fn scatter_add(self, grad: &[f32], width: usize, t: &mut [f32]) {
+        let mut from = 0;
+        for r in self.keys(width) {
+            let len = r.len();
+            for (t, g) in t[r].iter_mut().zip(&grad[from..from + len]) {
+                *t += g;
+            }
+            from += len;
+        }
+    }
+}
+
+/// The sizes of one segment.
 #[derive(Debug, Clone, Copy)]
 struct Dims {
     lq: usize,
@@ -53,18 +169,6 @@ struct Dims {
 }
 
 impl Dims {
-    fn new(q: &[usize], k: &[usize], v: &[usize], visible: usize) -> candle_core::Result<Self> {
-        let (&[lq, heads, hd], &[lk, kv_heads, khd]) = (q, k) else {
-            candle_core::bail!("prefix-attention: q {q:?} and k {k:?} are not 3-d")
-        };
-        if k != v || khd != hd || kv_heads == 0 || heads % kv_heads != 0 || lk != visible + lq {
-            candle_core::bail!(
-                "prefix-attention: q {q:?}, k {k:?} and v {v:?} do not fit {visible} visible keys before the queries"
-            )
-        }
-        Ok(Self { lq, lk, heads, kv_heads, hd, visible })
-    }
-
     fn scale(self) -> f32 {
         1.0 / (self.hd as f32).sqrt()
     }
@@ -80,15 +184,14 @@ impl Dims {
         Block::rows(g * self.hd, n, self.hd, self.kv_heads * self.hd)
     }
 
-    /// Per-head `[lq, hd]` buffers, in head order, as one `[lq, heads · hd]` buffer.
-    fn interleave<'a>(self, heads: impl Iterator<Item = &'a [f32]> + Clone) -> Vec<f32> {
-        let mut out = Vec::with_capacity(self.lq * self.heads * self.hd);
+    /// Per-head `[lq, hd]` buffers, in head order, into one `[lq, heads · hd]` buffer.
+    fn interleave<'a>(self, heads: impl Iterator<Item = &'a [f32]> + Clone, out: &mut [f32]) {
+        let mut rows = out.chunks_exact_mut(self.hd);
         for i in 0..self.lq {
-            for head in heads.clone() {
-                out.extend_from_slice(&head[i * self.hd..(i + 1) * self.hd]);
+            for (head, row) in heads.clone().zip(&mut rows) {
+                row.copy_from_slice(&head[i * self.hd..(i + 1) * self.hd]);
             }
         }
-        out
     }
 
     /// The blocks of queries: `(i0, rows, keys)`, `keys` being those the last query sees.
@@ -116,9 +219,9 @@ impl Dims {
     }
 }
 
-impl candle_core::CustomOp3 for PrefixAttention {
+impl candle_core::CustomOp3 for PackedAttention {
     fn name(&self) -> &'static str {
-        "prefix-attention"
+        "packed-attention"
     }
 
     fn cpu_fwd(
@@ -131,35 +234,18 @@ impl candle_core::CustomOp3 for PrefixAttention {
         l3: &Layout,
     ) -> FwdResult {
         fused_op_ran();
-        let d = Dims::new(l1.dims(), l2.dims(), l3.dims(), self.visible)?;
+        let b = Heads::new(l1.dims(), l2.dims(), l3.dims())?;
         let [q, k, v] = [(s1, l1), (s2, l2), (s3, l3)].map(|(s, l)| contiguous_f32(self.name(), s, l));
         let (q, k, v) = (q?, k?, v?);
-        let hd = d.hd;
-        let per_head: Vec<Vec<f32>> = (0..d.heads)
-            .into_par_iter()
-            .map(|h| {
-                let g = h / (d.heads / d.kv_heads);
-                let mut out = vec![0f32; d.lq * hd];
-                let mut p = vec![0f32; BLOCK.min(d.lq) * d.lk];
-                for block @ (i0, rows, keys) in d.blocks() {
-                    d.probabilities(q, k, h, block, &mut p);
-                    let pb = Block::rows(0, rows, keys, keys);
-                    matmul(
-                        &mut out,
-                        Block::rows(i0 * hd, rows, hd, hd),
-                        false,
-                        &p,
-                        pb,
-                        v,
-                        d.key_rows(g, keys),
-                        1.0,
-                    );
-                }
-                out
-            })
-            .collect();
-        let out = d.interleave(per_head.iter().map(Vec::as_slice));
-        Ok((CpuStorage::F32(out), (d.lq, d.heads * hd).into()))
+        let (qw, kw) = (b.heads * b.hd, b.kv_heads * b.hd);
+        let mut out = vec![0f32; b.n * qw];
+        let (mut kb, mut vb) = (Vec::new(), Vec::new());
+        for span in Span::all(&self.plans, b.n)? {
+            let rows = span.queries(qw);
+            let (ks, vs) = (span.gather(k, kw, &mut kb), span.gather(v, kw, &mut vb));
+            forward(span.dims(b), &q[rows.clone()], ks, vs, &mut out[rows]);
+        }
+        Ok((CpuStorage::F32(out), (b.n, qw).into()))
     }
 
     fn bwd(
@@ -170,10 +256,31 @@ impl candle_core::CustomOp3 for PrefixAttention {
         out: &Tensor,
         grad: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let d = Dims::new(q.dims(), k.dims(), v.dims(), self.visible)?;
-        let host = |t: &Tensor| t.contiguous()?.flatten_all()?.to_vec1::<f32>();
-        let (qs, ks, vs, os, dos) = (host(q)?, host(k)?, host(v)?, host(out)?, host(grad)?);
-        let (dq, dk, dv) = backward(d, &qs, &ks, &vs, &os, &dos);
+        let b = Heads::new(q.dims(), k.dims(), v.dims())?;
+        let (qw, kw) = (b.heads * b.hd, b.kv_heads * b.hd);
+        let grad = grad.contiguous()?;
+        // Read in place: q, k, v and the output are contiguous (the forward made them so).
+        let guards = [q, k, v, out, &grad].map(Tensor::storage_and_layout);
+        let host = |i: usize| -> candle_core::Result<&[f32]> {
+            let (storage, layout) = &guards[i];
+            match &**storage {
+                Storage::Cpu(s) => contiguous_f32(self.name(), s, layout),
+                _ => candle_core::bail!("packed-attention runs on the CPU"),
+            }
+        };
+        let (qs, ks, vs, os, dos) = (host(0)?, host(1)?, host(2)?, host(3)?, host(4)?);
+        let mut dq = vec![0f32; b.n * qw];
+        let (mut dk, mut dv) = (vec![0f32; b.n * kw], vec![0f32; b.n * kw]);
+        let (mut kb, mut vb) = (Vec::new(), Vec::new());
+        for span in Span::all(&self.plans, b.n)? {
+            let rows = span.queries(qw);
+            let (kg, vg) = (span.gather(ks, kw, &mut kb), span.gather(vs, kw, &mut vb));
+            let (sq, so, sdo) = (&qs[rows.clone()], &os[rows.clone()], &dos[rows.clone()]);
+            let (sdk, sdv) = backward(span.dims(b), sq, kg, vg, so, sdo, &mut dq[rows]);
+            span.scatter_add(&sdk, kw, &mut dk);
+            span.scatter_add(&sdv, kw, &mut dv);
+        }
+        drop(guards);
         let dev = q.device();
         Ok((
             Some(Tensor::from_vec(dq, q.shape(), dev)?),
@@ -183,7 +290,39 @@ impl candle_core::CustomOp3 for PrefixAttention {
     }
 }
 
-/// The gradients of `q`, `k` and `v` from the output `o` and its gradient `dout`.
+/// One segment's output `[lq, heads · hd]` into `out` from its queries `q: [lq, heads,
+/// hd]` and its keys and values `[lk, kv_heads, hd]`.
+fn forward(d: Dims, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    let hd = d.hd;
+    let per_head: Vec<Vec<f32>> = (0..d.heads)
+        .into_par_iter()
+        .map(|h| {
+            let g = h / (d.heads / d.kv_heads);
+            let mut p = vec![0f32; BLOCK.min(d.lq) * d.lk];
+            output(d.lq * hd, |out| {
+                for block @ (i0, rows, keys) in d.blocks() {
+                    d.probabilities(q, k, h, block, &mut p);
+                    let pb = Block::rows(0, rows, keys, keys);
+                    matmul(
+                        out,
+                        Block::rows(i0 * hd, rows, hd, hd),
+                        false,
+                        &p,
+                        pb,
+                        v,
+                        d.key_rows(g, keys),
+                        1.0,
+                    );
+                }
+            })
+        })
+        .collect();
+    d.interleave(per_head.iter().map(Vec::as_slice), out);
+}
+
+/// One segment's gradients: of `q` into `dq` (`[lq, heads · hd]`), and those of its
+/// keys and values returned (`[lk, kv_heads · hd]` each), from the output `o` and its
+/// gradient `dout`.
 fn backward(
     d: Dims,
     q: &[f32],
@@ -191,7 +330,8 @@ fn backward(
     v: &[f32],
     o: &[f32],
     dout: &[f32],
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    dq: &mut [f32],
+) -> (Vec<f32>, Vec<f32>) {
     let (hd, rep) = (d.hd, d.heads / d.kv_heads);
     let scale = d.scale();
     // Per head: dq `[lq, hd]`, dk and dv `[lk, hd]`.
@@ -199,7 +339,7 @@ fn backward(
         .into_par_iter()
         .map(|h| {
             let g = h / rep;
-            let (mut dq, mut dk, mut dv) =
+            let (mut hq, mut dk, mut dv) =
                 (vec![0f32; d.lq * hd], vec![0f32; d.lk * hd], vec![0f32; d.lk * hd]);
             let mut p = vec![0f32; BLOCK.min(d.lq) * d.lk];
             let mut ds = vec![0f32; BLOCK.min(d.lq) * d.lk];
@@ -214,13 +354,13 @@ fn backward(
                 let n = rows * keys;
                 crate::simd::dispatch(ScoreGrad { ds: &mut ds[..n], p: &p[..n], keys, dout, o, rows: qb });
                 // dQ = scale · dS·K; dK += scale · dSᵀ·Q.
-                matmul(&mut dq, Block::rows(i0 * hd, rows, hd, hd), false, &ds, pb, k, kb, scale);
+                matmul(&mut hq, Block::rows(i0 * hd, rows, hd, hd), false, &ds, pb, k, kb, scale);
                 matmul(&mut dk, key_grad, true, &ds, pb.t(), q, qb, scale);
             }
-            [dq, dk, dv]
+            [hq, dk, dv]
         })
         .collect();
-    let dq = d.interleave(per_head.iter().map(|[dq, _, _]| dq.as_slice()));
+    d.interleave(per_head.iter().map(|[hq, _, _]| hq.as_slice()), dq);
     // Each key/value head sums its query heads' gradients in head order.
     let (mut dk, mut dv) = (vec![0f32; d.lk * d.kv_heads * hd], vec![0f32; d.lk * d.kv_heads * hd]);
     for (h, [_, hk, hv]) in per_head.iter().enumerate() {
@@ -235,7 +375,7 @@ fn backward(
             }
         }
     }
-    (dq, dk, dv)
+    (dk, dv)
 }
 
 /// `dS = P ⊙ (dP − rowsum(dO ⊙ O))` in place of `ds` (holding `dP`), `[rows, keys]`,

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Layout, Tensor};
 
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ran};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ran, output};
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
@@ -158,10 +158,11 @@ impl CpuOp3 for DecodeAttention<'_> {
         let q = contiguous_f32(Self::NAME, s1, l1)?;
         let k = contiguous_f32(Self::NAME, s2, l2)?;
         let v = contiguous_f32(Self::NAME, s3, l3)?;
-        let mut out = vec![0f32; n * heads * hd];
         // Compiled for the instruction set `simd::dispatch` picks: the dot products run
         // as vectors of 8 lanes under AVX2, 16 under AVX-512 (the same for every row).
-        crate::simd::dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out: &mut out });
+        let out = output(n * heads * hd, |out| {
+            crate::simd::dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out });
+        });
         Ok((CpuStorage::F32(out), (n, heads * hd).into()))
     }
 }
@@ -429,8 +430,7 @@ impl candle_core::CustomOp1 for DecodeLinear<'_> {
                 w.outputs
             )
         }
-        let mut out = vec![0f32; n * w.outputs];
-        dense_rows(x, w, &mut out);
+        let out = output(n * w.outputs, |out| dense_rows(x, w, out));
         Ok((CpuStorage::F32(out), (n, w.outputs).into()))
     }
 }
@@ -581,8 +581,7 @@ impl candle_core::CustomOp1 for SwiGluStacked {
             candle_core::bail!("swiglu-stacked: {two} columns do not split into gate and up")
         }
         let i = two / 2;
-        let mut out = vec![0f32; n * i];
-        crate::simd::dispatch(SwiGluRows { gu, out: &mut out, i });
+        let out = output(n * i, |out| crate::simd::dispatch(SwiGluRows { gu, out, i }));
         Ok((CpuStorage::F32(out), (n, i).into()))
     }
 }

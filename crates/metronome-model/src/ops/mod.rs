@@ -1,6 +1,6 @@
 //! The network's kernels on candle: the training kernels (differentiable, fused with
-//! their own backward) in `train`, a packed segment's attention over its causal blocks
-//! in `attention` (on `gemm`'s products of strided blocks, `gemm`), the decode kernels (forward only, batch-invariant)
+//! their own backward) in `train`, the attention of packed rows' segments over their
+//! causal blocks in `attention` (on `gemm`'s products of strided blocks, `gemm`), the decode kernels (forward only, batch-invariant)
 //! in `decode`, the linear layers a decoder layer is made of in `linear` (its
 //! projections by name, the plain and the frozen-weight product), and what both use
 //! here (rotary embeddings and their tables' copy on a device, the SwiGLU forward,
@@ -21,7 +21,7 @@ mod train;
 
 use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 
-pub(crate) use attention::prefix_attention;
+pub(crate) use attention::packed_attention;
 pub(crate) use decode::{
     DecodeRows, DenseWeight, StepIndex, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
 };
@@ -30,7 +30,7 @@ pub(crate) use linear::{frozen_linear, fused_linear, linear};
 #[cfg(test)]
 pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
-    RowIndex, RowMasks, SegmentPlan, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
+    RowIndex, RowMasks, RowPlans, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
     target_columns_grad, target_logprobs_entropy, target_stats,
 };
 
@@ -109,6 +109,41 @@ impl<T: CpuOp3> candle_core::CustomOp3 for Op3<T> {
     }
 }
 
+/// A custom op's fresh output of `n` elements, every one of which `fill` writes.
+///
+/// `vec![0.0; n]` zero-fills the buffer before the kernel overwrites it: with the
+/// allocator handing back freed memory (no fresh zero pages) that was a `memset` of
+/// every output, about 3% of the TRL-matched run. Release builds skip it, as candle's
+/// own `alloc_uninit` does for its ops. Builds with debug assertions (the tests) fill
+/// the buffer with a signalling NaN, which no arithmetic produces, and check that
+/// `fill` left none of it: a kernel that misses an element fails there, not silently
+/// in release.
+#[allow(
+    unsafe_code,
+    reason = "an output buffer without the zero fill; `fill` writes it whole (checked in tests)"
+)]
+fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
+    if cfg!(debug_assertions) {
+        const UNWRITTEN: u32 = 0x7fa5_a5a5;
+        let mut out = vec![f32::from_bits(UNWRITTEN); n];
+        fill(&mut out);
+        let left = out.iter().position(|x| x.to_bits() == UNWRITTEN);
+        assert!(left.is_none(), "a fused op left element {left:?} of its {n}-element output unwritten");
+        return out;
+    }
+    let mut out = Vec::<f32>::with_capacity(n);
+    // SAFETY: the slice covers the `n` elements the allocation holds, aligned for f32;
+    // `fill` only writes them (every kernel passed here assigns each element before it
+    // reads it, which the tests check above), and `set_len` follows, so no
+    // uninitialised element is ever read. If `fill` panics, `out` is dropped with
+    // length 0.
+    unsafe {
+        fill(std::slice::from_raw_parts_mut(out.as_mut_ptr(), n));
+        out.set_len(n);
+    }
+    out
+}
+
 /// The contiguous f32 elements of one custom-op operand.
 fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
@@ -139,25 +174,29 @@ impl candle_core::CustomOp1 for Rope {
         let x = &s.as_slice::<f32>()?[a0..a1];
         let (n, heads, hd) = l.shape().dims3()?;
         let half = hd / 2;
+        if hd % 2 != 0 {
+            candle_core::bail!("rope: head dimension {hd} is odd; rotary needs pairs")
+        }
         if self.cos.len() != n * half {
             candle_core::bail!("rope: tables for {} positions, input has {n}", self.cos.len() / half.max(1))
         }
         let sign = if self.inverse { -1.0f32 } else { 1.0 };
-        let mut out = vec![0f32; x.len()];
-        for p in 0..n {
-            let c = &self.cos[p * half..(p + 1) * half];
-            let sn = &self.sin[p * half..(p + 1) * half];
-            for h in 0..heads {
-                let base = (p * heads + h) * hd;
-                let (x1, x2) = x[base..base + hd].split_at(half);
-                let (o1, o2) = out[base..base + hd].split_at_mut(half);
-                for i in 0..half {
-                    let s = sign * sn[i];
-                    o1[i] = x1[i] * c[i] - x2[i] * s;
-                    o2[i] = x2[i] * c[i] + x1[i] * s;
+        let out = output(x.len(), |out| {
+            for p in 0..n {
+                let c = &self.cos[p * half..(p + 1) * half];
+                let sn = &self.sin[p * half..(p + 1) * half];
+                for h in 0..heads {
+                    let base = (p * heads + h) * hd;
+                    let (x1, x2) = x[base..base + hd].split_at(half);
+                    let (o1, o2) = out[base..base + hd].split_at_mut(half);
+                    for i in 0..half {
+                        let s = sign * sn[i];
+                        o1[i] = x1[i] * c[i] - x2[i] * s;
+                        o2[i] = x2[i] * c[i] + x1[i] * s;
+                    }
                 }
             }
-        }
+        });
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -249,8 +288,11 @@ impl candle_core::CustomOp2 for SwiGlu {
         }
         let cols = l1.dims().last().copied().unwrap_or(1);
         let live = self.rows.saturating_mul(cols).min(g.len());
-        let mut out = vec![0f32; g.len()];
-        crate::simd::dispatch(SwiGluLoop { g, u, out: &mut out[..live] });
+        let out = output(g.len(), |out| {
+            let (live, padding) = out.split_at_mut(live);
+            crate::simd::dispatch(SwiGluLoop { g, u, out: live });
+            padding.fill(0.0);
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -285,4 +327,28 @@ pub(crate) fn noise(seed: u64, n: usize) -> Vec<f32> {
 #[cfg(test)]
 pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_output_a_kernel_leaves_partly_unwritten_fails_the_tests() {
+        assert_eq!(
+            output(3, |o| o.copy_from_slice(&[1.0, f32::NAN, -0.0]))[2].to_bits(),
+            (-0.0f32).to_bits()
+        );
+        let missed = std::panic::catch_unwind(|| output(5, |o| o[..3].fill(1.0)));
+        let message = *missed.unwrap_err().downcast::<String>().unwrap();
+        assert!(message.contains("left element Some(3) of its 5-element output unwritten"), "{message}");
+    }
+
+    #[test]
+    fn rope_refuses_an_odd_head_dimension() {
+        let x = Tensor::zeros((2, 1, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let t = rope_tables(&[0, 1], 3, 10_000.0);
+        let err = apply_rope(&x, &t).unwrap_err();
+        assert!(err.to_string().contains("head dimension 3 is odd"), "{err}");
+    }
 }

@@ -6,7 +6,9 @@ use candle_core::{CpuStorage, D, Device, Layout, Tensor};
 use rayon::prelude::*;
 
 use super::decode::exp_vectorisable;
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair, fused_op_ran};
+use super::{
+    CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, contiguous_f32_pair, fused_op_ran, output,
+};
 use crate::Result;
 
 /// RMSNorm over the last dimension, as Hugging Face computes it:
@@ -34,14 +36,15 @@ impl candle_core::CustomOp2 for RmsNorm {
         if l1.dims().last() != Some(&d) {
             candle_core::bail!("rms-norm: weight of {d} does not fit input {:?}", l1.dims())
         }
-        let mut out = vec![0f32; x.len()];
-        for (xs, os) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            let r = 1.0 / (ms + self.eps).sqrt();
-            for ((o, &v), &g) in os.iter_mut().zip(xs).zip(w) {
-                *o = v * r * g;
+        let out = output(x.len(), |out| {
+            for (xs, os) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+                let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
+                let r = 1.0 / (ms + self.eps).sqrt();
+                for ((o, &v), &g) in os.iter_mut().zip(xs).zip(w) {
+                    *o = v * r * g;
+                }
             }
-        }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -89,32 +92,35 @@ impl CpuOp3 for RmsNormGrad {
                 l3.dims()
             )
         }
-        let mut out = vec![0f32; x.len() + d];
-        let (dx, dw) = out.split_at_mut(x.len());
-        let partial: Vec<Vec<f32>> = dx
-            .par_chunks_mut(RMS_GRAD_ROWS * d)
-            .zip(x.par_chunks(RMS_GRAD_ROWS * d).zip(g.par_chunks(RMS_GRAD_ROWS * d)))
-            .map(|(dx, (x, g))| {
-                let mut dw = vec![0f32; d];
-                for ((dx, x), g) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(g.chunks_exact(d)) {
-                    let r = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / d as f32 + self.eps).sqrt();
-                    let dot = x.iter().zip(g).zip(w).map(|((x, g), w)| g * w * x * r).sum::<f32>() / d as f32;
-                    for (((o, &x), &g), (&w, acc)) in
-                        dx.iter_mut().zip(x).zip(g).zip(w.iter().zip(dw.iter_mut()))
-                    {
-                        let xhat = x * r;
-                        *o = r * (g * w - xhat * dot);
-                        *acc += g * xhat;
+        let out = output(x.len() + d, |out| {
+            let (dx, dw) = out.split_at_mut(x.len());
+            dw.fill(0.0);
+            let partial: Vec<Vec<f32>> = dx
+                .par_chunks_mut(RMS_GRAD_ROWS * d)
+                .zip(x.par_chunks(RMS_GRAD_ROWS * d).zip(g.par_chunks(RMS_GRAD_ROWS * d)))
+                .map(|(dx, (x, g))| {
+                    let mut dw = vec![0f32; d];
+                    for ((dx, x), g) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(g.chunks_exact(d)) {
+                        let r = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / d as f32 + self.eps).sqrt();
+                        let dot =
+                            x.iter().zip(g).zip(w).map(|((x, g), w)| g * w * x * r).sum::<f32>() / d as f32;
+                        for (((o, &x), &g), (&w, acc)) in
+                            dx.iter_mut().zip(x).zip(g).zip(w.iter().zip(dw.iter_mut()))
+                        {
+                            let xhat = x * r;
+                            *o = r * (g * w - xhat * dot);
+                            *acc += g * xhat;
+                        }
                     }
+                    dw
+                })
+                .collect();
+            for block in partial {
+                for (t, s) in dw.iter_mut().zip(block) {
+                    *t += s;
                 }
-                dw
-            })
-            .collect();
-        for block in partial {
-            for (t, s) in dw.iter_mut().zip(block) {
-                *t += s;
             }
-        }
+        });
         Ok((CpuStorage::F32(out), vec![x.len() + d].into()))
     }
 }
@@ -345,14 +351,15 @@ impl candle_core::CustomOp1 for TargetLogProbs {
         fused_op_ran();
         let (z, vocab) = self.rows(self.name(), s, l)?;
         let n = self.targets.len();
-        let mut out = vec![0f32; 2 * n];
         let mut logp = vec![0f32; vocab];
         let mut scaled = vec![0f32; if self.inv_temperature == 1.0 { 0 } else { vocab }];
-        for (i, zs) in z.chunks_exact(vocab).enumerate() {
-            let (entropy, _) = log_softmax_row(self.scale(zs, &mut scaled), &mut logp);
-            out[2 * i] = logp[self.targets[i] as usize];
-            out[2 * i + 1] = entropy;
-        }
+        let out = output(2 * n, |out| {
+            for (i, zs) in z.chunks_exact(vocab).enumerate() {
+                let (entropy, _) = log_softmax_row(self.scale(zs, &mut scaled), &mut logp);
+                out[2 * i] = logp[self.targets[i] as usize];
+                out[2 * i + 1] = entropy;
+            }
+        });
         Ok((CpuStorage::F32(out), (n, 2).into()))
     }
 
@@ -379,21 +386,22 @@ impl candle_core::CustomOp2 for TargetLogProbsGrad {
         if l2.dims() != [n, 2] {
             candle_core::bail!("{}: gradient {:?} for {n} targets", self.name(), l2.dims())
         }
-        let mut out = vec![0f32; z.len()];
         let inv = self.0.inv_temperature;
         let mut scaled = vec![0f32; if inv == 1.0 { 0 } else { vocab }];
-        for (i, (zs, os)) in z.chunks_exact(vocab).zip(out.chunks_exact_mut(vocab)).enumerate() {
-            let (entropy, _) = log_softmax_row(self.0.scale(zs, &mut scaled), os);
-            let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
-            for o in os.iter_mut() {
-                let p = o.exp();
-                *o = -p * (g_logp + g_entropy * (*o + entropy));
+        let out = output(z.len(), |out| {
+            for (i, (zs, os)) in z.chunks_exact(vocab).zip(out.chunks_exact_mut(vocab)).enumerate() {
+                let (entropy, _) = log_softmax_row(self.0.scale(zs, &mut scaled), os);
+                let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
+                for o in os.iter_mut() {
+                    let p = o.exp();
+                    *o = -p * (g_logp + g_entropy * (*o + entropy));
+                }
+                os[self.0.targets[i] as usize] += g_logp;
+                if inv != 1.0 {
+                    os.iter_mut().for_each(|o| *o *= inv);
+                }
             }
-            os[self.0.targets[i] as usize] += g_logp;
-            if inv != 1.0 {
-                os.iter_mut().for_each(|o| *o *= inv);
-            }
-        }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -425,15 +433,16 @@ impl candle_core::CustomOp1 for TargetStats {
         fused_op_ran();
         let (z, vocab) = self.0.rows(self.name(), s, l)?;
         let n = self.0.targets.len();
-        let mut out = vec![0f32; 3 * n];
         let mut logp = vec![0f32; vocab];
         let mut scaled = vec![0f32; if self.0.inv_temperature == 1.0 { 0 } else { vocab }];
-        for (i, zs) in z.chunks_exact(vocab).enumerate() {
-            let (entropy, lse) = log_softmax_row(self.0.scale(zs, &mut scaled), &mut logp);
-            out[3 * i] = logp[self.0.targets[i] as usize];
-            out[3 * i + 1] = entropy;
-            out[3 * i + 2] = lse;
-        }
+        let out = output(3 * n, |out| {
+            for (i, zs) in z.chunks_exact(vocab).enumerate() {
+                let (entropy, lse) = log_softmax_row(self.0.scale(zs, &mut scaled), &mut logp);
+                out[3 * i] = logp[self.0.targets[i] as usize];
+                out[3 * i + 1] = entropy;
+                out[3 * i + 2] = lse;
+            }
+        });
         Ok((CpuStorage::F32(out), (n, 3).into()))
     }
 }
@@ -475,22 +484,25 @@ impl CpuOp3 for TargetColumnsGrad {
             )
         }
         let inv = self.inv_temperature;
-        let mut out = vec![0f32; z.len()];
-        for (i, (zs, os)) in z.chunks_exact(cols.max(1)).zip(out.chunks_exact_mut(cols.max(1))).enumerate() {
-            let (entropy, lse) = (stats[3 * i + 1], stats[3 * i + 2]);
-            let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
-            for (o, &v) in os.iter_mut().zip(zs) {
-                let logp = if inv == 1.0 { v } else { v * inv } - lse;
-                *o = -logp.exp() * (g_logp + g_entropy * (logp + entropy));
+        let out = output(z.len(), |out| {
+            for (i, (zs, os)) in
+                z.chunks_exact(cols.max(1)).zip(out.chunks_exact_mut(cols.max(1))).enumerate()
+            {
+                let (entropy, lse) = (stats[3 * i + 1], stats[3 * i + 2]);
+                let (g_logp, g_entropy) = (g[2 * i], g[2 * i + 1]);
+                for (o, &v) in os.iter_mut().zip(zs) {
+                    let logp = if inv == 1.0 { v } else { v * inv } - lse;
+                    *o = -logp.exp() * (g_logp + g_entropy * (logp + entropy));
+                }
+                let t = self.targets[i] as usize;
+                if (self.first..self.first + cols).contains(&t) {
+                    os[t - self.first] += g_logp;
+                }
+                if inv != 1.0 {
+                    os.iter_mut().for_each(|o| *o *= inv);
+                }
             }
-            let t = self.targets[i] as usize;
-            if (self.first..self.first + cols).contains(&t) {
-                os[t - self.first] += g_logp;
-            }
-            if inv != 1.0 {
-                os.iter_mut().for_each(|o| *o *= inv);
-            }
-        }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -560,9 +572,10 @@ impl CpuOp3 for SwiGluGrad {
             )
         }
         let n = g.len();
-        let mut out = vec![0f32; 2 * n];
-        let (dg, du) = out.split_at_mut(n);
-        crate::simd::dispatch(SwiGluGradLoop { g, u, dy, dg, du });
+        let out = output(2 * n, |out| {
+            let (dg, du) = out.split_at_mut(n);
+            crate::simd::dispatch(SwiGluGradLoop { g, u, dy, dg, du });
+        });
         let mut dims = vec![2];
         dims.extend_from_slice(l1.dims());
         Ok((CpuStorage::F32(out), dims.into()))
@@ -635,6 +648,10 @@ fn ancestor_spans(row: &metronome_core::PackedRow, seg: &metronome_core::Segment
     spans.reverse();
     spans
 }
+
+/// The attention plans of a batch's packed rows: per row, its length and the plan of
+/// each of its segments, in row order.
+pub(crate) type RowPlans = Vec<(usize, Vec<SegmentPlan>)>;
 
 /// One [`SegmentPlan`] per segment of `row`, in row order.
 pub(crate) fn segment_plans(row: &metronome_core::PackedRow, device: &Device) -> Result<Vec<SegmentPlan>> {
