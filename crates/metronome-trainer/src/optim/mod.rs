@@ -2,6 +2,12 @@
 //!
 //! candle-nn's `AdamW` keeps its moments private, so a checkpoint could not restore
 //! them and a resumed run would diverge. This one exposes its state as named tensors.
+//!
+//! On the CPU each element-wise step runs as one pass in place (`host`); elsewhere
+//! (a GPU) as composed candle ops. The two compute the same operations in the same
+//! order and agree bit for bit (tested).
+
+mod host;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -37,10 +43,20 @@ impl GradAccumulator {
                 // references the forward activations. Summed undetached, every step's
                 // graph would stay reachable from the sums (measured: 7.6 MB per step on
                 // the tiny model, until the process ran out of memory).
-                let g = g.detach().to_dtype(DType::F64)?;
+                let g = g.detach();
                 self.sums[i] = Some(match self.sums[i].take() {
-                    Some(s) => (s + g)?,
-                    None => g,
+                    // The sum was made here (converted from f32), so no one else holds it.
+                    Some(s)
+                        if s.dtype() == DType::F64
+                            && g.dtype() == DType::F32
+                            && g.device().is_cpu()
+                            && host::on_host(&s) =>
+                    {
+                        host::add_into(&s, &g.contiguous()?)?;
+                        s
+                    }
+                    Some(s) => (s + g.to_dtype(DType::F64)?)?,
+                    None => g.to_dtype(DType::F64)?.contiguous()?,
                 });
             }
         }
@@ -68,7 +84,9 @@ impl GradAccumulator {
                 format!("got {} sums for {} parameters", sums.len(), self.sums.len()),
             ));
         }
-        self.sums = sums;
+        // Copies: later micro-batches are added into the sums in place.
+        self.sums =
+            sums.into_iter().map(|s| s.map(|s| s.copy()).transpose()).collect::<candle_core::Result<_>>()?;
         self.micro_batches = micro_batches;
         Ok(())
     }
@@ -99,22 +117,28 @@ impl GradAccumulator {
         let mut out = Vec::with_capacity(params.len());
         let mut sq = 0f64;
         for (i, (_, var)) in params.iter().enumerate() {
-            let mut total: Option<Tensor> = None;
-            for (a, scale) in parts {
-                if let Some(s) = &a.sums[i] {
-                    let s = (s * *scale)?;
+            let present: Vec<(&Tensor, f64)> =
+                parts.iter().filter_map(|(a, scale)| a.sums[i].as_ref().map(|s| (s, *scale))).collect();
+            if present.is_empty() {
+                out.push(var.zeros_like()?);
+            } else if var.dtype() == DType::F32
+                && present.iter().all(|(s, _)| s.dtype() == DType::F64 && host::on_host(s))
+            {
+                let (g, squares) = host::scaled_sum(&present)?;
+                sq += squares;
+                out.push(g);
+            } else {
+                let mut total: Option<Tensor> = None;
+                for (s, scale) in present {
+                    let s = (s * scale)?;
                     total = Some(match total {
                         Some(t) => (t + s)?,
                         None => s,
                     });
                 }
-            }
-            match total {
-                Some(s) => {
-                    sq += s.sqr()?.sum_all()?.to_scalar::<f64>()?;
-                    out.push(s.to_dtype(var.dtype())?);
-                }
-                None => out.push(var.zeros_like()?),
+                let total = total.unwrap_or_else(|| unreachable!("at least one part is present"));
+                sq += total.sqr()?.sum_all()?.to_scalar::<f64>()?;
+                out.push(total.to_dtype(var.dtype())?);
             }
         }
         Ok((out, sq.sqrt()))
@@ -187,16 +211,37 @@ impl AdamWConfig {
 #[derive(Debug)]
 pub struct AdamW {
     cfg: AdamWConfig,
-    exp_avg: Vec<Tensor>,
-    exp_avg_sq: Vec<Tensor>,
+    moments: Vec<Moments>,
     steps: u64,
+}
+
+/// One parameter's first and second moments: on the host for a parameter on the CPU
+/// (updated in the same pass as the parameter), as tensors beside it elsewhere.
+#[derive(Debug)]
+enum Moments {
+    Host { m: Vec<f32>, v: Vec<f32> },
+    Tensors { m: Tensor, v: Tensor },
 }
 
 impl AdamW {
     /// Zero moments for `params`.
     pub fn new(cfg: AdamWConfig, params: &[(String, Var)]) -> Result<Self> {
-        let zeros = || params.iter().map(|(_, v)| v.zeros_like()).collect::<candle_core::Result<Vec<_>>>();
-        Ok(Self { cfg, exp_avg: zeros()?, exp_avg_sq: zeros()?, steps: 0 })
+        Self::with_moments(cfg, params, true)
+    }
+
+    /// Zero moments, kept on the host for the f32 parameters on the CPU when `host`.
+    fn with_moments(cfg: AdamWConfig, params: &[(String, Var)], host: bool) -> Result<Self> {
+        let moments = params
+            .iter()
+            .map(|(_, var)| {
+                Ok(if host && var.dtype() == DType::F32 && host::on_host(var.as_tensor()) {
+                    Moments::Host { m: vec![0.0; var.elem_count()], v: vec![0.0; var.elem_count()] }
+                } else {
+                    Moments::Tensors { m: var.zeros_like()?, v: var.zeros_like()? }
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { cfg, moments, steps: 0 })
     }
 
     /// Optimiser steps applied so far (bias correction uses it).
@@ -219,16 +264,34 @@ impl AdamW {
         let t = i32::try_from(self.steps).unwrap_or(i32::MAX);
         let bc1 = 1.0 - beta1.powi(t);
         let bc2 = 1.0 - beta2.powi(t);
-        for (i, ((_, var), g)) in params.iter().zip(grads).enumerate() {
-            let m = ((&self.exp_avg[i] * beta1)? + (g * (1.0 - beta1))?)?;
-            let v = ((&self.exp_avg_sq[i] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+        for ((_, var), (g, moments)) in params.iter().zip(grads.iter().zip(&mut self.moments)) {
             let theta = var.as_tensor();
             let decay = if theta.rank() >= 2 { lr * weight_decay } else { 0.0 };
-            let theta = if decay > 0.0 { (theta * (1.0 - decay))? } else { theta.clone() };
-            let update = ((&m * (lr / bc1))? / ((&v * (1.0 / bc2))?.sqrt()? + eps)?)?;
-            var.set(&(theta - update)?)?;
-            self.exp_avg[i] = m;
-            self.exp_avg_sq[i] = v;
+            match moments {
+                Moments::Host { m, v } => {
+                    // The f32 scalars candle's composed form (below) multiplies by.
+                    let c = host::Coefficients {
+                        beta1: beta1 as f32,
+                        one_minus_beta1: (1.0 - beta1) as f32,
+                        beta2: beta2 as f32,
+                        one_minus_beta2: (1.0 - beta2) as f32,
+                        keep: (decay > 0.0).then_some((1.0 - decay) as f32),
+                        step: (lr / bc1) as f32,
+                        inv_bias2: (1.0 / bc2) as f32,
+                        eps: eps as f32,
+                    };
+                    host::adamw_update(theta, &g.to_dtype(DType::F32)?.contiguous()?, m, v, c)?;
+                }
+                Moments::Tensors { m: exp_avg, v: exp_avg_sq } => {
+                    let m = ((&*exp_avg * beta1)? + (g * (1.0 - beta1))?)?;
+                    let v = ((&*exp_avg_sq * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+                    let theta = if decay > 0.0 { (theta * (1.0 - decay))? } else { theta.clone() };
+                    let update = ((&m * (lr / bc1))? / ((&v * (1.0 / bc2))?.sqrt()? + eps)?)?;
+                    var.set(&(theta - update)?)?;
+                    *exp_avg = m;
+                    *exp_avg_sq = v;
+                }
+            }
         }
         Ok(())
     }
@@ -237,9 +300,16 @@ impl AdamW {
     /// copies for a checkpoint.
     pub fn state(&self, params: &[(String, Var)]) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::with_capacity(2 * params.len());
-        for (i, (name, _)) in params.iter().enumerate() {
-            out.push((format!("{name}.exp_avg"), self.exp_avg[i].copy()?));
-            out.push((format!("{name}.exp_avg_sq"), self.exp_avg_sq[i].copy()?));
+        for ((name, var), moments) in params.iter().zip(&self.moments) {
+            let (m, v) = match moments {
+                Moments::Host { m, v } => (
+                    Tensor::from_slice(m, var.shape(), var.device())?,
+                    Tensor::from_slice(v, var.shape(), var.device())?,
+                ),
+                Moments::Tensors { m, v } => (m.copy()?, v.copy()?),
+            };
+            out.push((format!("{name}.exp_avg"), m));
+            out.push((format!("{name}.exp_avg_sq"), v));
         }
         Ok(out)
     }
@@ -252,9 +322,8 @@ impl AdamW {
         steps: u64,
         mut lookup: impl FnMut(&str) -> Option<Tensor>,
     ) -> Result<()> {
-        for (i, (name, var)) in params.iter().enumerate() {
-            for (suffix, slot) in [("exp_avg", &mut self.exp_avg[i]), ("exp_avg_sq", &mut self.exp_avg_sq[i])]
-            {
+        for ((name, var), moments) in params.iter().zip(&mut self.moments) {
+            let mut read = |suffix: &str| -> Result<Tensor> {
                 let key = format!("{name}.{suffix}");
                 let t = lookup(&key)
                     .ok_or_else(|| TrainerError::invalid("optimizer state", format!("lacks `{key}`")))?;
@@ -264,7 +333,18 @@ impl AdamW {
                         format!("has shape {:?}, the parameter has {:?}", t.dims(), var.dims()),
                     ));
                 }
-                *slot = t.to_dtype(var.dtype())?.to_device(var.device())?;
+                Ok(t.to_dtype(var.dtype())?)
+            };
+            let (m, v) = (read("exp_avg")?, read("exp_avg_sq")?);
+            match moments {
+                Moments::Host { m: hm, v: hv } => {
+                    *hm = m.flatten_all()?.to_vec1::<f32>()?;
+                    *hv = v.flatten_all()?.to_vec1::<f32>()?;
+                }
+                Moments::Tensors { m: tm, v: tv } => {
+                    *tm = m.to_device(var.device())?;
+                    *tv = v.to_device(var.device())?;
+                }
             }
         }
         self.steps = steps;
@@ -336,6 +416,58 @@ mod tests {
         let got_b: Vec<f32> = b.as_tensor().to_vec1().unwrap();
         assert!((f64::from(got_b[0]) - reference(0.5, 2.0, false)).abs() < 1e-6);
         assert_eq!(opt.steps(), 2);
+    }
+
+    #[test]
+    fn adamw_on_the_host_is_the_composed_arithmetic_bit_for_bit() {
+        let dev = Device::Cpu;
+        let values = |seed: u32, n: usize| -> Vec<f32> {
+            (0..n as u32)
+                .map(|i| {
+                    ((i.wrapping_mul(2_654_435_761) ^ seed).wrapping_mul(40_503) % 2001) as f32 / 1000.0 - 1.0
+                })
+                .collect()
+        };
+        let params = || {
+            vec![
+                ("w".to_string(), Var::from_vec(values(1, 15), (3, 5), &dev).unwrap()),
+                ("b".to_string(), Var::from_vec(values(2, 5), 5, &dev).unwrap()),
+            ]
+        };
+        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let (on_host, composed) = (params(), params());
+        let mut a = AdamW::with_moments(cfg, &on_host, true).unwrap();
+        let mut b = AdamW::with_moments(cfg, &composed, false).unwrap();
+        assert!(
+            matches!(a.moments[0], Moments::Host { .. }) && matches!(b.moments[0], Moments::Tensors { .. })
+        );
+        let bits = |t: &Tensor| {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        for step in 0..3u32 {
+            let grads = vec![
+                Tensor::from_vec(values(10 + step, 15), (3, 5), &dev).unwrap(),
+                Tensor::from_vec(values(20 + step, 5), 5, &dev).unwrap(),
+            ];
+            a.step(&on_host, &grads, 0.01).unwrap();
+            b.step(&composed, &grads, 0.01).unwrap();
+            for ((_, x), (_, y)) in on_host.iter().zip(&composed) {
+                assert_eq!(bits(x.as_tensor()), bits(y.as_tensor()), "parameters after step {step}");
+            }
+            for ((k, x), (_, y)) in a.state(&on_host).unwrap().iter().zip(&b.state(&composed).unwrap()) {
+                assert_eq!(bits(x), bits(y), "{k} after step {step}");
+            }
+        }
+        // A restored state continues the same way.
+        let saved: std::collections::HashMap<_, _> = a.state(&on_host).unwrap().into_iter().collect();
+        let mut c = AdamW::new(cfg, &on_host).unwrap();
+        c.restore(&on_host, a.steps(), |k| saved.get(k).cloned()).unwrap();
+        assert_eq!(
+            c.state(&on_host).unwrap().iter().map(|(_, t)| bits(t)).collect::<Vec<_>>(),
+            a.state(&on_host).unwrap().iter().map(|(_, t)| bits(t)).collect::<Vec<_>>()
+        );
+        let err = c.restore(&on_host, 1, |_| None).unwrap_err().to_string();
+        assert!(err.contains("lacks `w.exp_avg`"), "{err}");
     }
 
     #[test]
