@@ -23,8 +23,9 @@ Metronome's side is built in release: with `METRONOME_SIMD=avx2` without the `av
 feature (so gemm stays at AVX2) into `target/avx2`, and run with the variable set (so
 the fused kernels do too).
 
-Results go to `crates/metronome-pipeline/benches/results/trl_compare[_avx2].json` with
-the command, the machine, the commit and every pair. Not part of CI.
+Results go to `crates/metronome-pipeline/benches/results/trl_compare[_avx2].json` (or
+`--out NAME` there) with the command, the machine, the commit and every pair. Not part
+of CI.
 """
 
 import argparse
@@ -116,6 +117,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--venv", type=pathlib.Path, default=ROOT / "target" / "bench-venv" / "trl")
     ap.add_argument("--no-write", action="store_true", help="print the results without writing the file")
+    ap.add_argument("--out", help="the results file's name under results/ (default: trl_compare[_avx2].json), "
+                    "e.g. to keep another machine's figures beside this one's")
     args = ap.parse_args()
 
     avx2 = os.environ.get("METRONOME_SIMD", "").strip().lower() in ("avx2", "x86-v3")
@@ -144,7 +147,8 @@ def main():
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout)
     result = {
-        "command": " ".join(["METRONOME_SIMD=avx2"] * avx2 + ["python3", "crates/metronome-pipeline/benches/trl_compare.py"]),
+        "command": " ".join(["METRONOME_SIMD=avx2"] * avx2 + ["python3", "crates/metronome-pipeline/benches/trl_compare.py"]
+                            + (["--out", args.out] if args.out else [])),
         "path": "avx2" if avx2 else "native",
         "commit": commit + ("-dirty" if dirty else ""),
         "date": time.strftime("%Y-%m-%d"),
@@ -160,7 +164,7 @@ def main():
     print(f"median: {result['median_ratio']:.2f}x TRL, {result['median_process_ratio']:.2f}x counting "
           f"Metronome's whole process ({result['path']})")
     if not args.no_write:
-        out = HERE / "results" / f"trl_compare{'_avx2' if avx2 else ''}.json"
+        out = HERE / "results" / (args.out or f"trl_compare{'_avx2' if avx2 else ''}.json")
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out.relative_to(ROOT)}")
