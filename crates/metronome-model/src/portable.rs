@@ -764,6 +764,13 @@ mod tests {
         let (short, _) = row_plans(&[&[(5, None), (140, Some(0)), (7, Some(0))]]);
         let err = ops::packed_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &short).unwrap_err();
         assert!(err.to_string().contains("the rows hold 152 positions, q 155"), "{err}");
+        // Segments that leave part of their row uncovered.
+        let (eight, _) = row_plans(&[&[(5, None), (3, Some(0))]]);
+        let segments = Arc::try_unwrap(eight).unwrap().remove(0).1;
+        let gappy = Arc::new(vec![(10, segments)]);
+        let ten = |t: &candle_core::Var| t.as_tensor().narrow(0, 0, 10).unwrap();
+        let err = ops::packed_attention(&ten(&q), &ten(&k), &ten(&v), &gappy).unwrap_err();
+        assert!(err.to_string().contains("the segments of a 10-position row cover 8"), "{err}");
         let short_keys = k.as_tensor().narrow(0, 0, n - 1).unwrap();
         let err = ops::packed_attention(q.as_tensor(), &short_keys, &short_keys, &plans).unwrap_err();
         assert!(err.to_string().contains("do not fit one another"), "{err}");

@@ -43,6 +43,33 @@ use crate::Result;
 /// about 64 rows here: a [64, 128] × [128, 64] product as fast per FLOP as a square one).
 const BLOCK: usize = 64;
 
+thread_local! {
+    /// This thread's scratch for a head's probability blocks ([`with_scratch`]).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `f` with two scratch slices of `n` elements, reused across heads, segments and
+/// calls on this thread (fresh zeroed buffers per head and segment were most of the
+/// op's remaining `memset`). Their contents are left over from earlier use: every
+/// block of `p` and `dS` is written before it is read.
+fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < 2 * n {
+                buf.resize(2 * n, 0.0);
+            }
+            let (a, b) = buf[..2 * n].split_at_mut(n);
+            f(a, b)
+        }
+        // Re-entered on this thread (not done today): a buffer of its own.
+        Err(_) => {
+            let mut buf = vec![0f32; 2 * n];
+            let (a, b) = buf.split_at_mut(n);
+            f(a, b)
+        }
+    })
+}
+
 /// Attention of packed rows' segments: `q: [n, heads, hd]`, `k`, `v: [n, kv_heads, hd]`
 /// of the rows concatenated, each segment's query `i` seeing its plan's ancestor keys
 /// and its own keys up to `i`, scaled by `1/sqrt(hd)`; `[n, heads * hd]`, with its
@@ -86,15 +113,18 @@ struct Span<'a> {
 }
 
 impl Span<'_> {
-    /// Every segment of `plans` in row order, checked to lie within its row, the rows
-    /// to cover the batch's `n` positions and each plan's keys to end in its queries.
+    /// Every segment of `plans` in row order, checked to tile its row (so the spans'
+    /// queries cover the batch's rows, each once), the rows to cover the batch's `n`
+    /// positions and each plan's keys to lie in its row and end in its queries.
     fn all(plans: &RowPlans, n: usize) -> candle_core::Result<Vec<Span<'_>>> {
         let mut spans = Vec::new();
         let mut row = 0;
         for (row_len, row_plans) in plans {
+            let mut next = 0;
             for plan in row_plans {
                 let keys: usize = plan.keys.iter().map(|k| k.1).sum();
                 if plan.keys.iter().any(|&(s, l)| s + l > *row_len)
+                    || plan.start != next
                     || plan.start + plan.len > *row_len
                     || keys != plan.visible + plan.len
                 {
@@ -106,6 +136,10 @@ impl Span<'_> {
                     )
                 }
                 spans.push(Span { row, plan });
+                next += plan.len;
+            }
+            if next != *row_len {
+                candle_core::bail!("packed-attention: the segments of a {row_len}-position row cover {next}")
             }
             row += row_len;
         }
@@ -238,13 +272,16 @@ impl candle_core::CustomOp3 for PackedAttention {
         let [q, k, v] = [(s1, l1), (s2, l2), (s3, l3)].map(|(s, l)| contiguous_f32(self.name(), s, l));
         let (q, k, v) = (q?, k?, v?);
         let (qw, kw) = (b.heads * b.hd, b.kv_heads * b.hd);
-        let mut out = vec![0f32; b.n * qw];
+        let spans = Span::all(&self.plans, b.n)?;
         let (mut kb, mut vb) = (Vec::new(), Vec::new());
-        for span in Span::all(&self.plans, b.n)? {
-            let rows = span.queries(qw);
-            let (ks, vs) = (span.gather(k, kw, &mut kb), span.gather(v, kw, &mut vb));
-            forward(span.dims(b), &q[rows.clone()], ks, vs, &mut out[rows]);
-        }
+        // The spans tile the rows: every output row is written by its segment.
+        let out = output(b.n * qw, |out| {
+            for span in &spans {
+                let rows = span.queries(qw);
+                let (ks, vs) = (span.gather(k, kw, &mut kb), span.gather(v, kw, &mut vb));
+                forward(span.dims(b), &q[rows.clone()], ks, vs, &mut out[rows]);
+            }
+        });
         Ok((CpuStorage::F32(out), (b.n, qw).into()))
     }
 
@@ -269,17 +306,20 @@ impl candle_core::CustomOp3 for PackedAttention {
             }
         };
         let (qs, ks, vs, os, dos) = (host(0)?, host(1)?, host(2)?, host(3)?, host(4)?);
-        let mut dq = vec![0f32; b.n * qw];
+        let spans = Span::all(&self.plans, b.n)?;
         let (mut dk, mut dv) = (vec![0f32; b.n * kw], vec![0f32; b.n * kw]);
         let (mut kb, mut vb) = (Vec::new(), Vec::new());
-        for span in Span::all(&self.plans, b.n)? {
-            let rows = span.queries(qw);
-            let (kg, vg) = (span.gather(ks, kw, &mut kb), span.gather(vs, kw, &mut vb));
-            let (sq, so, sdo) = (&qs[rows.clone()], &os[rows.clone()], &dos[rows.clone()]);
-            let (sdk, sdv) = backward(span.dims(b), sq, kg, vg, so, sdo, &mut dq[rows]);
-            span.scatter_add(&sdk, kw, &mut dk);
-            span.scatter_add(&sdv, kw, &mut dv);
-        }
+        // The spans tile the rows: every row of dq is written by its segment.
+        let dq = output(b.n * qw, |dq| {
+            for span in &spans {
+                let rows = span.queries(qw);
+                let (kg, vg) = (span.gather(ks, kw, &mut kb), span.gather(vs, kw, &mut vb));
+                let (sq, so, sdo) = (&qs[rows.clone()], &os[rows.clone()], &dos[rows.clone()]);
+                let (sdk, sdv) = backward(span.dims(b), sq, kg, vg, so, sdo, &mut dq[rows]);
+                span.scatter_add(&sdk, kw, &mut dk);
+                span.scatter_add(&sdv, kw, &mut dv);
+            }
+        });
         drop(guards);
         let dev = q.device();
         Ok((
@@ -339,24 +379,35 @@ fn backward(
         .into_par_iter()
         .map(|h| {
             let g = h / rep;
-            let (mut hq, mut dk, mut dv) =
-                (vec![0f32; d.lq * hd], vec![0f32; d.lk * hd], vec![0f32; d.lk * hd]);
-            let mut p = vec![0f32; BLOCK.min(d.lq) * d.lk];
-            let mut ds = vec![0f32; BLOCK.min(d.lq) * d.lk];
-            for block @ (i0, rows, keys) in d.blocks() {
-                d.probabilities(q, k, h, block, &mut p);
-                let (pb, kb, qb) =
-                    (Block::rows(0, rows, keys, keys), d.key_rows(g, keys), d.query_rows(h, i0, rows));
-                let key_grad = Block::rows(0, keys, hd, hd);
-                // dV += Pᵀ·dO; dP = dO·Vᵀ; dS = P ⊙ (dP − rowsum(dO ⊙ O)).
-                matmul(&mut dv, key_grad, true, &p, pb.t(), dout, qb, 1.0);
-                matmul(&mut ds, pb, false, dout, qb, v, kb.t(), 1.0);
-                let n = rows * keys;
-                crate::simd::dispatch(ScoreGrad { ds: &mut ds[..n], p: &p[..n], keys, dout, o, rows: qb });
-                // dQ = scale · dS·K; dK += scale · dSᵀ·Q.
-                matmul(&mut hq, Block::rows(i0 * hd, rows, hd, hd), false, &ds, pb, k, kb, scale);
-                matmul(&mut dk, key_grad, true, &ds, pb.t(), q, qb, scale);
-            }
+            let (mut dk, mut dv) = (vec![0f32; d.lk * hd], vec![0f32; d.lk * hd]);
+            let hq = output(d.lq * hd, |hq| {
+                with_scratch(BLOCK.min(d.lq) * d.lk, |p, ds| {
+                    for block @ (i0, rows, keys) in d.blocks() {
+                        d.probabilities(q, k, h, block, p);
+                        let (pb, kb, qb) = (
+                            Block::rows(0, rows, keys, keys),
+                            d.key_rows(g, keys),
+                            d.query_rows(h, i0, rows),
+                        );
+                        let key_grad = Block::rows(0, keys, hd, hd);
+                        // dV += Pᵀ·dO; dP = dO·Vᵀ; dS = P ⊙ (dP − rowsum(dO ⊙ O)).
+                        matmul(&mut dv, key_grad, true, p, pb.t(), dout, qb, 1.0);
+                        matmul(ds, pb, false, dout, qb, v, kb.t(), 1.0);
+                        let n = rows * keys;
+                        crate::simd::dispatch(ScoreGrad {
+                            ds: &mut ds[..n],
+                            p: &p[..n],
+                            keys,
+                            dout,
+                            o,
+                            rows: qb,
+                        });
+                        // dQ = scale · dS·K; dK += scale · dSᵀ·Q.
+                        matmul(hq, Block::rows(i0 * hd, rows, hd, hd), false, ds, pb, k, kb, scale);
+                        matmul(&mut dk, key_grad, true, ds, pb.t(), q, qb, scale);
+                    }
+                });
+            });
             [hq, dk, dv]
         })
         .collect();
