@@ -45,7 +45,9 @@ impl GradAccumulator {
                 // the tiny model, until the process ran out of memory).
                 let g = g.detach();
                 self.sums[i] = Some(match self.sums[i].take() {
-                    // The sum was made here (converted from f32), so no one else holds it.
+                    // The sum is this accumulator's own (converted here from an f32
+                    // gradient, or copied by `restore`), so adding in place changes no
+                    // one else's tensor; `sums` is read at once (a checkpoint's save).
                     Some(s)
                         if s.dtype() == DType::F64
                             && g.dtype() == DType::F32
