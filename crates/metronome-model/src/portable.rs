@@ -771,6 +771,14 @@ mod tests {
         let ten = |t: &candle_core::Var| t.as_tensor().narrow(0, 0, 10).unwrap();
         let err = ops::packed_attention(&ten(&q), &ten(&k), &ten(&v), &gappy).unwrap_err();
         assert!(err.to_string().contains("the segments of a 10-position row cover 8"), "{err}");
+        // A plan whose keys are as many as it needs, in its row, but do not end in its
+        // own queries (only the keys-end check refuses it), beside one that does.
+        let plan = |keys| Arc::new(vec![(3, vec![ops::SegmentPlan::new(0, 3, keys, 0, &dev)])]);
+        let three = |t: &candle_core::Var| t.as_tensor().narrow(0, 0, 3).unwrap();
+        ops::packed_attention(&three(&q), &three(&k), &three(&v), &plan(vec![(0, 3)])).unwrap();
+        let err = ops::packed_attention(&three(&q), &three(&k), &three(&v), &plan(vec![(1, 2), (0, 1)]))
+            .unwrap_err();
+        assert!(err.to_string().contains("does not fit its 3-position row"), "{err}");
         let short_keys = k.as_tensor().narrow(0, 0, n - 1).unwrap();
         let err = ops::packed_attention(q.as_tensor(), &short_keys, &short_keys, &plans).unwrap_err();
         assert!(err.to_string().contains("do not fit one another"), "{err}");

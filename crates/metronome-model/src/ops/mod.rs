@@ -27,12 +27,12 @@ pub(crate) use decode::{
 };
 pub use linear::Projection;
 pub(crate) use linear::{frozen_linear, fused_linear, linear};
-#[cfg(test)]
-pub(crate) use train::log_softmax_last_dim;
 pub(crate) use train::{
     RowIndex, RowMasks, RowPlans, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
     target_columns_grad, target_logprobs_entropy, target_stats,
 };
+#[cfg(test)]
+pub(crate) use train::{SegmentPlan, log_softmax_last_dim};
 
 use crate::{Error, Result};
 

@@ -8,7 +8,7 @@
 //! and a share of its allocator time. These passes do the same f32 and f64 operations
 //! in the same order, `x * c + 0.0` where candle's scalar product is an affine map
 //! with a zero offset, so the two forms agree bitwise (tested: the sums below, AdamW
-//! in `super`).
+//! in `super`), except the gradient norm's sum of squares, which runs in eight lanes.
 
 use std::cell::RefCell;
 
@@ -249,6 +249,9 @@ mod tests {
             assert!((sq - want).abs() <= 1e-12 * want, "{sq} vs {want}");
         }
         let other = g(3).to_dtype(DType::F64).unwrap();
+        let short = other.narrow(0, 0, 2).unwrap().contiguous().unwrap();
+        let err = scaled_sum(&[(&other, 1.0), (&short, 1.0)]).unwrap_err().to_string();
+        assert!(err.contains("of sums of 48 and 16 elements"), "{err}");
         // The candle error is the trainer error's source.
         let err = format!("{:?}", add_into(&sum, &g(4).narrow(0, 0, 3).unwrap()).unwrap_err());
         assert!(err.contains("a gradient of 24 elements for a sum of 48"), "{err}");

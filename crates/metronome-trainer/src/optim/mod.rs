@@ -5,7 +5,8 @@
 //!
 //! On the CPU each element-wise step runs as one pass in place (`host`); elsewhere
 //! (a GPU) as composed candle ops. The two compute the same operations in the same
-//! order and agree bit for bit (tested).
+//! order and agree bit for bit in the gradients, parameters and moments (tested); the
+//! gradient norm's sum of squares runs in lanes on the host (within 1e-12, tested).
 
 mod host;
 
