@@ -1,6 +1,7 @@
 //! Throughput of the tiny configuration: training forward+backward tokens/s and
 //! decode tokens/s at several batch sizes, a measured matmul peak (GFLOP/s), and the
-//! model FLOP utilisation (MFU) against it; and what checking a snapshot's weights
+//! model FLOP utilisation (MFU) against it; a GRPO group's prefill with its prompt shared
+//! against distinct prompts (`group_prefill`); and what checking a snapshot's weights
 //! costs against installing them (`install`, at SmolLM2-135M's shape).
 //!
 //! `cargo bench -p metronome-model --bench model`; compare with PyTorch on the same
@@ -27,6 +28,11 @@ const TRAIN_ROWS: [usize; 2] = [1, 4];
 const DECODE_BATCHES: [usize; 4] = [1, 8, 32, 64];
 const PROMPT: usize = 16;
 const DECODE_STEPS: usize = 32;
+/// A GRPO group's prefill: `GROUP` samples of one `GROUP_PROMPT`-token prompt (copied
+/// from one computation), against `GROUP` different prompts of that length (each
+/// computed, as every group's prefill was before samples shared their prompt's).
+const GROUP: usize = 8;
+const GROUP_PROMPT: usize = 96;
 
 fn model() -> Model {
     Model::new(ModelConfig::tiny(), &Device::Cpu, 0).expect("tiny model")
@@ -68,6 +74,20 @@ fn train_step(model: &Model, rows: &[PackedRow], targets: &Targets) {
             out.logprobs.sum_all().and_then(|l| l.neg()).and_then(|l| l.backward()).expect("backward");
         black_box(grads);
     });
+}
+
+/// Prefills `GROUP` empty slots in one forward: the same prompt in each with `shared`,
+/// different prompts without.
+fn group_prefill(model: &Model, shared: bool) {
+    let mut cache = KvCache::new(model, GROUP, GROUP_PROMPT).expect("cache");
+    let prompts: Vec<Vec<u32>> = (0..GROUP)
+        .map(|s| {
+            let s = if shared { 0 } else { s as u32 };
+            (0..GROUP_PROMPT as u32).map(|i| 3 + (i * 7 + s * 11) % 90).collect()
+        })
+        .collect();
+    let seqs: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(s, p)| (s, p.as_slice())).collect();
+    black_box(model.prefill_many(&mut cache, &seqs).expect("prefill"));
 }
 
 /// Runs `steps` decode steps over `batch` slots prefilled with `PROMPT` tokens; returns the time of the steps only.
@@ -124,6 +144,12 @@ fn benches(c: &mut Criterion) {
                 total
             });
         });
+    }
+    g.finish();
+    let mut g = c.benchmark_group("group_prefill");
+    g.throughput(Throughput::Elements((GROUP * GROUP_PROMPT) as u64));
+    for (name, shared) in [("distinct", false), ("shared", true)] {
+        g.bench_function(name, |b| b.iter(|| group_prefill(&frozen, shared)));
     }
     g.finish();
     // What the hostile-input checks add to installing weights (issue #37): every
@@ -207,6 +233,22 @@ fn summary() {
         let flops = cfg.dense_flops_per_token() * tps;
         println!("decode batch {batch}: {tps:.0} tokens/s, MFU {:.1}%", 100.0 * flops / 1e9 / peak);
     }
+    // Alternating rounds, the best of each side (the least disturbed on a shared machine).
+    let mut best = [f64::INFINITY; 2];
+    for _ in 0..5 {
+        for (i, shared) in [false, true].into_iter().enumerate() {
+            let start = Instant::now();
+            group_prefill(&frozen, shared);
+            best[i] = best[i].min(start.elapsed().as_secs_f64());
+        }
+    }
+    println!(
+        "prefill of a group of {GROUP} x {GROUP_PROMPT} tokens: {:.2} ms with one prompt shared, {:.2} ms with {GROUP} \
+         prompts ({:.2}x)",
+        1e3 * best[1],
+        1e3 * best[0],
+        best[0] / best[1]
+    );
 }
 
 /// mimalloc returns freed memory to the OS 10 ms after it is freed by default, but a

@@ -23,6 +23,8 @@
 //! 2.2x the tokens/s of the padded candle path at 64 slots and 8-9x at one slot. Both
 //! paths match the full forward within 1e-5 and are bitwise batch-invariant.
 
+use std::collections::HashMap;
+
 use candle_core::{DType, Tensor};
 
 use crate::draw::{Draw, Next, check_draws};
@@ -158,6 +160,132 @@ impl KvCache {
     }
 }
 
+/// The rows of one cached forward ([`Model::extend`]): the tokens it computes, where
+/// each attends, and which pairs take another pair's keys, values and logits instead of
+/// computing them.
+///
+/// A GRPO group starts as G pairs prefilling empty slots with the same prompt. Only
+/// the first of them is computed: the others' cache rows are written from its keys
+/// and values by the same per-layer writes, and they take its logits row (each draws
+/// its own token from it). Every row is computed alone (batch invariance), so what a
+/// pair takes is bitwise what it would have computed itself; the prompt's forward
+/// costs once per group instead of G times.
+#[derive(Debug)]
+struct StepPlan {
+    /// The computed rows' tokens and positions.
+    ids: Vec<u32>,
+    positions: Vec<u32>,
+    /// Each computed row's slot block and its cached length once written ([`DecodeRows`]).
+    base: Vec<usize>,
+    lens: Vec<usize>,
+    /// Each computed pair's last row.
+    last: Vec<u32>,
+    /// `None` when every pair computes its own rows.
+    copies: Option<Copies>,
+}
+
+/// The cache writes and logits of a [`StepPlan`] whose pairs share rows.
+#[derive(Debug)]
+struct Copies {
+    /// Every cache row written, as [`DecodeRows`]: the computed rows', then the copies'.
+    base: Vec<usize>,
+    lens: Vec<usize>,
+    /// For each written row, the computed row whose key and value it takes.
+    from: Vec<u32>,
+    /// For each pair, its row of the computed pairs' logits.
+    logits_of_pair: Vec<u32>,
+}
+
+impl StepPlan {
+    fn new(cache: &KvCache, seqs: &[(usize, &[u32])]) -> Self {
+        // The pair whose rows each pair takes: itself, or the first pair that prefills
+        // an empty slot with the same tokens (a pair extending a filled slot, such as a
+        // multi-turn observation, has a prefix of its own and computes).
+        let mut first_with: HashMap<&[u32], usize> = HashMap::new();
+        let source: Vec<usize> = seqs
+            .iter()
+            .enumerate()
+            .map(
+                |(p, &(slot, tokens))| {
+                    if cache.lens[slot] == 0 { *first_with.entry(tokens).or_insert(p) } else { p }
+                },
+            )
+            .collect();
+        let total: usize = seqs.iter().map(|(_, t)| t.len()).sum();
+        let mut plan = Self {
+            ids: Vec::with_capacity(total),
+            positions: Vec::with_capacity(total),
+            base: Vec::with_capacity(total),
+            lens: Vec::with_capacity(total),
+            last: Vec::with_capacity(seqs.len()),
+            copies: None,
+        };
+        let mut first_row = vec![0; seqs.len()];
+        let mut logits_of_pair = vec![0u32; seqs.len()];
+        for (p, &(slot, tokens)) in seqs.iter().enumerate() {
+            if source[p] != p {
+                logits_of_pair[p] = logits_of_pair[source[p]];
+                continue;
+            }
+            let start = cache.lens[slot];
+            first_row[p] = plan.ids.len();
+            plan.ids.extend_from_slice(tokens);
+            for j in 0..tokens.len() {
+                plan.positions.push((start + j) as u32);
+                plan.base.push(slot * cache.max_seq_len);
+                plan.lens.push(start + j + 1);
+            }
+            logits_of_pair[p] = plan.last.len() as u32;
+            plan.last.push((plan.ids.len() - 1) as u32);
+        }
+        if plan.ids.len() < total {
+            let mut c = Copies {
+                base: plan.base.clone(),
+                lens: plan.lens.clone(),
+                from: (0..plan.ids.len() as u32).collect(),
+                logits_of_pair,
+            };
+            for (p, &(slot, tokens)) in seqs.iter().enumerate().filter(|&(p, _)| source[p] != p) {
+                for j in 0..tokens.len() {
+                    c.base.push(slot * cache.max_seq_len);
+                    c.lens.push(j + 1);
+                    c.from.push((first_row[source[p]] + j) as u32);
+                }
+            }
+            plan.copies = Some(c);
+        }
+        plan
+    }
+
+    /// [`Copies::from`] on `device`; `None` without copies.
+    fn from(&self, device: &candle_core::Device) -> Result<Option<Tensor>> {
+        let Some(c) = &self.copies else { return Ok(None) };
+        Ok(Some(Tensor::from_slice(&c.from, c.from.len(), device)?))
+    }
+}
+
+/// What every layer of a cached forward reads: where its computed rows attend
+/// (`attend`), where their keys and values go (`write`, each written row taking the
+/// computed row that `from` names, or the computed rows in order when `from` is
+/// `None`), their rotary tables, and the rows whose logits it returns (`last`).
+struct StepRows<'a> {
+    attend: DecodeRows<'a>,
+    write: DecodeRows<'a>,
+    from: Option<Tensor>,
+    rope: crate::ops::RopeTables,
+    last: &'a [u32],
+}
+
+impl StepRows<'_> {
+    /// A layer's computed keys or values `[rows, kv_heads, head_dim]` as the rows written.
+    fn written(&self, computed: &Tensor) -> Result<Tensor> {
+        Ok(match &self.from {
+            Some(from) => computed.index_select(from, 0)?,
+            None => computed.clone(),
+        })
+    }
+}
+
 /// `x` with zero rows appended up to `min_rows` rows (itself when it has that many).
 /// Padding each linear layer's input once, and running the gate, up and down
 /// projections and the SwiGLU between them on the padded rows (zero rows stay zero),
@@ -194,7 +322,10 @@ impl Model {
     /// (the linear layers' per-call work dominates), so an engine admitting many
     /// sequences at once should prefill them together. Batch-invariant like
     /// [`Model::decode_step`]: a slot's logits and cached keys and values are bitwise
-    /// the same whichever other slots are prefilled with it.
+    /// the same whichever other slots are prefilled with it. Pairs that fill empty
+    /// slots with the same tokens (a prompt's G samples) share one computation: the
+    /// first is computed and the others' caches and logits are copied from it, bitwise
+    /// what each would have computed.
     pub fn prefill_many(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Vec<Vec<f32>>> {
         self.check_prefill(seqs)?;
         Ok(self.extend(cache, seqs)?.to_dtype(DType::F32)?.to_vec2::<f32>()?)
@@ -264,10 +395,11 @@ impl Model {
     /// each pair's last position, `[pairs, vocab]` on the model's device. Tokens are
     /// already checked against the vocabulary.
     ///
-    /// Every token is one row: linear layers run on all rows at once (padded to the
-    /// cache's minimum rows), and attention is the fused per-row op over the row's own
-    /// slot prefix (causal within a prompt, since token `j` sees `start + j + 1` cached
-    /// positions). No row's arithmetic depends on another's, hence batch invariance.
+    /// Every computed token is one row: linear layers run on all rows at once (padded
+    /// to the cache's minimum rows), and attention is the fused per-row op over the
+    /// row's own slot prefix (causal within a prompt, since token `j` sees `start + j +
+    /// 1` cached positions). No row's arithmetic depends on another's, hence batch
+    /// invariance, and pairs repeating another's prompt are copied ([`StepPlan`]).
     fn extend(&self, cache: &mut KvCache, seqs: &[(usize, &[u32])]) -> Result<Tensor> {
         if seqs.is_empty() {
             let vocab = self.config().vocab_size;
@@ -292,31 +424,27 @@ impl Model {
         let cfg = &m.cfg;
         let dev = &m.device;
         let mr = cache.min_rows;
-        let total: usize = seqs.iter().map(|(_, t)| t.len()).sum();
-        let mut ids = Vec::with_capacity(total);
-        let mut positions = Vec::with_capacity(total);
-        // Each row's slot block in the cache, and its cached length once it is written.
-        let mut base = Vec::with_capacity(total);
-        let mut lens = Vec::with_capacity(total);
-        let mut last = Vec::with_capacity(seqs.len());
-        for &(slot, tokens) in seqs {
-            let start = cache.lens[slot];
-            ids.extend_from_slice(tokens);
-            for j in 0..tokens.len() {
-                positions.push((start + j) as u32);
-                base.push(slot * cache.max_seq_len);
-                lens.push(start + j + 1);
-            }
-            last.push((ids.len() - 1) as u32);
-        }
+        let plan = StepPlan::new(cache, seqs);
+        let total = plan.ids.len();
         let index = StepIndex::default();
-        let rows = DecodeRows { base: &base, len: &lens, index: Some(&index) };
-        let rope = rope_tables(&positions, cfg.head_dim, cfg.rope_theta);
+        let attend = DecodeRows { base: &plan.base, len: &plan.lens, index: Some(&index) };
+        let write_index = StepIndex::default();
+        let step = StepRows {
+            attend,
+            write: plan.copies.as_ref().map_or(attend, |c| DecodeRows {
+                base: &c.base,
+                len: &c.lens,
+                index: Some(&write_index),
+            }),
+            from: plan.from(dev)?,
+            rope: rope_tables(&plan.positions, cfg.head_dim, cfg.rope_theta),
+            last: &plan.last,
+        };
         let w = |v: &candle_core::Var| Self::w(v, false);
-        let mut x = w(&m.embed).index_select(&Tensor::from_vec(ids, total, dev)?, 0)?;
+        let mut x = w(&m.embed).index_select(&Tensor::from_slice(&plan.ids, total, dev)?, 0)?;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let logits = match self.decode_weights()? {
-            Some(dw) => self.extend_dense(cache, &dw, x, rows, &rope, &last)?,
+            Some(dw) => self.extend_dense(cache, &dw, x, &step)?,
             None => {
                 let ks = self.kernels;
                 for (li, l) in m.layers.iter().enumerate() {
@@ -334,11 +462,11 @@ impl Model {
                     let q = proj(&l.q, &l.q_bias, h)?;
                     let k = proj(&l.k, &l.k_bias, kvh)?;
                     let v = proj(&l.v, &l.v_bias, kvh)?;
-                    let q = ks.rope(&q, &rope)?;
-                    let k = ks.rope(&k, &rope)?;
-                    ks.write_decode_rows(&cache.keys[li], &k, rows)?;
-                    ks.write_decode_rows(&cache.values[li], &v, rows)?;
-                    let att = ks.decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
+                    let q = ks.rope(&q, &step.rope)?;
+                    let k = ks.rope(&k, &step.rope)?;
+                    ks.write_decode_rows(&cache.keys[li], &step.written(&k)?, step.write)?;
+                    ks.write_decode_rows(&cache.values[li], &step.written(&v)?, step.write)?;
+                    let att = ks.decode_attention(&q, &cache.keys[li], &cache.values[li], step.attend)?;
                     x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
                     let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
                     let b = pad_rows(&b, mr)?;
@@ -346,12 +474,17 @@ impl Model {
                         ks.swiglu(&linear(&b, &w(&l.gate), None)?, &linear(&b, &w(&l.up), None)?, total)?;
                     x = (x + linear(&gu, &w(&l.down), None)?.narrow(0, 0, total)?)?;
                 }
-                if total > seqs.len() {
-                    x = x.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;
+                if total > step.last.len() {
+                    x = x.index_select(&Tensor::from_slice(step.last, step.last.len(), dev)?, 0)?;
                 }
                 let x = ks.rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?;
                 padded_linear(&x, &self.lm_head(false), None, mr)?
             }
+        };
+        // A pair that shared another's forward takes that pair's logits row.
+        let logits = match &plan.copies {
+            Some(c) => logits.index_select(&Tensor::from_slice(&c.logits_of_pair, seqs.len(), dev)?, 0)?,
+            None => logits,
         };
         for &(slot, tokens) in seqs {
             cache.lens[slot] += tokens.len();
@@ -361,16 +494,14 @@ impl Model {
 
     /// The layers and LM head of [`Model::extend`] on decode-layout weights: the
     /// stacked query/key/value and gate/up products, no padding rows (their kernel is
-    /// batch-invariant at any number of rows). `x` holds the embedded rows; returns
-    /// the logits of the rows `last` names.
+    /// batch-invariant at any number of rows). `x` holds the embedded rows of `step`;
+    /// returns the logits of its rows `step.last`.
     fn extend_dense(
         &self,
         cache: &KvCache,
         dw: &DecodeWeights,
         mut x: Tensor,
-        rows: DecodeRows<'_>,
-        rope: &crate::ops::RopeTables,
-        last: &[u32],
+        step: &StepRows<'_>,
     ) -> Result<Tensor> {
         let m = &self.inner;
         let cfg = &m.cfg;
@@ -380,18 +511,18 @@ impl Model {
         for (li, (l, d)) in m.layers.iter().zip(&dw.layers).enumerate() {
             let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
             let qkv = d.qkv.forward(&a)?;
-            let q = apply_rope(&qkv.narrow(1, 0, h * hd)?.reshape((total, h, hd))?, rope)?;
-            let k = apply_rope(&qkv.narrow(1, h * hd, kvh * hd)?.reshape((total, kvh, hd))?, rope)?;
+            let q = apply_rope(&qkv.narrow(1, 0, h * hd)?.reshape((total, h, hd))?, &step.rope)?;
+            let k = apply_rope(&qkv.narrow(1, h * hd, kvh * hd)?.reshape((total, kvh, hd))?, &step.rope)?;
             let v = qkv.narrow(1, (h + kvh) * hd, kvh * hd)?.reshape((total, kvh, hd))?;
-            write_decode_rows(&cache.keys[li], &k, rows)?;
-            write_decode_rows(&cache.values[li], &v, rows)?;
-            let att = decode_attention(&q, &cache.keys[li], &cache.values[li], rows)?;
+            write_decode_rows(&cache.keys[li], &step.written(&k)?, step.write)?;
+            write_decode_rows(&cache.values[li], &step.written(&v)?, step.write)?;
+            let att = decode_attention(&q, &cache.keys[li], &cache.values[li], step.attend)?;
             x = (x + d.o.forward(&att)?)?;
             let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
             x = (x + d.down.forward(&swiglu_stacked(&d.gate_up.forward(&b)?)?)?)?;
         }
-        if total > last.len() {
-            x = x.index_select(&Tensor::from_vec(last.to_vec(), last.len(), &m.device)?, 0)?;
+        if total > step.last.len() {
+            x = x.index_select(&Tensor::from_slice(step.last, step.last.len(), &m.device)?, 0)?;
         }
         dw.lm_head.forward(&rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?)
     }

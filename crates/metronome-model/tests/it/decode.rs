@@ -293,6 +293,56 @@ fn prefill_invariance(cfg: ModelConfig, frozen: bool) {
     );
 }
 
+/// A prompt's samples prefilled together (pairs of empty slots with the same tokens,
+/// computed once and copied) give each slot what prefilling it alone gives: the same
+/// logits, and caches from which later decode steps agree bitwise. A pair extending a
+/// filled slot with the same tokens is not a copy of one filling an empty slot.
+fn shared_prompt_prefill(cfg: ModelConfig, frozen: bool) {
+    let model = Model::new(cfg, &Device::Cpu, 9).unwrap().with_trainable(false);
+    let model = if frozen { model.frozen_copy().unwrap() } else { model };
+    let vocab = model.config().vocab_size;
+    let a = tokens(70, 9, vocab);
+    let b = tokens(71, 4, vocab);
+    let mut alone = KvCache::new(&model, 8, 32).unwrap();
+    let mut together = KvCache::new(&model, 8, 32).unwrap();
+    // Slot 5 already holds a prefix; it then takes `a` as a continuation.
+    for cache in [&mut alone, &mut together] {
+        model.prefill(cache, 5, &b).unwrap();
+    }
+    let c = tokens(72, 1, vocab);
+    let (a, b, c) = (a.as_slice(), b.as_slice(), c.as_slice());
+    let batch = [(3, a), (0, b), (7, a), (5, a), (1, a), (2, b), (6, c)];
+    let firsts: Vec<Vec<f32>> =
+        batch.iter().map(|&(s, t)| model.prefill(&mut alone, s, t).unwrap()).collect();
+    let joint = model.prefill_many(&mut together, &batch).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, &(s, _)) in batch.iter().enumerate() {
+        assert_eq!(bits(&firsts[i]), bits(&joint[i]), "pair {i}: first logits");
+        assert_eq!(together.len(s), alone.len(s), "pair {i}: cached length");
+    }
+    assert_ne!(bits(&joint[3]), bits(&joint[0]), "slot 5 extends its own prefix");
+    // Different tokens per slot from here on: each copied cache is read on its own.
+    for step in 0..3u64 {
+        let d: Vec<(usize, u32)> =
+            batch.iter().map(|&(s, _)| (s, tokens(500 + step * 8 + s as u64, 1, vocab)[0])).collect();
+        let x = model.decode_step(&mut alone, &d).unwrap();
+        let y = model.decode_step(&mut together, &d).unwrap();
+        for i in 0..d.len() {
+            assert_eq!(bits(&x[i]), bits(&y[i]), "step {step}, pair {i}");
+        }
+    }
+}
+
+#[test]
+fn shared_prompts_prefill_as_alone() {
+    shared_prompt_prefill(ModelConfig::tiny(), false);
+}
+
+#[test]
+fn shared_prompts_prefill_as_alone_frozen() {
+    shared_prompt_prefill(smollm2_widths(), true);
+}
+
 #[test]
 fn slots_are_freed_and_reused() {
     let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 5).unwrap();
