@@ -6,7 +6,8 @@
 //!
 //! - `check`: assembles the CUDA toolkit from PyPI wheels (`scripts/cuda-toolkit.sh`,
 //!   into `target/cuda-toolkit`) and runs clippy with warnings denied on the `cuda`
-//!   build of every crate that has the feature. CI runs this.
+//!   build of every crate that has the feature. CI runs this. Our kernels are compiled
+//!   by nvcc; candle-kernels' are not (`scripts/nvcc-check.sh` says why).
 //! - `bundle [PACKAGE ...]`: builds those packages' test executables (default: every
 //!   crate with the feature, and the workspace tests) and the `metronome` binary with
 //!   `cuda`, strips them, and packs them into `target/gpu/bundle.tar.xz` beside
@@ -111,7 +112,15 @@ fn cargo_with(
 pub(crate) fn check(root: &Path) -> Result<()> {
     // The workspace's own target directory: every dependency that the feature does not
     // change (most of them) is reused from the CPU build's clippy.
-    let env = toolkit(root)?;
+    let mut env = toolkit(root)?;
+    // candle-kernels' sources answered with empty outputs, ours compiled for real
+    // (the script says why).
+    let toolkit_nvcc = root.join("target/cuda-toolkit/bin/nvcc");
+    env.extend([
+        ("NVCC".into(), root.join("xtask/scripts/nvcc-check.sh").display().to_string()),
+        ("METRONOME_NVCC".into(), toolkit_nvcc.display().to_string()),
+        ("METRONOME_ROOT".into(), root.display().to_string()),
+    ]);
     let features = cuda_features(&WITH_CUDA);
     let mut args = vec!["clippy", "--all-targets", "--features", &features];
     for c in WITH_CUDA {
