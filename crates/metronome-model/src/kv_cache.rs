@@ -258,7 +258,7 @@ impl StepPlan {
     }
 
     /// [`Copies::from`] on `device`; `None` without copies.
-    fn from(&self, device: &candle_core::Device) -> Result<Option<Tensor>> {
+    fn copy_sources(&self, device: &candle_core::Device) -> Result<Option<Tensor>> {
         let Some(c) = &self.copies else { return Ok(None) };
         Ok(Some(Tensor::from_slice(&c.from, c.from.len(), device)?))
     }
@@ -436,7 +436,7 @@ impl Model {
                 len: &c.lens,
                 index: Some(&write_index),
             }),
-            from: plan.from(dev)?,
+            from: plan.copy_sources(dev)?,
             rope: rope_tables(&plan.positions, cfg.head_dim, cfg.rope_theta),
             last: &plan.last,
         };
