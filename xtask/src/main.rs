@@ -124,23 +124,14 @@ fn ci(root: &Path) -> Result<()> {
     step(root, "test", &["test", "--workspace", "--all-targets"])?;
     // The fused CPU kernels again at AVX2 (on an AVX-512 machine the run above took
     // AVX-512): their equivalence with the portable ops and their batch invariance hold
-    // on both paths. Only the model crate's kernel tests, a few seconds.
+    // on both paths. The kernel tests by name, a few seconds. `--workspace`, not `-p
+    // metronome-model`: one package alone resolves its dependencies' features anew,
+    // and rebuilding them took over four minutes of a fresh CI run; the workspace's
+    // `--lib --test it` executables are the ones the step above built.
     step_with(
         root,
         "test (fused kernels at AVX2)",
-        &[
-            "test",
-            "-p",
-            "metronome-model",
-            "--lib",
-            "--test",
-            "it",
-            "--",
-            "decode",
-            "portable",
-            "fused",
-            "simd",
-        ],
+        &["test", "--workspace", "--lib", "--test", "it", "--", "decode", "portable", "fused", "simd"],
         &[("METRONOME_SIMD", "avx2")],
     )?;
     // Doc tests are a separate harness; examples in docs must keep compiling.
