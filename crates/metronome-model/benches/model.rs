@@ -1,8 +1,10 @@
 //! Throughput of the tiny configuration: training forward+backward tokens/s and
 //! decode tokens/s at several batch sizes, a measured matmul peak (GFLOP/s), and the
 //! model FLOP utilisation (MFU) against it; a GRPO group's prefill with its prompt shared
-//! against distinct prompts (`group_prefill`); and what checking a snapshot's weights
-//! costs against installing them (`install`, at SmolLM2-135M's shape).
+//! against distinct prompts (`group_prefill`); decode steps over a paged cache (blocks of
+//! `KV_BLOCK` positions) against one block per slot (the summary's `paged decode`); and
+//! what checking a snapshot's weights costs against installing them (`install`, at
+//! SmolLM2-135M's shape).
 //!
 //! `cargo bench -p metronome-model --bench model`; compare with PyTorch on the same
 //! machine with `python3 crates/metronome-model/benches/torch_compare.py`. Pin both to
@@ -92,9 +94,15 @@ fn group_prefill(model: &Model, shared: bool) {
 
 /// Runs `steps` decode steps over `batch` slots prefilled with `PROMPT` tokens; returns the time of the steps only.
 fn decode_run(model: &Model, batch: usize, steps: usize) -> Duration {
-    let mut cache = KvCache::new(model, batch, PROMPT + steps).expect("cache");
+    decode_from(model, KvCache::new(model, batch, PROMPT + steps).expect("cache"), PROMPT, steps)
+}
+
+/// Runs `steps` decode steps over every slot of `cache`, each prefilled with `prompt`
+/// tokens; returns the time of the steps only.
+fn decode_from(model: &Model, mut cache: KvCache, prompt: usize, steps: usize) -> Duration {
+    let batch = cache.num_slots();
     for s in 0..batch {
-        let prompt: Vec<u32> = (0..PROMPT as u32).map(|i| 3 + (i * 7 + s as u32) % 90).collect();
+        let prompt: Vec<u32> = (0..prompt as u32).map(|i| 3 + (i * 7 + s as u32) % 90).collect();
         model.prefill(&mut cache, s, &prompt).expect("prefill");
     }
     let start = Instant::now();
@@ -247,6 +255,29 @@ fn summary() {
          prompts ({:.2}x)",
         1e3 * best[1],
         1e3 * best[0],
+        best[0] / best[1]
+    );
+    // What paging costs the decode attention, at a context where it is a large part of
+    // the step: 32 slots of 480-token prompts, 32 steps, alternating rounds.
+    let (slots, prompt, steps) = (32, 480, 32);
+    let mut best = [f64::INFINITY; 2];
+    for _ in 0..5 {
+        for (i, paged) in [false, true].into_iter().enumerate() {
+            let len = prompt + steps;
+            let cache = if paged {
+                KvCache::new(&frozen, slots, len)
+            } else {
+                KvCache::paged(&frozen, slots, len, len, slots)
+            };
+            best[i] = best[i].min(decode_from(&frozen, cache.expect("cache"), prompt, steps).as_secs_f64());
+        }
+    }
+    println!(
+        "paged decode, {slots} slots at {prompt}+{steps} tokens: {:.0} tokens/s in blocks of {}, {:.0} with one block \
+         per slot ({:.3}x)",
+        (slots * steps) as f64 / best[1],
+        metronome_model::KV_BLOCK,
+        (slots * steps) as f64 / best[0],
         best[0] / best[1]
     );
 }

@@ -924,18 +924,30 @@ const WARP: u32 = 32;
 /// The largest head dimension the attention kernel holds (`MAX_CHUNKS` there, times 32).
 const MAX_HEAD_DIM: usize = 256;
 
-/// The step's rows as the decode kernels read them: `[n, 2]` u32 (slot base, cached
-/// length), uploaded once per step (the step's [`crate::ops::StepIndex`]).
-fn rows_tensor(rows: crate::ops::DecodeRows<'_>, device: &candle_core::Device) -> Result<Tensor> {
-    crate::ops::StepIndex::get(rows.index.map(|s| &s.rows), || {
-        let mut v = Vec::with_capacity(2 * rows.base.len());
-        for (&b, &l) in rows.base.iter().zip(rows.len) {
-            let (b, l) = (u32::try_from(b), u32::try_from(l));
-            let (Ok(b), Ok(l)) = (b, l) else { return Err(Error::invalid("decode rows", "beyond u32")) };
-            v.extend([b, l]);
+/// The step's rows as the decode kernels read them: `[n, 2]` u32 (block-table start,
+/// cached length) and the block tables (u32), each uploaded once per step (the step's
+/// [`crate::ops::StepIndex`]).
+fn rows_tensors(rows: crate::ops::DecodeRows<'_>, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+    let index = rows.index;
+    let pairs = crate::ops::StepIndex::get(index.map(|s| &s.rows), || {
+        let mut v = Vec::with_capacity(2 * rows.len.len());
+        for (&t, &l) in rows.table.iter().zip(rows.len) {
+            let (Ok(t), Ok(l)) = (u32::try_from(t), u32::try_from(l)) else {
+                return Err(Error::invalid("decode rows", "beyond u32"));
+            };
+            v.extend([t, l]);
         }
-        Ok(Tensor::from_vec(v, (rows.base.len(), 2), device)?)
-    })
+        Ok(Tensor::from_vec(v, (rows.len.len(), 2), device)?)
+    })?;
+    let blocks = crate::ops::StepIndex::get(index.map(|s| &s.blocks), || {
+        Ok(Tensor::from_slice(rows.blocks, rows.blocks.len(), device)?)
+    })?;
+    Ok((pairs, blocks))
+}
+
+/// The block size as the decode kernels take it.
+fn block_u32(rows: crate::ops::DecodeRows<'_>) -> Result<u32> {
+    u32::try_from(rows.block).map_err(|_| Error::invalid("decode rows", "blocks beyond u32 rows"))
 }
 
 /// Whether the attention kernel takes heads of `head_dim` (a multiple of 32 up to
@@ -960,7 +972,8 @@ pub(crate) fn write_decode_rows(
             format!("rows {:?} into a cache of {:?}", new.dims(), cache.dims()),
         ));
     }
-    let op = DecodeWrite { rows: rows_tensor(rows, cache.device())? };
+    let (pairs, blocks) = rows_tensors(rows, cache.device())?;
+    let op = DecodeWrite { rows: pairs, blocks, block: block_u32(rows)? };
     cache.inplace_op2(&new.to_dtype(cache.dtype())?.contiguous()?, &op)?;
     Ok(())
 }
@@ -968,6 +981,8 @@ pub(crate) fn write_decode_rows(
 #[derive(Debug)]
 struct DecodeWrite {
     rows: Tensor,
+    blocks: Tensor,
+    block: u32,
 }
 
 impl candle_core::InplaceOp2 for DecodeWrite {
@@ -988,10 +1003,12 @@ impl candle_core::InplaceOp2 for DecodeWrite {
         let total = l2.shape().elem_count();
         let width = (total / l2.dims()[0].max(1)) as u32;
         let (rows_storage, rows_layout) = self.rows.storage_and_layout();
-        let Storage::Cuda(rs) = &*rows_storage else {
+        let (blocks_storage, blocks_layout) = self.blocks.storage_and_layout();
+        let (Storage::Cuda(rs), Storage::Cuda(bs)) = (&*rows_storage, &*blocks_storage) else {
             candle_core::bail!("cuda-decode-write: rows off the GPU")
         };
         let rows = view::<u32>(rs, rows_layout, self.name())?;
+        let blocks = view::<u32>(bs, blocks_layout, self.name())?;
         let dev = s1.device().clone();
         let func = decode_func!(dev, "decode_write", s1.dtype());
         let Some((c0, c1)) = l1.contiguous_offsets() else {
@@ -1003,9 +1020,16 @@ impl candle_core::InplaceOp2 for DecodeWrite {
                 let cache = s1.as_cuda_slice_mut::<$t>()?;
                 let mut cache = cache.slice_mut(c0..c1);
                 let mut args = func.builder();
-                args.arg(&mut cache).arg(&src).arg(&rows).arg(&width).arg(&total);
-                // SAFETY: `decode_write_*(cache, src, rows, width, total)`: `src` holds `total
-                // = n width` elements, `rows` n pairs checked against the cache's rows.
+                args.arg(&mut cache)
+                    .arg(&src)
+                    .arg(&rows)
+                    .arg(&blocks)
+                    .arg(&self.block)
+                    .arg(&width)
+                    .arg(&total);
+                // SAFETY: `decode_write_*(cache, src, rows, blocks, block, width, total)`:
+                // `src` holds `total = n width` elements, `rows` n pairs whose block
+                // tables in `blocks` were checked against the cache's rows.
                 unsafe { args.launch(elementwise(total)) }.w()?;
             }};
         }
@@ -1036,7 +1060,8 @@ pub(crate) fn decode_attention(
             format!("queries {:?} over keys {:?} and values {:?}", q.dims(), keys.dims(), values.dims()),
         ));
     }
-    let op = DecodeAttention { rows: rows_tensor(rows, q.device())? };
+    let (pairs, blocks) = rows_tensors(rows, q.device())?;
+    let op = DecodeAttention { rows: pairs, blocks, block: block_u32(rows)? };
     let q = q.to_dtype(keys.dtype())?.contiguous()?;
     Ok(q.apply_op3_no_bwd(&keys.contiguous()?, &values.contiguous()?, &op)?.reshape((n, heads * hd))?)
 }
@@ -1044,6 +1069,8 @@ pub(crate) fn decode_attention(
 #[derive(Debug)]
 struct DecodeAttention {
     rows: Tensor,
+    blocks: Tensor,
+    block: u32,
 }
 
 impl candle_core::CustomOp3 for DecodeAttention {
@@ -1071,10 +1098,12 @@ impl candle_core::CustomOp3 for DecodeAttention {
             )
         }
         let (rows_storage, rows_layout) = self.rows.storage_and_layout();
-        let Storage::Cuda(rs) = &*rows_storage else {
+        let (blocks_storage, blocks_layout) = self.blocks.storage_and_layout();
+        let (Storage::Cuda(rs), Storage::Cuda(bs)) = (&*rows_storage, &*blocks_storage) else {
             candle_core::bail!("cuda-decode-attention: rows off the GPU")
         };
         let rows = view::<u32>(rs, rows_layout, self.name())?;
+        let blocks = view::<u32>(bs, blocks_layout, self.name())?;
         let dev = s1.device();
         let func = decode_func!(dev, "decode_attention", s1.dtype());
         let (heads32, kvh32, hd32) = (heads as u32, kvh as u32, hd as u32);
@@ -1093,14 +1122,17 @@ impl candle_core::CustomOp3 for DecodeAttention {
                     .arg(&k)
                     .arg(&v)
                     .arg(&rows)
+                    .arg(&blocks)
+                    .arg(&self.block)
                     .arg(&out)
                     .arg(&heads32)
                     .arg(&kvh32)
                     .arg(&hd32)
                     .arg(&scale);
-                // SAFETY: `decode_attention_*(q, keys, values, rows, out, heads, kv_heads,
-                // head_dim, scale)` over (n, heads) warps: `rows` holds n pairs checked
-                // against the cache's rows (each at least one position), `q` and `out`
+                // SAFETY: `decode_attention_*(q, keys, values, rows, blocks, block, out,
+                // heads, kv_heads, head_dim, scale)` over (n, heads) warps: `rows` holds n
+                // pairs whose block tables in `blocks` were checked against the cache's
+                // rows (each at least one position), `q` and `out`
                 // `n heads head_dim` elements, head_dim a multiple of 32 within the
                 // kernel's registers.
                 if n > 0 {

@@ -1,6 +1,15 @@
-//! Incremental decoding: a key/value cache with independent slots, prompt prefill
-//! (one slot or many in one forward), and batched single-token decode steps, all
-//! batch-invariant.
+//! Incremental decoding: a paged key/value cache with independent slots, prompt
+//! prefill (one slot or many in one forward), and batched single-token decode steps,
+//! all batch-invariant.
+//!
+//! The cache is a pool of blocks of [`KV_BLOCK`] positions; each slot's block table
+//! lists the blocks its positions fill, in order, as vLLM's PagedAttention (Kwon et al.
+//! 2023, arXiv 2309.06180) lays out its cache. A slot takes blocks as it grows and
+//! gives them back when freed, so a pool may be smaller than every slot at its longest
+//! ([`KvCache::paged`]). The attention kernels read a row's positions in order across
+//! its blocks (on the CPU one run per block, on the GPU the block looked up per
+//! position), summing in the order they did over one contiguous run: a slot's logits
+//! are bitwise the same whatever the block size and whichever blocks it holds.
 //!
 //! Prefill and decode share one forward ([`Model::prefill_many`], [`Model::decode_step`]):
 //! every new token is a row; the linear layers run on all rows at once, padded to
@@ -43,45 +52,111 @@ use crate::{Error, Result};
 /// §6). Frozen models need no padding (see the module docs).
 pub const DECODE_MIN_ROWS: usize = 16;
 
-/// Cached keys and values for a fixed number of sequence slots. Each slot is filled
-/// ([`Model::prefill`], [`Model::decode_step`]) and freed ([`KvCache::free`])
-/// independently. Memory is allocated up front: `2 · layers · slots · max_seq_len ·
-/// kv_heads · head_dim` values in the model's type (f32, or bf16 for a bf16
-/// [`Model::compute_copy`]).
+/// Rows (token positions) per block of a [`KvCache::new`] cache, as vLLM's default:
+/// small enough that a slot wastes at most 15 positions' memory past its length, large
+/// enough that a slot's prefix is a few contiguous runs.
+pub const KV_BLOCK: usize = 16;
+
+/// Cached keys and values for a fixed number of sequence slots, paged. Each slot is
+/// filled ([`Model::prefill`], [`Model::decode_step`]) and freed ([`KvCache::free`])
+/// independently. Memory is a pool of blocks of [`KvCache::block_size`] positions,
+/// allocated up front (`2 · layers · blocks · block_size · kv_heads · head_dim` values
+/// in the model's type: f32, or bf16 for a bf16 [`Model::compute_copy`]); a slot takes
+/// blocks from the pool as it grows and gives them back when freed, and its block table
+/// says where each run of its positions lies. [`KvCache::new`] holds enough blocks for
+/// every slot at its longest; [`KvCache::paged`] may hold fewer (sequences then share
+/// the memory their actual lengths need, and a step that finds the pool short is
+/// refused before anything is written).
 #[derive(Debug)]
 pub struct KvCache {
-    /// Per layer, `[num_slots * max_seq_len, kv_heads, head_dim]`: slot `s` owns rows
-    /// `s * max_seq_len ..`, so its prefix is one contiguous block.
+    /// Per layer, `[blocks * block, kv_heads, head_dim]`: block `b` is rows `b * block ..
+    /// (b + 1) * block`.
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     lens: Vec<usize>,
     max_seq_len: usize,
+    /// Positions per block.
+    block: usize,
+    /// Entries of each slot's block table: slot `s`'s table is `tables[s * max_blocks ..]`,
+    /// of which the first `held[s]` entries are its blocks.
+    max_blocks: usize,
+    tables: Vec<u32>,
+    held: Vec<usize>,
+    /// The pool's unused blocks.
+    free_blocks: Vec<u32>,
     /// Minimum rows of a decode step's linear layers ([`DECODE_MIN_ROWS`], or 1 when
     /// batch invariance was switched off).
     min_rows: usize,
 }
 
 impl KvCache {
-    /// The bytes of a cache of `num_slots` slots of `max_seq_len` tokens for `model`
-    /// (keys and values of every layer, in the model's type); `None` beyond `u64`.
+    /// The bytes of a [`KvCache::new`] cache of `num_slots` slots of `max_seq_len`
+    /// tokens for `model` (keys and values of every layer, in the model's type); `None`
+    /// beyond `u64`.
     #[must_use]
     pub fn bytes(model: &Model, num_slots: usize, max_seq_len: usize) -> Option<u64> {
+        let (block, blocks) = Self::whole(num_slots, max_seq_len)?;
+        Self::pool_bytes(model, block, blocks)
+    }
+
+    /// The bytes of a pool of `blocks` blocks of `block` positions for `model`.
+    fn pool_bytes(model: &Model, block: usize, blocks: usize) -> Option<u64> {
         let cfg = model.config();
         let size = model.dtype().size_in_bytes();
-        [num_slots, max_seq_len, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, size]
+        [blocks, block, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, size]
             .into_iter()
             .try_fold(1u64, |n, d| n.checked_mul(d as u64))
     }
 
-    /// A cache for `model` with `num_slots` slots of up to `max_seq_len` tokens each.
+    /// The block size and block count of [`KvCache::new`]: every slot at its longest.
+    fn whole(num_slots: usize, max_seq_len: usize) -> Option<(usize, usize)> {
+        let block = KV_BLOCK.min(max_seq_len).max(1);
+        Some((block, num_slots.checked_mul(max_seq_len.div_ceil(block))?))
+    }
+
+    /// A cache for `model` with `num_slots` slots of up to `max_seq_len` tokens each,
+    /// and blocks enough for all of them at once (blocks of [`KV_BLOCK`] positions, or
+    /// of `max_seq_len` when that is shorter).
     pub fn new(model: &Model, num_slots: usize, max_seq_len: usize) -> Result<Self> {
+        let (block, blocks) = Self::whole(num_slots, max_seq_len).ok_or_else(|| {
+            Error::invalid("kv cache", format!("{num_slots} slots of {max_seq_len} tokens overflow a count"))
+        })?;
+        Self::paged(model, num_slots, max_seq_len, block, blocks)
+    }
+
+    /// A cache for `model` with `num_slots` slots of up to `max_seq_len` tokens each,
+    /// sharing a pool of `num_blocks` blocks of `block_size` positions: what the slots
+    /// hold at once is bounded by the pool, not by `num_slots · max_seq_len`.
+    pub fn paged(
+        model: &Model,
+        num_slots: usize,
+        max_seq_len: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<Self> {
         let cfg = model.config();
         if num_slots == 0 || max_seq_len == 0 {
             return Err(Error::invalid("kv cache", "needs at least one slot of at least one token"));
         }
-        let rows = num_slots.checked_mul(max_seq_len).ok_or_else(|| {
-            Error::invalid("kv cache", format!("{num_slots} slots of {max_seq_len} tokens overflow a count"))
-        })?;
+        if block_size == 0 || num_blocks == 0 {
+            return Err(Error::invalid(
+                "kv cache",
+                format!(
+                    "needs at least one block of at least one position (has {num_blocks} of {block_size})"
+                ),
+            ));
+        }
+        let max_blocks = max_seq_len.div_ceil(block_size);
+        let rows = num_blocks.checked_mul(block_size).filter(|_| u32::try_from(num_blocks).is_ok());
+        let tables = num_slots.checked_mul(max_blocks);
+        let (Some(rows), Some(tables)) = (rows, tables) else {
+            return Err(Error::invalid(
+                "kv cache",
+                format!(
+                    "{num_blocks} blocks of {block_size} positions for {num_slots} slots of {max_seq_len} tokens overflow a count"
+                ),
+            ));
+        };
         let shape = (rows, cfg.num_key_value_heads, cfg.head_dim);
         let mut keys = Vec::with_capacity(cfg.num_hidden_layers);
         let mut values = Vec::with_capacity(cfg.num_hidden_layers);
@@ -91,7 +166,19 @@ impl KvCache {
             keys.push(Tensor::zeros(shape, model.dtype(), model.device())?);
             values.push(Tensor::zeros(shape, model.dtype(), model.device())?);
         }
-        Ok(Self { keys, values, lens: vec![0; num_slots], max_seq_len, min_rows: DECODE_MIN_ROWS })
+        Ok(Self {
+            keys,
+            values,
+            lens: vec![0; num_slots],
+            max_seq_len,
+            block: block_size,
+            max_blocks,
+            tables: vec![0; tables],
+            held: vec![0; num_slots],
+            // Handed out from the end: block 0 first.
+            free_blocks: (0..num_blocks as u32).rev().collect(),
+            min_rows: DECODE_MIN_ROWS,
+        })
     }
 
     /// Switches batch-invariant decoding off (or back on) for models that may train
@@ -106,10 +193,13 @@ impl KvCache {
         self.min_rows = if on { DECODE_MIN_ROWS } else { 1 };
     }
 
-    /// Empties `slot` (its memory is reused by the next sequence).
+    /// Empties `slot`: its blocks go back to the pool for the next sequence.
     pub fn free(&mut self, slot: usize) {
         if let Some(l) = self.lens.get_mut(slot) {
             *l = 0;
+            let table = slot * self.max_blocks;
+            self.free_blocks.extend(self.tables[table..table + self.held[slot]].iter().rev());
+            self.held[slot] = 0;
         }
     }
 
@@ -137,10 +227,22 @@ impl KvCache {
         self.max_seq_len
     }
 
+    /// Positions per block.
+    #[must_use]
+    pub fn block_size(&self) -> usize {
+        self.block
+    }
+
+    /// Blocks in the pool that no slot holds.
+    #[must_use]
+    pub fn free_blocks(&self) -> usize {
+        self.free_blocks.len()
+    }
+
     fn check(&self, model: &Model, slot: usize, extra: usize) -> Result<()> {
-        if self.keys.len() != model.config().num_hidden_layers
-            || self.keys.first().map(|k| k.dims()[1..].to_vec())
-                != Some(vec![model.config().num_key_value_heads, model.config().head_dim])
+        let cfg = model.config();
+        if self.keys.len() != cfg.num_hidden_layers
+            || self.keys.first().map(|k| &k.dims()[1..]) != Some(&[cfg.num_key_value_heads, cfg.head_dim][..])
         {
             return Err(Error::invalid("kv cache", "was built for a model of another shape"));
         }
@@ -155,6 +257,36 @@ impl KvCache {
                 format!("slot {slot}"),
                 format!("holds {len} tokens and cannot take {extra} more (max_seq_len {})", self.max_seq_len),
             ));
+        }
+        Ok(())
+    }
+
+    /// Gives every `(slot, tokens)` the blocks its new length needs, all or none: a step
+    /// the pool cannot hold is refused before anything is taken or written.
+    fn take_blocks(&mut self, seqs: &[(usize, &[u32])]) -> Result<()> {
+        let need = |c: &Self, slot: usize, extra: usize| {
+            (c.lens[slot] + extra).div_ceil(c.block).saturating_sub(c.held[slot])
+        };
+        let wanted: usize = seqs.iter().map(|&(slot, t)| need(self, slot, t.len())).sum();
+        if wanted > self.free_blocks.len() {
+            return Err(Error::invalid(
+                "kv cache",
+                format!(
+                    "is out of blocks: the step needs {wanted} more of {} positions and {} of the pool's {} are free",
+                    self.block,
+                    self.free_blocks.len(),
+                    self.free_blocks.len() + self.held.iter().sum::<usize>(),
+                ),
+            ));
+        }
+        for &(slot, tokens) in seqs {
+            for _ in 0..need(self, slot, tokens.len()) {
+                // Counted above: the pool holds them all.
+                if let Some(b) = self.free_blocks.pop() {
+                    self.tables[slot * self.max_blocks + self.held[slot]] = b;
+                    self.held[slot] += 1;
+                }
+            }
         }
         Ok(())
     }
@@ -175,8 +307,9 @@ struct StepPlan {
     /// The computed rows' tokens and positions.
     ids: Vec<u32>,
     positions: Vec<u32>,
-    /// Each computed row's slot block and its cached length once written ([`DecodeRows`]).
-    base: Vec<usize>,
+    /// Each computed row's block table (its slot's) and its cached length once written
+    /// ([`DecodeRows`]).
+    table: Vec<usize>,
     lens: Vec<usize>,
     /// Each computed pair's last row.
     last: Vec<u32>,
@@ -188,7 +321,7 @@ struct StepPlan {
 #[derive(Debug)]
 struct Copies {
     /// Every cache row written, as [`DecodeRows`]: the computed rows', then the copies'.
-    base: Vec<usize>,
+    table: Vec<usize>,
     lens: Vec<usize>,
     /// For each written row, the computed row whose key and value it takes.
     from: Vec<u32>,
@@ -215,7 +348,7 @@ impl StepPlan {
         let mut plan = Self {
             ids: Vec::with_capacity(total),
             positions: Vec::with_capacity(total),
-            base: Vec::with_capacity(total),
+            table: Vec::with_capacity(total),
             lens: Vec::with_capacity(total),
             last: Vec::with_capacity(seqs.len()),
             copies: None,
@@ -232,7 +365,7 @@ impl StepPlan {
             plan.ids.extend_from_slice(tokens);
             for j in 0..tokens.len() {
                 plan.positions.push((start + j) as u32);
-                plan.base.push(slot * cache.max_seq_len);
+                plan.table.push(slot * cache.max_blocks);
                 plan.lens.push(start + j + 1);
             }
             logits_of_pair[p] = plan.last.len() as u32;
@@ -240,14 +373,14 @@ impl StepPlan {
         }
         if plan.ids.len() < total {
             let mut c = Copies {
-                base: plan.base.clone(),
+                table: plan.table.clone(),
                 lens: plan.lens.clone(),
                 from: (0..plan.ids.len() as u32).collect(),
                 logits_of_pair,
             };
             for (p, &(slot, tokens)) in seqs.iter().enumerate().filter(|&(p, _)| source[p] != p) {
                 for j in 0..tokens.len() {
-                    c.base.push(slot * cache.max_seq_len);
+                    c.table.push(slot * cache.max_blocks);
                     c.lens.push(j + 1);
                     c.from.push((first_row[source[p]] + j) as u32);
                 }
@@ -420,6 +553,7 @@ impl Model {
                 return Err(Error::invalid(format!("slot {slot}"), "appears twice in one step"));
             }
         }
+        cache.take_blocks(seqs)?;
         let m = &self.inner;
         let cfg = &m.cfg;
         let dev = &m.device;
@@ -427,14 +561,21 @@ impl Model {
         let plan = StepPlan::new(cache, seqs);
         let total = plan.ids.len();
         let index = StepIndex::default();
-        let attend = DecodeRows { base: &plan.base, len: &plan.lens, index: Some(&index) };
+        let attend = DecodeRows {
+            table: &plan.table,
+            blocks: &cache.tables,
+            block: cache.block,
+            len: &plan.lens,
+            index: Some(&index),
+        };
         let write_index = StepIndex::default();
         let step = StepRows {
             attend,
             write: plan.copies.as_ref().map_or(attend, |c| DecodeRows {
-                base: &c.base,
+                table: &c.table,
                 len: &c.lens,
                 index: Some(&write_index),
+                ..attend
             }),
             from: plan.copy_sources(dev)?,
             rope: rope_tables(&plan.positions, cfg.head_dim, cfg.rope_theta),

@@ -438,14 +438,14 @@ impl Kernels {
             _ => {
                 let (n, kvh, hd) = new.dims3()?;
                 rows.check("decode-write", n, cache.dim(0)?)?;
-                // One in-place scatter: element (i, h, d) goes to cache row
-                // `base[i] + len[i] - 1`. The index is the same for the keys and values
-                // of every layer: built and uploaded once per step.
+                // One in-place scatter: element (i, h, d) goes to the cache row of row
+                // i's last position. The index is the same for the keys and values of
+                // every layer: built and uploaded once per step.
                 let index = StepIndex::get(rows.index.map(|s| &s.write), || {
                     let width = kvh * hd;
                     let mut index = Vec::with_capacity(n * width);
                     for i in 0..n {
-                        let at = (rows.base[i] + rows.len[i] - 1) as u32;
+                        let at = rows.at(i, rows.len[i] - 1) as u32;
                         index.extend(std::iter::repeat_n(at, width));
                     }
                     Ok(Tensor::from_vec(index, (n, kvh, hd), cache.device())?)
@@ -543,7 +543,7 @@ fn portable_decode_attention(
         let mut index = Vec::with_capacity(n * longest);
         for i in 0..n {
             for j in 0..longest {
-                index.push((rows.base[i] + j.min(rows.len[i] - 1)) as u32);
+                index.push(rows.at(i, j.min(rows.len[i] - 1)) as u32);
             }
         }
         Ok(Tensor::from_vec(index, n * longest, q.device())?)
@@ -856,65 +856,102 @@ mod tests {
     #[test]
     fn decode_attention_matches_reference_on_ragged_rows() {
         // Head sizes of 4 and 8 SIMD vectors (registers held across keys), of 5 (the
-        // general loop) and of a fraction of one (the scalar loops).
+        // general loop) and of a fraction of one (the scalar loops); blocks of a whole
+        // slot (one span per row), of 8 rows and of one row, scattered over the pool.
         for kernels in [Kernels::Fused, Kernels::Portable] {
             for hd in [32, 64, 40, 6] {
-                decode_attention_matches_reference(kernels, hd);
+                let by_block: Vec<Vec<u32>> = [50, 8, 1]
+                    .into_iter()
+                    .map(|block| decode_attention_matches_reference(kernels, hd, block))
+                    .collect();
+                if kernels == Kernels::Fused {
+                    // The fused op sums in position order whatever the blocks: paged ==
+                    // contiguous, bit for bit.
+                    assert!(by_block.windows(2).all(|w| w[0] == w[1]), "head_dim {hd}: block sizes differ");
+                }
             }
         }
     }
 
-    fn decode_attention_matches_reference(kernels: Kernels, hd: usize) {
+    /// Checks one kernel set's decode write and attention on a paged cache of `block`
+    /// rows a block against the reference attention over each row's gathered prefix;
+    /// returns the attention's bits.
+    fn decode_attention_matches_reference(kernels: Kernels, hd: usize, block: usize) -> Vec<u32> {
         let dev = Device::Cpu;
         // 4 query heads over 2 key/value heads.
         let (heads, kvh, slots, max_len) = (4, 2, 6, 50);
-        let shape = (slots * max_len, kvh, hd);
-        let keys = Tensor::from_vec(noise(1, slots * max_len * kvh * hd), shape, &dev).unwrap();
-        let values = Tensor::from_vec(noise(2, slots * max_len * kvh * hd), shape, &dev).unwrap();
-        // Ragged lengths, slots out of order, one row of length 1 and one filling its slot.
-        let slot_of = [4usize, 0, 5, 2, 1];
+        let (cache_rows, width) = (slots * max_len, kvh * hd);
+        // Ragged lengths, one row of length 1 and one filling its slot; each row's block
+        // table a scattered run of the pool's blocks (7 is prime to every pool size here).
         let len = [17usize, 1, 50, 33, 8];
-        let base: Vec<usize> = slot_of.iter().map(|s| s * max_len).collect();
-        // The keys' write builds the step's index and the values' reuses it.
+        let n = len.len();
+        let pool = cache_rows / block;
+        let mut table = Vec::new();
+        let mut blocks = Vec::new();
+        for &l in &len {
+            table.push(blocks.len());
+            for _ in 0..l.div_ceil(block) {
+                blocks.push(((blocks.len() * 7 + 3) % pool) as u32);
+            }
+        }
         let step = StepIndex::default();
-        let rows = DecodeRows { base: &base, len: &len, index: Some(&step) };
-        let n = slot_of.len();
+        let rows = DecodeRows { table: &table, blocks: &blocks, block, len: &len, index: Some(&step) };
+        // Row i's position p holds the same key and value whatever the layout (noise
+        // elsewhere), so every block size sees the same prefixes.
+        let (logical_k, logical_v) = (noise(1, n * max_len * width), noise(2, n * max_len * width));
+        let (mut k, mut v) = (noise(6, cache_rows * width), noise(7, cache_rows * width));
+        for (i, &l) in len.iter().enumerate() {
+            for p in 0..l {
+                let (at, from) = (rows.at(i, p) * width, (i * max_len + p) * width);
+                k[at..at + width].copy_from_slice(&logical_k[from..from + width]);
+                v[at..at + width].copy_from_slice(&logical_v[from..from + width]);
+            }
+        }
+        let keys = Tensor::from_vec(k, (cache_rows, kvh, hd), &dev).unwrap();
+        let values = Tensor::from_vec(v, (cache_rows, kvh, hd), &dev).unwrap();
         let q = Tensor::from_vec(noise(3, n * heads * hd), (n, heads, hd), &dev).unwrap();
         let new_k = Tensor::from_vec(noise(4, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
         let new_v = Tensor::from_vec(noise(5, n * kvh * hd), (n, kvh, hd), &dev).unwrap();
+        // The keys' write builds the step's index and the values' reuses it.
         kernels.write_decode_rows(&keys, &new_k, rows).unwrap();
         kernels.write_decode_rows(&values, &new_v, rows).unwrap();
         let fused = kernels.decode_attention(&q, &keys, &values, rows).unwrap();
         assert_eq!(fused.dims(), [n, heads * hd]);
-        for i in 0..n {
-            let last = base[i] + len[i] - 1;
+        for (i, &l) in len.iter().enumerate() {
+            let last = rows.at(i, l - 1);
             let written = keys.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(written, new_k.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
             let written = values.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(written, new_v.get(i).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let prefix: Vec<u32> = (0..l).map(|p| rows.at(i, p) as u32).collect();
+            let prefix = Tensor::new(prefix.as_slice(), &dev).unwrap();
             let reference = Kernels::Fused
                 .attention(
                     &q.narrow(0, i, 1).unwrap(),
-                    &keys.narrow(0, base[i], len[i]).unwrap(),
-                    &values.narrow(0, base[i], len[i]).unwrap(),
+                    &keys.index_select(&prefix, 0).unwrap(),
+                    &values.index_select(&prefix, 0).unwrap(),
                     None,
                 )
                 .unwrap();
             let got = fused.narrow(0, i, 1).unwrap();
             let d = (got - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(d < 1e-5, "{kernels:?}, head_dim {hd}, row {i} (length {}): max diff {d}", len[i]);
+            assert!(
+                d < 1e-5,
+                "{kernels:?}, head_dim {hd}, block {block}, row {i} (length {l}): max diff {d}"
+            );
         }
-        if kernels == Kernels::Portable {
-            return; // batch-invariant only within 1e-5 (padding changes its reduction length)
-        }
-        // Each row alone gives bitwise the batch's result.
         let all = fused.to_vec2::<f32>().unwrap();
-        for i in 0..n {
-            let one = DecodeRows { base: &base[i..=i], len: &len[i..=i], index: None };
-            let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        if kernels == Kernels::Fused {
+            // Each row alone gives bitwise the batch's result (the portable form is
+            // batch-invariant only within 1e-5: padding changes its reduction length).
+            for i in 0..n {
+                let one = DecodeRows { table: &table[i..=i], len: &len[i..=i], index: None, ..rows };
+                let alone = decode_attention(&q.narrow(0, i, 1).unwrap(), &keys, &values, one).unwrap();
+                assert_eq!(bits(&alone.to_vec2::<f32>().unwrap()[0]), bits(&all[i]), "row {i}");
+            }
         }
+        all.iter().flat_map(|r| bits(r)).collect()
     }
 
     #[test]
@@ -943,10 +980,21 @@ mod tests {
         let cache = Tensor::zeros((8, 1, 4), candle_core::DType::F32, &dev).unwrap();
         let q = Tensor::zeros((1, 2, 4), candle_core::DType::F32, &dev).unwrap();
         let new = Tensor::zeros((1, 1, 4), candle_core::DType::F32, &dev).unwrap();
-        let past_end = DecodeRows { base: &[4], len: &[5], index: None };
-        let empty = DecodeRows { base: &[0], len: &[0], index: None };
-        let two = DecodeRows { base: &[0, 1], len: &[1, 1], index: None };
-        for rows in [past_end, empty, two] {
+        // A cache of two blocks of 4 rows.
+        let rows = |table: &'static [usize], blocks: &'static [u32], len: &'static [usize]| DecodeRows {
+            table,
+            blocks,
+            block: 4,
+            len,
+            index: None,
+        };
+        let past_end = rows(&[0], &[1, 2], &[5]);
+        let short_table = rows(&[0], &[1], &[5]);
+        let table_past_end = rows(&[2], &[0, 1], &[1]);
+        let empty = rows(&[0], &[0], &[0]);
+        let two = rows(&[0, 1], &[0, 1], &[1, 1]);
+        let no_block = DecodeRows { block: 0, ..rows(&[0], &[0], &[1]) };
+        for rows in [past_end, short_table, table_past_end, empty, two, no_block] {
             assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
             assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
         }
@@ -954,7 +1002,7 @@ mod tests {
             return;
         }
         let wrong_heads = Tensor::zeros((1, 3, 4), candle_core::DType::F32, &dev).unwrap();
-        let ok = DecodeRows { base: &[0], len: &[1], index: None };
+        let ok = rows(&[0], &[0], &[1]);
         let err = decode_attention(
             &wrong_heads,
             &cache.repeat((1, 2, 1)).unwrap(),

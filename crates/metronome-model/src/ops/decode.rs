@@ -10,12 +10,21 @@ use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ra
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
-/// prefilled) lives in one layer's key/value cache: row `i`'s slot starts at cache row
-/// `base[i]`, its key and value go to cache row `base[i] + len[i] - 1`, and it attends
-/// to the `len[i]` cached positions up to and including its own.
+/// prefilled) lives in one layer's paged key/value cache. The cache is a pool of
+/// blocks of `block` rows; a slot's positions fill the blocks of its block table in
+/// order, so position `p` of row `i` is cache row
+/// `blocks[table[i] + p / block] * block + p % block` ([`DecodeRows::at`]). Row `i`'s
+/// key and value go to its position
+/// `len[i] - 1`, and it attends to its `len[i]` cached positions up to and including
+/// that one, in position order whatever blocks they lie in.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DecodeRows<'a> {
-    pub(crate) base: &'a [usize],
+    /// Where each row's block table starts in `blocks`.
+    pub(crate) table: &'a [usize],
+    /// The block tables, concatenated (block numbers in the cache's pool).
+    pub(crate) blocks: &'a [u32],
+    /// Rows per block.
+    pub(crate) block: usize,
     pub(crate) len: &'a [usize],
     /// The step's index tensors, shared by its layers (the portable kernels build them
     /// on first use); `None` builds them at every call.
@@ -25,18 +34,21 @@ pub(crate) struct DecodeRows<'a> {
 /// The index tensors the portable and CUDA decode kernels derive from a step's
 /// [`DecodeRows`]: the cache rows its keys and values are written to, the cache rows
 /// each row's attention reads and the mask of their padding (portable), the rows
-/// themselves (CUDA). The rows are the same in every
-/// layer, so each is built on the host and uploaded once per step, not once per layer
-/// (twice per layer for the writes), which on a GPU was a host loop and a copy per
-/// layer between kernel launches.
+/// and their block tables (CUDA). The rows are the same in every layer, so each is
+/// built on the host and uploaded once per step, not once per layer (twice per layer
+/// for the writes), which on a GPU was a host loop and a copy per layer between kernel
+/// launches.
 #[derive(Debug, Default)]
 pub(crate) struct StepIndex {
     pub(crate) write: OnceLock<Tensor>,
     pub(crate) gather: OnceLock<Tensor>,
     pub(crate) mask: OnceLock<Tensor>,
-    /// The rows themselves, `[n, 2]` u32 (base, length), for the CUDA decode kernels.
+    /// The rows themselves, `[n, 2]` u32 (block-table start, length), and the block
+    /// tables (u32), for the CUDA decode kernels.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "read by the CUDA kernels only"))]
     pub(crate) rows: OnceLock<Tensor>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "read by the CUDA kernels only"))]
+    pub(crate) blocks: OnceLock<Tensor>,
 }
 
 impl StepIndex {
@@ -54,18 +66,65 @@ impl StepIndex {
     }
 }
 
-impl DecodeRows<'_> {
-    /// Checks that `n` rows are described and that each fits a cache of `cache_rows` rows.
+impl<'a> DecodeRows<'a> {
+    /// Checks that `n` rows are described and that each row's positions lie in a cache
+    /// of `cache_rows` rows.
     pub(crate) fn check(&self, op: &str, n: usize, cache_rows: usize) -> candle_core::Result<()> {
-        if self.base.len() != n || self.len.len() != n {
-            candle_core::bail!("{op}: {} row placements for {n} rows", self.base.len().min(self.len.len()))
+        if self.table.len() != n || self.len.len() != n {
+            candle_core::bail!("{op}: {} row placements for {n} rows", self.table.len().min(self.len.len()))
         }
-        for (i, (&b, &l)) in self.base.iter().zip(self.len).enumerate() {
-            if l == 0 || b + l > cache_rows {
-                candle_core::bail!("{op}: row {i} spans cache rows {b}..{} of {cache_rows}", b + l)
+        if self.block == 0 {
+            candle_core::bail!("{op}: blocks of 0 rows")
+        }
+        for i in 0..n {
+            let l = self.len[i];
+            if l == 0 {
+                candle_core::bail!("{op}: row {i} has no positions")
+            }
+            let Some(table) = self.table[i]
+                .checked_add(l.div_ceil(self.block))
+                .and_then(|e| self.blocks.get(self.table[i]..e))
+            else {
+                candle_core::bail!(
+                    "{op}: row {i} needs {} blocks from entry {} of {} in the block tables",
+                    l.div_ceil(self.block),
+                    self.table[i],
+                    self.blocks.len()
+                )
+            };
+            if let Some(&b) =
+                table.iter().find(|&&b| (b as usize + 1).saturating_mul(self.block) > cache_rows)
+            {
+                candle_core::bail!(
+                    "{op}: row {i} reads block {b} of {} rows, past the cache's {cache_rows}",
+                    self.block
+                )
             }
         }
         Ok(())
+    }
+
+    /// The cache row of row `i`'s position `p`.
+    #[inline]
+    pub(crate) fn at(&self, i: usize, p: usize) -> usize {
+        self.blocks[self.table[i] + p / self.block] as usize * self.block + p % self.block
+    }
+
+    /// Row `i`'s cached positions in `data` (a layer's cache, `width` values a row), in
+    /// position order: one slice per block, each a whole number of rows.
+    #[inline]
+    pub(crate) fn spans<'d>(
+        &self,
+        i: usize,
+        data: &'d [f32],
+        width: usize,
+    ) -> impl Iterator<Item = &'d [f32]> + Clone + use<'a, 'd> {
+        let (len, block) = (self.len[i], self.block);
+        let table = &self.blocks[self.table[i]..self.table[i] + len.div_ceil(block)];
+        table.iter().enumerate().map(move |(b, &blk)| {
+            let start = blk as usize * block;
+            &data[start * width..(start + block.min(len - b * block)) * width]
+        })
     }
 }
 
@@ -101,7 +160,7 @@ impl candle_core::InplaceOp2 for DecodeWrite<'_> {
         let cache = &mut cache[c0..c1];
         let width = kvh * hd;
         for (i, src) in new.chunks_exact(width).enumerate() {
-            let at = (self.0.base[i] + self.0.len[i] - 1) * width;
+            let at = self.0.at(i, self.0.len[i] - 1) * width;
             cache[at..at + width].copy_from_slice(src);
         }
         Ok(())
@@ -198,7 +257,7 @@ impl pulp::WithSimd for AttentionRows<'_> {
             simd.reduce_sum_f32s(acc)
         };
         // Head by head, the accumulators of one head held in registers across the keys.
-        let weigh = |probs: &[f32], values: &[f32], width: usize, off: usize, og: &mut [f32]| {
+        let weigh = |probs: &[f32], values: &[&[f32]], width: usize, off: usize, og: &mut [f32]| {
             let len = probs.len() / (og.len() / (nv * l));
             for (ps, oh) in probs.chunks_exact(len).zip(og.chunks_exact_mut(nv * l)) {
                 match nv {
@@ -209,8 +268,15 @@ impl pulp::WithSimd for AttentionRows<'_> {
                     _ => {
                         for c in 0..nv {
                             let mut acc = simd.splat_f32s(0.0);
-                            for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
-                                acc = simd.mul_add_e_f32s(simd.splat_f32s(p), load(&vr[off + c * l..]), acc);
+                            let mut ps = ps.iter();
+                            for span in values {
+                                for (vr, &p) in span.chunks_exact(width).zip(&mut ps) {
+                                    acc = simd.mul_add_e_f32s(
+                                        simd.splat_f32s(p),
+                                        load(&vr[off + c * l..]),
+                                        acc,
+                                    );
+                                }
                             }
                             oh[c * l..(c + 1) * l]
                                 .copy_from_slice(bytemuck::cast_slice(std::slice::from_ref(&acc)));
@@ -225,41 +291,47 @@ impl pulp::WithSimd for AttentionRows<'_> {
 
 /// The loops of [`DecodeAttention`] around its two inner products: `dot(q_head,
 /// key)`, and `weigh(probs, values, width, offset, out_heads)`, which writes the
-/// probability-weighted sums of the values (accumulated in key order) for the query
-/// heads that share one key/value head (`probs` holds a row of keys per head). Per
-/// row and key/value head those query heads are handled together, so each cached key
-/// is loaded once for all of them. Inlined into [`AttentionRows`]'s dispatch, so the
-/// closures compile with the instruction set `pulp` detected.
+/// probability-weighted sums of the values (accumulated in key order across the
+/// row's blocks, `values` holding one slice per block) for the query heads that share
+/// one key/value head (`probs` holds a row of keys per head). Per row and key/value
+/// head those query heads are handled together, so each cached key is loaded once for
+/// all of them. The order of every sum is the order of positions, whatever blocks
+/// they lie in: a row's result does not depend on the cache's block size or on which
+/// blocks it was given. Inlined into [`AttentionRows`]'s dispatch, so the closures
+/// compile with the instruction set `pulp` detected.
 #[inline(always)]
 fn attention_rows_with(
     a: AttentionRows<'_>,
     dot: impl Fn(&[f32], &[f32]) -> f32,
-    weigh: impl Fn(&[f32], &[f32], usize, usize, &mut [f32]),
+    weigh: impl Fn(&[f32], &[&[f32]], usize, usize, &mut [f32]),
 ) {
     let AttentionRows { rows, q, k, v, heads, kvh, hd, out } = a;
-    let n = rows.base.len();
+    let n = rows.len.len();
     let rep = heads / kvh;
     let width = kvh * hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut probs = Vec::new();
+    let (mut keys, mut values) = (Vec::new(), Vec::new());
     for i in 0..n {
-        let (base, len) = (rows.base[i], rows.len[i]);
-        let keys = &k[base * width..(base + len) * width];
-        let values = &v[base * width..(base + len) * width];
+        let len = rows.len[i];
+        keys.clear();
+        keys.extend(rows.spans(i, k, width));
+        values.clear();
+        values.extend(rows.spans(i, v, width));
         probs.clear();
         probs.resize(rep * len, 0f32);
         for g in 0..kvh {
             let off = g * hd;
             let heads_at = (i * heads + g * rep) * hd;
             let qg = &q[heads_at..heads_at + rep * hd];
-            for (j, kr) in keys.chunks_exact(width).enumerate() {
+            for (j, kr) in keys.iter().flat_map(|span| span.chunks_exact(width)).enumerate() {
                 let kr = &kr[off..off + hd];
                 for (r, qh) in qg.chunks_exact(hd).enumerate() {
                     probs[r * len + j] = dot(qh, kr) * scale;
                 }
             }
             softmax_rows(&mut probs, len);
-            weigh(&probs, values, width, off, &mut out[heads_at..heads_at + rep * hd]);
+            weigh(&probs, &values, width, off, &mut out[heads_at..heads_at + rep * hd]);
         }
     }
 }
@@ -285,27 +357,31 @@ fn softmax_rows(probs: &mut [f32], len: usize) {
 }
 
 /// `oh = Σ_j ps[j] · value_j` for one head of `NV` SIMD vectors, the accumulators held
-/// in registers across the keys (one fused multiply-add chain per lane, in key order).
+/// in registers across the keys and the blocks they lie in (one fused multiply-add
+/// chain per lane, in key order).
 #[inline(always)]
 fn weighted_values<S: pulp::Simd, const NV: usize>(
     simd: S,
     ps: &[f32],
-    values: &[f32],
+    values: &[&[f32]],
     width: usize,
     off: usize,
     oh: &mut [f32],
 ) {
     let l = S::F32_LANES;
     let mut acc = [simd.splat_f32s(0.0); NV];
-    for (&p, vr) in ps.iter().zip(values.chunks_exact(width)) {
-        let p = simd.splat_f32s(p);
-        let vr = &vr[off..off + NV * l];
-        for (c, a) in acc.iter_mut().enumerate() {
-            *a = simd.mul_add_e_f32s(
-                p,
-                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&vr[c * l..(c + 1) * l])),
-                *a,
-            );
+    let mut ps = ps.iter();
+    for span in values {
+        for (vr, &p) in span.chunks_exact(width).zip(&mut ps) {
+            let p = simd.splat_f32s(p);
+            let vr = &vr[off..off + NV * l];
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = simd.mul_add_e_f32s(
+                    p,
+                    bytemuck::pod_read_unaligned(bytemuck::cast_slice(&vr[c * l..(c + 1) * l])),
+                    *a,
+                );
+            }
         }
     }
     for (c, a) in acc.iter().enumerate() {
@@ -323,7 +399,7 @@ fn attention_rows_scalar(a: AttentionRows<'_>) {
     attention_rows_with(a, dot, |probs, values, width, off, og| {
         let len = probs.len() / (og.len() / hd);
         og.fill(0.0);
-        for (j, vr) in values.chunks_exact(width).enumerate() {
+        for (j, vr) in values.iter().flat_map(|span| span.chunks_exact(width)).enumerate() {
             let vr = &vr[off..off + hd];
             for (r, oh) in og.chunks_exact_mut(hd).enumerate() {
                 let p = probs[r * len + j];

@@ -343,6 +343,92 @@ fn shared_prompts_prefill_as_alone_frozen() {
     shared_prompt_prefill(smollm2_widths(), true);
 }
 
+/// The same sequences through caches laid out three ways: one block per slot (the
+/// layout before paging), the default blocks of `KV_BLOCK`, and blocks of 3 positions
+/// taken as slots grow (so a slot's blocks interleave with its neighbours'), with a slot
+/// freed and refilled midway so that freed blocks are reused out of order. Every
+/// prefill's and decode step's logits are bitwise the same in all three.
+pub(crate) fn paged_equals_contiguous(model: &Model) {
+    let vocab = model.config().vocab_size;
+    let (slots, max_len) = (5, 64);
+    let prompts: Vec<Vec<u32>> =
+        [12usize, 1, 30, 5, 17].iter().enumerate().map(|(i, &n)| tokens(80 + i as u64, n, vocab)).collect();
+    let refill = tokens(90, 7, vocab);
+    let mut caches = [
+        KvCache::paged(model, slots, max_len, max_len, slots).unwrap(),
+        KvCache::new(model, slots, max_len).unwrap(),
+        KvCache::paged(model, slots, max_len, 3, slots * max_len.div_ceil(3)).unwrap(),
+    ];
+    assert_eq!(caches.each_ref().map(KvCache::block_size), [max_len, metronome_model::KV_BLOCK, 3]);
+    let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let order = [3usize, 0, 2, 4, 1];
+    let batch: Vec<(usize, &[u32])> = order.iter().zip(&prompts).map(|(&s, p)| (s, p.as_slice())).collect();
+    let firsts: Vec<_> = caches.iter_mut().map(|c| bits(&model.prefill_many(c, &batch).unwrap())).collect();
+    assert!(firsts.windows(2).all(|w| w[0] == w[1]), "prefill logits differ between layouts");
+    for step in 0..8u64 {
+        if step == 4 {
+            for c in &mut caches {
+                c.free(0);
+                model.prefill(c, 0, &refill).unwrap();
+            }
+        }
+        let d: Vec<(usize, u32)> =
+            (0..slots).map(|s| (s, tokens(700 + step * 8 + s as u64, 1, vocab)[0])).collect();
+        let out: Vec<_> = caches.iter_mut().map(|c| bits(&model.decode_step(c, &d).unwrap())).collect();
+        assert!(out.windows(2).all(|w| w[0] == w[1]), "step {step}: logits differ between layouts");
+    }
+    for s in 0..slots {
+        assert!(caches.iter().all(|c| c.len(s) == caches[0].len(s)), "slot {s}: lengths differ");
+    }
+}
+
+#[test]
+fn paged_cache_decodes_as_contiguous() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 11).unwrap().with_trainable(false);
+    paged_equals_contiguous(&model);
+    // The portable kernels (a GPU's arithmetic): the prefix gathered through the tables.
+    paged_equals_contiguous(&model.with_kernels(Kernels::Portable).unwrap());
+    let wide = Model::new(smollm2_widths(), &Device::Cpu, 11).unwrap().with_trainable(false);
+    paged_equals_contiguous(&wide.frozen_copy().unwrap());
+}
+
+/// A pool smaller than every slot at its longest serves what fits, refuses a step that
+/// does not fit before anything is written (naming the shortfall), and serves it once
+/// a freed slot has given its blocks back, with the logits of a cache that never ran
+/// short.
+#[test]
+fn a_short_pool_refuses_a_step_whole_and_serves_it_after_a_free() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 12).unwrap().with_trainable(false);
+    let vocab = model.config().vocab_size;
+    // Four slots of up to 32 tokens, 20 positions in all (five blocks of four).
+    let mut short = KvCache::paged(&model, 4, 32, 4, 5).unwrap();
+    let mut whole = KvCache::new(&model, 4, 32).unwrap();
+    let (a, b) = (tokens(31, 12, vocab), tokens(32, 8, vocab));
+    for c in [&mut short, &mut whole] {
+        model.prefill_many(c, &[(0, &a[..]), (1, &b[..])]).unwrap();
+    }
+    assert_eq!(short.free_blocks(), 0);
+    // Slot 0's 13th token needs a fourth block: refused, nothing taken or cached.
+    let err = model.decode_step(&mut short, &[(0, 5), (1, 6)]).unwrap_err().to_string();
+    assert!(err.contains("out of blocks") && err.contains("needs 2 more"), "{err}");
+    assert_eq!((short.len(0), short.len(1), short.free_blocks()), (12, 8, 0));
+    assert!(model.prefill(&mut short, 2, &[3]).unwrap_err().to_string().contains("out of blocks"));
+    short.free(1);
+    whole.free(1);
+    assert_eq!(short.free_blocks(), 2);
+    for t in [5u32, 9, 4, 1] {
+        let x = model.decode_step(&mut short, &[(0, t)]).unwrap();
+        let y = model.decode_step(&mut whole, &[(0, t)]).unwrap();
+        assert_eq!(x, y);
+    }
+    assert_eq!((short.len(0), short.free_blocks()), (16, 1));
+    // Impossible pools are errors, not panics.
+    for (block, blocks) in [(0, 4), (4, 0), (usize::MAX, 2)] {
+        let err = KvCache::paged(&model, 4, 32, block, blocks).unwrap_err().to_string();
+        assert!(err.contains("kv cache"), "{block} x {blocks}: {err}");
+    }
+}
+
 #[test]
 fn slots_are_freed_and_reused() {
     let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 5).unwrap();

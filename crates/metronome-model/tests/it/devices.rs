@@ -15,6 +15,7 @@ use crate::common::{
 };
 use crate::decode::{
     decode_matches_full_forward, draw_logits, drawing_matches_the_host_reference, draws_for,
+    paged_equals_contiguous,
 };
 use crate::reference::logits_equal_transformers;
 use crate::training::{every_parameter_gets_a_gradient, shared_prompt_equals_separate_rows};
@@ -211,6 +212,17 @@ fn cuda_decode_equals_full_forward() {
         &Model::load_hf(&fixture("tiny_qwen2"), &gpu).unwrap().frozen_copy().unwrap(),
         1e-5,
     );
+}
+
+/// The CUDA decode kernels through block tables: one block per slot, blocks of 16 and
+/// of 3 positions give bitwise the same logits (f32 and a bf16 compute copy).
+#[test]
+fn cuda_paged_cache_decodes_as_contiguous() {
+    let Some(gpu) = cuda() else { return };
+    let model = Model::load_hf(&fixture("tiny_llama"), &gpu).unwrap().frozen_copy().unwrap();
+    assert_eq!(model.kernels(), Kernels::Cuda);
+    paged_equals_contiguous(&model);
+    paged_equals_contiguous(&model.compute_copy(metronome_model::DType::BF16).unwrap());
 }
 
 #[test]
