@@ -324,10 +324,14 @@ fn attention_rows_with(
             let off = g * hd;
             let heads_at = (i * heads + g * rep) * hd;
             let qg = &q[heads_at..heads_at + rep * hd];
-            for (j, kr) in keys.iter().flat_map(|span| span.chunks_exact(width)).enumerate() {
-                let kr = &kr[off..off + hd];
-                for (r, qh) in qg.chunks_exact(hd).enumerate() {
-                    probs[r * len + j] = dot(qh, kr) * scale;
+            let mut j = 0;
+            for span in &keys {
+                for kr in span.chunks_exact(width) {
+                    let kr = &kr[off..off + hd];
+                    for (r, qh) in qg.chunks_exact(hd).enumerate() {
+                        probs[r * len + j] = dot(qh, kr) * scale;
+                    }
+                    j += 1;
                 }
             }
             softmax_rows(&mut probs, len);
