@@ -19,6 +19,22 @@ pub trait InferenceModel: Send + Sync + 'static {
     /// A cache with `num_slots` slots of up to `max_seq_len` tokens.
     fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<Self::Cache>;
 
+    /// A cache whose `num_slots` slots of up to `max_seq_len` tokens share room for
+    /// `tokens` positions in all (`rollout.kv_cache_tokens`), and the positions a
+    /// sequence's length is rounded up to there (its block): the engine admits a
+    /// sequence only while the blocks of those it runs and its own fit. The default
+    /// ignores the bound (a [`InferenceModel::new_cache`] cache, blocks of one
+    /// position), so the engine still limits what runs at once to `tokens`.
+    fn new_pooled_cache(
+        &self,
+        num_slots: usize,
+        max_seq_len: usize,
+        tokens: usize,
+    ) -> Result<(Self::Cache, usize)> {
+        let _ = tokens;
+        Ok((self.new_cache(num_slots, max_seq_len)?, 1))
+    }
+
     /// Appends `tokens` to `slot` and returns the last position's logits. The slot is
     /// empty for a prompt; for a multi-turn episode it holds the trajectory so far and
     /// `tokens` are an observation (with the turn's last sampled token first).
@@ -56,11 +72,18 @@ pub trait InferenceModel: Send + Sync + 'static {
     fn free(&self, cache: &mut Self::Cache, slot: usize);
 
     /// Refuses, before anything is allocated, `caches` caches of `num_slots` slots of
-    /// `max_seq_len` tokens that this machine cannot hold (an error naming
-    /// `max_num_seqs`, never an allocation abort). The default knows no sizes and
+    /// `max_seq_len` tokens (or of `pool` positions shared by the slots, when given)
+    /// that this machine cannot hold (an error naming `max_num_seqs` or
+    /// `kv_cache_tokens`, never an allocation abort). The default knows no sizes and
     /// accepts.
-    fn check_caches(&self, caches: usize, num_slots: usize, max_seq_len: usize) -> Result<()> {
-        let _ = (caches, num_slots, max_seq_len);
+    fn check_caches(
+        &self,
+        caches: usize,
+        num_slots: usize,
+        max_seq_len: usize,
+        pool: Option<usize>,
+    ) -> Result<()> {
+        let _ = (caches, num_slots, max_seq_len, pool);
         Ok(())
     }
 
@@ -85,7 +108,7 @@ where
 }
 
 mod candle_model {
-    use metronome_model::{Draw, KvCache, Model, Next};
+    use metronome_model::{Draw, KV_BLOCK, KvCache, Model, Next};
 
     use super::{InferenceModel, TokenId};
     use crate::{Error, Result};
@@ -97,22 +120,60 @@ mod candle_model {
             KvCache::new(self, num_slots, max_seq_len).map_err(Error::model)
         }
 
+        fn new_pooled_cache(
+            &self,
+            num_slots: usize,
+            max_seq_len: usize,
+            tokens: usize,
+        ) -> Result<(KvCache, usize)> {
+            let block = KV_BLOCK.min(max_seq_len).max(1);
+            let cache = KvCache::paged(self, num_slots, max_seq_len, block, tokens.div_ceil(block));
+            Ok((cache.map_err(Error::model)?, block))
+        }
+
         /// On the CPU, against the memory the machine has available now (Linux's
         /// `MemAvailable`); on a GPU the allocator's own error names the cache.
-        fn check_caches(&self, caches: usize, num_slots: usize, max_seq_len: usize) -> Result<()> {
+        fn check_caches(
+            &self,
+            caches: usize,
+            num_slots: usize,
+            max_seq_len: usize,
+            pool: Option<usize>,
+        ) -> Result<()> {
             if !self.device().is_cpu() {
                 return Ok(());
             }
+            let Some(available) = super::host_memory_available() else { return Ok(()) };
+            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
+            let show = |need: Option<u64>| {
+                need.map_or_else(
+                    || "more bytes than a u64 counts".to_owned(),
+                    |n| format!("{:.1} GiB", gib(n)),
+                )
+            };
+            if let Some(tokens) = pool {
+                // A pool of `tokens` positions is the cache of one slot that long.
+                let need = KvCache::bytes(self, 1, tokens).and_then(|b| b.checked_mul(caches as u64));
+                if need.is_some_and(|n| n <= available) {
+                    return Ok(());
+                }
+                return Err(Error::config(
+                    "kv_cache_tokens",
+                    format!(
+                        "is {tokens}: {caches} worker(s) x {tokens} positions of KV cache need {}, and this machine \
+                         has {:.1} GiB available (lower kv_cache_tokens)",
+                        show(need),
+                        gib(available)
+                    ),
+                ));
+            }
             let per_slot = KvCache::bytes(self, 1, max_seq_len);
             let need = per_slot.and_then(|b| b.checked_mul(num_slots as u64)?.checked_mul(caches as u64));
-            let Some(available) = super::host_memory_available() else { return Ok(()) };
             if need.is_some_and(|n| n <= available) {
                 return Ok(());
             }
-            let gib = |b: u64| b as f64 / f64::from(1u32 << 30);
             let fit = per_slot.map_or(0, |b| available / b.max(1) / caches.max(1) as u64);
-            let need = need
-                .map_or_else(|| "more bytes than a u64 counts".to_owned(), |n| format!("{:.1} GiB", gib(n)));
+            let need = show(need);
             Err(Error::config(
                 "max_num_seqs",
                 format!(

@@ -257,6 +257,14 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Longest sequence (prompt + response) a slot holds; capped by the model's context.
     pub max_seq_len: usize,
+    /// Positions of KV cache each worker holds, shared by its slots in blocks (a paged
+    /// cache); absent, room for every slot at `max_seq_len` (`max_num_seqs x
+    /// max_seq_len`). Smaller, a worker admits a response only while its pool can hold
+    /// the response's prompt and whole budget (`max_new_tokens`; `max_seq_len` for
+    /// multi-turn episodes and padded static batching) next to those it runs, so many
+    /// short responses share the memory few long ones would need and none ever waits
+    /// for memory midway. At least `max_seq_len`, at most `max_num_seqs x max_seq_len`.
+    pub kv_cache_tokens: Option<usize>,
     /// Continuous (default), row-skipping static, or padded static batching.
     pub batching: Batching,
     /// Partial rollouts: when newer weights are installed, running responses continue
@@ -298,6 +306,7 @@ impl Default for EngineConfig {
             threads_per_worker: None,
             max_num_seqs: 16,
             max_seq_len: 1024,
+            kv_cache_tokens: None,
             batching: Batching::Continuous,
             partial_rollouts: false,
             partial_cache: PartialCache::default(),
@@ -349,6 +358,19 @@ impl EngineConfig {
         ] {
             if !(min..=max).contains(&value) {
                 return Err(Error::config(field, format!("is {value} (expected {min} to {max})")));
+            }
+        }
+        if let Some(tokens) = self.kv_cache_tokens {
+            let most = self.max_num_seqs.saturating_mul(self.max_seq_len);
+            if !(self.max_seq_len..=most).contains(&tokens) {
+                return Err(Error::config(
+                    "kv_cache_tokens",
+                    format!(
+                        "is {tokens} (expected max_seq_len {} to max_num_seqs x max_seq_len {most}: one sequence at \
+                         its longest must fit, and more than every slot at its longest is never used)",
+                        self.max_seq_len
+                    ),
+                ));
             }
         }
         if self.backend == Backend::Openai {

@@ -67,7 +67,7 @@ use tokio::sync::mpsc;
 
 pub use episodes::Episodes;
 pub use shared::WorkerStats;
-use shared::{Event, Job, Queue, Request, Shared, Versioned, WorkerCounters};
+use shared::{CachePool, Event, Job, Queue, Request, Shared, Versioned, WorkerCounters};
 use worker::Worker;
 
 use crate::backend::{InferenceModel, WeightLoader};
@@ -125,9 +125,19 @@ impl<M: InferenceModel> Engine<M> {
     ) -> Result<Self> {
         config.validate()?;
         let max_seq_len = config.max_seq_len.min(model.max_context());
-        model.check_caches(config.workers, config.max_num_seqs, max_seq_len)?;
+        model.check_caches(config.workers, config.max_num_seqs, max_seq_len, config.kv_cache_tokens)?;
+        // With `kv_cache_tokens`, each worker's slots share a pool: the block the
+        // cache rounds lengths to and the pool's blocks, for admission.
+        let mut pool = None;
         let caches = (0..config.workers)
-            .map(|_| model.new_cache(config.max_num_seqs, max_seq_len))
+            .map(|_| match config.kv_cache_tokens {
+                None => model.new_cache(config.max_num_seqs, max_seq_len),
+                Some(tokens) => {
+                    let (cache, block) = model.new_pooled_cache(config.max_num_seqs, max_seq_len, tokens)?;
+                    pool = Some(CachePool { block: block.max(1), blocks: tokens.div_ceil(block.max(1)) });
+                    Ok(cache)
+                }
+            })
             .collect::<Result<Vec<_>>>()?;
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
@@ -138,6 +148,7 @@ impl<M: InferenceModel> Engine<M> {
             tool_calls: Arc::new(AtomicU64::new(0)),
             max_num_seqs: config.max_num_seqs,
             max_seq_len,
+            pool,
             batching: config.batching,
             partial_rollouts: config.partial_rollouts.then_some(config.partial_cache),
         });

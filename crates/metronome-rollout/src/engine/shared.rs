@@ -111,6 +111,13 @@ pub(super) struct Queue {
 }
 
 /// What the engine and its workers share.
+/// A worker's KV-cache pool: its blocks, of `block` positions each.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CachePool {
+    pub(super) block: usize,
+    pub(super) blocks: usize,
+}
+
 pub(super) struct Shared<M> {
     pub(super) queue: Mutex<Queue>,
     pub(super) wake: Condvar,
@@ -121,6 +128,9 @@ pub(super) struct Shared<M> {
     pub(super) tool_calls: Arc<AtomicU64>,
     pub(super) max_num_seqs: usize,
     pub(super) max_seq_len: usize,
+    /// Each worker's KV-cache pool (`rollout.kv_cache_tokens`); `None` when every slot
+    /// has room for `max_seq_len`.
+    pub(super) pool: Option<CachePool>,
     pub(super) batching: Batching,
     /// Running responses continue under newly installed weights (partial rollouts),
     /// their caches rebuilt or kept: `None` when they finish with their own.

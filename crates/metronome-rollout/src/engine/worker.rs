@@ -16,7 +16,7 @@ use metronome_core::{
 use metronome_model::{Draw, Next};
 
 use super::episodes::{EpisodeState, ToolCall, spawn_tool_call};
-use super::shared::{Event, Job, Request, Shared, Versioned, WorkerCounters};
+use super::shared::{CachePool, Event, Job, Request, Shared, Versioned, WorkerCounters};
 use crate::backend::InferenceModel;
 use crate::stop::Finish;
 use crate::{Batching, Error, PartialCache, Sampled, Sampler, TokenRng};
@@ -96,6 +96,9 @@ pub(super) struct Worker<M: InferenceModel> {
     /// Finished sequences still decoded ([`Batching::StaticPadded`]); a slot holds
     /// either a live sequence or padding, never both.
     padding: Vec<Option<Padding<M>>>,
+    /// Per slot, the KV-cache blocks reserved for what it holds at its longest
+    /// ([`Worker::reservation`]); counted only while the slot is occupied.
+    reserved: Vec<usize>,
     sampler: Sampler,
     max_seq_len: usize,
     /// Tokens sampled since the metrics counter was last advanced: it is advanced
@@ -116,6 +119,7 @@ impl<M: InferenceModel> Worker<M> {
             cache,
             slots: (0..max_num_seqs).map(|_| None).collect(),
             padding: (0..max_num_seqs).map(|_| None).collect(),
+            reserved: vec![0; max_num_seqs],
             sampler: Sampler::new(),
             max_seq_len,
             unflushed_tokens: 0,
@@ -183,10 +187,25 @@ impl<M: InferenceModel> Worker<M> {
         };
         let mut jobs = Vec::new();
         if may_admit {
+            // With a KV-cache pool, in queue order while the next one's blocks fit
+            // beside those reserved (an empty worker always fits one: the pool holds at
+            // least one sequence at `max_seq_len`).
+            let mut reserved: usize = (0..self.slots.len())
+                .filter(|&s| self.slots[s].is_some() || self.padding[s].is_some())
+                .map(|s| self.reserved[s])
+                .sum();
             for slot in 0..self.slots.len() {
                 if self.slots[slot].is_none() {
-                    let Some(job) = q.pending.pop_front() else { break };
-                    jobs.push((slot, job));
+                    let Some(job) = q.pending.front() else { break };
+                    if let Some(pool) = self.shared.pool {
+                        let need = self.reservation(job, pool);
+                        if reserved + need > pool.blocks {
+                            break;
+                        }
+                        reserved += need;
+                        self.reserved[slot] = need;
+                    }
+                    jobs.extend(q.pending.pop_front().map(|job| (slot, job)));
                 }
             }
             if !jobs.is_empty() {
@@ -194,6 +213,20 @@ impl<M: InferenceModel> Worker<M> {
             }
         }
         Some(jobs)
+    }
+
+    /// The blocks of `pool` that `job` may fill at its longest: its prompt and its whole
+    /// budget, or `max_seq_len` for an episode (observations grow it) and under padded
+    /// static batching (a finished row keeps growing until its batch ends).
+    fn reservation(&self, job: &Job, pool: CachePool) -> usize {
+        let request = &job.request;
+        let longest = if request.episodes.is_some() || self.shared.batching == Batching::StaticPadded {
+            self.max_seq_len
+        } else {
+            let prompt = request.prompts[job.prompt].tokens.len();
+            prompt + budget(request.sampling.max_new_tokens, prompt, self.max_seq_len)
+        };
+        longest.min(self.max_seq_len).div_ceil(pool.block)
     }
 
     /// Puts `jobs` into their slots with the current weights, prefills them in as few
@@ -229,10 +262,7 @@ impl<M: InferenceModel> Worker<M> {
                     }
                 },
             };
-            let budget = request
-                .sampling
-                .max_new_tokens
-                .min(self.max_seq_len.saturating_sub(prompt.tokens.len()).max(1));
+            let budget = budget(request.sampling.max_new_tokens, prompt.tokens.len(), self.max_seq_len);
             let mut context = Vec::with_capacity(prompt.tokens.len() + budget);
             context.extend_from_slice(&prompt.tokens);
             started.push(slot);
@@ -700,4 +730,10 @@ impl<M: InferenceModel> Worker<M> {
             self.seq_done(slot);
         }
     }
+}
+
+/// The most tokens a response of a `prompt`-token prompt may have: `max_new_tokens`,
+/// within what `max_seq_len` leaves (at least one).
+fn budget(max_new_tokens: usize, prompt: usize, max_seq_len: usize) -> usize {
+    max_new_tokens.min(max_seq_len.saturating_sub(prompt).max(1))
 }

@@ -16,6 +16,7 @@ mod metrics;
 #[cfg(feature = "http")]
 mod openai;
 mod partial;
+mod pool;
 mod rejected;
 mod stops;
 mod streaming;
