@@ -490,18 +490,22 @@ impl Kernels {
         if self == Self::Cuda && draws.iter().any(Option::is_some) {
             return crate::cuda::next_rows(logits, draws);
         }
-        let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let (rows, vocab) = logits.dims2()?;
+        // One host copy of the step's logits; a row is copied out again only when it
+        // goes back undrawn (a `Vec` per row was most of a decode step's allocations).
+        let all = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         // The draw's buffers (two of the vocabulary's size) live with the thread, as the
         // engine's sampler keeps its own per worker: not allocated again every step.
         thread_local! {
             static SCRATCH: std::cell::RefCell<DrawScratch> = std::cell::RefCell::default();
         }
         Ok(SCRATCH.with_borrow_mut(|scratch| {
-            rows.into_iter()
+            all.chunks_exact(vocab.max(1))
+                .take(rows)
                 .zip(draws)
-                .map(|(row, draw)| match draw.map(|d| draw_row(&row, d, scratch)) {
+                .map(|(row, draw)| match draw.map(|d| draw_row(row, d, scratch)) {
                     Some(Ok(drawn)) => Next::Drawn(drawn),
-                    None | Some(Err(_)) => Next::Logits(row),
+                    None | Some(Err(_)) => Next::Logits(row.to_vec()),
                 })
                 .collect()
         }))
