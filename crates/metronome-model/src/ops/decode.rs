@@ -14,9 +14,9 @@ use crate::Result;
 /// blocks of `block` rows; a slot's positions fill the blocks of its block table in
 /// order, so position `p` of row `i` is cache row
 /// `blocks[table[i] + p / block] * block + p % block` ([`DecodeRows::at`]). Row `i`'s
-/// key and value go to its position
-/// `len[i] - 1`, and it attends to its `len[i]` cached positions up to and including
-/// that one, in position order whatever blocks they lie in.
+/// key and value go to its position `len[i] - 1`, and it attends to its `len[i]` cached
+/// positions up to and including that one, in position order whatever blocks they lie
+/// in.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct DecodeRows<'a> {
     /// Where each row's block table starts in `blocks`.
@@ -118,7 +118,7 @@ impl<'a> DecodeRows<'a> {
         i: usize,
         data: &'d [f32],
         width: usize,
-    ) -> impl Iterator<Item = &'d [f32]> + Clone + use<'a, 'd> {
+    ) -> impl Iterator<Item = &'d [f32]> + use<'a, 'd> {
         let (len, block) = (self.len[i], self.block);
         let table = &self.blocks[self.table[i]..self.table[i] + len.div_ceil(block)];
         table.iter().enumerate().map(move |(b, &blk)| {
