@@ -108,9 +108,23 @@ impl KvCache {
             .try_fold(1u64, |n, d| n.checked_mul(d as u64))
     }
 
+    /// The bytes of a [`KvCache::pooled`] cache of `tokens` positions for `model`;
+    /// `None` beyond `u64`.
+    #[must_use]
+    pub fn pooled_bytes(model: &Model, max_seq_len: usize, tokens: usize) -> Option<u64> {
+        let block = Self::block_for(max_seq_len);
+        Self::pool_bytes(model, block, tokens.div_ceil(block))
+    }
+
+    /// The block size of [`KvCache::new`] and [`KvCache::pooled`] caches of slots of
+    /// `max_seq_len` tokens: [`KV_BLOCK`], or `max_seq_len` when that is shorter.
+    fn block_for(max_seq_len: usize) -> usize {
+        KV_BLOCK.min(max_seq_len).max(1)
+    }
+
     /// The block size and block count of [`KvCache::new`]: every slot at its longest.
     fn whole(num_slots: usize, max_seq_len: usize) -> Option<(usize, usize)> {
-        let block = KV_BLOCK.min(max_seq_len).max(1);
+        let block = Self::block_for(max_seq_len);
         Some((block, num_slots.checked_mul(max_seq_len.div_ceil(block))?))
     }
 
@@ -122,6 +136,15 @@ impl KvCache {
             Error::invalid("kv cache", format!("{num_slots} slots of {max_seq_len} tokens overflow a count"))
         })?;
         Self::paged(model, num_slots, max_seq_len, block, blocks)
+    }
+
+    /// A cache for `model` with `num_slots` slots of up to `max_seq_len` tokens each,
+    /// sharing a pool of `tokens` positions (`tokens.div_ceil(block_size)` blocks of
+    /// the block size [`KvCache::new`] takes): what a rollout worker with
+    /// `rollout.kv_cache_tokens` decodes with.
+    pub fn pooled(model: &Model, num_slots: usize, max_seq_len: usize, tokens: usize) -> Result<Self> {
+        let block = Self::block_for(max_seq_len);
+        Self::paged(model, num_slots, max_seq_len, block, tokens.div_ceil(block))
     }
 
     /// A cache for `model` with `num_slots` slots of up to `max_seq_len` tokens each,

@@ -21,8 +21,9 @@ pub trait InferenceModel: Send + Sync + 'static {
 
     /// A cache whose `num_slots` slots of up to `max_seq_len` tokens share room for
     /// `tokens` positions in all (`rollout.kv_cache_tokens`), and the positions a
-    /// sequence's length is rounded up to there (its block): the engine admits a
-    /// sequence only while the blocks of those it runs and its own fit. The default
+    /// sequence's length is rounded up to there (its block; the pool then holds
+    /// `tokens.div_ceil(block)` blocks): the engine admits a sequence only while the
+    /// blocks of those it runs and its own fit. The default
     /// ignores the bound (a [`InferenceModel::new_cache`] cache, blocks of one
     /// position), so the engine still limits what runs at once to `tokens`.
     fn new_pooled_cache(
@@ -108,7 +109,7 @@ where
 }
 
 mod candle_model {
-    use metronome_model::{Draw, KV_BLOCK, KvCache, Model, Next};
+    use metronome_model::{Draw, KvCache, Model, Next};
 
     use super::{InferenceModel, TokenId};
     use crate::{Error, Result};
@@ -126,9 +127,9 @@ mod candle_model {
             max_seq_len: usize,
             tokens: usize,
         ) -> Result<(KvCache, usize)> {
-            let block = KV_BLOCK.min(max_seq_len).max(1);
-            let cache = KvCache::paged(self, num_slots, max_seq_len, block, tokens.div_ceil(block));
-            Ok((cache.map_err(Error::model)?, block))
+            let cache = KvCache::pooled(self, num_slots, max_seq_len, tokens).map_err(Error::model)?;
+            let block = cache.block_size();
+            Ok((cache, block))
         }
 
         /// On the CPU, against the memory the machine has available now (Linux's
@@ -152,8 +153,8 @@ mod candle_model {
                 )
             };
             if let Some(tokens) = pool {
-                // A pool of `tokens` positions is the cache of one slot that long.
-                let need = KvCache::bytes(self, 1, tokens).and_then(|b| b.checked_mul(caches as u64));
+                let need = KvCache::pooled_bytes(self, max_seq_len, tokens)
+                    .and_then(|b| b.checked_mul(caches as u64));
                 if need.is_some_and(|n| n <= available) {
                     return Ok(());
                 }

@@ -68,7 +68,10 @@ impl StepIndex {
 
 impl<'a> DecodeRows<'a> {
     /// Checks that `n` rows are described and that each row's positions lie in a cache
-    /// of `cache_rows` rows.
+    /// of `cache_rows` rows. The rows of one slot (a prompt's, in a prefill) share its
+    /// table, so the tables' entries are checked once over the span the rows read, not
+    /// once per row: a 2,048-token prefill would otherwise read its slot's 128 entries
+    /// 2,048 times in every op of every layer.
     pub(crate) fn check(&self, op: &str, n: usize, cache_rows: usize) -> candle_core::Result<()> {
         if self.table.len() != n || self.len.len() != n {
             candle_core::bail!("{op}: {} row placements for {n} rows", self.table.len().min(self.len.len()))
@@ -76,30 +79,27 @@ impl<'a> DecodeRows<'a> {
         if self.block == 0 {
             candle_core::bail!("{op}: blocks of 0 rows")
         }
+        let (mut first, mut end) = (usize::MAX, 0);
         for i in 0..n {
-            let l = self.len[i];
+            let (start, l) = (self.table[i], self.len[i]);
             if l == 0 {
                 candle_core::bail!("{op}: row {i} has no positions")
             }
-            let Some(table) = self.table[i]
-                .checked_add(l.div_ceil(self.block))
-                .and_then(|e| self.blocks.get(self.table[i]..e))
-            else {
-                candle_core::bail!(
-                    "{op}: row {i} needs {} blocks from entry {} of {} in the block tables",
-                    l.div_ceil(self.block),
-                    self.table[i],
+            let need = l.div_ceil(self.block);
+            match start.checked_add(need).filter(|&e| e <= self.blocks.len()) {
+                Some(e) => (first, end) = (first.min(start), end.max(e)),
+                None => candle_core::bail!(
+                    "{op}: row {i} needs {need} blocks from entry {start} of {} in the block tables",
                     self.blocks.len()
-                )
-            };
-            if let Some(&b) =
-                table.iter().find(|&&b| (b as usize + 1).saturating_mul(self.block) > cache_rows)
-            {
-                candle_core::bail!(
-                    "{op}: row {i} reads block {b} of {} rows, past the cache's {cache_rows}",
-                    self.block
-                )
+                ),
             }
+        }
+        let pool = cache_rows / self.block;
+        if let Some(&b) = self.blocks.get(first..end).into_iter().flatten().find(|&&b| b as usize >= pool) {
+            candle_core::bail!(
+                "{op}: a row reads block {b} of {} rows, past the cache's {cache_rows}",
+                self.block
+            )
         }
         Ok(())
     }
