@@ -61,8 +61,8 @@ fi
 # `sync` for LEARN_COMPARE_PERIODS periods (default 3) on the same seed, their rewards
 # side by side; then `metronome export` of the learned run and
 # `examples/check_export.py` (transformers' greedy answers against Metronome's). Into
-# $OUT: learn-metrics.jsonl, learn.log, learn-plots/, learn-summary.txt, compare.txt,
-# export-check.txt. Arguments after the GGUF go to every `metronome run` (e.g. `--set
+# $OUT: learn-metrics.jsonl, learn.log, learn-plots/ (reward, held-out accuracy and
+# throughput), learn-summary.txt, compare.txt, export-check.txt. Arguments after the GGUF go to every `metronome run` (e.g. `--set
 # run.seed=1` for a second seed); LEARN_EXPORT=0 and LEARN_COMPARE_PERIODS=0 skip the
 # export check and the comparison, so a call holds the learning run alone.
 if [ "${1:-}" = "--learn" ]; then
@@ -83,7 +83,8 @@ if [ "${1:-}" = "--learn" ]; then
         exit 0
     fi
     cp "$learned/metrics.jsonl" "$out/learn-metrics.jsonl" 2>/dev/null
-    mkdir -p "$out/learn-plots" && cp "$learned"/*.svg "$out/learn-plots/" 2>/dev/null
+    # Not timeline.svg (about 1 MB): $OUT brings back 8 files at most.
+    mkdir -p "$out/learn-plots" && cp "$learned"/{reward,heldout,throughput}.svg "$out/learn-plots/" 2>/dev/null
     cp "$bin/learn.log" "$out/learn.log"
     grep -iE 'held-out|accuracy|period [0-9]+' "$bin/learn.log" | tail -n 60 >>"$out/learn-summary.txt"
     if [ "${LEARN_EXPORT:-1}" != 0 ]; then

@@ -36,6 +36,8 @@ pub(crate) const REWARD_PLOT: &str = "reward.svg";
 pub(crate) const THROUGHPUT_PLOT: &str = "throughput.svg";
 /// The stage timeline's file name.
 pub(crate) const TIMELINE_PLOT: &str = "timeline.svg";
+/// The held-out accuracy plot's file name (drawn when the run evaluated).
+pub(crate) const HELDOUT_PLOT: &str = "heldout.svg";
 
 /// A run's output folder, `<root>/<name>/`. Cheap to clone; holds no open files,
 /// so it can be shared with hooks on other threads.
@@ -295,10 +297,13 @@ impl RunDir {
     }
 
     /// Draws `reward.svg`, `throughput.svg` and `timeline.svg` from the periods so far,
-    /// replacing older ones. With no periods the plots are drawn with empty axes.
+    /// replacing older ones, and `heldout.svg` (held-out accuracy against the periods
+    /// trained) when the run's event files hold evaluations. With no periods the plots
+    /// are drawn with empty axes.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the plot that could not be drawn or written.
+    /// [`Error::Io`] naming the plot that could not be drawn or written, or the event
+    /// file that could not be read.
     pub fn write_plots(&self, reports: &[PeriodReport]) -> Result<()> {
         let plots: [(&str, plots::Draw); 3] = [
             (REWARD_PLOT, plots::reward_svg),
@@ -306,12 +311,22 @@ impl RunDir {
             (TIMELINE_PLOT, plots::timeline_svg),
         ];
         for (name, draw) in plots {
-            let path = self.path.join(name);
-            let svg = draw(reports)
-                .map_err(|reason| Error::Io { path: path.clone(), source: io::Error::other(reason) })?;
-            write_file(&path, svg.as_bytes())?;
+            self.write_plot(name, draw(reports))?;
+        }
+        // From the event files, as `report.html` reads them: a resumed run's
+        // evaluations before the resume are there too.
+        let evals = crate::html::heldout_accuracy(&self.path)?;
+        if !evals.is_empty() {
+            self.write_plot(HELDOUT_PLOT, plots::heldout_svg(&evals))?;
         }
         Ok(())
+    }
+
+    fn write_plot(&self, name: &str, drawn: plots::Drawn) -> Result<()> {
+        let path = self.path.join(name);
+        let svg =
+            drawn.map_err(|reason| Error::Io { path: path.clone(), source: io::Error::other(reason) })?;
+        write_file(&path, svg.as_bytes())
     }
 }
 

@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::fs;
 
 use metronome_core::{PeriodId, PolicyVersion, StepReport};
+use metronome_pipeline::tensorboard::EventWriter;
 use metronome_pipeline::{Error, Interval, METRICS, PeriodReport, RunDir, StageKind, summary_table};
 
 const DASHBOARD: &str = include_str!("../../../../dashboards/grafana.json");
@@ -174,6 +175,30 @@ fn plots_are_svg_documents_with_their_series() {
     assert_eq!(
         names,
         ["checkpoints", "reward.svg", "throughput.svg", "timeline.svg"].map(String::from).into()
+    );
+}
+
+#[test]
+fn a_run_that_evaluated_plots_its_heldout_accuracy_from_the_event_files() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = RunDir::create(root.path(), "evaluated").unwrap();
+    // Two writers, as a run resumed once leaves them: the second file's point wins.
+    let mut events = EventWriter::create(dir.path()).unwrap();
+    events.scalars(0, &[("eval/heldout_accuracy", 0.199)]).unwrap();
+    events.scalars(10, &[("eval/heldout_accuracy", 0.559), ("train/loss", 0.1)]).unwrap();
+    events.scalars(20, &[("eval/heldout_accuracy", 0.5)]).unwrap();
+    let mut resumed = EventWriter::create(dir.path()).unwrap();
+    resumed.scalars(20, &[("eval/heldout_accuracy", 0.863)]).unwrap();
+    dir.write_plots(&periods(3)).unwrap();
+
+    let svg = fs::read_to_string(dir.path().join("heldout.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    for word in ["Held-out accuracy", "held-out accuracy", "accuracy after the period"] {
+        assert!(svg.contains(word), "heldout.svg lacks {word:?}");
+    }
+    assert_eq!(
+        metronome_pipeline::heldout_accuracy(dir.path()).unwrap(),
+        [(0, f64::from(0.199f32)), (10, f64::from(0.559f32)), (20, f64::from(0.863f32))]
     );
 }
 
