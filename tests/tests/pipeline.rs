@@ -10,8 +10,8 @@ use metronome_core::{
     WeightSnapshot,
 };
 use metronome_pipeline::{
-    Packer, PeriodReport, PipelineConfig, Runner, RunnerOptions, Schedule, Stages, build_stages, load_model,
-    local_transport,
+    Packer, PeriodReport, PipelineConfig, Runner, RunnerOptions, Schedule, StageKind, Stages, build_stages,
+    load_model, local_transport,
 };
 use metronome_reward::{PoolConfig, PoolScorer};
 
@@ -161,7 +161,7 @@ async fn sync_and_periodic_agree_with_one_and_two_workers() {
 /// IS, GSPO and the temperature are per group), and the weights moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_and_periodic_agree_for_every_loss_variant() {
-    let variants: [&[&str]; 6] = [
+    let variants: [&[&str]; 7] = [
         // GSPO, scored at a sampling temperature other than 1, with a KL term.
         &[
             "trainer.loss.ratio_level=\"sequence\"",
@@ -181,8 +181,11 @@ async fn sync_and_periodic_agree_for_every_loss_variant() {
             "trainer.advantage=\"group_mean\"",
             "trainer.loss.aggregation={ kind = \"constant_normaliser\", max_tokens = 8 }",
         ],
-        // DAPO's dynamic sampling: 4 of the 6 groups, those whose rewards vary first.
+        // DAPO's dynamic sampling: 4 of the 6 groups, those whose rewards vary first;
+        // and again with groups packed in sets of 4, where filtered groups settle their
+        // set's place without training.
         &["run.dynamic_sampling={ groups = 4 }"],
+        &["run.dynamic_sampling={ groups = 4 }", "packing.groups_per_pack=4"],
         // RLOO with truncated IS and geometric masked IS.
         &[
             "trainer.advantage=\"leave_one_out\"",
@@ -204,6 +207,80 @@ async fn sync_and_periodic_agree_for_every_loss_variant() {
         let diff = max_weight_difference(&base_weights, &weights);
         assert!(diff <= 1e-6, "{extra:?}: weights differ by {diff}");
     }
+}
+
+/// The training intervals of each period before its step's: one per group, or one
+/// per set of groups packed together.
+fn training_intervals(reports: &[PeriodReport]) -> Vec<usize> {
+    reports
+        .iter()
+        .map(|r| r.intervals.iter().filter(|i| i.stage == StageKind::Training).count() - 1)
+        .collect()
+}
+
+/// `packing.groups_per_pack`: a period's 6 groups train in sets of 4 and 2 fixed by
+/// release order, each packed together once all of it is in, so `sync` and `periodic`
+/// (one and two workers, where arrival orders differ) still train the same
+/// micro-batches to the same weights. The first period's rollouts, from the same
+/// weights, are those of training each group alone, and so are its loss and token
+/// count up to the packing's rounding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_packed_together_keep_sync_equal_to_periodic() {
+    let packed = ["packing.groups_per_pack=4"];
+    let (base_rollouts, base_reports, base_weights) = run_with(Schedule::Sync, 1, &packed).await;
+    assert_eq!(training_intervals(&base_reports), [2, 2, 2], "sync: sets of 4 and 2");
+    assert!(
+        max_weight_difference(&initial_weights(), &base_weights) > 1e-4,
+        "training did not move the weights"
+    );
+    for (schedule, workers) in [(Schedule::Periodic, 1), (Schedule::Periodic, 2)] {
+        let (rollouts, reports, weights) = run_with(schedule, workers, &packed).await;
+        assert_eq!(rollouts, base_rollouts, "{schedule} with {workers} workers: rollouts or rewards differ");
+        assert_eq!(training_intervals(&reports), [2, 2, 2], "{schedule} with {workers} workers");
+        let diff = max_weight_difference(&base_weights, &weights);
+        assert!(diff <= 1e-6, "{schedule} with {workers} workers: weights differ by {diff}");
+    }
+    let (alone_rollouts, alone_reports, _) = run(Schedule::Sync, 1).await;
+    assert_eq!(training_intervals(&alone_reports), [6, 6, 6], "one group at a time");
+    let first = |r: &Rollouts| {
+        r.iter().filter(|(k, _)| k.period == PeriodId(0)).map(|(k, v)| (*k, v.clone())).collect::<Vec<_>>()
+    };
+    assert_eq!(first(&alone_rollouts), first(&base_rollouts));
+    let (a, b) = (&alone_reports[0].step, &base_reports[0].step);
+    assert_eq!((a.tokens, a.sequences, a.groups), (b.tokens, b.sequences, b.groups));
+    assert!(
+        (a.loss - b.loss).abs() <= 1e-5 * a.loss.abs().max(1.0),
+        "loss {} alone, {} packed",
+        a.loss,
+        b.loss
+    );
+}
+
+/// A set of groups that does not pack together (a packer that refuses more than one
+/// group) trains each of its groups alone: the run completes with the weights of
+/// training every group as it arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_that_do_not_pack_together_train_alone() {
+    let refuse_sets = |stages: &mut Stages, _: &PipelineConfig| {
+        let inner = stages.packer.clone();
+        stages.packer = Arc::new(move |groups: &[ScoredGroup]| -> metronome_core::Result<Vec<TrainBatch>> {
+            if groups.len() > 1 {
+                return Err(metronome_core::Error::Invalid {
+                    what: format!("{} groups", groups.len()),
+                    reason: "this packer packs one group at a time".to_owned(),
+                });
+            }
+            inner.pack(groups)
+        });
+    };
+    let (_, alone_reports, alone) = run(Schedule::Periodic, 1).await;
+    let (_, reports, weights) =
+        run_scored(Schedule::Periodic, 1, &["packing.groups_per_pack=4"], refuse_sets).await;
+    assert_eq!(training_intervals(&reports), [2, 2, 2], "still trained as sets");
+    assert_eq!(reports.iter().map(|r| r.groups).collect::<Vec<_>>(), [6, 6, 6]);
+    let diff = max_weight_difference(&alone, &weights);
+    assert!(diff <= 1e-6, "weights differ by {diff} from training each group alone");
+    assert_eq!(training_intervals(&alone_reports), [6, 6, 6]);
 }
 
 /// Packs every group of one period with NaN advantages (the trainer's side computes

@@ -137,6 +137,7 @@ fn packed_and_split_micro_batches_equal_padded_rows() -> Result<()> {
         micro_batch_tokens: 96,
         split_oversized_groups: true,
         pad_token: 0,
+        groups_per_pack: 1,
     };
     let shared = pack_period(&gs, &config)?;
     let account: metronome_masking::TokenAccount = shared.iter().map(|l| l.account).sum();

@@ -30,6 +30,15 @@ pub struct PackingConfig {
     pub split_oversized_groups: bool,
     /// The token id of padding positions (padded layout only).
     pub pad_token: TokenId,
+    /// How many of a period's groups the trainer packs together (read by the pipeline's
+    /// runner; [`Packer`] packs whatever groups it is given). 1 trains each group as it
+    /// arrives. With more, a period's groups form fixed sets of this many in release
+    /// order, and each set is packed and trained once all of it is in: fewer, fuller
+    /// micro-batches (on a GPU a forward and backward of one small group is bound by
+    /// kernel launches), at the cost of training a set only after its slowest group.
+    /// The sets do not depend on arrival order, so `sync` and `periodic` still train
+    /// the same micro-batches.
+    pub groups_per_pack: usize,
 }
 
 impl Default for PackingConfig {
@@ -40,6 +49,7 @@ impl Default for PackingConfig {
             micro_batch_tokens: 4096,
             split_oversized_groups: true,
             pad_token: 0,
+            groups_per_pack: 1,
         }
     }
 }
@@ -62,6 +72,9 @@ impl PackingConfig {
                 "micro_batch_tokens",
                 format!("is {}, below row_tokens {}", self.micro_batch_tokens, self.row_tokens),
             );
+        }
+        if self.groups_per_pack == 0 {
+            return bad("groups_per_pack", "is 0, but a pack holds at least one group".to_owned());
         }
         if u32::try_from(self.row_tokens).is_err() {
             return bad("row_tokens", format!("is {}, more than a row can address", self.row_tokens));

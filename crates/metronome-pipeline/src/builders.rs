@@ -53,7 +53,7 @@ pub(crate) fn load_tokenizer(config: &PipelineConfig) -> Result<Arc<dyn Tokenize
 
 /// The runner's options of a run: the schedule, periods, time limit, group size and
 /// dynamic sampling of `[run]`, the advantage estimator of `[trainer]`, partial rollouts of
-/// `[rollout]`.
+/// `[rollout]`, the groups packed together of `[packing]`.
 impl From<&PipelineConfig> for RunnerOptions {
     fn from(config: &PipelineConfig) -> Self {
         Self {
@@ -65,6 +65,7 @@ impl From<&PipelineConfig> for RunnerOptions {
             partial_rollouts: config.rollout.partial_rollouts,
             time_limit: (config.run.time_limit_s > 0)
                 .then(|| std::time::Duration::from_secs(config.run.time_limit_s)),
+            groups_per_pack: config.packing.groups_per_pack,
         }
     }
 }

@@ -138,6 +138,10 @@ pub struct RunnerOptions {
     /// End after the first period that finishes once this much time has passed since
     /// the periods started (`run.time_limit_s`); `None`: `periods` alone decides.
     pub time_limit: Option<Duration>,
+    /// How many groups are packed and trained together (`packing.groups_per_pack`):
+    /// fixed sets of a period's groups in release order, each trained once all of it
+    /// is in; 1 trains every group as it arrives.
+    pub groups_per_pack: usize,
 }
 
 impl Default for RunnerOptions {
@@ -151,6 +155,7 @@ impl Default for RunnerOptions {
             dynamic_sampling: None,
             partial_rollouts: false,
             time_limit: None,
+            groups_per_pack: 1,
         }
     }
 }
@@ -357,6 +362,43 @@ struct Waiting {
     staleness: u64,
 }
 
+/// A period's groups in fixed sets of `size` by release order (`packing.groups_per_pack`):
+/// a set is handed back, its trainable groups together, once each of its groups is
+/// settled (admitted for training, or settled without it), whatever the arrival order.
+struct Packs {
+    size: usize,
+    /// Each expected group's set.
+    of: HashMap<GroupKey, usize>,
+    /// Per set: groups not settled yet, and the trainable ones that are.
+    left: Vec<usize>,
+    ready: Vec<Vec<Waiting>>,
+}
+
+impl Packs {
+    fn new(order: impl Iterator<Item = GroupKey>, size: usize) -> Self {
+        let size = size.max(1);
+        let of: HashMap<GroupKey, usize> = order.enumerate().map(|(i, key)| (key, i / size)).collect();
+        let mut left = vec![0; of.values().max().map_or(0, |&last| last + 1)];
+        for &set in of.values() {
+            left[set] += 1;
+        }
+        Self { size, of, ready: left.iter().map(|_| Vec::new()).collect(), left }
+    }
+
+    /// Records `key` as settled (`waiting`: it trains); the groups of its set to train
+    /// when that completes the set, else none. A key outside the period's order (which
+    /// admission never lets through) trains alone.
+    fn settle(&mut self, key: GroupKey, waiting: Option<Waiting>) -> Vec<Waiting> {
+        if self.size == 1 {
+            return waiting.into_iter().collect();
+        }
+        let Some(&set) = self.of.get(&key) else { return waiting.into_iter().collect() };
+        self.ready[set].extend(waiting);
+        self.left[set] -= 1;
+        if self.left[set] == 0 { std::mem::take(&mut self.ready[set]) } else { Vec::new() }
+    }
+}
+
 /// DAPO's dynamic sampling on the trainer's side (Yu et al. 2025, arXiv 2503.14476,
 /// §3.2; see `DynamicSampling` in `config.rs`): of a period's groups, in release
 /// order, the first `wanted` whose rewards vary are trained, the rest are not. A
@@ -522,6 +564,10 @@ impl Driver {
         let expected: BTreeSet<GroupKey> =
             released.prompts.iter().map(|&prompt| GroupKey { period, prompt }).collect();
         let mut open = expected.clone();
+        let mut packs = Packs::new(
+            released.prompts.iter().map(|&prompt| GroupKey { period, prompt }),
+            self.options.groups_per_pack,
+        );
         let mut dynamic = self.options.dynamic_sampling.map(|wanted| DynamicSampling {
             order: released.prompts.iter().map(|&prompt| GroupKey { period, prompt }).collect(),
             next: 0,
@@ -569,6 +615,8 @@ impl Driver {
                     if let Some(dynamic) = dynamic.as_mut() {
                         dynamic.arrived.insert(key, None);
                     }
+                    let pack = packs.settle(key, None);
+                    self.train_pack(report, pack)?;
                 }
                 Admission::Train { batches, staleness } => {
                     report.generated_tokens += tokens(&delivery.group);
@@ -579,39 +627,71 @@ impl Driver {
                         Some(dynamic) => {
                             dynamic.arrived.insert(key, Some(waiting));
                         }
-                        None => self.train(report, waiting)?,
+                        None => {
+                            let pack = packs.settle(key, Some(waiting));
+                            self.train_pack(report, pack)?;
+                        }
                     }
                 }
             }
             // What arrived may be what the release order waited for.
             for (waiting, train) in dynamic.as_mut().map(DynamicSampling::decide).unwrap_or_default() {
-                if train {
-                    self.train(report, waiting)?;
+                let key = waiting.delivery.group.key();
+                let pack = if train {
+                    packs.settle(key, Some(waiting))
                 } else {
                     report.filtered += 1;
-                    let key = waiting.delivery.group.key();
                     tracing::debug!(%key, "dynamic sampling does not train group {key}");
                     self.hold(waiting.delivery.acker, key, None);
-                }
+                    packs.settle(key, None)
+                };
+                self.train_pack(report, pack)?;
             }
         }
         Ok(())
     }
 
-    /// Accumulates one admitted group.
-    fn train(&mut self, report: &mut PeriodReport, waiting: Waiting) -> Result<()> {
-        let Waiting { delivery, batches, staleness } = waiting;
-        let key = delivery.group.key();
-        tracing::debug!("accumulating a group of period {} (prompt {})", key.period, key.prompt);
-        note_group(report, &delivery.group, staleness);
+    /// Accumulates the admitted groups of a complete pack (none while it is not).
+    /// One group trains the micro-batches admission packed for it; several are packed
+    /// together in key order, so the micro-batches do not depend on arrival order.
+    fn train_pack(&mut self, report: &mut PeriodReport, mut pack: Vec<Waiting>) -> Result<()> {
+        let Some(first) = pack.first() else { return Ok(()) };
+        let period = first.delivery.group.key().period;
+        pack.sort_by_key(|w| w.delivery.group.key());
+        let batches = if pack.len() == 1 { None } else { self.pack_together(&pack) };
         let t = Instant::now();
-        for batch in batches {
+        let mut own = Vec::new();
+        for waiting in &mut pack {
+            let key = waiting.delivery.group.key();
+            tracing::debug!("accumulating a group of period {} (prompt {})", key.period, key.prompt);
+            note_group(report, &waiting.delivery.group, waiting.staleness);
+            own.append(&mut waiting.batches);
+        }
+        for batch in batches.unwrap_or(own) {
             accumulate(self.trainer.as_mut(), batch)?;
         }
-        report.intervals.push(self.clock.interval(StageKind::Training, key.period, t));
-        self.hold(delivery.acker, key, None);
-        self.observer.emit(&Event::GroupTrained { period: key.period.0, prompt: key.prompt.0 });
+        report.intervals.push(self.clock.interval(StageKind::Training, period, t));
+        for Waiting { delivery, .. } in pack {
+            let key = delivery.group.key();
+            self.hold(delivery.acker, key, None);
+            self.observer.emit(&Event::GroupTrained { period: key.period.0, prompt: key.prompt.0 });
+        }
         Ok(())
+    }
+
+    /// The micro-batches of several groups packed together; `None` (each group then
+    /// trains its own) if they do not pack, which admission's packing of each group
+    /// alone makes a packer's bug rather than the data's.
+    fn pack_together(&self, pack: &[Waiting]) -> Option<Vec<TrainBatch>> {
+        let groups: Vec<ScoredGroup> = pack.iter().map(|w| w.delivery.group.clone()).collect();
+        let packed = self.packer.pack(&groups).map_err(|e| ErrorChain(&e).to_string()).and_then(|batches| {
+            batches.iter().try_for_each(TrainBatch::validate).map_err(|e| e.to_string()).map(|()| batches)
+        });
+        packed
+            .inspect_err(|e| {
+                tracing::warn!("{} groups did not pack together ({e}): training each alone", pack.len())
+            })
+            .ok()
     }
 
     /// The next delivery from the group stream, watching the generating side for a

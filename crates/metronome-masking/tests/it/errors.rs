@@ -103,6 +103,7 @@ fn padded_group_over_micro_batch_budget() {
         micro_batch_tokens: 16,
         split_oversized_groups: false,
         pad_token: PAD,
+        groups_per_pack: 1,
     };
     // Three rows padded to 4 + 3 = 7: 21 positions.
     let g = common::group(13, 4, &[1, 3, 2]);

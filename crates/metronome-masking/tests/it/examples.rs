@@ -136,6 +136,7 @@ fn padded_micro_batches_count_their_pads() {
         micro_batch_tokens: 12,
         split_oversized_groups: false,
         pad_token: PAD,
+        groups_per_pack: 1,
     };
     // Group 1: 2 rows × 5 = 10; adding group 2 would make 3 × 5 = 15 > 12.
     let layouts = pack_period(&groups, &config).unwrap();

@@ -160,6 +160,7 @@ fn config_strategy() -> impl Strategy<Value = PackingConfig> {
             micro_batch_tokens: row_tokens * rows,
             split_oversized_groups: true,
             pad_token: PAD,
+            groups_per_pack: 1,
         },
     )
 }

@@ -201,6 +201,11 @@ fn impossible_combinations_are_named() {
     ])
     .unwrap();
     invalid(&["packing.row_tokens=16", "packing.micro_batch_tokens=16"], "`packing.row_tokens`");
+    let e = invalid(&["packing.groups_per_pack=0"], "`packing.groups_per_pack`");
+    assert!(e.contains("at least one group"), "{e}");
+    let ok = PipelineConfig::embedded(&["packing.groups_per_pack=16".into()]).unwrap();
+    assert_eq!(RunnerOptions::from(&ok).groups_per_pack, 16);
+    assert_eq!(RunnerOptions::from(&PipelineConfig::embedded(&[]).unwrap()).groups_per_pack, 1);
     invalid(
         &["rollout.max_seq_len=20"],
         "`rollout.max_seq_len`: is 20 but a prompt (data.prompt.max_tokens = 16)",

@@ -69,6 +69,7 @@ fn packed_and_split_micro_batches_count_each_group_once() {
         micro_batch_tokens: 16,
         split_oversized_groups: true,
         pad_token: 0,
+        groups_per_pack: 1,
     };
     let layouts = pack_period(&groups, &packing).unwrap();
     assert!(layouts.len() > groups.len(), "the budget must split some group");
