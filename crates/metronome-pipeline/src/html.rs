@@ -6,7 +6,6 @@
 //! `metronome report runs/<name>` writes it; `xtask/scripts/report-screenshot.sh`
 //! renders it in headless Chromium.
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -15,31 +14,10 @@ use crate::plots;
 use crate::report::PeriodReport;
 use crate::rundir::{CONFIG_FILE, RunDir};
 use crate::summary::summary_table;
-use crate::tensorboard::{EVENTS_PREFIX, read_scalars};
+use crate::tensorboard::heldout_accuracy;
 
 /// The page's file name in the run directory.
 pub const REPORT_FILE: &str = "report.html";
-
-/// Held-out accuracy by the periods trained before it, from the run's event files
-/// (a resumed run's later file wins for a period evaluated twice).
-pub fn heldout_accuracy(dir: &Path) -> Result<Vec<(u64, f64)>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|source| Error::Io { path: dir.to_owned(), source })?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(EVENTS_PREFIX)))
-        .collect();
-    // Named by creation time in seconds, then a counter: name order is write order.
-    files.sort();
-    let mut evals = BTreeMap::new();
-    for file in files {
-        for (step, tag, value) in read_scalars(&file)? {
-            if tag == "eval/heldout_accuracy" {
-                evals.insert(step, f64::from(value));
-            }
-        }
-    }
-    Ok(evals.into_iter().collect())
-}
 
 /// Writes `report.html` in the run directory; its path.
 pub fn write_html_report(dir: &RunDir) -> Result<PathBuf> {

@@ -55,7 +55,7 @@ pub use config::{
 pub use error::{Error, Result};
 pub use events::{Event, Observer, WorkerOutcome};
 pub use export::{BASE_CHECKPOINT, ExportOptions, ExportOutcome, GREEDY_ANSWERS_FILE, export};
-pub use html::{REPORT_FILE, heldout_accuracy, write_html_report};
+pub use html::{REPORT_FILE, write_html_report};
 pub use metrics::{CLUSTER_METRICS, METRICS};
 pub use metronome_core::Secret;
 #[cfg(feature = "http")]
@@ -70,6 +70,7 @@ pub use schedule::{ParseScheduleError, Schedule};
 pub use serve::serve;
 pub use session::{RunOptions, RunOutcome};
 pub use summary::summary_table;
+pub use tensorboard::heldout_accuracy;
 
 /// Every metrics catalogue a run's processes may emit from, this crate's own first,
 /// for the binary to describe to its exporter and for the dashboard tests.

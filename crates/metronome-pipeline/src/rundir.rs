@@ -315,7 +315,7 @@ impl RunDir {
         }
         // From the event files, as `report.html` reads them: a resumed run's
         // evaluations before the resume are there too.
-        let evals = crate::html::heldout_accuracy(&self.path)?;
+        let evals = crate::tensorboard::heldout_accuracy(&self.path)?;
         if !evals.is_empty() {
             self.write_plot(HELDOUT_PLOT, plots::heldout_svg(&evals))?;
         }

@@ -10,6 +10,7 @@
 //! here with `prost` rather than generated from the whole schema.
 //! `tests/data/read_tfevents.py` reads a run's file back with TensorBoard's reader.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
@@ -239,6 +240,27 @@ pub(crate) fn eval_scalars(point: &EvalPoint) -> Vec<(&'static str, f64)> {
     let mut scalars = vec![("eval/heldout_accuracy", point.accuracy)];
     scalars.extend(point.tool_use.map(|t| ("eval/tool_use", t)));
     scalars
+}
+
+/// Held-out accuracy by the periods trained before it, from the run's event files
+/// (a resumed run's later file wins for a period evaluated twice).
+pub fn heldout_accuracy(dir: &Path) -> Result<Vec<(u64, f64)>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|source| Error::Io { path: dir.to_owned(), source })?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with(EVENTS_PREFIX)))
+        .collect();
+    // Named by creation time in seconds, then a counter: name order is write order.
+    files.sort();
+    let mut evals = BTreeMap::new();
+    for file in files {
+        for (step, tag, value) in read_scalars(&file)? {
+            if tag == "eval/heldout_accuracy" {
+                evals.insert(step, f64::from(value));
+            }
+        }
+    }
+    Ok(evals.into_iter().collect())
 }
 
 #[cfg(test)]
