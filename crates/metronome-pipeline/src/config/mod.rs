@@ -446,7 +446,13 @@ impl PipelineConfig {
             }
             other => stage("trainer", &other),
         })?;
-        self.packing.validate().map_err(|e| stage("packing", &e))?;
+        // Named from the packing section, as the trainer's keys are.
+        self.packing.validate().map_err(|e| match e {
+            metronome_masking::MaskingError::Config { field, reason } => {
+                Error::Config { key: format!("packing.{field}"), reason }
+            }
+            other => stage("packing", &other),
+        })?;
         self.eval.validate()?;
         self.sft.validate()?;
         self.check_sizes()?;
