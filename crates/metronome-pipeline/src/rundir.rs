@@ -302,8 +302,8 @@ impl RunDir {
     /// are drawn with empty axes.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the plot that could not be drawn or written, or the event
-    /// file that could not be read.
+    /// [`Error::Io`] naming the plot that could not be drawn or written (event files
+    /// that cannot be read only leave `heldout.svg` out, with a warning).
     pub fn write_plots(&self, reports: &[PeriodReport]) -> Result<()> {
         let plots: [(&str, plots::Draw); 3] = [
             (REWARD_PLOT, plots::reward_svg),
@@ -314,12 +314,16 @@ impl RunDir {
             self.write_plot(name, draw(reports))?;
         }
         // From the event files, as `report.html` reads them: a resumed run's
-        // evaluations before the resume are there too.
-        let evals = crate::tensorboard::heldout_accuracy(&self.path)?;
-        if !evals.is_empty() {
-            self.write_plot(HELDOUT_PLOT, plots::heldout_svg(&evals))?;
+        // evaluations before the resume are there too. A damaged event file costs
+        // this plot, not the run that has just finished training.
+        match crate::tensorboard::heldout_accuracy(&self.path) {
+            Ok(evals) if evals.is_empty() => Ok(()),
+            Ok(evals) => self.write_plot(HELDOUT_PLOT, plots::heldout_svg(&evals)),
+            Err(e) => {
+                tracing::warn!("not drawing {HELDOUT_PLOT}: {}", metronome_core::ErrorChain(&e));
+                Ok(())
+            }
         }
-        Ok(())
     }
 
     fn write_plot(&self, name: &str, drawn: plots::Drawn) -> Result<()> {

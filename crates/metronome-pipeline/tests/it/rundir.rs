@@ -203,6 +203,26 @@ fn a_run_that_evaluated_plots_its_heldout_accuracy_from_the_event_files() {
 }
 
 #[test]
+fn a_damaged_event_file_leaves_out_the_heldout_plot_and_nothing_else() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = RunDir::create(root.path(), "damaged").unwrap();
+    let mut events = EventWriter::create(dir.path()).unwrap();
+    events.scalars(0, &[("eval/heldout_accuracy", 0.2)]).unwrap();
+    // A record whose length fails its checksum, as a disk error leaves one.
+    let file = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).find(|p| {
+        p.file_name().unwrap().to_str().unwrap().starts_with(metronome_pipeline::tensorboard::EVENTS_PREFIX)
+    });
+    let mut bytes = fs::read(file.as_ref().unwrap()).unwrap();
+    bytes.extend_from_slice(&[7; 16]);
+    fs::write(file.unwrap(), bytes).unwrap();
+    let e = metronome_pipeline::heldout_accuracy(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("events.out.tfevents"), "{e}");
+    dir.write_plots(&periods(2)).unwrap();
+    assert!(dir.path().join("reward.svg").exists());
+    assert!(!dir.path().join("heldout.svg").exists());
+}
+
+#[test]
 fn errors_name_the_file_at_fault() {
     let root = tempfile::tempdir().unwrap();
     let dir = RunDir::create(root.path(), "broken").unwrap();

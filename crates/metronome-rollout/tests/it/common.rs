@@ -3,10 +3,12 @@
 use std::sync::Arc;
 
 use metronome_core::{
-    Group, PolicyVersion, Prompt, PromptId, RolloutEngine, RolloutRequest, RunSeed, Tokenizer,
+    Group, PolicyVersion, Prompt, PromptId, RolloutEngine, RolloutRequest, RunSeed, TokenId, Tokenizer,
 };
-use metronome_model::{CharTokenizer, Device, Model, ModelConfig};
-use metronome_rollout::{CollectSink, EngineConfig, ModelEngine, SamplingConfig, model_engine};
+use metronome_model::{CharTokenizer, Device, Draw, KvCache, Model, ModelConfig, Next};
+use metronome_rollout::{
+    CollectSink, EngineConfig, InferenceModel, ModelEngine, Result, SamplingConfig, model_engine,
+};
 
 /// The tiny model with random weights from `seed`, for inference.
 pub(crate) fn tiny_model(seed: u64) -> Model {
@@ -109,5 +111,86 @@ impl metronome_core::ToolCallSyntax for EverythingCalls {
         let args: serde_json::Value = serde_json::from_str(&call.arguments)
             .map_err(|e| metronome_core::Error::invalid("arguments", e.to_string()))?;
         Ok(args["input"].as_str().unwrap_or_default().to_owned())
+    }
+}
+
+/// What a test watches of a [`Watched`] model's work (each on the engine's worker).
+pub(crate) trait Watch: Send + Sync + 'static {
+    /// Before a decode step of `rows` rows.
+    fn before_decode(&self, rows: usize) {
+        let _ = rows;
+    }
+    /// After a decode step.
+    fn after_decode(&self) {}
+    /// When a slot is freed.
+    fn freed(&self) {}
+}
+
+/// A model with every call forwarded to it and a [`Watch`] on its decode steps and
+/// freed slots: a test's instrumented engine model.
+#[derive(Clone)]
+pub(crate) struct Watched<W> {
+    pub(crate) model: Model,
+    pub(crate) watch: W,
+}
+
+impl<W: Watch> InferenceModel for Watched<W> {
+    type Cache = KvCache;
+
+    fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<KvCache> {
+        InferenceModel::new_cache(&self.model, num_slots, max_seq_len)
+    }
+
+    fn new_pooled_cache(
+        &self,
+        num_slots: usize,
+        max_seq_len: usize,
+        tokens: usize,
+    ) -> Result<(KvCache, usize)> {
+        InferenceModel::new_pooled_cache(&self.model, num_slots, max_seq_len, tokens)
+    }
+
+    fn check_caches(
+        &self,
+        caches: usize,
+        num_slots: usize,
+        max_seq_len: usize,
+        pool: Option<usize>,
+    ) -> Result<()> {
+        InferenceModel::check_caches(&self.model, caches, num_slots, max_seq_len, pool)
+    }
+
+    fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>> {
+        InferenceModel::prefill(&self.model, cache, slot, tokens)
+    }
+
+    fn prefill_many(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[(usize, &[TokenId])],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        InferenceModel::prefill_many(&self.model, cache, seqs, draws)
+    }
+
+    fn decode_step(
+        &self,
+        cache: &mut KvCache,
+        batch: &[(usize, TokenId)],
+        draws: &[Option<Draw>],
+    ) -> Result<Vec<Next>> {
+        self.watch.before_decode(batch.len());
+        let rows = InferenceModel::decode_step(&self.model, cache, batch, draws)?;
+        self.watch.after_decode();
+        Ok(rows)
+    }
+
+    fn free(&self, cache: &mut KvCache, slot: usize) {
+        self.watch.freed();
+        InferenceModel::free(&self.model, cache, slot);
+    }
+
+    fn max_context(&self) -> usize {
+        InferenceModel::max_context(&self.model)
     }
 }

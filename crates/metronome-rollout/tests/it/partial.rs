@@ -5,51 +5,26 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use metronome_core::{PeriodId, PolicyVersion, RunSeed, TokenId, VersionSwitch, sample_seed};
-use metronome_model::{Draw, KvCache, Model, Next};
 use metronome_rollout::{
-    CollectSink, Engine, EngineConfig, InferenceModel, PartialCache, Result, Sampler, SamplingConfig,
-    Submission, TokenRng,
+    CollectSink, Engine, EngineConfig, InferenceModel, PartialCache, Sampler, SamplingConfig, Submission,
+    TokenRng,
 };
 
-use crate::common::{prompts, tiny_model, tokenizer};
+use crate::common::{Watch, Watched, prompts, tiny_model, tokenizer};
 
-/// The tiny model that, after its `at`-th decode step, installs the next model in the
+/// After the watched model's `at`-th decode step, installs the next model in the
 /// engine that runs it: weights arriving at a known token, whatever the timing.
 #[derive(Clone)]
-struct Hooked {
-    model: Model,
+struct Handover {
     steps: Arc<AtomicUsize>,
     next: Option<(usize, Box<Hooked>, PolicyVersion)>,
     engine: Arc<OnceLock<Weak<Engine<Hooked>>>>,
 }
 
-impl InferenceModel for Hooked {
-    type Cache = KvCache;
+type Hooked = Watched<Handover>;
 
-    fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<KvCache> {
-        InferenceModel::new_cache(&self.model, num_slots, max_seq_len)
-    }
-
-    fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>> {
-        InferenceModel::prefill(&self.model, cache, slot, tokens)
-    }
-
-    fn prefill_many(
-        &self,
-        cache: &mut KvCache,
-        seqs: &[(usize, &[TokenId])],
-        draws: &[Option<Draw>],
-    ) -> Result<Vec<Next>> {
-        InferenceModel::prefill_many(&self.model, cache, seqs, draws)
-    }
-
-    fn decode_step(
-        &self,
-        cache: &mut KvCache,
-        batch: &[(usize, TokenId)],
-        draws: &[Option<Draw>],
-    ) -> Result<Vec<Next>> {
-        let rows = InferenceModel::decode_step(&self.model, cache, batch, draws)?;
+impl Watch for Handover {
+    fn after_decode(&self) {
         let steps = self.steps.fetch_add(1, Ordering::SeqCst) + 1;
         if let Some((at, next, version)) = &self.next
             && steps == *at
@@ -57,15 +32,6 @@ impl InferenceModel for Hooked {
         {
             engine.install_model((**next).clone(), *version);
         }
-        Ok(rows)
-    }
-
-    fn free(&self, cache: &mut KvCache, slot: usize) {
-        InferenceModel::free(&self.model, cache, slot);
-    }
-
-    fn max_context(&self) -> usize {
-        InferenceModel::max_context(&self.model)
     }
 }
 
@@ -83,9 +49,7 @@ async fn generate(partial: Option<PartialCache>) -> metronome_core::Completion {
     let engine_slot = Arc::new(OnceLock::new());
     let hooked = |seed: u64, next| Hooked {
         model: tiny_model(seed),
-        steps: Arc::default(),
-        next,
-        engine: Arc::clone(&engine_slot),
+        watch: Handover { steps: Arc::default(), next, engine: Arc::clone(&engine_slot) },
     };
     let third = hooked(13, None);
     let second = hooked(12, Some((5, Box::new(third), PolicyVersion(2))));

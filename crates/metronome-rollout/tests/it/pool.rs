@@ -5,63 +5,18 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use metronome_core::{Group, PeriodId, PolicyVersion, RunSeed, TokenId};
-use metronome_model::{Draw, KvCache, Model, Next};
-use metronome_rollout::{Batching, Engine, EngineConfig, InferenceModel, Result, SamplingConfig, Submission};
+use metronome_core::{Group, PeriodId, PolicyVersion, RunSeed};
+use metronome_rollout::{Batching, Engine, EngineConfig, SamplingConfig, Submission};
 
-use crate::common::{prompts, sampling, signature, tiny_model, tokenizer};
+use crate::common::{Watch, Watched, prompts, sampling, signature, tiny_model, tokenizer};
 
-/// The tiny model, recording the most rows any decode step had.
-struct Widest {
-    model: Model,
-    widest: Arc<AtomicUsize>,
-}
+/// The most rows any decode step had.
+#[derive(Clone, Default)]
+struct Widest(Arc<AtomicUsize>);
 
-impl InferenceModel for Widest {
-    type Cache = KvCache;
-
-    fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> Result<KvCache> {
-        InferenceModel::new_cache(&self.model, num_slots, max_seq_len)
-    }
-
-    fn new_pooled_cache(
-        &self,
-        num_slots: usize,
-        max_seq_len: usize,
-        tokens: usize,
-    ) -> Result<(KvCache, usize)> {
-        InferenceModel::new_pooled_cache(&self.model, num_slots, max_seq_len, tokens)
-    }
-
-    fn prefill(&self, cache: &mut KvCache, slot: usize, tokens: &[TokenId]) -> Result<Vec<f32>> {
-        InferenceModel::prefill(&self.model, cache, slot, tokens)
-    }
-
-    fn prefill_many(
-        &self,
-        cache: &mut KvCache,
-        seqs: &[(usize, &[TokenId])],
-        draws: &[Option<Draw>],
-    ) -> Result<Vec<Next>> {
-        InferenceModel::prefill_many(&self.model, cache, seqs, draws)
-    }
-
-    fn decode_step(
-        &self,
-        cache: &mut KvCache,
-        batch: &[(usize, TokenId)],
-        draws: &[Option<Draw>],
-    ) -> Result<Vec<Next>> {
-        self.widest.fetch_max(batch.len(), Ordering::SeqCst);
-        InferenceModel::decode_step(&self.model, cache, batch, draws)
-    }
-
-    fn free(&self, cache: &mut KvCache, slot: usize) {
-        InferenceModel::free(&self.model, cache, slot);
-    }
-
-    fn max_context(&self) -> usize {
-        InferenceModel::max_context(&self.model)
+impl Watch for Widest {
+    fn before_decode(&self, rows: usize) {
+        self.0.fetch_max(rows, Ordering::SeqCst);
     }
 }
 
@@ -77,8 +32,8 @@ fn sampled() -> SamplingConfig {
 /// Eight prompts' groups of four from one worker of eight slots with a pool of
 /// `tokens` positions (`None`: every slot's room); the groups and the widest decode step.
 async fn run(tokens: Option<usize>, batching: Batching) -> (Vec<Group>, usize) {
-    let widest = Arc::new(AtomicUsize::new(0));
-    let model = Widest { model: tiny_model(7), widest: Arc::clone(&widest) };
+    let widest = Widest::default();
+    let model = Watched { model: tiny_model(7), watch: widest.clone() };
     let config = EngineConfig {
         workers: 1,
         threads_per_worker: Some(1),
@@ -98,7 +53,7 @@ async fn run(tokens: Option<usize>, batching: Batching) -> (Vec<Group>, usize) {
         seed: RunSeed(42),
     };
     let groups = engine.generate_groups(sub).await.unwrap();
-    (groups, widest.load(Ordering::SeqCst))
+    (groups, widest.0.load(Ordering::SeqCst))
 }
 
 /// The most responses a pool of `blocks` blocks of 16 runs at once: as many of the

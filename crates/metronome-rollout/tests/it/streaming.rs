@@ -5,21 +5,15 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use metronome_core::{Group, GroupSink, PeriodId, PolicyVersion, RolloutEngine, RolloutRequest, TokenId};
-use metronome_model::{Draw, KvCache, Model, Next};
-use metronome_rollout::{Engine, EngineConfig, InferenceModel};
+use metronome_core::{Group, GroupSink, PeriodId, PolicyVersion, RolloutEngine, RolloutRequest};
+use metronome_rollout::{Engine, EngineConfig};
 
-use crate::common::{prompts, sampling, tiny_model, tokenizer};
+use crate::common::{Watch, Watched, prompts, sampling, tiny_model, tokenizer};
 
-/// The tiny model with a gate: once any sequence has finished, decode steps wait
-/// until the test's sink has received a group. If groups were only emitted at the end
+/// A gate on the tiny model's decode steps: once any sequence has finished, decode
+/// steps wait until the test's sink has received a group. If groups were only emitted at the end
 /// of the batch the engine would stall at the gate (until the 20 s safety timeout) and
 /// the assertions below would fail; with streaming it never stalls for long.
-struct Gated {
-    inner: Model,
-    gate: Arc<Gate>,
-}
-
 #[derive(Default)]
 struct Gate {
     finished: AtomicUsize,
@@ -29,47 +23,21 @@ struct Gate {
     timed_out: AtomicBool,
 }
 
-impl InferenceModel for Gated {
-    type Cache = KvCache;
-
-    fn new_cache(&self, num_slots: usize, max_seq_len: usize) -> metronome_rollout::Result<KvCache> {
-        self.inner.new_cache(num_slots, max_seq_len)
-    }
-
-    fn prefill(
-        &self,
-        cache: &mut KvCache,
-        slot: usize,
-        tokens: &[TokenId],
-    ) -> metronome_rollout::Result<Vec<f32>> {
-        InferenceModel::prefill(&self.inner, cache, slot, tokens)
-    }
-
-    fn decode_step(
-        &self,
-        cache: &mut KvCache,
-        batch: &[(usize, TokenId)],
-        draws: &[Option<Draw>],
-    ) -> metronome_rollout::Result<Vec<Next>> {
-        if self.gate.finished.load(Ordering::SeqCst) > 0 {
-            let opened = self.gate.opened.lock().unwrap();
+impl Watch for Arc<Gate> {
+    fn before_decode(&self, _: usize) {
+        if self.finished.load(Ordering::SeqCst) > 0 {
+            let opened = self.opened.lock().unwrap();
             let (opened, timeout) =
-                self.gate.cv.wait_timeout_while(opened, Duration::from_secs(20), |o| !*o).unwrap();
+                self.cv.wait_timeout_while(opened, Duration::from_secs(20), |o| !*o).unwrap();
             if timeout.timed_out() && !*opened {
-                self.gate.timed_out.store(true, Ordering::SeqCst);
+                self.timed_out.store(true, Ordering::SeqCst);
             }
         }
-        self.gate.decode_steps.fetch_add(1, Ordering::SeqCst);
-        InferenceModel::decode_step(&self.inner, cache, batch, draws)
+        self.decode_steps.fetch_add(1, Ordering::SeqCst);
     }
 
-    fn free(&self, cache: &mut KvCache, slot: usize) {
-        self.gate.finished.fetch_add(1, Ordering::SeqCst);
-        self.inner.free(cache, slot);
-    }
-
-    fn max_context(&self) -> usize {
-        self.inner.max_context()
+    fn freed(&self) {
+        self.finished.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -92,7 +60,7 @@ impl GroupSink for RecordingSink {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn groups_stream_out_in_completion_order_before_the_batch_ends() {
     let gate = Arc::new(Gate::default());
-    let model = Gated { inner: tiny_model(7), gate: Arc::clone(&gate) };
+    let model = Watched { model: tiny_model(7), watch: Arc::clone(&gate) };
     // Several stop tokens make response lengths differ.
     let mut s = sampling(48);
     s.stop_token_ids = Some(vec![2, 10, 20, 30, 40, 50, 60]);
