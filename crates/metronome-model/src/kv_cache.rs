@@ -26,11 +26,14 @@
 //! ([`Model::frozen_copy`], what rollout workers decode with) keeps its linear layers a
 //! second time in decode layout `[in, out]`, the query/key/value projections stacked
 //! into one product and the gate/up projections into another, and runs them through
-//! its own SIMD kernel (crate `ops`, `DecodeLinear`): each output element is one fused
+//! its own SIMD kernel (crate `ops`, `dense_rows`): each output element is one fused
 //! multiply-add chain in input order whatever the batch, so no padding is needed and a
 //! lone sequence costs one row, not sixteen. Measured on the tiny model, one thread:
 //! 2.2x the tokens/s of the padded candle path at 64 slots and 8-9x at one slot. Both
-//! paths match the full forward within 1e-5 and are bitwise batch-invariant.
+//! paths match the full forward within 1e-5 and are bitwise batch-invariant. The
+//! frozen path computes in host buffers its cache keeps ([`Scratch`]), calling the
+//! fused ops' loops directly: the same bits as those ops on tensors, without a tensor
+//! (an `Arc`, a storage, a shape, strides) allocated per op per layer per step.
 
 use std::collections::HashMap;
 
@@ -39,8 +42,8 @@ use candle_core::{DType, Tensor};
 use crate::draw::{Draw, Next, check_draws};
 use crate::model::{DecodeWeights, Model};
 use crate::ops::{
-    DecodeRows, StepIndex, apply_rope, decode_attention, linear, rms_norm, rope_tables, swiglu_stacked,
-    write_decode_rows,
+    DecodeRows, StepIndex, attention_rows, dense_rows, linear, output, read_host, rms_norm_rows, rope_tables,
+    swiglu_stacked_rows, write_host,
 };
 use crate::{Error, Result};
 
@@ -87,6 +90,40 @@ pub struct KvCache {
     /// Minimum rows of a decode step's linear layers ([`DECODE_MIN_ROWS`], or 1 when
     /// batch invariance was switched off).
     min_rows: usize,
+    /// The host buffers a frozen model's decode steps compute in, kept from step to step.
+    scratch: Scratch,
+}
+
+/// The activations of one cached forward on a frozen model's decode-layout weights
+/// (`Model::extend_dense`), on the host, reused by every step of a cache: a step makes
+/// one new buffer, its logits. As candle tensors each op of each layer allocated its
+/// output, shape and strides (about 40% of the allocations of a period of the
+/// TRL-matched run, and the allocator's cache misses on reused buffers with them).
+#[derive(Debug, Default)]
+struct Scratch {
+    /// The residual stream `[rows, hidden]`.
+    x: Vec<f32>,
+    /// A normed copy of it.
+    normed: Vec<f32>,
+    /// The stacked query/key/value product, and the rotated queries and keys.
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    /// The attention's output, and a linear layer's before it joins the residual.
+    att: Vec<f32>,
+    out: Vec<f32>,
+    /// The stacked gate/up product and its SwiGLU.
+    gate_up: Vec<f32>,
+    swiglu: Vec<f32>,
+}
+
+/// The first `n` elements of `buf`, grown (never shrunk) to hold them: the kernels
+/// writing them overwrite every element, so what a longer step left there is never read.
+fn sized(buf: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if buf.len() < n {
+        buf.resize(n, 0.0);
+    }
+    &mut buf[..n]
 }
 
 impl KvCache {
@@ -201,6 +238,7 @@ impl KvCache {
             // Handed out from the end: block 0 first.
             free_blocks: (0..num_blocks as u32).rev().collect(),
             min_rows: DECODE_MIN_ROWS,
+            scratch: Scratch::default(),
         })
     }
 
@@ -412,12 +450,6 @@ impl StepPlan {
         }
         plan
     }
-
-    /// [`Copies::from`] on `device`; `None` without copies.
-    fn copy_sources(&self, device: &candle_core::Device) -> Result<Option<Tensor>> {
-        let Some(c) = &self.copies else { return Ok(None) };
-        Ok(Some(Tensor::from_slice(&c.from, c.from.len(), device)?))
-    }
 }
 
 /// What every layer of a cached forward reads: where its computed rows attend
@@ -427,7 +459,9 @@ impl StepPlan {
 struct StepRows<'a> {
     attend: DecodeRows<'a>,
     write: DecodeRows<'a>,
-    from: Option<Tensor>,
+    from: Option<&'a [u32]>,
+    /// `from` on the model's device, uploaded by the first layer that writes.
+    from_index: std::sync::OnceLock<Tensor>,
     rope: crate::ops::RopeTables,
     last: &'a [u32],
 }
@@ -435,10 +469,16 @@ struct StepRows<'a> {
 impl StepRows<'_> {
     /// A layer's computed keys or values `[rows, kv_heads, head_dim]` as the rows written.
     fn written(&self, computed: &Tensor) -> Result<Tensor> {
-        Ok(match &self.from {
-            Some(from) => computed.index_select(from, 0)?,
-            None => computed.clone(),
-        })
+        let Some(from) = self.from else { return Ok(computed.clone()) };
+        let index = StepIndex::get(Some(&self.from_index), || {
+            Ok(Tensor::from_slice(from, from.len(), computed.device())?)
+        })?;
+        Ok(computed.index_select(&index, 0)?)
+    }
+
+    /// The computed row whose key and value written row `i` takes.
+    fn source(&self, i: usize) -> usize {
+        self.from.map_or(i, |f| f[i] as usize)
     }
 }
 
@@ -600,17 +640,20 @@ impl Model {
                 index: Some(&write_index),
                 ..attend
             }),
-            from: plan.copy_sources(dev)?,
+            from: plan.copies.as_ref().map(|c| &c.from[..]),
+            from_index: Default::default(),
             rope: rope_tables(&plan.positions, cfg.head_dim, cfg.rope_theta),
             last: &plan.last,
         };
         let w = |v: &candle_core::Var| Self::w(v, false);
-        let mut x = w(&m.embed).index_select(&Tensor::from_slice(&plan.ids, total, dev)?, 0)?;
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let logits = match self.decode_weights()? {
-            Some(dw) => self.extend_dense(cache, &dw, x, &step)?,
+            Some(dw) => {
+                self.extend_dense((&cache.keys, &cache.values), &mut cache.scratch, &dw, &plan.ids, &step)?
+            }
             None => {
                 let ks = self.kernels;
+                let mut x = w(&m.embed).index_select(&Tensor::from_slice(&plan.ids, total, dev)?, 0)?;
                 for (li, l) in m.layers.iter().enumerate() {
                     let wo = |v: &Option<candle_core::Var>| v.as_ref().map(w);
                     let a = ks.rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
@@ -658,36 +701,72 @@ impl Model {
 
     /// The layers and LM head of [`Model::extend`] on decode-layout weights: the
     /// stacked query/key/value and gate/up products, no padding rows (their kernel is
-    /// batch-invariant at any number of rows). `x` holds the embedded rows of `step`;
-    /// returns the logits of its rows `step.last`.
+    /// batch-invariant at any number of rows), computed on the host in the cache's
+    /// [`Scratch`] by the fused ops' own loops (the same bits as those ops on tensors).
+    /// `ids` are the tokens of `step`'s computed rows; returns the logits of its rows
+    /// `step.last`.
     fn extend_dense(
         &self,
-        cache: &KvCache,
+        (keys, values): (&[Tensor], &[Tensor]),
+        s: &mut Scratch,
         dw: &DecodeWeights,
-        mut x: Tensor,
+        ids: &[u32],
         step: &StepRows<'_>,
     ) -> Result<Tensor> {
         let m = &self.inner;
         let cfg = &m.cfg;
-        let total = x.dim(0)?;
+        let (d, total, eps) = (cfg.hidden_size, ids.len(), cfg.rms_norm_eps as f32);
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let w = |v: &candle_core::Var| Self::w(v, false);
-        for (li, (l, d)) in m.layers.iter().zip(&dw.layers).enumerate() {
-            let a = rms_norm(&x, &w(&l.input_norm), cfg.rms_norm_eps)?;
-            let qkv = d.qkv.forward(&a)?;
-            let q = apply_rope(&qkv.narrow(1, 0, h * hd)?.reshape((total, h, hd))?, &step.rope)?;
-            let k = apply_rope(&qkv.narrow(1, h * hd, kvh * hd)?.reshape((total, kvh, hd))?, &step.rope)?;
-            let v = qkv.narrow(1, (h + kvh) * hd, kvh * hd)?.reshape((total, kvh, hd))?;
-            write_decode_rows(&cache.keys[li], &step.written(&k)?, step.write)?;
-            write_decode_rows(&cache.values[li], &step.written(&v)?, step.write)?;
-            let att = decode_attention(&q, &cache.keys[li], &cache.values[li], step.attend)?;
-            x = (x + d.o.forward(&att)?)?;
-            let b = rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
-            x = (x + d.down.forward(&swiglu_stacked(&d.gate_up.forward(&b)?)?)?)?;
+        let (qw, kvw) = (h * hd, kvh * hd);
+        let cache_rows = keys.first().map_or(0, |k| k.dims()[0]);
+        step.write.check("decode-write", step.write.len.len(), cache_rows)?;
+        step.attend.check("decode-attention", total, cache_rows)?;
+        let x = sized(&mut s.x, total * d);
+        read_host(&m.embed, |e| {
+            for (row, &id) in x.chunks_exact_mut(d).zip(ids) {
+                row.copy_from_slice(&e[id as usize * d..(id as usize + 1) * d]);
+            }
+        })?;
+        let add = |x: &mut [f32], y: &[f32]| x.iter_mut().zip(y).for_each(|(x, y)| *x += y);
+        for (li, (l, dl)) in m.layers.iter().zip(&dw.layers).enumerate() {
+            let normed = sized(&mut s.normed, total * d);
+            read_host(&l.input_norm, |w| rms_norm_rows(x, w, eps, normed))?;
+            let width = dl.qkv.outputs();
+            let qkv = sized(&mut s.qkv, total * width);
+            dense_rows(normed, &dl.qkv, qkv);
+            let q = sized(&mut s.q, total * qw);
+            step.rope.rotate_rows(qkv, width, hd, q);
+            let k = sized(&mut s.k, total * kvw);
+            step.rope.rotate_rows(&qkv[qw..], width, hd, k);
+            let v = &qkv[qw + kvw..];
+            write_host(&keys[li], |c| step.write.write(c, kvw, |i| &k[step.source(i) * kvw..][..kvw]))?;
+            write_host(&values[li], |c| step.write.write(c, kvw, |i| &v[step.source(i) * width..][..kvw]))?;
+            let att = sized(&mut s.att, total * qw);
+            read_host(&keys[li], |k| {
+                read_host(&values[li], |v| attention_rows(step.attend, (q, k, v), h, kvh, hd, att))
+            })??;
+            let out = sized(&mut s.out, total * d);
+            dense_rows(att, &dl.o, out);
+            add(x, out);
+            read_host(&l.post_norm, |w| rms_norm_rows(x, w, eps, normed))?;
+            let gate_up = sized(&mut s.gate_up, total * dl.gate_up.outputs());
+            dense_rows(normed, &dl.gate_up, gate_up);
+            let inter = dl.down.inputs();
+            let swiglu = sized(&mut s.swiglu, total * inter);
+            swiglu_stacked_rows(gate_up, inter, swiglu);
+            dense_rows(swiglu, &dl.down, out);
+            add(x, out);
         }
-        if total > step.last.len() {
-            x = x.index_select(&Tensor::from_slice(step.last, step.last.len(), &m.device)?, 0)?;
+        // The rows whose logits are wanted, normed (the other rows' outputs are unused).
+        let n = step.last.len();
+        let last = sized(&mut s.att, n * d);
+        for (row, &r) in last.chunks_exact_mut(d).zip(step.last) {
+            row.copy_from_slice(&x[r as usize * d..(r as usize + 1) * d]);
         }
-        dw.lm_head.forward(&rms_norm(&x, &w(&m.norm), cfg.rms_norm_eps)?)
+        let normed = sized(&mut s.normed, n * d);
+        read_host(&m.norm, |w| rms_norm_rows(last, w, eps, normed))?;
+        let vocab = dw.lm_head.outputs();
+        let logits = output(n * vocab, |logits| dense_rows(normed, &dw.lm_head, logits));
+        Ok(Tensor::from_vec(logits, (n, vocab), &m.device)?)
     }
 }

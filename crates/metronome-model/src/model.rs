@@ -303,7 +303,7 @@ impl Model {
         // A model built to never train (a frozen copy, a rollout worker's) may keep its
         // linear layers a second time in decode layout: under the fused kernels that
         // memory buys decode steps without repacking transposed weights (crate `ops`,
-        // `DecodeLinear`).
+        // `dense_rows`).
         let inner = Inner {
             cfg,
             device: device.clone(),

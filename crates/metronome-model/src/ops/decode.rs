@@ -104,6 +104,16 @@ impl<'a> DecodeRows<'a> {
         Ok(())
     }
 
+    /// Writes each row's new key (or value), `row(i)` (`width` values), into a layer's
+    /// cache `data` at the row's last position. The rows were [checked](Self::check).
+    #[inline]
+    pub(crate) fn write<'s>(&self, data: &mut [f32], width: usize, row: impl Fn(usize) -> &'s [f32]) {
+        for i in 0..self.len.len() {
+            let at = self.at(i, self.len[i] - 1) * width;
+            data[at..at + width].copy_from_slice(row(i));
+        }
+    }
+
     /// The cache row of row `i`'s position `p`.
     #[inline]
     pub(crate) fn at(&self, i: usize, p: usize) -> usize {
@@ -157,12 +167,8 @@ impl candle_core::InplaceOp2 for DecodeWrite<'_> {
         let (Some((c0, c1)), CpuStorage::F32(cache)) = (l1.contiguous_offsets(), s1) else {
             candle_core::bail!("decode-write needs a contiguous f32 cache")
         };
-        let cache = &mut cache[c0..c1];
         let width = kvh * hd;
-        for (i, src) in new.chunks_exact(width).enumerate() {
-            let at = self.0.at(i, self.0.len[i] - 1) * width;
-            cache[at..at + width].copy_from_slice(src);
-        }
+        self.0.write(&mut cache[c0..c1], width, |i| &new[i * width..(i + 1) * width]);
         Ok(())
     }
 }
@@ -219,9 +225,7 @@ impl CpuOp3 for DecodeAttention<'_> {
         let v = contiguous_f32(Self::NAME, s3, l3)?;
         // Compiled for the instruction set `simd::dispatch` picks: the dot products run
         // as vectors of 8 lanes under AVX2, 16 under AVX-512 (the same for every row).
-        let out = output(n * heads * hd, |out| {
-            crate::simd::dispatch(AttentionRows { rows: self.0, q, k, v, heads, kvh, hd, out });
-        });
+        let out = output(n * heads * hd, |out| attention_rows(self.0, (q, k, v), heads, kvh, hd, out));
         Ok((CpuStorage::F32(out), (n, heads * hd).into()))
     }
 }
@@ -415,6 +419,21 @@ fn attention_rows_scalar(a: AttentionRows<'_>) {
     });
 }
 
+/// [`DecodeAttention`] on host buffers: queries `q` `[n, heads, head_dim]`, a layer's
+/// cached keys and values `[rows, kv_heads, head_dim]`, into `out` `[n, heads *
+/// head_dim]`. The rows were [checked](DecodeRows::check) against the cache.
+#[allow(clippy::too_many_arguments, reason = "the shapes of the three operands")]
+pub(crate) fn attention_rows(
+    rows: DecodeRows<'_>,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    heads: usize,
+    kvh: usize,
+    hd: usize,
+    out: &mut [f32],
+) {
+    crate::simd::dispatch(AttentionRows { rows, q, k, v, heads, kvh, hd, out });
+}
+
 /// Attention of a decode step's queries `q: [n, heads, head_dim]` over each row's
 /// cached prefix in `keys`, `values: [rows, kv_heads, head_dim]` (see
 /// [`DecodeAttention`]). Returns `[n, heads * head_dim]`, as
@@ -518,13 +537,23 @@ impl DenseWeight {
         Ok(Self { data, bias, inputs, outputs })
     }
 
-    /// `x @ w (+ b)` for `x: [n, inputs]` (see [`DecodeLinear`]).
-    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.contiguous()?.apply_op1_no_bwd(&DecodeLinear(self))?)
+    /// The product's rows (each weight's inputs).
+    pub(crate) fn inputs(&self) -> usize {
+        self.inputs
+    }
+
+    /// The product's columns (the stacked weights' outputs).
+    pub(crate) fn outputs(&self) -> usize {
+        self.outputs
     }
 }
 
-/// `x @ w (+ b)` for the rows of a decode step or prefill, on weights in decode layout.
+/// Rows per parallel task when a linear layer's rows are split across threads.
+const DENSE_ROWS_PER_TASK: usize = 32;
+
+/// `out = x @ w (+ b)` for the rows `x` of a decode step or prefill, on weights in
+/// decode layout; `x` holds whole rows of `w.inputs()` values, `out` their
+/// `w.outputs()` each.
 ///
 /// candle's matmul on `x @ wᵀ` repacked the transposed weights on every call and chose
 /// its kernel by the number of rows, so decoding padded every linear input to
@@ -533,36 +562,6 @@ impl DenseWeight {
 /// and tile it is computed with: a row's result is bitwise independent of the batch at
 /// any batch size, without padding. Rows are split across the current rayon pool when
 /// it has more than one thread (the split does not change any result).
-#[derive(Debug)]
-struct DecodeLinear<'a>(&'a DenseWeight);
-
-impl candle_core::CustomOp1 for DecodeLinear<'_> {
-    fn name(&self) -> &'static str {
-        "decode-linear"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
-        fused_op_ran();
-        let w = self.0;
-        let x = contiguous_f32(self.name(), s, l)?;
-        let (n, k) = l.shape().dims2()?;
-        if k != w.inputs {
-            candle_core::bail!(
-                "decode-linear: input {:?} does not fit a {}x{} weight",
-                l.dims(),
-                w.inputs,
-                w.outputs
-            )
-        }
-        let out = output(n * w.outputs, |out| dense_rows(x, w, out));
-        Ok((CpuStorage::F32(out), (n, w.outputs).into()))
-    }
-}
-
-/// Rows per parallel task when a linear layer's rows are split across threads.
-const DENSE_ROWS_PER_TASK: usize = 32;
-
-/// `out = x @ w (+ b)` row by row (see [`DecodeLinear`]); `x` holds whole rows.
 pub(crate) fn dense_rows(x: &[f32], w: &DenseWeight, out: &mut [f32]) {
     let (k, m) = (w.inputs, w.outputs);
     let n = x.len().checked_div(k).unwrap_or(0);
@@ -686,31 +685,14 @@ fn dense_tile<S: pulp::Simd, const R: usize, const V: usize, const FULL: bool>(
     }
 }
 
-/// `silu(gate) * up` from one `[n, 2 * intermediate]` tensor holding each row's gate
-/// then its up projection (the product of a stacked gate/up [`DenseWeight`]), to
-/// `[n, intermediate]`; forward only, computed as [`SwiGlu`] computes it.
-#[derive(Debug, Clone, Copy)]
-struct SwiGluStacked;
-
-impl candle_core::CustomOp1 for SwiGluStacked {
-    fn name(&self) -> &'static str {
-        "swiglu-stacked"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> FwdResult {
-        fused_op_ran();
-        let gu = contiguous_f32(self.name(), s, l)?;
-        let (n, two) = l.shape().dims2()?;
-        if two % 2 != 0 {
-            candle_core::bail!("swiglu-stacked: {two} columns do not split into gate and up")
-        }
-        let i = two / 2;
-        let out = output(n * i, |out| crate::simd::dispatch(SwiGluRows { gu, out, i }));
-        Ok((CpuStorage::F32(out), (n, i).into()))
-    }
+/// `silu(gate) * up` from `gu` `[n, 2 * i]`, each row's gate then its up projection
+/// (the product of a stacked gate/up [`DenseWeight`]), into `out` `[n, i]`; computed
+/// as [`SwiGlu`] computes it.
+pub(crate) fn swiglu_stacked_rows(gu: &[f32], i: usize, out: &mut [f32]) {
+    crate::simd::dispatch(SwiGluRows { gu, out, i });
 }
 
-/// The loop of [`SwiGluStacked`], compiled for the instruction set `simd::dispatch`
+/// The loop of [`swiglu_stacked_rows`], compiled for the instruction set `simd::dispatch`
 /// picks (with [`exp_vectorisable`], 8 lanes at a time under AVX2, 16 under AVX-512).
 struct SwiGluRows<'a> {
     gu: &'a [f32],
@@ -767,12 +749,6 @@ fn pow2_integer(n: f32) -> f32 {
     f32::from_bits((n + (127.0 + 8_388_608.0)).to_bits() << 23)
 }
 
-/// `silu(gate) * up` of a stacked `[n, 2 * intermediate]` gate/up product (see
-/// [`SwiGluStacked`]).
-pub(crate) fn swiglu_stacked(gate_up: &Tensor) -> Result<Tensor> {
-    Ok(gate_up.contiguous()?.apply_op1_no_bwd(&SwiGluStacked)?)
-}
-
 #[cfg(test)]
 mod tests {
     use candle_core::Device;
@@ -785,6 +761,14 @@ mod tests {
         (0..n as u64)
             .map(|i| (metronome_core::mix64(seed * 1_000_003 + i) >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
             .collect()
+    }
+
+    /// `x @ d` through [`dense_rows`], as a tensor.
+    fn forward(d: &DenseWeight, x: &Tensor) -> Vec<Vec<f32>> {
+        let x = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut out = vec![f32::NAN; x.len() / d.inputs * d.outputs];
+        dense_rows(&x, d, &mut out);
+        out.chunks(d.outputs).map(<[f32]>::to_vec).collect()
     }
 
     /// A `[out, in]` training-layout weight, its decode-layout copy, and a bias.
@@ -804,7 +788,7 @@ mod tests {
             let (w, b, d) = dense(inputs, outputs, bias);
             let x = Tensor::from_vec(values(3, n * inputs), (n, inputs), &Device::Cpu).unwrap();
             let want = linear(&x, &w, b.as_ref()).unwrap().to_vec2::<f32>().unwrap();
-            let got = d.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+            let got = forward(&d, &x);
             for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
                 assert!((g - w).abs() < 1e-4, "{inputs}x{outputs} n={n}: {g} vs {w}");
             }
@@ -833,16 +817,15 @@ mod tests {
         let (_, _, d) = dense(128, 99, true);
         let xs = values(4, 70 * 128);
         let x = Tensor::from_vec(xs.clone(), (70, 128), &Device::Cpu).unwrap();
-        let all = d.forward(&x).unwrap().to_vec2::<f32>().unwrap();
+        let all = forward(&d, &x);
         // Each row alone, and the batch split across two threads (the parallel path).
         for r in [0, 3, 4, 69] {
             let one = Tensor::from_vec(xs[r * 128..(r + 1) * 128].to_vec(), (1, 128), &Device::Cpu).unwrap();
-            assert_eq!(d.forward(&one).unwrap().to_vec2::<f32>().unwrap()[0], all[r], "row {r}");
+            assert_eq!(forward(&d, &one)[0], all[r], "row {r}");
         }
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
-        let split = pool.install(|| d.forward(&x).unwrap().to_vec2::<f32>().unwrap());
+        let split = pool.install(|| forward(&d, &x));
         assert_eq!(split, all);
-        assert!(d.forward(&Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap()).is_err());
     }
 
     #[test]
@@ -850,8 +833,10 @@ mod tests {
         let g = Tensor::from_vec(values(5, 3 * 6), (3, 6), &Device::Cpu).unwrap();
         let u = Tensor::from_vec(values(6, 3 * 6), (3, 6), &Device::Cpu).unwrap();
         let want = swiglu(&g, &u, 3).unwrap().to_vec2::<f32>().unwrap();
-        let got = swiglu_stacked(&Tensor::cat(&[&g, &u], 1).unwrap()).unwrap().to_vec2::<f32>().unwrap();
-        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+        let gu = Tensor::cat(&[&g, &u], 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut got = vec![f32::NAN; 3 * 6];
+        swiglu_stacked_rows(&gu, 6, &mut got);
+        for (g, w) in got.iter().zip(want.iter().flatten()) {
             assert!((g - w).abs() <= 1e-6 * w.abs().max(1e-3), "{g} vs {w}");
         }
     }

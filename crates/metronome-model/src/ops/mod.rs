@@ -23,13 +23,14 @@ use candle_core::{CpuStorage, Device, Layout, Shape, Tensor};
 
 pub(crate) use attention::packed_attention;
 pub(crate) use decode::{
-    DecodeRows, DenseWeight, StepIndex, decode_attention, swiglu, swiglu_stacked, write_decode_rows,
+    DecodeRows, DenseWeight, StepIndex, attention_rows, decode_attention, dense_rows, swiglu,
+    swiglu_stacked_rows, write_decode_rows,
 };
 pub use linear::Projection;
 pub(crate) use linear::{frozen_linear, fused_linear, linear};
 pub(crate) use train::{
-    RowIndex, RowMasks, RowPlans, masked_softmax, rms_norm, segment_plans, softmax_last_dim, swiglu_train,
-    target_columns_grad, target_logprobs_entropy, target_stats,
+    RowIndex, RowMasks, RowPlans, masked_softmax, rms_norm, rms_norm_rows, segment_plans, softmax_last_dim,
+    swiglu_train, target_columns_grad, target_logprobs_entropy, target_stats,
 };
 #[cfg(test)]
 pub(crate) use train::{SegmentPlan, log_softmax_last_dim};
@@ -122,7 +123,7 @@ impl<T: CpuOp3> candle_core::CustomOp3 for Op3<T> {
     unsafe_code,
     reason = "an output buffer without the zero fill; `fill` writes it whole (checked in tests)"
 )]
-fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
+pub(crate) fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
     if cfg!(debug_assertions) {
         const UNWRITTEN: u32 = 0x7fa5_a5a5;
         let mut out = vec![f32::from_bits(UNWRITTEN); n];
@@ -148,6 +149,36 @@ fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
 fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
     Ok(&s.as_slice::<f32>()?[a0..a1])
+}
+
+/// Runs `read` on the elements of `t`, a contiguous f32 tensor on the CPU, in place
+/// (no copy, no tensor made).
+pub(crate) fn read_host<R>(t: &Tensor, read: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(read(&v[a..b])),
+        _ => Err(Error::invalid("host kernels", format!("need a contiguous f32 CPU tensor, not {t:?}"))),
+    }
+}
+
+/// Runs `write` on the elements of `t`, a contiguous f32 tensor on the CPU, in place.
+pub(crate) fn write_host(t: &Tensor, write: impl Fn(&mut [f32])) -> Result<()> {
+    struct Write<F>(F);
+    impl<F: Fn(&mut [f32])> candle_core::InplaceOp1 for Write<F> {
+        fn name(&self) -> &'static str {
+            "host-write"
+        }
+
+        fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+            fused_op_ran();
+            let (CpuStorage::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
+                candle_core::bail!("host-write needs a contiguous f32 tensor")
+            };
+            (self.0)(&mut v[a..b]);
+            Ok(())
+        }
+    }
+    Ok(t.inplace_op1(&Write(write))?)
 }
 
 /// Rotary embedding as one op: rotates `[n, heads, head_dim]` by per-position
@@ -181,28 +212,37 @@ impl candle_core::CustomOp1 for Rope {
             candle_core::bail!("rope: tables for {} positions, input has {n}", self.cos.len() / half.max(1))
         }
         let sign = if self.inverse { -1.0f32 } else { 1.0 };
-        let out = output(x.len(), |out| {
-            for p in 0..n {
-                let c = &self.cos[p * half..(p + 1) * half];
-                let sn = &self.sin[p * half..(p + 1) * half];
-                for h in 0..heads {
-                    let base = (p * heads + h) * hd;
-                    let (x1, x2) = x[base..base + hd].split_at(half);
-                    let (o1, o2) = out[base..base + hd].split_at_mut(half);
-                    for i in 0..half {
-                        let s = sign * sn[i];
-                        o1[i] = x1[i] * c[i] - x2[i] * s;
-                        o2[i] = x2[i] * c[i] + x1[i] * s;
-                    }
-                }
-            }
-        });
+        let out = output(x.len(), |out| rope_rows(x, heads * hd, hd, (&self.cos, &self.sin), sign, out));
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, g: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let inv = Rope { inverse: !self.inverse, ..self.clone() };
         Ok(Some(g.contiguous()?.apply_op1(inv)?))
+    }
+}
+
+/// [`Rope`]'s rotation of rows of heads of `head_dim` values: row `p`'s heads are the
+/// first `out.len() / n` values of `x[p * stride..]` (a row of a wider product, such as
+/// the query part of a stacked query/key/value row), its rotated heads row `p` of
+/// `out`; `sign` -1 rotates back. Tables `[n, head_dim / 2]` give the rows' angles.
+fn rope_rows(x: &[f32], stride: usize, hd: usize, (cos, sin): (&[f32], &[f32]), sign: f32, out: &mut [f32]) {
+    let half = hd / 2;
+    let n = cos.len() / half.max(1);
+    let width = out.len() / n.max(1);
+    for p in 0..n {
+        let c = &cos[p * half..(p + 1) * half];
+        let sn = &sin[p * half..(p + 1) * half];
+        let (xr, or) = (&x[p * stride..p * stride + width], &mut out[p * width..(p + 1) * width]);
+        for (xh, oh) in xr.chunks_exact(hd).zip(or.chunks_exact_mut(hd)) {
+            let (x1, x2) = xh.split_at(half);
+            let (o1, o2) = oh.split_at_mut(half);
+            for i in 0..half {
+                let s = sign * sn[i];
+                o1[i] = x1[i] * c[i] - x2[i] * s;
+                o2[i] = x2[i] * c[i] + x1[i] * s;
+            }
+        }
     }
 }
 
@@ -257,6 +297,15 @@ impl RopeTables {
         let t = (up(&self.cos)?, up(&self.sin)?);
         let _ = self.device.0.set(t.clone());
         Ok(t)
+    }
+}
+
+impl RopeTables {
+    /// Rotates the heads of host rows as [`apply_rope`] does (the same bits): row `p`'s
+    /// `out.len() / n` values from `x[p * stride..]` (e.g. the key part of a stacked
+    /// query/key/value row) to row `p` of `out`, for the tables' `n` positions.
+    pub(crate) fn rotate_rows(&self, x: &[f32], stride: usize, head_dim: usize, out: &mut [f32]) {
+        rope_rows(x, stride, head_dim, (&self.cos, &self.sin), 1.0, out);
     }
 }
 

@@ -36,15 +36,7 @@ impl candle_core::CustomOp2 for RmsNorm {
         if l1.dims().last() != Some(&d) {
             candle_core::bail!("rms-norm: weight of {d} does not fit input {:?}", l1.dims())
         }
-        let out = output(x.len(), |out| {
-            for (xs, os) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-                let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
-                let r = 1.0 / (ms + self.eps).sqrt();
-                for ((o, &v), &g) in os.iter_mut().zip(xs).zip(w) {
-                    *o = v * r * g;
-                }
-            }
-        });
+        let out = output(x.len(), |out| rms_norm_rows(x, w, self.eps, out));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -60,6 +52,19 @@ impl candle_core::CustomOp2 for RmsNorm {
         let both = x.apply_op3_no_bwd(w, &g.contiguous()?, &Op3(RmsNormGrad { eps: self.eps }))?;
         let dx = both.narrow(0, 0, x.elem_count())?.reshape(x.shape())?;
         Ok((Some(dx), Some(both.narrow(0, x.elem_count(), d)?)))
+    }
+}
+
+/// `out = x / rms(x) · w` row by row for rows of `w.len()` values: [`RmsNorm`]'s
+/// forward, which the decode step on host buffers runs too (the same bits).
+pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xs, os) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (ms + eps).sqrt();
+        for ((o, &v), &g) in os.iter_mut().zip(xs).zip(w) {
+            *o = v * r * g;
+        }
     }
 }
 
