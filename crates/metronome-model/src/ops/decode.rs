@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, Layout, Tensor};
 
-use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, fused_op_ran, output};
+use super::{CpuOp3, FwdResult, Op3, Operand, SwiGlu, contiguous_f32, dot, fused_op_ran, output};
 use crate::Result;
 
 /// Where each token row of a cached forward (a decode step, or prompts being
@@ -190,20 +190,6 @@ pub(crate) fn write_decode_rows(cache: &Tensor, new: &Tensor, rows: DecodeRows<'
 /// stays batch-invariant (docs/design.md §6). Forward only: decoding builds no graph.
 #[derive(Debug)]
 struct DecodeAttention<'a>(DecodeRows<'a>);
-
-/// `a · b` summed in eight fixed lanes (vectorisable, and the same order every call).
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    let mut acc = [0f32; 8];
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
 
 impl CpuOp3 for DecodeAttention<'_> {
     const NAME: &'static str = "decode-attention";

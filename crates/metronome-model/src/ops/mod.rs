@@ -145,6 +145,22 @@ pub(crate) fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
     out
 }
 
+/// `a · b` summed in eight fixed lanes, then a fixed tree: loops over it vectorise,
+/// and the order of the sum is the code's, not the instruction set's, so AVX2 and
+/// AVX-512 give the same bits (no multiply-add is fused: Rust never contracts them).
+#[inline(always)]
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let mut acc = [0f32; 8];
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// The contiguous f32 elements of one custom-op operand.
 fn contiguous_f32<'a>(op: &str, s: &'a CpuStorage, l: &Layout) -> candle_core::Result<&'a [f32]> {
     let Some((a0, a1)) = l.contiguous_offsets() else { candle_core::bail!("{op} needs contiguous inputs") };
@@ -226,21 +242,43 @@ impl candle_core::CustomOp1 for Rope {
 /// first `out.len() / n` values of `x[p * stride..]` (a row of a wider product, such as
 /// the query part of a stacked query/key/value row), its rotated heads row `p` of
 /// `out`; `sign` -1 rotates back. Tables `[n, head_dim / 2]` give the rows' angles.
-fn rope_rows(x: &[f32], stride: usize, hd: usize, (cos, sin): (&[f32], &[f32]), sign: f32, out: &mut [f32]) {
-    let half = hd / 2;
-    let n = cos.len() / half.max(1);
-    let width = out.len() / n.max(1);
-    for p in 0..n {
-        let c = &cos[p * half..(p + 1) * half];
-        let sn = &sin[p * half..(p + 1) * half];
-        let (xr, or) = (&x[p * stride..p * stride + width], &mut out[p * width..(p + 1) * width]);
-        for (xh, oh) in xr.chunks_exact(hd).zip(or.chunks_exact_mut(hd)) {
-            let (x1, x2) = xh.split_at(half);
-            let (o1, o2) = oh.split_at_mut(half);
-            for i in 0..half {
-                let s = sign * sn[i];
-                o1[i] = x1[i] * c[i] - x2[i] * s;
-                o2[i] = x2[i] * c[i] + x1[i] * s;
+fn rope_rows(x: &[f32], stride: usize, hd: usize, tables: (&[f32], &[f32]), sign: f32, out: &mut [f32]) {
+    crate::simd::dispatch(RopeRows { x, stride, hd, tables, sign, out });
+}
+
+/// The loop of [`rope_rows`], compiled for the instruction set `simd::dispatch` picks
+/// (element by element, so every level gives the same bits; as plain code it ran on
+/// SSE's four lanes).
+struct RopeRows<'a> {
+    x: &'a [f32],
+    stride: usize,
+    hd: usize,
+    tables: (&'a [f32], &'a [f32]),
+    sign: f32,
+    out: &'a mut [f32],
+}
+
+impl pulp::WithSimd for RopeRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let RopeRows { x, stride, hd, tables: (cos, sin), sign, out } = self;
+        let half = hd / 2;
+        let n = cos.len() / half.max(1);
+        let width = out.len() / n.max(1);
+        for p in 0..n {
+            let c = &cos[p * half..(p + 1) * half];
+            let sn = &sin[p * half..(p + 1) * half];
+            let (xr, or) = (&x[p * stride..p * stride + width], &mut out[p * width..(p + 1) * width]);
+            for (xh, oh) in xr.chunks_exact(hd).zip(or.chunks_exact_mut(hd)) {
+                let (x1, x2) = xh.split_at(half);
+                let (o1, o2) = oh.split_at_mut(half);
+                for i in 0..half {
+                    let s = sign * sn[i];
+                    o1[i] = x1[i] * c[i] - x2[i] * s;
+                    o2[i] = x2[i] * c[i] + x1[i] * s;
+                }
             }
         }
     }
