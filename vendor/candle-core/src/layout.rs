@@ -1,12 +1,13 @@
 //! Tensor Layouts including contiguous or sparse strides
 
+use crate::shape::DimVec;
 use crate::{Error, Result, Shape};
 
 #[derive(Debug, PartialEq, Eq, Clone)]
 pub struct Layout {
     shape: Shape,
     // The strides are given in number of elements and not in bytes.
-    stride: Vec<usize>,
+    stride: DimVec,
     start_offset: usize,
 }
 
@@ -14,7 +15,7 @@ impl Layout {
     pub fn new(shape: Shape, stride: Vec<usize>, start_offset: usize) -> Self {
         Self {
             shape,
-            stride,
+            stride: DimVec::from_vec(stride),
             start_offset,
         }
     }
@@ -104,7 +105,7 @@ impl Layout {
     /// Returns `None` on arithmetic overflow.
     fn range(&self) -> Option<LayoutRange> {
         // Filter out dims <= 1 as their strides are irrelevant.
-        let mut axes: Vec<(usize, usize)> = self
+        let mut axes: smallvec::SmallVec<[(usize, usize); 4]> = self
             .dims()
             .iter()
             .zip(self.stride())
@@ -227,10 +228,10 @@ impl Layout {
             }
             .bt())?
         }
-        let mut dims = dims.to_vec();
+        let mut dims = DimVec::from_slice(dims);
         dims[dim] = len;
         Ok(Self {
-            shape: Shape::from(dims),
+            shape: Shape::from_dim_vec(dims),
             stride: self.stride.clone(),
             start_offset: self.start_offset + self.stride[dim] * start,
         })
@@ -246,12 +247,12 @@ impl Layout {
             }
             .bt())?
         }
-        let mut stride = self.stride().to_vec();
-        let mut dims = self.shape().dims().to_vec();
-        dims.swap(dim1, dim2);
+        let mut stride = self.stride.clone();
+        let mut shape = self.shape.clone();
+        shape.swap_dims(dim1, dim2);
         stride.swap(dim1, dim2);
         Ok(Self {
-            shape: Shape::from(dims),
+            shape,
             stride,
             start_offset: self.start_offset,
         })
@@ -269,14 +270,10 @@ impl Layout {
         }
         let stride = self.stride();
         let dims = self.shape().dims();
-        let mut perm_stride = stride.to_vec();
-        let mut perm_dims = dims.to_vec();
-        for (i, &idx) in idxs.iter().enumerate() {
-            perm_stride[i] = stride[idx];
-            perm_dims[i] = dims[idx];
-        }
+        let perm_stride: DimVec = idxs.iter().map(|&i| stride[i]).collect();
+        let perm_dims: DimVec = idxs.iter().map(|&i| dims[i]).collect();
         Ok(Self {
-            shape: Shape::from(perm_dims),
+            shape: Shape::from_dim_vec(perm_dims),
             stride: perm_stride,
             start_offset: self.start_offset,
         })
@@ -292,7 +289,7 @@ impl Layout {
             .bt());
         }
         let added_dims = shape.rank() - self.shape().rank();
-        let mut stride = vec![0; added_dims];
+        let mut stride: DimVec = smallvec::smallvec![0; added_dims];
         for (&dst_dim, (&src_dim, &src_stride)) in shape.dims()[added_dims..]
             .iter()
             .zip(self.dims().iter().zip(self.stride()))

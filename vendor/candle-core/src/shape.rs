@@ -3,9 +3,13 @@
 use crate::{Error, Result};
 
 #[derive(Clone, PartialEq, Eq)]
-pub struct Shape(Vec<usize>);
+pub struct Shape(DimVec);
 
-pub const SCALAR: Shape = Shape(vec![]);
+/// A shape's dimensions or a layout's strides: inline up to four (patched, see
+/// PATCH.md), so that making a tensor of up to four dimensions allocates neither.
+pub(crate) type DimVec = smallvec::SmallVec<[usize; 4]>;
+
+pub const SCALAR: Shape = Shape(DimVec::new_const());
 
 impl std::fmt::Debug for Shape {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -15,31 +19,31 @@ impl std::fmt::Debug for Shape {
 
 impl<const C: usize> From<&[usize; C]> for Shape {
     fn from(dims: &[usize; C]) -> Self {
-        Self(dims.to_vec())
+        Self(DimVec::from_slice(dims))
     }
 }
 
 impl From<&[usize]> for Shape {
     fn from(dims: &[usize]) -> Self {
-        Self(dims.to_vec())
+        Self(DimVec::from_slice(dims))
     }
 }
 
 impl From<&Shape> for Shape {
     fn from(shape: &Shape) -> Self {
-        Self(shape.0.to_vec())
+        Self(shape.0.clone())
     }
 }
 
 impl From<()> for Shape {
     fn from(_: ()) -> Self {
-        Self(vec![])
+        Self(DimVec::new())
     }
 }
 
 impl From<usize> for Shape {
     fn from(d1: usize) -> Self {
-        Self(vec![d1])
+        Self(smallvec::smallvec![d1])
     }
 }
 
@@ -47,7 +51,7 @@ macro_rules! impl_from_tuple {
     ($tuple:ty, $($index:tt),+) => {
         impl From<$tuple> for Shape {
             fn from(d: $tuple) -> Self {
-                Self(vec![$(d.$index,)+])
+                Self(smallvec::smallvec![$(d.$index,)+])
             }
         }
     }
@@ -62,7 +66,7 @@ impl_from_tuple!((usize, usize, usize, usize, usize, usize), 0, 1, 2, 3, 4, 5);
 
 impl From<Vec<usize>> for Shape {
     fn from(dims: Vec<usize>) -> Self {
-        Self(dims)
+        Self(DimVec::from_vec(dims))
     }
 }
 
@@ -104,7 +108,7 @@ macro_rules! extract_dims {
 
 impl Shape {
     pub fn from_dims(dims: &[usize]) -> Self {
-        Self(dims.to_vec())
+        Self(DimVec::from_slice(dims))
     }
 
     /// The rank is the number of dimensions, 0 for a scalar value, 1 for a vector, etc.
@@ -112,8 +116,16 @@ impl Shape {
         self.0.len()
     }
 
+    pub(crate) fn from_dim_vec(dims: DimVec) -> Self {
+        Self(dims)
+    }
+
+    pub(crate) fn swap_dims(&mut self, a: usize, b: usize) {
+        self.0.swap(a, b)
+    }
+
     pub fn into_dims(self) -> Vec<usize> {
-        self.0
+        self.0.into_vec()
     }
 
     /// The dimensions as a slice of `usize`.
@@ -134,8 +146,8 @@ impl Shape {
 
     /// The strides given in number of elements for a contiguous n-dimensional
     /// arrays using this shape.
-    pub(crate) fn stride_contiguous(&self) -> Vec<usize> {
-        let mut stride: Vec<_> = self
+    pub(crate) fn stride_contiguous(&self) -> DimVec {
+        let mut stride: DimVec = self
             .0
             .iter()
             .rev()
@@ -182,7 +194,7 @@ impl Shape {
     /// Modifies the shape by adding a list of additional dimensions at the end of the existing
     /// dimensions.
     pub fn extend(mut self, additional_dims: &[usize]) -> Self {
-        self.0.extend(additional_dims);
+        self.0.extend_from_slice(additional_dims);
         self
     }
 

@@ -13,4 +13,5 @@ mod matmul;
 mod memory;
 mod precision;
 mod reference;
+mod shapes;
 mod training;
