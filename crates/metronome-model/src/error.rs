@@ -43,9 +43,17 @@ pub enum Error {
     /// A tokenizer failed to load, encode, decode or render a chat template.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// A tensor operation failed.
+    /// A tensor operation failed. Boxed: candle's error holds up to two shapes, and
+    /// inline it would make every `Result` of this crate (and the errors that wrap
+    /// this one) 120 bytes or more.
     #[error(transparent)]
-    Candle(#[from] candle_core::Error),
+    Candle(Box<candle_core::Error>),
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Candle(Box::new(e))
+    }
 }
 
 impl Error {

@@ -5,9 +5,11 @@ use crate::{Error, Result};
 #[derive(Clone, PartialEq, Eq)]
 pub struct Shape(DimVec);
 
-/// A shape's dimensions or a layout's strides: inline up to four (patched, see
-/// PATCH.md), so that making a tensor of up to four dimensions allocates neither.
-pub(crate) type DimVec = smallvec::SmallVec<[usize; 4]>;
+/// A shape's dimensions or a layout's strides: inline up to three (patched, see
+/// PATCH.md), so that making a tensor of up to three dimensions allocates neither.
+/// Three, not four: `Error` holds up to two shapes, and with four it reached the 128
+/// bytes at which clippy's `result_large_err` refuses every function returning it.
+pub(crate) type DimVec = smallvec::SmallVec<[usize; 3]>;
 
 pub const SCALAR: Shape = Shape(DimVec::new_const());
 
