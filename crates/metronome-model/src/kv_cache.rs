@@ -95,10 +95,10 @@ pub struct KvCache {
 }
 
 /// The activations of one cached forward on a frozen model's decode-layout weights
-/// (`Model::extend_dense`), on the host, reused by every step of a cache: a step makes
-/// one new buffer, its logits. As candle tensors each op of each layer allocated its
-/// output, shape and strides (about 40% of the allocations of a period of the
-/// TRL-matched run, and the allocator's cache misses on reused buffers with them).
+/// (`Model::extend_dense`), on the host, reused by every step of a cache: of buffers a
+/// step makes only its logits. As candle tensors each op of each layer allocated its
+/// output, an `Arc`, a shape and strides: about 40% of the allocations of a period of
+/// the TRL-matched run.
 #[derive(Debug, Default)]
 struct Scratch {
     /// The residual stream `[rows, hidden]`.
