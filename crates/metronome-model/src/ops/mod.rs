@@ -1,10 +1,12 @@
 //! The network's kernels on candle: the training kernels (differentiable, fused with
 //! their own backward) in `train`, the attention of packed rows' segments over their
-//! causal blocks in `attention` (on `gemm`'s products of strided blocks, `gemm`), the decode kernels (forward only, batch-invariant)
-//! in `decode`, the linear layers a decoder layer is made of in `linear` (its
-//! projections by name, the plain and the frozen-weight product), and what both use
-//! here (rotary embeddings and their tables' copy on a device, the SwiGLU forward,
-//! access to custom-op operands).
+//! causal blocks in `attention` (on `gemm`'s products of strided blocks, `gemm`), the
+//! decode kernels (forward only, batch-invariant) in `decode`, the linear layers a
+//! decoder layer is made of in `linear` (its projections by name, the plain and the
+//! frozen-weight product), and what both use here (rotary embeddings and their tables'
+//! copy on a device, the SwiGLU forward, the fixed-lane dot product, access to
+//! custom-op operands, and `read_host`/`write_host`, through which a frozen model's
+//! decode step runs the kernels' loops on a tensor's elements in place).
 //!
 //! candle-nn's fused `softmax_last_dim`, `rms_norm` and `RmsNorm::forward` have no
 //! backward and silently cut gradients (docs/design.md §6), so the training
