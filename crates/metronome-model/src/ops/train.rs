@@ -410,9 +410,10 @@ impl pulp::WithSimd for LogSoftmaxRow<'_> {
     }
 }
 
-/// `xs` folded by `step` in eight lanes (element `i` into lane `i % 8`, in order),
-/// the lanes then joined by `join` in a fixed tree: vectorisable, and the same result
-/// at every SIMD level.
+/// `xs` folded by `step` in eight lanes (each whole chunk of eight spread over lanes
+/// 0-7, in order; the last partial chunk into a ninth accumulator), the lanes then
+/// joined by `join` in a fixed tree and the ninth joined last: vectorisable, and the
+/// same result at every SIMD level.
 #[inline(always)]
 fn lanes(xs: &[f32], init: f32, step: impl Fn(f32, f32) -> f32, join: impl Fn(f32, f32) -> f32) -> f32 {
     let chunks = xs.chunks_exact(8);
