@@ -866,6 +866,54 @@ mod tests {
     use super::super::noise;
     use super::*;
 
+    /// RMSNorm forward and backward and the head's log-softmax row, each under every
+    /// instruction set this machine has (pulp's scalar fallback, AVX2, AVX-512): the
+    /// same bits at every level, as their fixed-lane sums promise (the README says so).
+    #[test]
+    fn fixed_lane_kernels_give_the_same_bits_at_every_simd_level() {
+        /// The three kernels on fixed inputs, compiled at the level `S` runs them with
+        /// (each `with_simd` is inlined into the caller's instruction set); their bits.
+        struct All<'a>(&'a [f32], &'a [f32], &'a [f32], usize);
+        type Bits = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>, Vec<(u32, u32)>);
+        impl pulp::WithSimd for All<'_> {
+            type Output = Bits;
+            #[inline(always)]
+            fn with_simd<S: pulp::Simd>(self, simd: S) -> Bits {
+                let All(x, w, g, d) = self;
+                let (mut y, mut dx, mut dw, mut logp) =
+                    (vec![0f32; x.len()], vec![0f32; x.len()], vec![0f32; d], vec![0f32; x.len()]);
+                RmsNormRows { x, w, eps: 1e-5, out: &mut y }.with_simd(simd);
+                RmsGradRows { dx: &mut dx, x, g, w, eps: 1e-5, dw: &mut dw }.with_simd(simd);
+                let stats = x
+                    .chunks_exact(d)
+                    .zip(logp.chunks_exact_mut(d))
+                    .map(|(z, out)| {
+                        let (e, lse) = LogSoftmaxRow { z, out }.with_simd(simd);
+                        (e.to_bits(), lse.to_bits())
+                    })
+                    .collect();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect();
+                (bits(&y), bits(&dx), bits(&dw), bits(&logp), stats)
+            }
+        }
+        let d = 67; // whole chunks of eight and a tail
+        let (x, w, g) = (noise(1, 5 * d), noise(2, d), noise(3, 5 * d));
+        let all = || All(&x, &w, &g, d);
+        let scalar = pulp::Simd::vectorize(pulp::Scalar::new(), all());
+        let mut levels = 0;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(v3) = pulp::x86::V3::try_new() {
+            assert_eq!(pulp::Simd::vectorize(v3, all()), scalar, "AVX2 against scalar");
+            levels += 1;
+        }
+        #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
+        if let Some(v4) = pulp::x86::V4::try_new() {
+            assert_eq!(pulp::Simd::vectorize(v4, all()), scalar, "AVX-512 against scalar");
+            levels += 1;
+        }
+        eprintln!("compared {levels} SIMD levels with the scalar code");
+    }
+
     #[test]
     fn a_row_index_inverts_to_each_row_and_the_outputs_that_read_it() {
         let (rows, offsets, sources) = RowIndex::inverse(&[3, 1, 3, 0, 3, 1]);
