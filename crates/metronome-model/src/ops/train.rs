@@ -866,7 +866,7 @@ mod tests {
     use super::super::noise;
     use super::*;
 
-    /// RMSNorm forward and backward and the head's log-softmax row, each under every
+    /// RMSNorm forward and backward, the head's log-softmax row and rotary, each under every
     /// instruction set this machine has (pulp's scalar fallback, AVX2, AVX-512): the
     /// same bits at every level, as their fixed-lane sums promise (the README says so).
     #[test]
@@ -874,14 +874,23 @@ mod tests {
         /// The three kernels on fixed inputs, compiled at the level `S` runs them with
         /// (each `with_simd` is inlined into the caller's instruction set); their bits.
         struct All<'a>(&'a [f32], &'a [f32], &'a [f32], usize);
-        type Bits = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>, Vec<(u32, u32)>);
+        type Bits = (Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>, Vec<(u32, u32)>, Vec<u32>);
         impl pulp::WithSimd for All<'_> {
             type Output = Bits;
             #[inline(always)]
             fn with_simd<S: pulp::Simd>(self, simd: S) -> Bits {
                 let All(x, w, g, d) = self;
-                let (mut y, mut dx, mut dw, mut logp) =
-                    (vec![0f32; x.len()], vec![0f32; x.len()], vec![0f32; d], vec![0f32; x.len()]);
+                let (mut y, mut dx, mut dw, mut logp, mut rot) = (
+                    vec![0f32; x.len()],
+                    vec![0f32; x.len()],
+                    vec![0f32; d],
+                    vec![0f32; x.len()],
+                    vec![0f32; 5 * 32],
+                );
+                // Five rows of two heads of 16, from rows of `d` (angles from `g`).
+                let (cos, sin) = (&g[..5 * 8], &g[5 * 8..10 * 8]);
+                super::super::RopeRows { x, stride: d, hd: 16, tables: (cos, sin), sign: 1.0, out: &mut rot }
+                    .with_simd(simd);
                 RmsNormRows { x, w, eps: 1e-5, out: &mut y }.with_simd(simd);
                 RmsGradRows { dx: &mut dx, x, g, w, eps: 1e-5, dw: &mut dw }.with_simd(simd);
                 let stats = x
@@ -893,7 +902,7 @@ mod tests {
                     })
                     .collect();
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect();
-                (bits(&y), bits(&dx), bits(&dw), bits(&logp), stats)
+                (bits(&y), bits(&dx), bits(&dw), bits(&logp), stats, bits(&rot))
             }
         }
         let d = 67; // whole chunks of eight and a tail
