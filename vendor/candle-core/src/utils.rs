@@ -418,7 +418,11 @@ fn candle_num_threads() -> usize {
 
 pub fn get_num_threads() -> usize {
     // Respond to the same environment variable as rayon.
-    rayon_num_threads()
+    // Patched (metronome, PATCH.md): read once. Every CPU matmul asks; reading the
+    // variable allocated a `String` each time, and without it the core count was
+    // computed again from /proc.
+    static NUM_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *NUM_THREADS.get_or_init(rayon_num_threads)
 }
 
 /// On Apple Silicon: P-core count via `hw.perflevel0.logicalcpu`.

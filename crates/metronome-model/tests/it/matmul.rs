@@ -5,6 +5,11 @@
 //! batches with operands of their own, transposed operands, a single row or column).
 //! Each case runs after a same-sized buffer of NaNs was freed, so a recycled allocation
 //! shows through any element left unwritten, and is compared with a plain triple loop.
+//!
+//! And the workspace's change to gemm-common (`vendor/gemm-common/PATCH.md`): a product
+//! packs its operands into a buffer its thread lends from one call to the next, with its
+//! "row block packed" flags on the stack, so a product allocates only its result; the
+//! buffer, left longer or shorter by the last product, still gives the right answers.
 
 use candle_core::{Device, Tensor};
 
@@ -67,6 +72,30 @@ fn every_element_of_a_product_is_written() {
             for transposed in [false, true] {
                 check(dims, shared_rhs, transposed);
             }
+        }
+    }
+}
+
+#[test]
+fn a_product_allocates_only_its_result_and_reuses_the_packing_buffer_of_the_last() {
+    // Large enough that gemm packs the right operand and prepacks the left one.
+    let (m, k, n) = (256, 96, 128);
+    let lhs = Tensor::from_vec(values(m * k, 3), (m, k), &Device::Cpu).unwrap();
+    let rhs = Tensor::from_vec(values(k * n, 4), (k, n), &Device::Cpu).unwrap();
+    let rhs = rhs.t().unwrap().contiguous().unwrap().t().unwrap();
+    drop(lhs.matmul(&rhs).unwrap());
+    let count = allocation_counter::measure(|| drop(lhs.matmul(&rhs).unwrap())).count_total;
+    // The result's elements, its storage's lock and the tensor; before the change also
+    // the packing buffer and the flags (5).
+    assert_eq!(count, 3);
+}
+
+#[test]
+fn products_that_pack_are_right_whatever_the_last_product_left_in_the_buffer() {
+    // Packing needs that grow, shrink and grow again on one thread.
+    for dims in [(1, 300, 64, 96), (1, 70, 8, 9), (2, 520, 130, 200), (1, 129, 33, 65), (1, 300, 64, 96)] {
+        for transposed in [false, true] {
+            check(dims, false, transposed);
         }
     }
 }
