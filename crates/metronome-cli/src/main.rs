@@ -318,19 +318,29 @@ fn main() -> ExitCode {
 /// (v3's `include/mimalloc.h`; the test below holds the neighbour).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
+/// mimalloc's `mi_option_allow_thp`, which `libmimalloc-sys` does not name either: its
+/// place in `mi_option_e` of v3's `include/mimalloc.h` (the test below reads it back
+/// through the environment variable mimalloc names after it).
+const MI_OPTION_ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
+
 /// The process-wide settings of candle, rayon and mimalloc that a run needs, each kept
 /// when the caller set it:
 ///
 /// - candle sizes its spinning element-wise pool from `CANDLE_NUM_THREADS` once,
 ///   process wide; left to default it takes every core and oversubscribes the stages'
 ///   own pools (docs/design.md §6). 1.
-/// - without `RAYON_NUM_THREADS` candle re-reads /proc/cpuinfo on every matmul to count
-///   the cores (`get_num_threads`): measured, that made a period of the default run 4x
-///   slower, in system time. The cores, what candle would compute, so `sync` still
-///   splits its matmuls.
+/// - `RAYON_NUM_THREADS`, which candle reads once for the parallelism of its matmuls
+///   (`get_num_threads`; it used to count the cores from /proc on every matmul without
+///   it, which made a period of the default run 4x slower in system time). The cores,
+///   what candle would compute, so `sync` still splits its matmuls.
 /// - mimalloc, by default, hands freed memory back to the OS after a short delay, and a
 ///   training step then faults it in zeroed again: about a fifth of the model bench's
 ///   CPU time. Never (`MIMALLOC_PURGE_DELAY=-1`, set as its option).
+/// - mimalloc asks for transparent huge pages for its arenas; the kernel's shrinker
+///   splits those it finds mostly zero and frees their zero pages, and the next step
+///   faults a whole 2 MiB page in again, zeroed: 1.35% of a period of the TRL-matched
+///   run in `clear_page_erms` (0.01% without), in bursts, at the same tokens/s. Off
+///   (`MIMALLOC_ALLOW_THP=0`, set as its option).
 ///
 /// The binary used to re-execute itself with the variables set, to stay free of
 /// `unsafe`; the second start-up of a 200 MB binary doubled its page faults (1,211 vs
@@ -346,10 +356,14 @@ fn set_process_defaults() {
             unsafe { std::env::set_var(key, value) };
         }
     }
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        // SAFETY: mimalloc's documented option setter, on an option it reads when it
-        // next purges; no precondition beyond a valid option id.
-        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    for (key, option, value) in
+        [("MIMALLOC_PURGE_DELAY", MI_OPTION_PURGE_DELAY, -1), ("MIMALLOC_ALLOW_THP", MI_OPTION_ALLOW_THP, 0)]
+    {
+        if std::env::var_os(key).is_none() {
+            // SAFETY: mimalloc's documented option setter, on options it reads when it
+            // next purges or maps an arena; no precondition beyond a valid option id.
+            unsafe { libmimalloc_sys::mi_option_set(option, value) };
+        }
     }
 }
 
@@ -629,5 +643,28 @@ mod tests {
             assert_eq!(libmimalloc_sys::mi_option_get(super::MI_OPTION_PURGE_DELAY), 12_345);
             libmimalloc_sys::mi_option_set(super::MI_OPTION_PURGE_DELAY, before);
         }
+    }
+
+    /// mimalloc reads each option from the environment variable named after it when it
+    /// starts: a child of this test started with `MIMALLOC_ALLOW_THP=7` reads 7 at the
+    /// id the CLI sets, which no other option would.
+    #[test]
+    #[allow(unsafe_code, reason = "mimalloc's option getter")]
+    fn the_thp_option_is_mimallocs() {
+        const CHILD: &str = "METRONOME_THP_OPTION_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            // SAFETY: mimalloc's documented option getter, on a valid option id.
+            let got = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_ALLOW_THP) };
+            assert_eq!(got, 7, "option {} is not MIMALLOC_ALLOW_THP", super::MI_OPTION_ALLOW_THP);
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "tests::the_thp_option_is_mimallocs", "--nocapture"])
+            .env(CHILD, "1")
+            .env("MIMALLOC_ALLOW_THP", "7")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
     }
 }
