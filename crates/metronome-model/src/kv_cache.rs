@@ -43,7 +43,7 @@ use candle_core::{DType, Tensor};
 use crate::draw::{Draw, Next, check_draws};
 use crate::model::{DecodeWeights, Model};
 use crate::ops::{
-    DecodeRows, StepIndex, attention_rows, dense_rows, linear, output, read_host, rms_norm_rows, rope_tables,
+    DecodeRows, StepIndex, attention_rows, dense_rows, linear, output, read_host, rms_norm_rows,
     swiglu_stacked_rows, write_host,
 };
 use crate::{Error, Result};
@@ -93,6 +93,8 @@ pub struct KvCache {
     min_rows: usize,
     /// The host buffers a frozen model's decode steps compute in, kept from step to step.
     scratch: Scratch,
+    /// The last step's plan, whose buffers the next step refills.
+    plan: StepPlan,
 }
 
 /// The activations of one cached forward on a frozen model's decode-layout weights
@@ -240,6 +242,7 @@ impl KvCache {
             free_blocks: (0..num_blocks as u32).rev().collect(),
             min_rows: DECODE_MIN_ROWS,
             scratch: Scratch::default(),
+            plan: StepPlan::default(),
         })
     }
 
@@ -364,11 +367,13 @@ impl KvCache {
 /// its own token from it). Every row is computed alone (batch invariance), so what a
 /// pair takes is bitwise what it would have computed itself; the prompt's forward
 /// costs once per group instead of G times.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct StepPlan {
     /// The computed rows' tokens and positions.
     ids: Vec<u32>,
     positions: Vec<u32>,
+    /// Their rotary tables.
+    rope: crate::ops::RopeTables,
     /// Each computed row's block table (its slot's) and its cached length once written
     /// ([`DecodeRows`]).
     table: Vec<usize>,
@@ -377,6 +382,13 @@ struct StepPlan {
     last: Vec<u32>,
     /// `None` when every pair computes its own rows.
     copies: Option<Copies>,
+    /// Per pair: the pair whose rows it takes, its first computed row, and its row of
+    /// the logits.
+    source: Vec<usize>,
+    first_row: Vec<usize>,
+    logits_of_pair: Vec<u32>,
+    /// Per slot of the cache: whether the step names it (a slot named twice is refused).
+    seen: Vec<bool>,
 }
 
 /// The cache writes and logits of a [`StepPlan`] whose pairs share rows.
@@ -392,64 +404,62 @@ struct Copies {
 }
 
 impl StepPlan {
-    fn new(cache: &KvCache, seqs: &[(usize, &[u32])]) -> Self {
+    /// The plan of a step of `seqs` on `cache`, in this plan's buffers: a decode step
+    /// allocates none once they have grown to its width.
+    fn fill(&mut self, cache: &KvCache, seqs: &[(usize, &[u32])], head_dim: usize, rope_theta: f64) {
         // The pair whose rows each pair takes: itself, or the first pair that prefills
         // an empty slot with the same tokens (a pair extending a filled slot, such as a
         // multi-turn observation, has a prefix of its own and computes).
         let mut first_with: HashMap<&[u32], usize> = HashMap::new();
-        let source: Vec<usize> = seqs
-            .iter()
-            .enumerate()
-            .map(
-                |(p, &(slot, tokens))| {
-                    if cache.lens[slot] == 0 { *first_with.entry(tokens).or_insert(p) } else { p }
-                },
-            )
-            .collect();
-        let total: usize = seqs.iter().map(|(_, t)| t.len()).sum();
-        let mut plan = Self {
-            ids: Vec::with_capacity(total),
-            positions: Vec::with_capacity(total),
-            table: Vec::with_capacity(total),
-            lens: Vec::with_capacity(total),
-            last: Vec::with_capacity(seqs.len()),
-            copies: None,
-        };
-        let mut first_row = vec![0; seqs.len()];
-        let mut logits_of_pair = vec![0u32; seqs.len()];
+        self.source.clear();
+        self.source.extend(seqs.iter().enumerate().map(|(p, &(slot, tokens))| {
+            if cache.lens[slot] == 0 { *first_with.entry(tokens).or_insert(p) } else { p }
+        }));
+        for v in [&mut self.ids, &mut self.positions, &mut self.last] {
+            v.clear();
+        }
+        for v in [&mut self.table, &mut self.lens, &mut self.first_row] {
+            v.clear();
+        }
+        self.first_row.resize(seqs.len(), 0);
+        self.logits_of_pair.clear();
+        self.logits_of_pair.resize(seqs.len(), 0);
+        self.copies = None;
         for (p, &(slot, tokens)) in seqs.iter().enumerate() {
-            if source[p] != p {
-                logits_of_pair[p] = logits_of_pair[source[p]];
+            let from = self.source[p];
+            if from != p {
+                self.logits_of_pair[p] = self.logits_of_pair[from];
                 continue;
             }
             let start = cache.lens[slot];
-            first_row[p] = plan.ids.len();
-            plan.ids.extend_from_slice(tokens);
+            self.first_row[p] = self.ids.len();
+            self.ids.extend_from_slice(tokens);
             for j in 0..tokens.len() {
-                plan.positions.push((start + j) as u32);
-                plan.table.push(slot * cache.max_blocks);
-                plan.lens.push(start + j + 1);
+                self.positions.push((start + j) as u32);
+                self.table.push(slot * cache.max_blocks);
+                self.lens.push(start + j + 1);
             }
-            logits_of_pair[p] = plan.last.len() as u32;
-            plan.last.push((plan.ids.len() - 1) as u32);
+            self.logits_of_pair[p] = self.last.len() as u32;
+            self.last.push((self.ids.len() - 1) as u32);
         }
-        if plan.ids.len() < total {
+        self.rope.refill(&self.positions, head_dim, rope_theta);
+        let total: usize = seqs.iter().map(|(_, t)| t.len()).sum();
+        if self.ids.len() < total {
             let mut c = Copies {
-                table: plan.table.clone(),
-                lens: plan.lens.clone(),
-                from: (0..plan.ids.len() as u32).collect(),
-                logits_of_pair,
+                table: self.table.clone(),
+                lens: self.lens.clone(),
+                from: (0..self.ids.len() as u32).collect(),
+                logits_of_pair: self.logits_of_pair.clone(),
             };
-            for (p, &(slot, tokens)) in seqs.iter().enumerate().filter(|&(p, _)| source[p] != p) {
+            for (p, &(slot, tokens)) in seqs.iter().enumerate().filter(|&(p, _)| self.source[p] != p) {
                 for j in 0..tokens.len() {
                     c.table.push(slot * cache.max_blocks);
                     c.lens.push(j + 1);
-                    c.from.push((first_row[source[p]] + j) as u32);
+                    c.from.push((self.first_row[self.source[p]] + j) as u32);
                 }
             }
-            plan.copies = Some(c);
+            self.copies = Some(c);
         }
-        plan
     }
 }
 
@@ -463,7 +473,7 @@ struct StepRows<'a> {
     from: Option<&'a [u32]>,
     /// `from` on the model's device, uploaded by the first layer that writes.
     from_index: std::sync::OnceLock<Tensor>,
-    rope: crate::ops::RopeTables,
+    rope: &'a crate::ops::RopeTables,
     last: &'a [u32],
 }
 
@@ -581,10 +591,9 @@ impl Model {
     }
 
     fn decode_logits(&self, cache: &mut KvCache, batch: &[(usize, u32)]) -> Result<Tensor> {
-        let tokens: Vec<u32> = batch.iter().map(|&(_, t)| t).collect();
-        self.check_tokens(&tokens, &|| "decode step".to_owned())?;
+        self.check_tokens(batch.iter().map(|(_, t)| t), &|| "decode step".to_owned())?;
         let seqs: Vec<(usize, &[u32])> =
-            batch.iter().zip(&tokens).map(|(&(slot, _), t)| (slot, std::slice::from_ref(t))).collect();
+            batch.iter().map(|(slot, token)| (*slot, std::slice::from_ref(token))).collect();
         self.extend(cache, &seqs)
     }
 
@@ -610,10 +619,14 @@ impl Model {
                 "needs a plain model: this one has LoRA adapters (decode `Model::merged` or a `frozen_copy`)",
             ));
         }
-        let mut seen = vec![false; cache.num_slots()];
+        // The last step's plan lends its buffers (an error drops them: the next step
+        // starts afresh).
+        let mut plan = std::mem::take(&mut cache.plan);
+        plan.seen.clear();
+        plan.seen.resize(cache.num_slots(), false);
         for &(slot, tokens) in seqs {
             cache.check(self, slot, tokens.len())?;
-            if std::mem::replace(&mut seen[slot], true) {
+            if std::mem::replace(&mut plan.seen[slot], true) {
                 return Err(Error::invalid(format!("slot {slot}"), "appears twice in one step"));
             }
         }
@@ -622,7 +635,7 @@ impl Model {
         let cfg = &m.cfg;
         let dev = &m.device;
         let mr = cache.min_rows;
-        let plan = StepPlan::new(cache, seqs);
+        plan.fill(cache, seqs, cfg.head_dim, cfg.rope_theta);
         let total = plan.ids.len();
         let index = StepIndex::default();
         let attend = DecodeRows {
@@ -643,7 +656,7 @@ impl Model {
             }),
             from: plan.copies.as_ref().map(|c| &c.from[..]),
             from_index: Default::default(),
-            rope: rope_tables(&plan.positions, cfg.head_dim, cfg.rope_theta),
+            rope: &plan.rope,
             last: &plan.last,
         };
         let w = |v: &candle_core::Var| Self::w(v, false);
@@ -697,6 +710,7 @@ impl Model {
         for &(slot, tokens) in seqs {
             cache.lens[slot] += tokens.len();
         }
+        cache.plan = plan;
         Ok(logits)
     }
 

@@ -592,9 +592,14 @@ impl Model {
         Self::w(self.inner.lm_head.as_ref().unwrap_or(&self.inner.embed), grad)
     }
 
-    pub(crate) fn check_tokens(&self, tokens: &[u32], what: &dyn Fn() -> String) -> Result<()> {
+    /// Refuses a token id outside the vocabulary, naming `what` and the token's place.
+    pub(crate) fn check_tokens<'t>(
+        &self,
+        tokens: impl IntoIterator<Item = &'t u32>,
+        what: &dyn Fn() -> String,
+    ) -> Result<()> {
         let v = self.inner.cfg.vocab_size;
-        if let Some((i, t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= v) {
+        if let Some((i, t)) = tokens.into_iter().enumerate().find(|(_, t)| **t as usize >= v) {
             return Err(Error::invalid(
                 what(),
                 format!("token {i} is id {t}, outside the vocabulary of {v}"),

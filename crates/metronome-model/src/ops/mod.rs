@@ -291,27 +291,19 @@ impl pulp::WithSimd for RopeRows<'_> {
 /// `position * inv_freq`), so positions that restart mid-row rotate exactly as
 /// separately decoded sequences would.
 pub(crate) fn rope_tables(positions: &[u32], head_dim: usize, theta: f64) -> RopeTables {
-    let half = head_dim / 2;
-    let theta = theta as f32;
-    let inv_freq: Vec<f32> = (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
-    let mut cos = Vec::with_capacity(positions.len() * half);
-    let mut sin = Vec::with_capacity(positions.len() * half);
-    for &p in positions {
-        for &f in &inv_freq {
-            let a = p as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
-        }
-    }
-    RopeTables { cos: std::sync::Arc::new(cos), sin: std::sync::Arc::new(sin), device: Default::default() }
+    let mut tables = RopeTables::default();
+    tables.refill(positions, head_dim, theta);
+    tables
 }
 
 /// Host cos/sin tables of [`rope_tables`], `[n, head_dim / 2]` each, and their copy on
 /// a device once the portable kernels ask for it ([`RopeTables::on`]).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct RopeTables {
     cos: std::sync::Arc<Vec<f32>>,
     sin: std::sync::Arc<Vec<f32>>,
+    /// `1 / theta^(2i/d)`, kept for the next [`RopeTables::refill`].
+    inv_freq: Vec<f32>,
     device: DeviceTables,
 }
 
@@ -320,6 +312,33 @@ pub(crate) struct RopeTables {
 struct DeviceTables(std::sync::Arc<std::sync::OnceLock<(Tensor, Tensor)>>);
 
 impl RopeTables {
+    /// The tables of [`rope_tables`] for `positions`, in these tables' buffers where no
+    /// clone holds them (a decode step refills its cache's tables without allocating).
+    pub(crate) fn refill(&mut self, positions: &[u32], head_dim: usize, theta: f64) {
+        let half = head_dim / 2;
+        let theta = theta as f32;
+        self.inv_freq.clear();
+        self.inv_freq.extend((0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)));
+        let fresh = |v: &mut std::sync::Arc<Vec<f32>>| match std::sync::Arc::get_mut(v) {
+            Some(v) => v.clear(),
+            None => *v = std::sync::Arc::default(),
+        };
+        fresh(&mut self.cos);
+        fresh(&mut self.sin);
+        let (cos, sin) = (std::sync::Arc::make_mut(&mut self.cos), std::sync::Arc::make_mut(&mut self.sin));
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        match std::sync::Arc::get_mut(&mut self.device.0) {
+            Some(uploaded) => drop(uploaded.take()),
+            None => self.device = DeviceTables::default(),
+        }
+    }
+
     /// `cos` and `sin` as `[n, 1, half]` tensors on `device` (uploaded on first use).
     pub(crate) fn on(&self, device: &Device, n: usize, half: usize) -> Result<(Tensor, Tensor)> {
         if self.cos.len() != n * half {
