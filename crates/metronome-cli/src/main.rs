@@ -318,11 +318,6 @@ fn main() -> ExitCode {
 /// (v3's `include/mimalloc.h`; the test below holds the neighbour).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
-/// mimalloc's `mi_option_allow_thp`, which `libmimalloc-sys` does not name either: its
-/// place in `mi_option_e` of v3's `include/mimalloc.h` (the test below reads it back
-/// through the environment variable mimalloc names after it).
-const MI_OPTION_ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
-
 /// The process-wide settings of candle, rayon and mimalloc that a run needs, each kept
 /// when the caller set it:
 ///
@@ -340,7 +335,7 @@ const MI_OPTION_ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
 ///   splits those it finds mostly zero and frees their zero pages, and the next step
 ///   faults a whole 2 MiB page in again, zeroed: 1.35% of a period of the TRL-matched
 ///   run in `clear_page_erms` (0.01% without), in bursts, at the same tokens/s. Off
-///   (`MIMALLOC_ALLOW_THP=0`, set as its option).
+///   ([`turn_off_huge_pages`]).
 ///
 /// The binary used to re-execute itself with the variables set, to stay free of
 /// `unsafe`; the second start-up of a 200 MB binary doubled its page faults (1,211 vs
@@ -356,14 +351,25 @@ fn set_process_defaults() {
             unsafe { std::env::set_var(key, value) };
         }
     }
-    for (key, option, value) in
-        [("MIMALLOC_PURGE_DELAY", MI_OPTION_PURGE_DELAY, -1), ("MIMALLOC_ALLOW_THP", MI_OPTION_ALLOW_THP, 0)]
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        // SAFETY: mimalloc's documented option setter, on an option it reads when it
+        // next purges; no precondition beyond a valid option id.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+    }
+    turn_off_huge_pages();
+}
+
+/// Transparent huge pages off for this process, unless `MIMALLOC_ALLOW_THP` says how
+/// to treat them: `prctl(PR_SET_THP_DISABLE)`, the flag the kernel checks at each
+/// fault. Not mimalloc's own `allow_thp` option: its first arena is mapped before
+/// `main`, and the option only reaches the arenas mapped after it is set.
+fn turn_off_huge_pages() {
+    #[cfg(target_os = "linux")]
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_none()
+        && let Err(e) = nix::sys::prctl::set_thp_disable(true)
     {
-        if std::env::var_os(key).is_none() {
-            // SAFETY: mimalloc's documented option setter, on options it reads when it
-            // next purges or maps an arena; no precondition beyond a valid option id.
-            unsafe { libmimalloc_sys::mi_option_set(option, value) };
-        }
+        // Only a cost, never a wrong result: say so and go on.
+        eprintln!("metronome: could not turn transparent huge pages off ({e}); running with them");
     }
 }
 
@@ -645,26 +651,15 @@ mod tests {
         }
     }
 
-    /// mimalloc reads each option from the environment variable named after it when it
-    /// starts: a child of this test started with `MIMALLOC_ALLOW_THP=7` reads 7 at the
-    /// id the CLI sets, which no other option would.
+    /// The process defaults turn transparent huge pages off: the flag the kernel checks
+    /// at each fault reads back set (in the test binary's own process, harmlessly).
     #[test]
-    #[allow(unsafe_code, reason = "mimalloc's option getter")]
-    fn the_thp_option_is_mimallocs() {
-        const CHILD: &str = "METRONOME_THP_OPTION_CHILD";
-        if std::env::var_os(CHILD).is_some() {
-            // SAFETY: mimalloc's documented option getter, on a valid option id.
-            let got = unsafe { libmimalloc_sys::mi_option_get(super::MI_OPTION_ALLOW_THP) };
-            assert_eq!(got, 7, "option {} is not MIMALLOC_ALLOW_THP", super::MI_OPTION_ALLOW_THP);
+    #[cfg(target_os = "linux")]
+    fn transparent_huge_pages_are_turned_off() {
+        if std::env::var_os("MIMALLOC_ALLOW_THP").is_some() {
             return;
         }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "tests::the_thp_option_is_mimallocs", "--nocapture"])
-            .env(CHILD, "1")
-            .env("MIMALLOC_ALLOW_THP", "7")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        super::turn_off_huge_pages();
+        assert!(nix::sys::prctl::get_thp_disable().unwrap());
     }
 }
