@@ -683,8 +683,8 @@ impl Model {
                     let q = proj(&l.q, &l.q_bias, h)?;
                     let k = proj(&l.k, &l.k_bias, kvh)?;
                     let v = proj(&l.v, &l.v_bias, kvh)?;
-                    let q = ks.rope(&q, &step.rope)?;
-                    let k = ks.rope(&k, &step.rope)?;
+                    let q = ks.rope(&q, step.rope)?;
+                    let k = ks.rope(&k, step.rope)?;
                     ks.write_decode_rows(&cache.keys[li], &step.written(&k)?, step.write)?;
                     ks.write_decode_rows(&cache.values[li], &step.written(&v)?, step.write)?;
                     let att = ks.decode_attention(&q, &cache.keys[li], &cache.values[li], step.attend)?;
