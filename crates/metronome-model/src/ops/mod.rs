@@ -441,6 +441,29 @@ pub(crate) fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
 mod tests {
     use super::*;
 
+    /// The host kernels read and write a tensor's elements in place, and refuse, with an
+    /// error that says what they need, a tensor they cannot: a strided view, another
+    /// type. (A bf16 compute copy never reaches them: it takes the portable kernels.)
+    #[test]
+    fn the_host_kernels_refuse_a_tensor_that_is_not_contiguous_f32() {
+        let t = Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap().reshape((2, 3)).unwrap();
+        assert_eq!(read_host(&t, <[f32]>::to_vec).unwrap(), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        write_host(&t, |v| v[4] = -1.0).unwrap();
+        assert_eq!(t.flatten_all().unwrap().to_vec1::<f32>().unwrap()[4], -1.0);
+        // A narrow of rows is contiguous: read in place, at its offset.
+        assert_eq!(read_host(&t.narrow(0, 1, 1).unwrap(), <[f32]>::to_vec).unwrap(), [3.0, -1.0, 5.0]);
+        let strided = t.t().unwrap();
+        let bf16 = t.to_dtype(candle_core::DType::BF16).unwrap();
+        for (what, bad) in [("a transposed view", &strided), ("a bf16 tensor", &bf16)] {
+            let e = read_host(bad, |_| ()).unwrap_err().to_string();
+            assert!(e.contains("need a contiguous f32 CPU tensor"), "{what}: {e}");
+            let e = write_host(bad, |_| ()).unwrap_err().to_string();
+            assert!(e.contains("host-write needs a contiguous f32 tensor"), "{what}: {e}");
+        }
+        // Nothing was written through the refusals.
+        assert_eq!(read_host(&t, <[f32]>::to_vec).unwrap(), [0.0, 1.0, 2.0, 3.0, -1.0, 5.0]);
+    }
+
     #[test]
     fn an_output_a_kernel_leaves_partly_unwritten_fails_the_tests() {
         assert_eq!(
