@@ -128,7 +128,7 @@ impl<'a> DecodeRows<'a> {
         i: usize,
         data: &'d [f32],
         width: usize,
-    ) -> impl Iterator<Item = &'d [f32]> + use<'a, 'd> {
+    ) -> impl ExactSizeIterator<Item = &'d [f32]> + use<'a, 'd> {
         let (len, block) = (self.len[i], self.block);
         let table = &self.blocks[self.table[i]..self.table[i] + len.div_ceil(block)];
         table.iter().enumerate().map(move |(b, &blk)| {
@@ -300,14 +300,18 @@ fn attention_rows_with(
     let rep = heads / kvh;
     let width = kvh * hd;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut probs = Vec::new();
-    let (mut keys, mut values) = (Vec::new(), Vec::new());
+    // A row's probabilities in the thread's buffer, its blocks' slices on the stack
+    // (on the heap past `STACK_SPANS` blocks): a decode step allocates none of them.
+    thread_local! {
+        static PROBS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let mut probs = PROBS.take();
+    let (mut key_stack, mut value_stack) = ([&[][..]; STACK_SPANS], [&[][..]; STACK_SPANS]);
+    let (mut key_heap, mut value_heap) = (Vec::new(), Vec::new());
     for i in 0..n {
         let len = rows.len[i];
-        keys.clear();
-        keys.extend(rows.spans(i, k, width));
-        values.clear();
-        values.extend(rows.spans(i, v, width));
+        let keys = spans_in(rows.spans(i, k, width), &mut key_stack, &mut key_heap);
+        let values = spans_in(rows.spans(i, v, width), &mut value_stack, &mut value_heap);
         probs.clear();
         probs.resize(rep * len, 0f32);
         for g in 0..kvh {
@@ -315,7 +319,7 @@ fn attention_rows_with(
             let heads_at = (i * heads + g * rep) * hd;
             let qg = &q[heads_at..heads_at + rep * hd];
             let mut j = 0;
-            for span in &keys {
+            for span in keys {
                 for kr in span.chunks_exact(width) {
                     let kr = &kr[off..off + hd];
                     for (r, qh) in qg.chunks_exact(hd).enumerate() {
@@ -325,8 +329,32 @@ fn attention_rows_with(
                 }
             }
             softmax_rows(&mut probs, len);
-            weigh(&probs, &values, width, off, &mut out[heads_at..heads_at + rep * hd]);
+            weigh(&probs, values, width, off, &mut out[heads_at..heads_at + rep * hd]);
         }
+    }
+    PROBS.set(probs);
+}
+
+/// Blocks of a row up to which [`attention_rows_with`] lists their slices on the stack.
+const STACK_SPANS: usize = 64;
+
+/// `spans` as a slice: in `stack` when they fit, else in `heap`.
+#[inline(always)]
+fn spans_in<'b, 'd>(
+    spans: impl ExactSizeIterator<Item = &'d [f32]>,
+    stack: &'b mut [&'d [f32]; STACK_SPANS],
+    heap: &'b mut Vec<&'d [f32]>,
+) -> &'b [&'d [f32]] {
+    let n = spans.len();
+    if n <= STACK_SPANS {
+        for (slot, span) in stack.iter_mut().zip(spans) {
+            *slot = span;
+        }
+        &stack[..n]
+    } else {
+        heap.clear();
+        heap.extend(spans);
+        heap
     }
 }
 

@@ -392,6 +392,31 @@ fn paged_cache_decodes_as_contiguous() {
     paged_equals_contiguous(&wide.frozen_copy().unwrap());
 }
 
+/// A row spread over more blocks than the decode attention lists on the stack (64):
+/// one-position blocks and a 90-token prompt decode bitwise as the contiguous cache
+/// does, on the fused op and on a frozen model's host path.
+#[test]
+fn a_row_over_more_blocks_than_the_stack_list_holds_decodes_as_contiguous() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 12).unwrap().with_trainable(false);
+    let frozen = model.frozen_copy().unwrap();
+    let vocab = model.config().vocab_size;
+    let (prompt, other) = (tokens(60, 90, vocab), tokens(61, 3, vocab));
+    for m in [&model, &frozen] {
+        let bits = |v: Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut caches = [KvCache::paged(m, 2, 100, 1, 200).unwrap(), KvCache::new(m, 2, 100).unwrap()];
+        let logits: Vec<_> = caches
+            .iter_mut()
+            .map(|c| {
+                m.prefill_many(c, &[(0, &prompt[..]), (1, &other[..])]).unwrap();
+                (0..4u32)
+                    .map(|t| bits(m.decode_step(c, &[(0, 5 + t), (1, 9 + t)]).unwrap()))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(logits[0], logits[1], "one-position blocks decode differently");
+    }
+}
+
 /// A pool smaller than every slot at its longest serves what fits, refuses a step that
 /// does not fit before anything is written (naming the shortfall), and serves it once
 /// a freed slot has given its blocks back, with the logits of a cache that never ran
@@ -496,10 +521,11 @@ fn frozen_prefill_is_batch_invariant_bitwise() {
 /// A frozen model's decode step computes in buffers its cache keeps, its plan and
 /// rotary tables included: after the first step it allocates a few small things per
 /// step (the list of pairs, the logits, here one `Vec` per row of `decode_step`'s
-/// answer) and per layer (the attention's lists of a row's blocks and its
-/// probabilities), not a tensor per op. Measured: 27 allocations per step of 8 slots at
-/// 2 layers, 5 more per layer; with a fresh plan and tables per step 46 and 7, with a
-/// candle tensor per op 266 and 105.
+/// answer) and none per layer (the attention lists a row's blocks on the stack and
+/// keeps its probabilities with the thread), not a tensor per op. Measured: 17
+/// allocations per step of 8 slots at 2 layers and at 6; with per-call attention lists
+/// 27, and 5 per layer; with a fresh plan and tables per step 46 and 7; with a candle
+/// tensor per op 266 and 105.
 #[test]
 fn a_frozen_decode_step_allocates_a_few_buffers_whatever_its_width() {
     let per_step = |layers: usize| {
@@ -522,8 +548,8 @@ fn a_frozen_decode_step_allocates_a_few_buffers_whatever_its_width() {
     };
     let (two, six) = (per_step(2), per_step(6));
     eprintln!("allocations per decode step of 8 slots: {two} at 2 layers, {six} at 6");
-    assert!(two <= 32, "{two} allocations in a decode step of a 2-layer model");
-    assert!(six - two <= 4 * 6, "{} allocations per layer", (six - two) / 4);
+    assert!(two <= 20, "{two} allocations in a decode step of a 2-layer model");
+    assert!(six <= two, "{} allocations per layer", six.saturating_sub(two) / 4);
 }
 
 /// Logits of one prompt prefilled alone and then one decode step.
