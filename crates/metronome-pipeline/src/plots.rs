@@ -130,11 +130,24 @@ const LANES: [(StageKind, &str, RGBColor); 4] = [
     (StageKind::Publication, "publication", PUBLICATION),
 ];
 
+/// The periods the timeline draws, the last ones of the run. Its point is how the
+/// stages overlap within a period and across its neighbours, which a few dozen show;
+/// with every period it held a bar per busy interval of the whole run, 10 MB at 2,000
+/// periods, and bars no wider than a pixel. `metrics.jsonl` keeps every interval.
+pub(crate) const TIMELINE_PERIODS: usize = 40;
+
 /// The stage timeline, like Figure 1 of the periodic-asynchrony paper: one lane per
 /// stage, a bar per busy interval (alternate periods in alternate shades, so a bar's
 /// period is visible where periods overlap), and a dashed line where each period
-/// ended with its optimiser step.
+/// ended with its optimiser step. Of a longer run, the last [`TIMELINE_PERIODS`].
 pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
+    let all = reports.len();
+    let reports = &reports[all.saturating_sub(TIMELINE_PERIODS)..];
+    let caption = if reports.len() < all {
+        format!("Stage timeline: the last {} of {all} periods", reports.len())
+    } else {
+        "Stage timeline".to_owned()
+    };
     let intervals: Vec<_> = reports
         .iter()
         .flat_map(|r| &r.intervals)
@@ -150,7 +163,9 @@ pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
         .collect();
     let lane_of = |kind: StageKind| lanes.iter().position(|(k, ..)| *k == kind);
     let boundaries: Vec<(u64, f64, f64)> = reports.iter().filter_map(period_span).collect();
-    let t0 = intervals.iter().map(|i| i.start_s).fold(f64::INFINITY, f64::min).min(0.0);
+    // From the run's start, or from the first period drawn when earlier ones are not.
+    let first = intervals.iter().map(|i| i.start_s).fold(f64::INFINITY, f64::min);
+    let t0 = if reports.len() < all && first.is_finite() { first } else { first.min(0.0) };
     let t1 = intervals.iter().map(|i| i.end_s).chain(boundaries.iter().map(|b| b.2)).fold(0.0, f64::max);
     let t1 = if t1 > t0 { t1 + (t1 - t0) * 0.02 } else { t0 + 1.0 };
     let n = lanes.len() as f64;
@@ -162,7 +177,7 @@ pub(crate) fn timeline_svg(reports: &[PeriodReport]) -> Drawn {
         let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
         root.fill(&WHITE).map_err(text)?;
         let mut chart = ChartBuilder::on(&root)
-            .caption("Stage timeline", ("sans-serif", 22))
+            .caption(caption, ("sans-serif", 22))
             .margin(16)
             .x_label_area_size(40)
             .y_label_area_size(100)
@@ -286,6 +301,21 @@ mod tests {
             assert!(texts.contains(&label), "no {label} in {texts:?}");
         }
         assert!(!texts.contains(&"scoring"), "no scoring interval, so no scoring lane");
+    }
+
+    #[test]
+    fn the_timeline_of_a_long_run_draws_its_last_periods_in_a_file_that_stays_small() {
+        let reports: Vec<_> = (0..400).map(|p| report(p, 2.0 * p as f64)).collect();
+        let whole = timeline_svg(&reports[..TIMELINE_PERIODS]).unwrap();
+        let svg = timeline_svg(&reports).unwrap();
+        let texts = texts(&svg);
+        assert!(texts.contains(&"Stage timeline: the last 40 of 400 periods"), "{texts:?}");
+        assert!(texts.contains(&"p399") && texts.contains(&"p360"), "{texts:?}");
+        assert!(!texts.contains(&"p359") && !texts.contains(&"p0"), "{texts:?}");
+        // The axis starts at the first period drawn, not at the run's start.
+        let labels: Vec<f64> = texts.iter().filter_map(|t| t.parse().ok()).collect();
+        assert!(labels.iter().all(|&x| x >= 700.0), "axis labels {labels:?}");
+        assert!(svg.len() < whole.len() * 11 / 10, "{} bytes against {}", svg.len(), whole.len());
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //!   checkpoints/     written by the trainer's checkpointing
 //!   reward.svg       reward mean and accuracy per period
 //!   throughput.svg   generation and training tokens/s per period
-//!   timeline.svg     busy intervals of each stage, with period boundaries
+//!   timeline.svg     busy intervals of each stage, with period boundaries (the last 40 periods)
 //! ```
 //!
 //! `metrics.jsonl` is the record of truth: each line is written whole and flushed to

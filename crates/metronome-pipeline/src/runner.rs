@@ -180,7 +180,8 @@ pub type PeriodHook = Box<dyn FnMut(&PeriodEnd<'_>) -> Result<()> + Send>;
 
 /// What a run leaves: its reports and the stages it handed back.
 pub struct RunEnd {
-    /// One report per period this runner ran (after a resume, only the remaining ones).
+    /// One report per period this runner ran (after a resume, only the remaining ones);
+    /// empty when the runner was told not to keep them ([`Runner::keep_reports`]).
     pub reports: Vec<PeriodReport>,
     /// The period the run resumed at, when it restarted from a checkpoint.
     pub resumed_at: Option<u64>,
@@ -206,6 +207,7 @@ pub struct Runner {
     hook: Option<PeriodHook>,
     checkpointing: Option<Checkpointing>,
     observer: Observer,
+    keep_reports: bool,
 }
 
 impl std::fmt::Debug for Runner {
@@ -260,7 +262,14 @@ impl Runner {
         if options.group_size == 0 {
             return Err(Error::Config { key: "group_size".into(), reason: "must be at least 1".into() });
         }
-        Ok(Self { parts, options, hook: None, checkpointing: None, observer: Observer::default() })
+        Ok(Self {
+            parts,
+            options,
+            hook: None,
+            checkpointing: None,
+            observer: Observer::default(),
+            keep_reports: true,
+        })
     }
 
     /// Reports each group trained to `observer` ([`Event::GroupTrained`]).
@@ -274,6 +283,17 @@ impl Runner {
     #[must_use]
     pub fn on_period(mut self, hook: impl FnMut(&PeriodEnd<'_>) -> Result<()> + Send + 'static) -> Self {
         self.hook = Some(Box::new(hook));
+        self
+    }
+
+    /// Whether [`RunEnd::reports`] holds every period's report (the default). A run
+    /// whose hook records the periods (the CLI's run directory writes each to
+    /// `metrics.jsonl`) turns it off: a report holds the period's busy intervals, a
+    /// few kilobytes, and over tens of thousands of periods the kept ones were the
+    /// run's one memory that grew without bound.
+    #[must_use]
+    pub fn keep_reports(mut self, keep: bool) -> Self {
+        self.keep_reports = keep;
         self
     }
 
@@ -296,7 +316,7 @@ impl Runner {
                 reason: "the pipeline needs a multi-threaded tokio runtime".into(),
             });
         }
-        let Self { parts, options, hook, checkpointing, observer } = self;
+        let Self { parts, options, hook, checkpointing, observer, keep_reports } = self;
         let Parts { mut source, mut trainer, packer, mut release, receiver, publisher } = parts;
         let checkpoints = checkpointing.map(Checkpointer::new);
         let resumed_at = match &checkpoints {
@@ -321,7 +341,7 @@ impl Runner {
             held_keys: HashSet::new(),
             pending: BTreeMap::new(),
         };
-        let outcome = driver.periods(release.as_mut(), publisher, hook, checkpoints).await;
+        let outcome = driver.periods(release.as_mut(), publisher, hook, checkpoints, keep_reports).await;
         // Closing the group stream ends a producer that ran ahead (stale schedules).
         drop(driver.receiver.take());
         let reports = outcome?;
@@ -473,13 +493,14 @@ struct Driver {
 }
 
 impl Driver {
-    /// Runs the periods from `self.first` on; their reports.
+    /// Runs the periods from `self.first` on; their reports if `keep_reports`.
     async fn periods(
         &mut self,
         release: &mut dyn Release,
         publisher: Option<Arc<dyn WeightPublisher>>,
         mut hook: Option<PeriodHook>,
         mut checkpoints: Option<Checkpointer>,
+        keep_reports: bool,
     ) -> Result<Vec<PeriodReport>> {
         let mut reports = Vec::new();
         let mut weights = Arc::new(self.trainer.snapshot().await?);
@@ -531,7 +552,9 @@ impl Driver {
                 self.settle_held().await?;
             }
             release.close(period).await?;
-            reports.push(report);
+            if keep_reports {
+                reports.push(report);
+            }
             period = next;
             if !last {
                 released = release.release(period, &weights).await?;

@@ -147,8 +147,14 @@ impl Session {
             eval_every: config.eval.every,
         };
         let started = Instant::now();
-        let end =
-            runner.observe(self.observer.clone()).on_period(move |end| hook.period_ended(end)).run().await?;
+        // The hook writes each period to the run directory, which is the record read
+        // back below; the runner need not hold them all.
+        let end = runner
+            .observe(self.observer.clone())
+            .on_period(move |end| hook.period_ended(end))
+            .keep_reports(false)
+            .run()
+            .await?;
         tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
 
         let mut trainer = end.trainer;

@@ -342,3 +342,30 @@ async fn dynamic_sampling_trains_the_first_groups_whose_rewards_vary_in_release_
     }
     assert_eq!(weights_of[0], weights_of[1], "sync and periodic train the same groups in the same order");
 }
+
+/// A runner whose hook keeps the record does not also hold every report: the hook
+/// sees each period with its busy intervals, and the run's end holds none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_told_not_to_keep_reports_hands_each_to_its_hook_and_keeps_none() {
+    for layout in layouts(4) {
+        let what = format!("{} (partial rollouts: {})", layout.schedule, layout.partial_rollouts);
+        let engine = MockEngine::new(Duration::from_millis(1));
+        let trainer = MockTrainer::new(engine.generating.clone());
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook_seen = seen.clone();
+        let runner =
+            Runner::new(stages(engine, trainer, Arc::new(MockScorer)), Some(channel_transport(4)), layout)
+                .unwrap()
+                .keep_reports(false)
+                .on_period(move |end| {
+                    hook_seen.lock().unwrap().push((end.report.period.0, end.report.intervals.len()));
+                    Ok(())
+                });
+        let end = finish(runner, &what).await;
+        assert!(end.reports.is_empty(), "{what}: {} reports kept", end.reports.len());
+        assert_eq!(end.trainer.version(), PolicyVersion(4), "{what}");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.iter().map(|s| s.0).collect::<Vec<_>>(), [0, 1, 2, 3], "{what}");
+        assert!(seen.iter().all(|s| s.1 > 0), "{what}: the hook's reports carry their intervals: {seen:?}");
+    }
+}
