@@ -194,7 +194,7 @@ pub struct RunEnd {
 impl std::fmt::Debug for RunEnd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RunEnd")
-            .field("periods", &self.reports.len())
+            .field("reports", &self.reports.len())
             .field("resumed_at", &self.resumed_at)
             .finish_non_exhaustive()
     }
