@@ -106,9 +106,15 @@ def cpu_flags():
         text = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         return {}
-    model = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), "")
-    flags = next((l.split(":", 1)[1].split() for l in text.splitlines() if l.startswith("flags")), [])
-    return {"model": model, "cores": os.cpu_count(),
+    def field(name):
+        return next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.split(":", 1)[0].strip() == name), "")
+
+    flags = field("flags").split()
+    # A virtual machine's "model name" can be as vague as "AMD EPYC": the family and
+    # model numbers tell the generations apart (AMD: family 25 model 17 is Zen 4,
+    # family 26 Zen 5), and with them how AVX-512 executes.
+    return {"model": field("model name"), "family": field("cpu family"), "model_number": field("model"),
+            "cores": os.cpu_count(),
             "avx512": [f for f in flags if f.startswith("avx512") or f.startswith("amx")]}
 
 
