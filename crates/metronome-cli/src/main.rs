@@ -651,8 +651,10 @@ mod tests {
         }
     }
 
-    /// The process defaults turn transparent huge pages off: the flag the kernel checks
-    /// at each fault reads back set (in the test binary's own process, harmlessly).
+    /// `turn_off_huge_pages` (which `set_process_defaults` calls; that one sets
+    /// environment variables, which a test process with threads must not) leaves the
+    /// flag the kernel checks at each fault set: it reads back so (in the test
+    /// binary's own process, harmlessly).
     #[test]
     #[cfg(target_os = "linux")]
     fn transparent_huge_pages_are_turned_off() {
