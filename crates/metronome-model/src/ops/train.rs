@@ -119,23 +119,35 @@ impl CpuOp3 for RmsNormGrad {
         }
         let out = output(x.len() + d, |out| {
             let (dx, dw) = out.split_at_mut(x.len());
-            dw.fill(0.0);
-            let partial: Vec<Vec<f32>> = dx
-                .par_chunks_mut(RMS_GRAD_ROWS * d)
-                .zip(x.par_chunks(RMS_GRAD_ROWS * d).zip(g.par_chunks(RMS_GRAD_ROWS * d)))
-                .map(|(dx, (x, g))| {
-                    let mut dw = vec![0f32; d];
-                    crate::simd::dispatch(RmsGradRows { dx, x, g, w, eps: self.eps, dw: &mut dw });
-                    dw
-                })
-                .collect();
-            for block in partial {
-                for (t, s) in dw.iter_mut().zip(block) {
-                    *t += s;
-                }
-            }
+            rms_norm_grad(x, w, g, self.eps, dx, dw);
         });
         Ok((CpuStorage::F32(out), vec![x.len() + d].into()))
+    }
+}
+
+/// [`RmsNormGrad`] on host slices: `dx` (the size of `x`) and `dw` (of `w`) written
+/// whole from the input `x`, the weight `w` and the output's gradient `g`.
+pub(crate) fn rms_norm_grad(x: &[f32], w: &[f32], g: &[f32], eps: f32, dx: &mut [f32], dw: &mut [f32]) {
+    let d = w.len();
+    dw.fill(0.0);
+    if d == 0 {
+        return;
+    }
+    let block = RMS_GRAD_ROWS * d;
+    // Per block of rows: its share of `dw`, and room for one row's `g ⊙ w` (one buffer
+    // for the call: one per block was a few dozen allocations per norm).
+    let mut partial = vec![0f32; x.len().div_ceil(block) * 2 * d];
+    dx.par_chunks_mut(block)
+        .zip(x.par_chunks(block).zip(g.par_chunks(block)))
+        .zip(partial.par_chunks_mut(2 * d))
+        .for_each(|((dx, (x, g)), scratch)| {
+            let (dw, gw) = scratch.split_at_mut(d);
+            crate::simd::dispatch(RmsGradRows { dx, x, g, w, eps, dw, gw });
+        });
+    for block in partial.chunks_exact(2 * d) {
+        for (t, s) in dw.iter_mut().zip(&block[..d]) {
+            *t += s;
+        }
     }
 }
 
@@ -149,6 +161,8 @@ struct RmsGradRows<'a> {
     w: &'a [f32],
     eps: f32,
     dw: &'a mut [f32],
+    /// Room for a row's `g ⊙ w`, `d` elements.
+    gw: &'a mut [f32],
 }
 
 impl pulp::WithSimd for RmsGradRows<'_> {
@@ -156,17 +170,17 @@ impl pulp::WithSimd for RmsGradRows<'_> {
 
     #[inline(always)]
     fn with_simd<S: pulp::Simd>(self, _: S) {
-        let RmsGradRows { dx, x, g, w, eps, dw } = self;
+        let RmsGradRows { dx, x, g, w, eps, dw, gw } = self;
         let d = w.len();
-        let mut gw = vec![0f32; d];
         for ((dx, x), g) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(g.chunks_exact(d)) {
             let r = 1.0 / (dot(x, x) / d as f32 + eps).sqrt();
             for ((t, &g), &w) in gw.iter_mut().zip(g).zip(w) {
                 *t = g * w;
             }
             // mean(g·w·x̂) = r · mean(g·w·x).
-            let mean = dot(&gw, x) * r / d as f32;
-            for (((o, &x), &t), (&g, acc)) in dx.iter_mut().zip(x).zip(&gw).zip(g.iter().zip(dw.iter_mut())) {
+            let mean = dot(gw, x) * r / d as f32;
+            for (((o, &x), &t), (&g, acc)) in dx.iter_mut().zip(x).zip(&*gw).zip(g.iter().zip(dw.iter_mut()))
+            {
                 let xhat = x * r;
                 *o = r * (t - xhat * mean);
                 *acc += g * xhat;
@@ -300,12 +314,12 @@ pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
 
 /// Log-softmax over the last dimension (max detached, as in [`softmax_last_dim`]).
 /// The loop of [`SwiGluGrad`], vectorised as [`SwiGlu`]'s forward is (the same `exp`).
-struct SwiGluGradLoop<'a> {
-    g: &'a [f32],
-    u: &'a [f32],
-    dy: &'a [f32],
-    dg: &'a mut [f32],
-    du: &'a mut [f32],
+pub(super) struct SwiGluGradLoop<'a> {
+    pub(super) g: &'a [f32],
+    pub(super) u: &'a [f32],
+    pub(super) dy: &'a [f32],
+    pub(super) dg: &'a mut [f32],
+    pub(super) du: &'a mut [f32],
 }
 
 impl pulp::WithSimd for SwiGluGradLoop<'_> {
@@ -892,7 +906,8 @@ mod tests {
                 super::super::RopeRows { x, stride: d, hd: 16, tables: (cos, sin), sign: 1.0, out: &mut rot }
                     .with_simd(simd);
                 RmsNormRows { x, w, eps: 1e-5, out: &mut y }.with_simd(simd);
-                RmsGradRows { dx: &mut dx, x, g, w, eps: 1e-5, dw: &mut dw }.with_simd(simd);
+                RmsGradRows { dx: &mut dx, x, g, w, eps: 1e-5, dw: &mut dw, gw: &mut vec![0f32; d] }
+                    .with_simd(simd);
                 let stats = x
                     .chunks_exact(d)
                     .zip(logp.chunks_exact_mut(d))
