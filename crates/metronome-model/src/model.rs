@@ -8,9 +8,10 @@ use metronome_core::{PackedRow, Targets};
 
 use crate::config::ModelConfig;
 use crate::ops::{
-    DenseWeight, Projection, RopeTables, RowIndex, RowMasks, RowPlans, rope_tables, segment_plans,
+    Buffers, DenseWeight, LayerShape, LayerWeights, Projection, RopeTables, RowIndex, RowMasks, RowPlans,
+    layer_backward, layer_forward, read_host, read_hosts, rope_tables, segment_plans,
 };
-use crate::recompute::{Links, attach};
+use crate::recompute::{LinkCache, Links, attach};
 use crate::{Error, Kernels, Result, head};
 
 mod init;
@@ -31,9 +32,26 @@ pub(crate) struct Layer {
     pub(crate) gate: Var,
     pub(crate) up: Var,
     pub(crate) down: Var,
+    /// The links of [`Layer::vars`] for a layer run on host buffers (`Model::host_layer`).
+    pub(crate) links: LinkCache,
 }
 
 impl Layer {
+    /// The weights of a layer without biases, in [`crate::ops::LayerWeights`]' order.
+    pub(crate) fn vars(&self) -> [&Var; 9] {
+        [
+            &self.input_norm,
+            &self.post_norm,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.o,
+            &self.gate,
+            &self.up,
+            &self.down,
+        ]
+    }
+
     /// The base weight of projection `p`.
     pub(crate) fn weight(&self, p: Projection) -> &Var {
         match p {
@@ -46,6 +64,15 @@ impl Layer {
             Projection::Down => &self.down,
         }
     }
+}
+
+/// `f` on the host elements of layer `l`'s weights (see [`Layer::vars`]) and of `x`,
+/// all contiguous f32 CPU tensors.
+fn with_layer<R>(l: &Layer, x: &Tensor, f: impl FnOnce(&LayerWeights<'_>, &[f32]) -> R) -> Result<R> {
+    let [a, b, c, d, e, g, h, i, j] = l.vars().map(Var::as_tensor);
+    read_hosts([x, a, b, c, d, e, g, h, i, j], |[x, input_norm, post_norm, q, k, v, o, gate, up, down]| {
+        f(&LayerWeights { input_norm, post_norm, q, k, v, o, gate, up, down }, x)
+    })
 }
 
 #[derive(Debug)]
@@ -68,6 +95,8 @@ pub(crate) struct Inner {
     /// that only scores never pays its memory) and dropped by
     /// [`Model::load_snapshot`], to be rebuilt from the new weights.
     pub(crate) decode: std::sync::RwLock<Option<Arc<DecodeWeights>>>,
+    /// The host buffers of the layers run whole (`Model::host_layer`).
+    pub(crate) buffers: Arc<Buffers>,
 }
 
 /// One layer's linear weights in decode layout ([`DenseWeight`], `[in, out]`): the
@@ -292,6 +321,7 @@ impl Model {
                 gate: var(&format!("{p}.mlp.gate_proj.weight"), &[cfg.intermediate_size, d], Init::Normal)?,
                 up: var(&format!("{p}.mlp.up_proj.weight"), &[cfg.intermediate_size, d], Init::Normal)?,
                 down: var(&format!("{p}.mlp.down_proj.weight"), &[d, cfg.intermediate_size], Init::Normal)?,
+                links: LinkCache::default(),
             });
         }
         let norm = var("model.norm.weight", &[d], Init::Ones)?;
@@ -304,6 +334,7 @@ impl Model {
         // linear layers a second time in decode layout: under the fused kernels that
         // memory buys decode steps without repacking transposed weights (crate `ops`,
         // `dense_rows`).
+        let buffers = Arc::new(Buffers::new(cfg.num_hidden_layers));
         let inner = Inner {
             cfg,
             device: device.clone(),
@@ -313,6 +344,7 @@ impl Model {
             lm_head,
             frozen: std::sync::atomic::AtomicBool::new(!trainable),
             decode: std::sync::RwLock::new(None),
+            buffers,
         };
         Ok(Self {
             inner: Arc::new(inner),
@@ -355,6 +387,7 @@ impl Model {
                     gate: cast(&l.gate)?,
                     up: cast(&l.up)?,
                     down: cast(&l.down)?,
+                    links: LinkCache::default(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -367,6 +400,7 @@ impl Model {
             lm_head: cast_opt(&m.lm_head)?,
             frozen: std::sync::atomic::AtomicBool::new(!self.trainable),
             decode: std::sync::RwLock::new(None),
+            buffers: Arc::new(Buffers::new(m.cfg.num_hidden_layers)),
         };
         let lora = match &self.lora {
             Some(ad) => Some(Arc::new(ad.cast(dtype)?)),
@@ -715,6 +749,9 @@ impl Model {
     /// weights record a graph when `grad` is set, adapters when this handle is
     /// trainable.
     fn layer(&self, li: usize, x: &Tensor, layout: &LayerLayout, grad: bool) -> Result<Tensor> {
+        if let Some(y) = self.host_layer(li, x, layout, grad)? {
+            return Ok(y);
+        }
         let m = &self.inner;
         let cfg = &m.cfg;
         let l = &m.layers[li];
@@ -744,6 +781,73 @@ impl Model {
         let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
         let gu = ks.swiglu_train(&proj(Projection::Gate, &b, &None)?, &proj(Projection::Up, &b, &None)?)?;
         Ok((&x + proj(Projection::Down, &gu, &None)?)?)
+    }
+
+    /// [`Model::layer`] as one computation on host buffers ([`crate::ops::layer_forward`],
+    /// one graph node whose backward is [`crate::ops::layer_backward`]) where the
+    /// kernels run whole layers ([`Kernels::runs_whole_layers`]): the plain f32 layer
+    /// on the CPU, without adapters or biases, attended per segment. `None` otherwise,
+    /// for the composed ops.
+    fn host_layer(&self, li: usize, x: &Tensor, layout: &LayerLayout, grad: bool) -> Result<Option<Tensor>> {
+        let m = &self.inner;
+        let l = &m.layers[li];
+        if !self.kernels.runs_whole_layers()
+            || self.lora.is_some()
+            || layout.batched.is_some()
+            || [&l.q_bias, &l.k_bias, &l.v_bias].iter().any(|b| b.is_some())
+            || x.dtype() != DType::F32
+            || l.q.dtype() != DType::F32
+            || !x.device().is_cpu()
+        {
+            return Ok(None);
+        }
+        let cfg = &m.cfg;
+        let x = x.contiguous()?;
+        let shape = LayerShape {
+            n: x.dim(0)?,
+            hidden: cfg.hidden_size,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            hd: cfg.head_dim,
+            inter: cfg.intermediate_size,
+            eps: cfg.rms_norm_eps as f32,
+        };
+        let keep = grad || x.track_op();
+        let (y, saved) = with_layer(l, &x, |w, x| {
+            layer_forward(shape, w, x, &layout.rope, &layout.plans, &m.buffers, keep)
+        })??;
+        let y = Tensor::from_vec(y, x.shape(), x.device())?;
+        let Some(saved) = saved else { return Ok(Some(y)) };
+        let (links, anchor) = if grad {
+            l.links.get(|| l.vars().into_iter().cloned().collect(), self.device())?
+        } else {
+            Links::new(Vec::new(), self.device())?
+        };
+        let (model, layout) = (self.clone(), layout.clone());
+        let backward = move |x: &Tensor,
+                             anchor: &Tensor,
+                             dy: &Tensor|
+              -> Result<(Option<Tensor>, Option<Tensor>)> {
+            let l = &model.inner.layers[li];
+            let dy = dy.contiguous()?;
+            let (dx, dws) = with_layer(l, x, |w, x| {
+                read_host(&dy, |dy| layer_backward(shape, w, x, &layout.rope, &layout.plans, &saved, dy))
+            })???;
+            if grad {
+                let dws =
+                    dws.into_iter().zip(l.vars()).map(|(g, v)| Tensor::from_vec(g, v.shape(), v.device()));
+                links.hand(dws.collect::<candle_core::Result<Vec<_>>>()?);
+            }
+            let dx = if x.track_op() { Some(Tensor::from_vec(dx, x.shape(), x.device())?) } else { None };
+            Ok((dx, Some(anchor.zeros_like()?)))
+        };
+        Ok(Some(attach(
+            "host-layer",
+            &x,
+            &anchor,
+            y,
+            Box::new(move |x, anchor, dy| backward(x, anchor, dy).map_err(candle_core::Error::wrap)),
+        )?))
     }
 
     /// [`Model::layer`] with gradient checkpointing: the forward runs without a graph

@@ -54,6 +54,13 @@ pub enum Kernels {
 }
 
 impl Kernels {
+    /// Whether a plain f32 decoder layer runs as one computation on host buffers
+    /// with a backward of its own (`ops/layer.rs`) rather than op by op: the fused
+    /// CPU kernels' choice.
+    pub(crate) fn runs_whole_layers(self) -> bool {
+        self == Self::Fused
+    }
+
     /// The default for `device`: fused on the CPU, CUDA on CUDA devices (portable
     /// there when [`CUDA_KERNELS_ENV`] is `0`), portable elsewhere.
     #[must_use]

@@ -19,7 +19,7 @@
 //! on: every weight receives its gradient through the one `loss.backward()`, and no
 //! caller needs to know that a layer was checkpointed.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use candle_core::backend::BackendStorage;
 use candle_core::backprop::GradStore;
@@ -150,6 +150,47 @@ impl Links {
         for (slot, var) in slots.iter_mut().zip(self.vars.iter()) {
             *slot = grads.remove(var.as_tensor()).map(|g| g.detach());
         }
+    }
+}
+
+impl Links {
+    /// Hands the links each weight's gradient, in the order of the weights given to
+    /// [`Links::new`] (a backward that computes them itself, e.g. a decoder layer on
+    /// host buffers).
+    pub(crate) fn hand(&self, grads: Vec<Tensor>) {
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        for (slot, g) in slots.iter_mut().zip(grads) {
+            *slot = Some(g);
+        }
+    }
+}
+
+/// The [`Links`] of a fixed set of weights, made on first use and kept: a chain is a
+/// few tensors per weight, which a decoder layer run on host buffers would otherwise
+/// make again on every forward. The chain's tensors are reused by every graph that
+/// attaches to it; each backward pass hands its gradients through the slots and takes
+/// them out again before the next can run on this model.
+#[derive(Default)]
+pub(crate) struct LinkCache(OnceLock<(Links, Tensor)>);
+
+impl LinkCache {
+    /// The links and anchor of `vars`, made by the first call.
+    pub(crate) fn get(
+        &self,
+        vars: impl FnOnce() -> Vec<Var>,
+        device: &candle_core::Device,
+    ) -> Result<(Links, Tensor)> {
+        if let Some(made) = self.0.get() {
+            return Ok(made.clone());
+        }
+        let made = Links::new(vars(), device)?;
+        Ok(self.0.get_or_init(|| made).clone())
+    }
+}
+
+impl std::fmt::Debug for LinkCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() { "LinkCache(made)" } else { "LinkCache(empty)" })
     }
 }
 

@@ -39,7 +39,6 @@ impl Block {
 /// callers derive both from tensors they checked, so either is a bug here), or when
 /// `dst`'s rows overlap each other.
 #[allow(clippy::too_many_arguments, reason = "three blocks of three slices, as a BLAS call takes them")]
-#[allow(unsafe_code, reason = "gemm's product takes raw pointers and strides; the checks here bound them")]
 pub(crate) fn matmul(
     dst: &mut [f32],
     d: Block,
@@ -49,6 +48,40 @@ pub(crate) fn matmul(
     rhs: &[f32],
     b: Block,
     scale: f32,
+) {
+    product(dst, d, accumulate, (lhs, a), (rhs, b), scale, gemm::Parallelism::None);
+}
+
+/// [`matmul`] split over the threads of the current rayon pool, as candle's CPU matmul
+/// splits its products (the same kernels on the same blocks: each element's sum runs in
+/// the same order whatever the split).
+#[allow(clippy::too_many_arguments, reason = "three blocks of three slices, as a BLAS call takes them")]
+pub(crate) fn matmul_parallel(
+    dst: &mut [f32],
+    d: Block,
+    accumulate: bool,
+    lhs: &[f32],
+    a: Block,
+    rhs: &[f32],
+    b: Block,
+    scale: f32,
+) {
+    let threads = match rayon::current_num_threads() {
+        1 => gemm::Parallelism::None,
+        n => gemm::Parallelism::Rayon(n),
+    };
+    product(dst, d, accumulate, (lhs, a), (rhs, b), scale, threads);
+}
+
+#[allow(unsafe_code, reason = "gemm's product takes raw pointers and strides; the checks here bound them")]
+fn product(
+    dst: &mut [f32],
+    d: Block,
+    accumulate: bool,
+    (lhs, a): (&[f32], Block),
+    (rhs, b): (&[f32], Block),
+    scale: f32,
+    parallelism: gemm::Parallelism,
 ) {
     assert!(
         d.rows == a.rows && d.cols == b.cols && a.cols == b.rows,
@@ -79,7 +112,8 @@ pub(crate) fn matmul(
     // SAFETY: every element the product reads (`a` in `lhs`, `b` in `rhs`) or writes
     // (`d` in `dst`) lies inside its slice, by the bounds asserted above; `dst` is
     // borrowed mutably, so it aliases neither input, and its elements are distinct, so
-    // no element is written twice; `Parallelism::None` keeps every access on this thread.
+    // no element is written twice (gemm's threads, with `Parallelism::Rayon`, write
+    // disjoint blocks of it, and the borrows outlive the call, which joins them).
     unsafe {
         gemm::gemm(
             d.rows,
@@ -100,7 +134,7 @@ pub(crate) fn matmul(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
     }
 }

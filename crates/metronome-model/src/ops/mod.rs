@@ -18,6 +18,7 @@
 mod attention;
 mod decode;
 mod gemm;
+mod layer;
 mod linear;
 mod train;
 
@@ -28,6 +29,7 @@ pub(crate) use decode::{
     DecodeRows, DenseWeight, StepIndex, attention_rows, decode_attention, dense_rows, swiglu,
     swiglu_stacked_rows, write_decode_rows,
 };
+pub(crate) use layer::{Buffers, LayerShape, LayerWeights, layer_backward, layer_forward};
 pub use linear::Projection;
 pub(crate) use linear::{frozen_linear, fused_linear, linear};
 pub(crate) use train::{
@@ -121,20 +123,27 @@ impl<T: CpuOp3> candle_core::CustomOp3 for Op3<T> {
 /// the buffer with a signalling NaN, which no arithmetic produces, and check that
 /// `fill` left none of it: a kernel that misses an element fails there, not silently
 /// in release.
+pub(crate) fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
+    output_in(Vec::new(), n, fill)
+}
+
+/// [`output`] in the allocation of `out` (whose contents are dropped), grown if it
+/// holds fewer than `n` elements.
 #[allow(
     unsafe_code,
     reason = "an output buffer without the zero fill; `fill` writes it whole (checked in tests)"
 )]
-pub(crate) fn output(n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
+pub(crate) fn output_in(mut out: Vec<f32>, n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
+    out.clear();
     if cfg!(debug_assertions) {
         const UNWRITTEN: u32 = 0x7fa5_a5a5;
-        let mut out = vec![f32::from_bits(UNWRITTEN); n];
+        out.resize(n, f32::from_bits(UNWRITTEN));
         fill(&mut out);
         let left = out.iter().position(|x| x.to_bits() == UNWRITTEN);
         assert!(left.is_none(), "a fused op left element {left:?} of its {n}-element output unwritten");
         return out;
     }
-    let mut out = Vec::<f32>::with_capacity(n);
+    out.reserve(n);
     // SAFETY: the slice covers the `n` elements the allocation holds, aligned for f32;
     // `fill` only writes them (every kernel passed here assigns each element before it
     // reads it, which the tests check above), and `set_len` follows, so no
@@ -177,6 +186,27 @@ pub(crate) fn read_host<R>(t: &Tensor, read: impl FnOnce(&[f32]) -> R) -> Result
         (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(read(&v[a..b])),
         _ => Err(Error::invalid("host kernels", format!("need a contiguous f32 CPU tensor, not {t:?}"))),
     }
+}
+
+/// [`read_host`] of several tensors at once.
+pub(crate) fn read_hosts<const N: usize, R>(
+    ts: [&Tensor; N],
+    read: impl FnOnce([&[f32]; N]) -> R,
+) -> Result<R> {
+    let guards = ts.map(Tensor::storage_and_layout);
+    let mut slices: [&[f32]; N] = [&[]; N];
+    for ((slice, (storage, layout)), t) in slices.iter_mut().zip(&guards).zip(ts) {
+        match (&**storage, layout.contiguous_offsets()) {
+            (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => *slice = &v[a..b],
+            _ => {
+                return Err(Error::invalid(
+                    "host kernels",
+                    format!("need a contiguous f32 CPU tensor, not {t:?}"),
+                ));
+            }
+        }
+    }
+    Ok(read(slices))
 }
 
 /// Runs `write` on the elements of `t`, a contiguous f32 tensor on the CPU, in place.
@@ -326,6 +356,8 @@ impl RopeTables {
         fresh(&mut self.cos);
         fresh(&mut self.sin);
         let (cos, sin) = (std::sync::Arc::make_mut(&mut self.cos), std::sync::Arc::make_mut(&mut self.sin));
+        cos.reserve(positions.len() * half);
+        sin.reserve(positions.len() * half);
         for &p in positions {
             for &f in &self.inv_freq {
                 let a = p as f32 * f;
@@ -365,6 +397,12 @@ impl RopeTables {
     /// query/key/value row) to row `p` of `out`, for the tables' `n` positions.
     pub(crate) fn rotate_rows(&self, x: &[f32], stride: usize, head_dim: usize, out: &mut [f32]) {
         rope_rows(x, stride, head_dim, (&self.cos, &self.sin), 1.0, out);
+    }
+
+    /// The inverse of [`RopeTables::rotate_rows`] (the rotation by the negated angles,
+    /// which is also its backward), as [`apply_rope`]'s backward computes it.
+    pub(crate) fn rotate_rows_back(&self, x: &[f32], stride: usize, head_dim: usize, out: &mut [f32]) {
+        rope_rows(x, stride, head_dim, (&self.cos, &self.sin), -1.0, out);
     }
 }
 
@@ -408,10 +446,10 @@ impl candle_core::CustomOp2 for SwiGlu {
 /// `out = silu(g) * u` element by element, compiled for the instruction set
 /// `simd::dispatch` picks: with the branch-free `exp` the loop vectorises (libm's
 /// `expf` is a call per element, and without FMA in the target `mul_add` is too).
-struct SwiGluLoop<'a> {
-    g: &'a [f32],
-    u: &'a [f32],
-    out: &'a mut [f32],
+pub(super) struct SwiGluLoop<'a> {
+    pub(super) g: &'a [f32],
+    pub(super) u: &'a [f32],
+    pub(super) out: &'a mut [f32],
 }
 
 impl pulp::WithSimd for SwiGluLoop<'_> {
