@@ -152,6 +152,16 @@ pub struct Targets {
 }
 
 impl Targets {
+    /// Room for `n` more targets in every column.
+    pub fn reserve(&mut self, n: usize) {
+        self.row.reserve(n);
+        self.position.reserve(n);
+        self.token.reserve(n);
+        self.sequence.reserve(n);
+        self.advantage.reserve(n);
+        self.behaviour_logprob.reserve(n);
+    }
+
     /// Number of targets.
     #[must_use]
     pub fn len(&self) -> usize {

@@ -264,6 +264,13 @@ impl Builder {
         let p = prompt.len() as u32;
         let prompt_start = row.len() as u32;
         let prompt_segment = row.segments.len() as u32;
+        // Room for the part at once: grown push by push, a period's rows and targets
+        // reallocated a few dozen times each.
+        let answers: usize = part.responses.clone().map(|i| g.group.completions[i].tokens.len()).sum();
+        row.tokens.reserve(prompt.len() + answers);
+        row.positions.reserve(prompt.len() + answers);
+        row.segments.reserve(1 + part.responses.len());
+        batch.targets.reserve(answers);
         row.tokens.extend_from_slice(prompt);
         row.positions.extend(0..p);
         if kind == LayoutKind::SharedPrompt {

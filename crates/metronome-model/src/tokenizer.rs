@@ -71,7 +71,9 @@ impl metronome_core::Tokenizer for CharTokenizer {
     }
 
     fn decode(&self, tokens: &[TokenId]) -> metronome_core::Result<String> {
-        Ok(tokens.iter().filter_map(|&t| Self::char_of(t)).collect())
+        let mut text = String::with_capacity(tokens.len());
+        text.extend(tokens.iter().filter_map(|&t| Self::char_of(t)));
+        Ok(text)
     }
 
     fn vocab_size(&self) -> usize {

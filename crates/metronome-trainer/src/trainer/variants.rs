@@ -105,6 +105,7 @@ impl GrpoTrainer {
         }
         let t = &batch.targets;
         let mut kept = Targets::default();
+        kept.reserve(t.len());
         for i in 0..t.len() {
             let seq = &batch.sequences[t.sequence[i] as usize];
             if skip_group(seq.group as usize) {
