@@ -498,24 +498,30 @@ impl Kernels {
             return crate::cuda::next_rows(logits, draws);
         }
         let (rows, vocab) = logits.dims2()?;
-        // One host copy of the step's logits; a row is copied out again only when it
-        // goes back undrawn (a `Vec` per row was most of a decode step's allocations).
-        let all = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         // The draw's buffers (two of the vocabulary's size) live with the thread, as the
         // engine's sampler keeps its own per worker: not allocated again every step.
         thread_local! {
             static SCRATCH: std::cell::RefCell<DrawScratch> = std::cell::RefCell::default();
         }
-        Ok(SCRATCH.with_borrow_mut(|scratch| {
-            all.chunks_exact(vocab.max(1))
-                .take(rows)
-                .zip(draws)
-                .map(|(row, draw)| match draw.map(|d| draw_row(row, d, scratch)) {
-                    Some(Ok(drawn)) => Next::Drawn(drawn),
-                    None | Some(Err(_)) => Next::Logits(row.to_vec()),
-                })
-                .collect()
-        }))
+        // A row is copied out only when it goes back undrawn (a `Vec` per row was most
+        // of a decode step's allocations).
+        let draw_all = |all: &[f32]| -> Vec<Next> {
+            SCRATCH.with_borrow_mut(|scratch| {
+                all.chunks_exact(vocab.max(1))
+                    .take(rows)
+                    .zip(draws)
+                    .map(|(row, draw)| match draw.map(|d| draw_row(row, d, scratch)) {
+                        Some(Ok(drawn)) => Next::Drawn(drawn),
+                        None | Some(Err(_)) => Next::Logits(row.to_vec()),
+                    })
+                    .collect()
+            })
+        };
+        // f32 logits on the CPU are read in place; others through one host copy.
+        if logits.device().is_cpu() && logits.dtype() == DType::F32 && logits.is_contiguous() {
+            return crate::ops::read_host(logits, draw_all);
+        }
+        Ok(draw_all(&logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?))
     }
 }
 
