@@ -151,9 +151,7 @@ impl Links {
             *slot = grads.remove(var.as_tensor()).map(|g| g.detach());
         }
     }
-}
 
-impl Links {
     /// Hands the links each weight's gradient, in the order of the weights given to
     /// [`Links::new`] (a backward that computes them itself, e.g. a decoder layer on
     /// host buffers).

@@ -129,25 +129,18 @@ impl LayerShape {
     }
 }
 
-/// Products with a layer's weights, in buffers of a pool.
-struct Products<'p>(&'p Buffers);
-
-impl Products<'_> {
-    /// `x · wᵀ` for `x: [n, input]` and `w: [output, input]`.
-    fn linear(&self, x: &[f32], w: &[f32], n: usize, input: usize, out: usize) -> Vec<f32> {
-        self.0.output(n * out, |y| {
-            matmul_parallel(
-                y,
-                Block::rows(0, n, out, out),
-                false,
-                x,
-                Block::rows(0, n, input, input),
-                w,
-                Block::rows(0, out, input, input).t(),
-                1.0,
-            );
-        })
-    }
+/// `y = x · wᵀ` for `x: [n, input]` and `w: [output, input]`, written whole.
+fn linear(y: &mut [f32], x: &[f32], w: &[f32], n: usize, input: usize, out: usize) {
+    matmul_parallel(
+        y,
+        Block::rows(0, n, out, out),
+        false,
+        x,
+        Block::rows(0, n, input, input),
+        w,
+        Block::rows(0, out, input, input).t(),
+        1.0,
+    );
 }
 
 /// `dx (+)= dy · w` for `dy: [n, output]` and `w: [output, input]`.
@@ -211,37 +204,29 @@ pub(crate) fn layer_forward(
     fused_op_ran();
     let (n, d, m) = (s.n, s.hidden, s.inter);
     let (qw, kw) = (s.heads * s.hd, s.kv_heads * s.hd);
-    let p = Products(pool);
+    // A projection of the `n` rows, in a buffer of the pool.
+    let project = |x: &[f32], w: &[f32], input: usize, out: usize| {
+        pool.output(n * out, |y| linear(y, x, w, n, input, out))
+    };
     let a = pool.output(n * d, |a| rms_norm_rows(x, w.input_norm, s.eps, a));
     let rotate = |t: Vec<f32>, width: usize| {
         let r = pool.output(n * width, |r| rope.rotate_rows(&t, width, s.hd, r));
         pool.give([t]);
         r
     };
-    let q = rotate(p.linear(&a, w.q, n, d, qw), qw);
-    let k = rotate(p.linear(&a, w.k, n, d, kw), kw);
-    let v = p.linear(&a, w.v, n, d, kw);
+    let q = rotate(project(&a, w.q, d, qw), qw);
+    let k = rotate(project(&a, w.k, d, kw), kw);
+    let v = project(&a, w.v, d, kw);
     let att = attend(&q, &k, &v, s.attention(), plans)?;
-    let mut h = p.linear(&att, w.o, n, qw, d);
+    let mut h = project(&att, w.o, qw, d);
     // x + o, as the composed ops add them (IEEE addition commutes: the same bits).
     add_into(&mut h, x);
     let b = pool.output(n * d, |b| rms_norm_rows(&h, w.post_norm, s.eps, b));
-    let g = p.linear(&b, w.gate, n, d, m);
-    let u = p.linear(&b, w.up, n, d, m);
+    let g = project(&b, w.gate, d, m);
+    let u = project(&b, w.up, d, m);
     let act = pool.output(n * m, |out| crate::simd::dispatch(SwiGluLoop { g: &g, u: &u, out }));
     // The output leaves as a tensor: not from the pool.
-    let mut y = output(n * d, |y| {
-        matmul_parallel(
-            y,
-            Block::rows(0, n, d, d),
-            false,
-            &act,
-            Block::rows(0, n, m, m),
-            w.down,
-            Block::rows(0, d, m, m).t(),
-            1.0,
-        );
-    });
+    let mut y = output(n * d, |y| linear(y, &act, w.down, n, m, d));
     pool.give([act]);
     add_into(&mut y, &h);
     let saved = Saved { pool: Arc::clone(pool), a, q, k, v, att, h, b, g, u };
@@ -311,6 +296,23 @@ mod tests {
     use crate::ops::{
         apply_rope, fused_linear, noise, packed_attention, rms_norm, rope_tables, segment_plans, swiglu_train,
     };
+
+    /// A pool hands out the smallest kept buffer that holds a request, and a full pool
+    /// keeps the larger buffers: it comes to hold the largest micro-batch's sizes.
+    #[test]
+    fn a_full_pool_keeps_its_largest_buffers() {
+        let pool = Buffers::new(0);
+        assert_eq!(pool.most, 16);
+        pool.give((1..=20).map(|c| Vec::with_capacity(c * 8)));
+        let mut kept: Vec<usize> = pool.kept.lock().unwrap().iter().map(Vec::capacity).collect();
+        kept.sort_unstable();
+        assert_eq!(kept, (5..=20).map(|c| c * 8).collect::<Vec<_>>());
+        let b = pool.output(100, |b| b.fill(1.0));
+        assert_eq!((b.len(), b.capacity()), (100, 104), "the smallest buffer holding 100");
+        let fresh = pool.output(1000, |b| b.fill(2.0));
+        assert_eq!(fresh.len(), 1000);
+        assert_eq!(pool.kept.lock().unwrap().len(), 15, "a request no kept buffer holds takes none");
+    }
 
     /// Two packed rows: a prompt and two responses that see it, and a lone sequence
     /// restarting its positions, as the trainer packs groups.

@@ -497,6 +497,9 @@ mod tests {
             assert!(e.contains("need a contiguous f32 CPU tensor"), "{what}: {e}");
             let e = write_host(bad, |_| ()).unwrap_err().to_string();
             assert!(e.contains("host-write needs a contiguous f32 tensor"), "{what}: {e}");
+            // Among several (a layer's input and weights), any one refuses them all.
+            let e = read_hosts([&t, bad], |_| ()).unwrap_err().to_string();
+            assert!(e.contains("need a contiguous f32 CPU tensor"), "{what} among several: {e}");
         }
         // Nothing was written through the refusals.
         assert_eq!(read_host(&t, <[f32]>::to_vec).unwrap(), [0.0, 1.0, 2.0, 3.0, -1.0, 5.0]);
