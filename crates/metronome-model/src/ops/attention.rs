@@ -35,7 +35,7 @@ use rayon::prelude::*;
 use super::decode::exp_vectorisable;
 use super::gemm::{Block, matmul};
 use super::train::{RowPlans, SegmentPlan};
-use super::{FwdResult, contiguous_f32, fused_op_ran, output};
+use super::{Buffers, FwdResult, contiguous_f32, fused_op_ran};
 use crate::Result;
 
 /// Query rows per block: the blocks' key ranges follow the diagonal in steps of this
@@ -117,7 +117,7 @@ impl Span<'_> {
     /// queries cover the batch's rows, each once), the rows to cover the batch's `n`
     /// positions and each plan's keys to lie in its row and end in its queries.
     fn all(plans: &RowPlans, n: usize) -> candle_core::Result<Vec<Span<'_>>> {
-        let mut spans = Vec::new();
+        let mut spans = Vec::with_capacity(plans.iter().map(|(_, row_plans)| row_plans.len()).sum());
         let mut row = 0;
         for (row_len, row_plans) in plans {
             let mut next = 0;
@@ -271,7 +271,7 @@ impl candle_core::CustomOp3 for PackedAttention {
         fused_op_ran();
         let b = Heads::new(l1.dims(), l2.dims(), l3.dims())?;
         let [q, k, v] = [(s1, l1), (s2, l2), (s3, l3)].map(|(s, l)| contiguous_f32(self.name(), s, l));
-        let out = attend(q?, k?, v?, b, &self.plans)?;
+        let out = attend(q?, k?, v?, b, &self.plans, &Buffers::unpooled())?;
         Ok((CpuStorage::F32(out), (b.n, b.heads * b.hd).into()))
     }
 
@@ -294,7 +294,8 @@ impl candle_core::CustomOp3 for PackedAttention {
                 _ => candle_core::bail!("packed-attention runs on the CPU"),
             }
         };
-        let [dq, dk, dv] = attend_grad([host(0)?, host(1)?, host(2)?, host(3)?, host(4)?], b, &self.plans)?;
+        let hosts = [host(0)?, host(1)?, host(2)?, host(3)?, host(4)?];
+        let [dq, dk, dv] = attend_grad(hosts, b, &self.plans, &Buffers::unpooled())?;
         drop(guards);
         let dev = q.device();
         Ok((
@@ -307,47 +308,49 @@ impl candle_core::CustomOp3 for PackedAttention {
 
 /// The attention of the segments of `plans` on host slices: `q: [n, heads, hd]`,
 /// `k`, `v: [n, kv_heads, hd]` to `[n, heads · hd]` ([`PackedAttention`]'s forward,
-/// which a decoder layer on host buffers runs too).
+/// which a decoder layer on host buffers runs too), in a buffer of `pool`.
 pub(super) fn attend(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     b: Heads,
     plans: &RowPlans,
+    pool: &Buffers,
 ) -> candle_core::Result<Vec<f32>> {
     let (qw, kw) = (b.heads * b.hd, b.kv_heads * b.hd);
     let spans = Span::all(plans, b.n)?;
-    let (mut kb, mut vb) = (Vec::new(), Vec::new());
-    let mut scratch = Scratch::new(&spans, b, false);
+    let mut scratch = Scratch::new(&spans, b, false, pool);
+    let Scratch { work, kb, vb, .. } = &mut scratch;
     // The spans tile the rows: every output row is written by its segment.
-    Ok(output(b.n * qw, |out| {
+    Ok(pool.output(b.n * qw, |out| {
         for span in &spans {
             let rows = span.queries(qw);
-            let (ks, vs) = (span.gather(k, kw, &mut kb), span.gather(v, kw, &mut vb));
-            forward(span.dims(b), &q[rows.clone()], ks, vs, &mut out[rows], &mut scratch);
+            let (ks, vs) = (span.gather(k, kw, kb), span.gather(v, kw, vb));
+            forward(span.dims(b), &q[rows.clone()], ks, vs, &mut out[rows], &mut work.queries);
         }
     }))
 }
 
 /// The gradients `[dq, dk, dv]` of [`attend`] from its inputs, its output and the
-/// output's gradient (`[q, k, v, out, d out]`).
+/// output's gradient (`[q, k, v, out, d out]`), in buffers of `pool`.
 pub(super) fn attend_grad(
     [qs, ks, vs, os, dos]: [&[f32]; 5],
     b: Heads,
     plans: &RowPlans,
+    pool: &Buffers,
 ) -> candle_core::Result<[Vec<f32>; 3]> {
     let (qw, kw) = (b.heads * b.hd, b.kv_heads * b.hd);
     let spans = Span::all(plans, b.n)?;
-    let (mut dk, mut dv) = (vec![0f32; b.n * kw], vec![0f32; b.n * kw]);
-    let (mut kb, mut vb) = (Vec::new(), Vec::new());
-    let mut scratch = Scratch::new(&spans, b, true);
+    let (mut dk, mut dv) = (pool.zeros(b.n * kw), pool.zeros(b.n * kw));
+    let mut scratch = Scratch::new(&spans, b, true, pool);
+    let Scratch { work, kb, vb, .. } = &mut scratch;
     // The spans tile the rows: every row of dq is written by its segment.
-    let dq = output(b.n * qw, |dq| {
+    let dq = pool.output(b.n * qw, |dq| {
         for span in &spans {
             let rows = span.queries(qw);
-            let (kg, vg) = (span.gather(ks, kw, &mut kb), span.gather(vs, kw, &mut vb));
+            let (kg, vg) = (span.gather(ks, kw, kb), span.gather(vs, kw, vb));
             let (sq, so, sdo) = (&qs[rows.clone()], &os[rows.clone()], &dos[rows.clone()]);
-            let (sdk, sdv) = backward(span.dims(b), sq, kg, vg, so, sdo, &mut dq[rows], &mut scratch);
+            let (sdk, sdv) = backward(span.dims(b), sq, kg, vg, so, sdo, &mut dq[rows], work);
             span.scatter_add(sdk, kw, &mut dk);
             span.scatter_add(sdv, kw, &mut dv);
         }
@@ -355,12 +358,22 @@ pub(super) fn attend_grad(
     Ok([dq, dk, dv])
 }
 
-/// One call's buffers for the per-head work of its segments, sized for the longest
-/// one and reused by each in turn. A buffer per head and segment, zeroed, was most of
-/// the op's allocations: with this and RMSNorm's gradient doing the same, the
-/// TRL-matched run's allocator calls per period fell from 9,130 to 7,670 (zeroed ones
-/// from 1,160 to 310).
-struct Scratch {
+/// One call's buffers for the work of its segments, sized for the longest one, reused
+/// by each in turn and given back to the pool they came from when the call is done
+/// (a decoder layer on host buffers finds them there at its next call).
+struct Scratch<'p> {
+    pool: &'p Buffers,
+    work: Work,
+    /// A segment's keys and values gathered from their spans, when they are several.
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+}
+
+/// The per-head buffers of a segment's attention. A buffer per head and segment,
+/// zeroed, was most of the op's allocations: with this and RMSNorm's gradient doing
+/// the same, the TRL-matched run's allocator calls per period fell from 9,130 to 7,670
+/// (zeroed ones from 1,160 to 310).
+struct Work {
     /// `[heads, lq, hd]`: each head's queries' output, or their gradient.
     queries: Vec<f32>,
     /// `[heads, lk, hd]` twice: each head's key and value gradients.
@@ -369,32 +382,42 @@ struct Scratch {
     keys: Vec<f32>,
 }
 
-impl Scratch {
-    /// The buffers for the longest segment of `spans`: each head's queries, and with
-    /// `grads` the key and value gradients the backward sums.
-    fn new(spans: &[Span<'_>], b: Heads, grads: bool) -> Self {
+impl<'p> Scratch<'p> {
+    /// The buffers for the longest segment of `spans`: each head's queries, the
+    /// gathered keys and values, and with `grads` the key and value gradients the
+    /// backward sums (each zeroed there, segment by segment).
+    fn new(spans: &[Span<'_>], b: Heads, grads: bool, pool: &'p Buffers) -> Self {
         let (mut lq, mut lk) = (0, 0);
         for s in spans {
             lq = lq.max(s.plan.len);
             lk = lk.max(s.plan.visible + s.plan.len);
         }
-        let grads = usize::from(grads);
-        Scratch {
-            queries: vec![0f32; b.heads * lq * b.hd],
-            head_keys: vec![0f32; grads * 2 * b.heads * lk * b.hd],
-            keys: vec![0f32; grads * 2 * lk * b.kv_heads * b.hd],
-        }
+        let (grads, kw) = (usize::from(grads), b.kv_heads * b.hd);
+        let work = Work {
+            queries: pool.scratch(b.heads * lq * b.hd),
+            head_keys: pool.scratch(grads * 2 * b.heads * lk * b.hd),
+            keys: pool.scratch(grads * 2 * lk * kw),
+        };
+        Scratch { pool, work, kb: pool.room(lk * kw), vb: pool.room(lk * kw) }
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        let Scratch { pool, work: Work { queries, head_keys, keys }, kb, vb } = self;
+        pool.give([queries, head_keys, keys, kb, vb].map(std::mem::take));
     }
 }
 
 /// One segment's output `[lq, heads · hd]` into `out` from its queries `q: [lq, heads,
-/// hd]` and its keys and values `[lk, kv_heads, hd]`.
-fn forward(d: Dims, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], scratch: &mut Scratch) {
+/// hd]` and its keys and values `[lk, kv_heads, hd]`, with each head's output in
+/// `queries`.
+fn forward(d: Dims, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], queries: &mut [f32]) {
     let hd = d.hd;
     if d.lq == 0 {
         return;
     }
-    let per_head = &mut scratch.queries[..d.heads * d.lq * hd];
+    let per_head = &mut queries[..d.heads * d.lq * hd];
     per_head.par_chunks_mut(d.lq * hd).enumerate().for_each(|(h, hq)| {
         let g = h / (d.heads / d.kv_heads);
         // Each block writes its rows of `hq` whole.
@@ -421,7 +444,7 @@ fn backward<'s>(
     o: &[f32],
     dout: &[f32],
     dq: &mut [f32],
-    scratch: &'s mut Scratch,
+    scratch: &'s mut Work,
 ) -> (&'s [f32], &'s [f32]) {
     let (hd, rep) = (d.hd, d.heads / d.kv_heads);
     let scale = d.scale();

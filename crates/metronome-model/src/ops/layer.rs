@@ -68,21 +68,54 @@ impl Buffers {
         Self { kept: Mutex::new(Vec::new()), most: 12 * layers + 16 }
     }
 
+    /// A pool that keeps nothing: for an op called on its own (the composed ops'
+    /// attention), whose buffers then come from the allocator and go back to it.
+    pub(crate) fn unpooled() -> Self {
+        Self { kept: Mutex::new(Vec::new()), most: 0 }
+    }
+
+    /// The smallest kept buffer that holds `n` elements, as it was given back, else a
+    /// fresh one.
+    fn take(&self, n: usize) -> Vec<f32> {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let best =
+            kept.iter().enumerate().filter(|(_, b)| b.capacity() >= n).min_by_key(|(_, b)| b.capacity());
+        best.map(|(i, _)| i).map(|i| kept.swap_remove(i)).unwrap_or_default()
+    }
+
     /// A buffer of `n` elements, every one written by `fill` ([`output`]), in the
     /// smallest kept buffer that holds them, else a fresh one.
-    fn output(&self, n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
-        let reused = {
-            let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
-            let best =
-                kept.iter().enumerate().filter(|(_, b)| b.capacity() >= n).min_by_key(|(_, b)| b.capacity());
-            best.map(|(i, _)| i).map(|i| kept.swap_remove(i))
-        };
-        output_in(reused.unwrap_or_default(), n, fill)
+    pub(crate) fn output(&self, n: usize, fill: impl FnOnce(&mut [f32])) -> Vec<f32> {
+        output_in(self.take(n), n, fill)
+    }
+
+    /// A buffer of `n` zeros, for sums.
+    pub(crate) fn zeros(&self, n: usize) -> Vec<f32> {
+        let mut b = self.take(n);
+        b.clear();
+        b.resize(n, 0.0);
+        b
+    }
+
+    /// A buffer of `n` elements whose values are whatever it held: working space a
+    /// kernel writes before it reads (only elements it never held before are zeroed).
+    pub(crate) fn scratch(&self, n: usize) -> Vec<f32> {
+        let mut b = self.take(n);
+        b.resize(n, 0.0);
+        b
+    }
+
+    /// An empty buffer with room for `n` elements, to be filled by pushing.
+    pub(crate) fn room(&self, n: usize) -> Vec<f32> {
+        let mut b = self.take(n);
+        b.clear();
+        b.reserve(n);
+        b
     }
 
     /// Gives buffers back. A full pool keeps the larger of a buffer given and its
     /// smallest, so that it comes to hold the sizes of the largest micro-batch.
-    fn give(&self, buffers: impl IntoIterator<Item = Vec<f32>>) {
+    pub(crate) fn give(&self, buffers: impl IntoIterator<Item = Vec<f32>>) {
         let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
         for b in buffers {
             if b.capacity() == 0 {
@@ -217,7 +250,7 @@ pub(crate) fn layer_forward(
     let q = rotate(project(&a, w.q, d, qw), qw);
     let k = rotate(project(&a, w.k, d, kw), kw);
     let v = project(&a, w.v, d, kw);
-    let att = attend(&q, &k, &v, s.attention(), plans)?;
+    let att = attend(&q, &k, &v, s.attention(), plans, pool)?;
     let mut h = project(&att, w.o, qw, d);
     // x + o, as the composed ops add them (IEEE addition commutes: the same bits).
     add_into(&mut h, x);
@@ -268,7 +301,7 @@ pub(crate) fn layer_backward(
     // Attention: h = x + o(att), att = attend(rope(q(a)), rope(k(a)), v(a)).
     let d_o = linear_weight_grad(&dh, att, n, qw, d);
     let d_att = pool.output(n * qw, |da| linear_input_grad(da, false, &dh, w.o, n, qw, d));
-    let [dq_r, dk_r, dv] = attend_grad([q, k, v, att, &d_att], s.attention(), plans)?;
+    let [dq_r, dk_r, dv] = attend_grad([q, k, v, att, &d_att], s.attention(), plans, pool)?;
     let dq = pool.output(n * qw, |r| rope.rotate_rows_back(&dq_r, qw, s.hd, r));
     let dk = pool.output(n * kw, |r| rope.rotate_rows_back(&dk_r, kw, s.hd, r));
     let d_q = linear_weight_grad(&dq, a, n, d, qw);
@@ -312,6 +345,26 @@ mod tests {
         let fresh = pool.output(1000, |b| b.fill(2.0));
         assert_eq!(fresh.len(), 1000);
         assert_eq!(pool.kept.lock().unwrap().len(), 15, "a request no kept buffer holds takes none");
+    }
+
+    /// Sums start from zeros in a buffer that held other values; working space keeps
+    /// them (its kernels write before they read) and has the length asked; a buffer
+    /// for pushing comes empty; a pool that keeps nothing drops what it is given.
+    #[test]
+    fn pool_buffers_are_zeroed_only_for_sums() {
+        let pool = Buffers::new(0);
+        pool.give([vec![7.0; 8]]);
+        assert_eq!(pool.zeros(6), vec![0.0; 6]);
+        let mut held = Vec::with_capacity(16);
+        held.resize(8, 7.0);
+        pool.give([held]);
+        assert_eq!(pool.scratch(10), [[7.0; 8].as_slice(), &[0.0; 2]].concat(), "longer than it was");
+        pool.give([vec![7.0; 8]]);
+        let room = pool.room(8);
+        assert!(room.is_empty() && room.capacity() >= 8);
+        let unpooled = Buffers::unpooled();
+        unpooled.give([vec![1.0; 4]]);
+        assert!(unpooled.kept.lock().unwrap().is_empty());
     }
 
     /// Two packed rows: a prompt and two responses that see it, and a lone sequence
