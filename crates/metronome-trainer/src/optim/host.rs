@@ -30,10 +30,19 @@ fn affine<T: std::ops::Mul<Output = T> + std::ops::Add<Output = T>>(x: T, mul: T
 
 /// `sum += g` element by element: `sum` f64, `g` f32 (exact in f64).
 pub(super) fn add_into(sum: &Tensor, g: &Tensor) -> Result<()> {
-    Ok(sum.inplace_op2(g, &AddInto)?)
+    Ok(sum.inplace_op2(g, &AddInto { assign: false })?)
 }
 
-struct AddInto;
+/// `sum = g` element by element, `g` widened to f64 (as `to_dtype` widens it): a new
+/// sum in an old one's memory.
+pub(super) fn assign_into(sum: &Tensor, g: &Tensor) -> Result<()> {
+    Ok(sum.inplace_op2(g, &AddInto { assign: true })?)
+}
+
+/// [`add_into`], or with `assign` [`assign_into`].
+struct AddInto {
+    assign: bool,
+}
 
 impl candle_core::InplaceOp2 for AddInto {
     fn name(&self) -> &'static str {
@@ -57,8 +66,14 @@ impl candle_core::InplaceOp2 for AddInto {
         if sum.len() != g.len() {
             candle_core::bail!("add-into: a gradient of {} elements for a sum of {}", g.len(), sum.len())
         }
-        for (s, &g) in sum.iter_mut().zip(g) {
-            *s += f64::from(g);
+        if self.assign {
+            for (s, &g) in sum.iter_mut().zip(g) {
+                *s = f64::from(g);
+            }
+        } else {
+            for (s, &g) in sum.iter_mut().zip(g) {
+                *s += f64::from(g);
+            }
         }
         Ok(())
     }

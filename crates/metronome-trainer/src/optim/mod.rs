@@ -22,9 +22,17 @@ use crate::{Result, TrainerError};
 /// a few of them is (nearly always) exact too, so the total does not depend on the
 /// order in which micro-batches arrive. That is what makes completion-order training
 /// equal to synchronous training to the last bit in practice, not only to rounding.
+///
+/// A sum read through [`GradAccumulator::sums`] is the accumulator's own, valid until
+/// the next [`GradAccumulator::add`]: later micro-batches are added into it in place,
+/// and after [`GradAccumulator::clear`] its memory takes the next period's first
+/// gradient (a parameter-sized f64 tensor per parameter each period, allocated anew
+/// before, was a share of the CPU trainer's allocator time).
 #[derive(Debug, Default)]
 pub struct GradAccumulator {
     sums: Vec<Option<Tensor>>,
+    /// The sums [`GradAccumulator::clear`] let go, to be written over.
+    spare: Vec<Option<Tensor>>,
     micro_batches: u64,
 }
 
@@ -32,11 +40,12 @@ impl GradAccumulator {
     /// An empty accumulator for `num_params` parameters.
     #[must_use]
     pub fn new(num_params: usize) -> Self {
-        Self { sums: vec![None; num_params], micro_batches: 0 }
+        Self { sums: vec![None; num_params], spare: vec![None; num_params], micro_batches: 0 }
     }
 
     /// Adds the gradients of `params` found in `grads`.
     pub fn add(&mut self, params: &[(String, Var)], grads: &GradStore) -> Result<()> {
+        self.spare.resize(self.sums.len(), None);
         for (i, (_, var)) in params.iter().enumerate() {
             if let Some(g) = grads.get(var.as_tensor()) {
                 // candle detaches the gradients of inner nodes but not those of the
@@ -59,7 +68,19 @@ impl GradAccumulator {
                         s
                     }
                     Some(s) => (s + g.to_dtype(DType::F64)?)?,
-                    None => g.to_dtype(DType::F64)?.contiguous()?,
+                    None => match self.spare[i].take() {
+                        Some(s)
+                            if s.dtype() == DType::F64
+                                && s.dims() == g.dims()
+                                && g.dtype() == DType::F32
+                                && g.device().is_cpu()
+                                && host::on_host(&s) =>
+                        {
+                            host::assign_into(&s, &g.contiguous()?)?;
+                            s
+                        }
+                        _ => g.to_dtype(DType::F64)?.contiguous()?,
+                    },
                 });
             }
         }
@@ -94,9 +115,14 @@ impl GradAccumulator {
         Ok(())
     }
 
-    /// Forgets everything accumulated.
+    /// Forgets everything accumulated (keeping the sums' memory for the next ones).
     pub fn clear(&mut self) {
-        self.sums.iter_mut().for_each(|s| *s = None);
+        self.spare.resize(self.sums.len(), None);
+        for (sum, spare) in self.sums.iter_mut().zip(&mut self.spare) {
+            if let Some(s) = sum.take() {
+                *spare = Some(s);
+            }
+        }
         self.micro_batches = 0;
     }
 
@@ -496,10 +522,18 @@ mod tests {
         assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![2.0, 2.0]);
         assert!((norm - 8f64.sqrt()).abs() < 1e-12);
         assert_eq!(acc.micro_batches(), 2);
+        let kept = acc.sums()[0].as_ref().unwrap().id();
         acc.clear();
         let (g, norm) = acc.finish(&params, 1.0).unwrap();
         assert_eq!(g[0].to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
         assert_eq!(norm, 0.0);
+        // The next period's first gradient is written over the last period's sum: the
+        // same tensor, holding the new gradient alone.
+        let loss = (x.as_tensor() * 5.0).unwrap().sum_all().unwrap();
+        acc.add(&params, &loss.backward().unwrap()).unwrap();
+        let sum = acc.sums()[0].as_ref().unwrap();
+        assert_eq!(sum.id(), kept);
+        assert_eq!(sum.to_vec1::<f64>().unwrap(), vec![5.0, 5.0]);
     }
 
     #[test]
