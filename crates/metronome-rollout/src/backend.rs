@@ -97,6 +97,16 @@ pub trait InferenceModel: Send + Sync + 'static {
 pub trait WeightLoader<M>: Send + Sync + 'static {
     /// A model holding `weights`.
     fn load(&self, weights: &WeightSnapshot) -> Result<M>;
+
+    /// Writes `weights` into `model`, a model this loader built that nothing else
+    /// holds now (the engine's, between periods), instead of building another: a
+    /// publication then reuses the served weights' memory. Checks everything before
+    /// writing, as [`WeightLoader::load`] does, so an error leaves `model` as it was.
+    /// `Ok(false)` where the loader cannot (the default): the engine then loads anew.
+    fn reload(&self, model: &mut M, weights: &WeightSnapshot) -> Result<bool> {
+        let _ = (model, weights);
+        Ok(false)
+    }
 }
 
 impl<M, F> WeightLoader<M> for F
@@ -239,6 +249,16 @@ impl WeightLoader<metronome_model::Model> for SnapshotLoader {
             return Ok(model);
         }
         model.compute_copy(self.dtype).map_err(crate::Error::model)
+    }
+
+    /// In place for an f32 model (a snapshot's own type); a model of another type
+    /// (a bf16 engine's) is loaded anew.
+    fn reload(&self, model: &mut metronome_model::Model, weights: &WeightSnapshot) -> Result<bool> {
+        if model.dtype() != candle_core::DType::F32 || self.dtype != candle_core::DType::F32 {
+            return Ok(false);
+        }
+        model.load_snapshot(weights).map_err(crate::Error::model)?;
+        Ok(true)
     }
 }
 

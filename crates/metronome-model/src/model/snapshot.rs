@@ -38,12 +38,7 @@ impl Model {
         trainable: bool,
     ) -> Result<Self> {
         let what = || format!("snapshot version {}", s.version);
-        let mut by_name: HashMap<&str, &metronome_core::HostTensor> = HashMap::new();
-        for t in &s.tensors {
-            if by_name.insert(t.name.as_str(), t).is_some() {
-                return Err(Error::checkpoint(what(), format!("holds tensor `{}` twice", t.name)));
-            }
-        }
+        let by_name = by_name(s)?;
         let mut used = std::collections::HashSet::new();
         let model = {
             let mut source = |name: &str, _shape: &[usize], _init: Init| -> Result<Tensor> {
@@ -72,9 +67,10 @@ impl Model {
             ));
         }
         let params = self.param_map();
+        let by_name = by_name(s)?;
         let mut sources = Vec::with_capacity(params.len());
         for (name, var) in &params {
-            let t = s.get(name).ok_or_else(|| {
+            let t = by_name.get(name.as_str()).ok_or_else(|| {
                 Error::checkpoint(format!("snapshot version {}", s.version), format!("lacks tensor `{name}`"))
             })?;
             if t.shape != var.dims() {
@@ -88,7 +84,15 @@ impl Model {
         }
         refuse_unknown(s, |name| params.contains_key(name))?;
         for (var, t) in sources {
-            var.set(&host_to_tensor(t, self.device())?)?;
+            match &t.data {
+                // On the host, copied straight into the weight's storage.
+                metronome_core::TensorData::F32(data)
+                    if var.device().is_cpu() && var.dtype() == DType::F32 && var.is_contiguous() =>
+                {
+                    crate::ops::write_host(var.as_tensor(), |w| w.copy_from_slice(data))?;
+                }
+                _ => var.set(&host_to_tensor(t, self.device())?)?,
+            }
         }
         // The next decode step rebuilds the decode layout from the new weights.
         if let Ok(mut d) = self.inner.decode.write() {
@@ -112,7 +116,21 @@ impl Model {
     }
 }
 
-/// A host tensor as an f32 tensor on `device`.
+/// The snapshot's tensors by name, refusing a name held twice (which of the two
+/// would load is not for a loader to guess).
+fn by_name(s: &metronome_core::WeightSnapshot) -> Result<HashMap<&str, &metronome_core::HostTensor>> {
+    let mut by_name = HashMap::with_capacity(s.tensors.len());
+    for t in &s.tensors {
+        if by_name.insert(t.name.as_str(), t).is_some() {
+            return Err(Error::checkpoint(
+                format!("snapshot version {}", s.version),
+                format!("holds tensor `{}` twice", t.name),
+            ));
+        }
+    }
+    Ok(by_name)
+}
+
 /// Refuses a snapshot that holds tensors the model has none of (`known` says which
 /// it has): weights saved from another architecture or a corrupted file would
 /// otherwise load silently with some of their tensors dropped.
@@ -140,6 +158,7 @@ fn check_host(t: &metronome_core::HostTensor, version: PolicyVersion) -> Result<
     })
 }
 
+/// A host tensor as an f32 tensor on `device`.
 fn host_to_tensor(t: &metronome_core::HostTensor, device: &Device) -> Result<Tensor> {
     use metronome_core::TensorData;
     t.check().map_err(|reason| Error::checkpoint(format!("tensor `{}`", t.name), reason))?;

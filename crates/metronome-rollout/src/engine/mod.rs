@@ -142,7 +142,7 @@ impl<M: InferenceModel> Engine<M> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
-            current: RwLock::new(Arc::new(Versioned { version, model })),
+            current: RwLock::new(Arc::new(Versioned { version, model, loaded: false })),
             counters: (0..config.workers).map(|_| WorkerCounters::default()).collect(),
             tokenizer,
             tool_calls: Arc::new(AtomicU64::new(0)),
@@ -240,7 +240,7 @@ impl<M: InferenceModel> Engine<M> {
 
     /// Installs an already built model as `version`; sequences started afterwards use it.
     pub fn install_model(&self, model: M, version: PolicyVersion) {
-        let next = Arc::new(Versioned { version, model });
+        let next = Arc::new(Versioned { version, model, loaded: false });
         *self.shared.current.write().unwrap_or_else(PoisonError::into_inner) = next;
     }
 
@@ -258,13 +258,28 @@ impl<M: InferenceModel> Engine<M> {
         if refuse(self.current_version()) {
             return Err(older(self.current_version()));
         }
+        {
+            // The served model written over, when the loader built it and no sequence
+            // or worker holds it (between the periods of an on-policy schedule).
+            let mut current = self.shared.current.write().unwrap_or_else(PoisonError::into_inner);
+            if refuse(current.version) {
+                return Err(older(current.version));
+            }
+            if current.loaded
+                && let Some(served) = Arc::get_mut(&mut current)
+                && loader.reload(&mut served.model, weights)?
+            {
+                served.version = weights.version;
+                return Ok(());
+            }
+        }
         let model = loader.load(weights)?;
         // Checked again under the lock: another install may have landed meanwhile.
         let mut current = self.shared.current.write().unwrap_or_else(PoisonError::into_inner);
         if refuse(current.version) {
             return Err(older(current.version));
         }
-        *current = Arc::new(Versioned { version: weights.version, model });
+        *current = Arc::new(Versioned { version: weights.version, model, loaded: true });
         Ok(())
     }
 

@@ -59,6 +59,9 @@ impl WorkerCounters {
 pub(super) struct Versioned<M> {
     pub(super) version: PolicyVersion,
     pub(super) model: M,
+    /// Built by the engine's [`crate::WeightLoader`] (not handed in), so the loader may
+    /// write the next weights into it ([`crate::WeightLoader::reload`]).
+    pub(super) loaded: bool,
 }
 
 /// What workers report to a request's assembler.

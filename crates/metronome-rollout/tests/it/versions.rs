@@ -246,3 +246,64 @@ async fn a_bf16_engine_decodes_in_bf16_before_and_after_an_install() {
         assert!(bitwise < diffs.len(), "every log-prob equals the f32 engine's: not decoding in bf16");
     }
 }
+
+/// The engine's loader, counting the models it builds and the ones it writes over.
+struct Counting {
+    inner: metronome_rollout::SnapshotLoader,
+    loads: Arc<std::sync::atomic::AtomicUsize>,
+    reloads: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl metronome_rollout::WeightLoader<metronome_model::Model> for Counting {
+    fn load(&self, weights: &WeightSnapshot) -> metronome_rollout::Result<metronome_model::Model> {
+        self.loads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.load(weights)
+    }
+
+    fn reload(
+        &self,
+        model: &mut metronome_model::Model,
+        weights: &WeightSnapshot,
+    ) -> metronome_rollout::Result<bool> {
+        let written = self.inner.reload(model, weights)?;
+        self.reloads.fetch_add(usize::from(written), std::sync::atomic::Ordering::Relaxed);
+        Ok(written)
+    }
+}
+
+/// Between requests the served model is the loader's own and no sequence holds it:
+/// the next weights are written over it rather than loaded into a new model, and it
+/// generates what a model loaded anew with them does. The model handed to the engine
+/// at its start is never written over (others may share its weights).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_engine_writes_new_weights_over_its_loaded_model() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (loads, reloads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let base = engine(2, 3, sampling(8));
+    let inner = metronome_rollout::SnapshotLoader {
+        config: metronome_model::ModelConfig::tiny(),
+        device: metronome_model::Device::Cpu,
+        dtype: candle_core::DType::F32,
+    };
+    let e =
+        base.with_weight_loader(Counting { inner, loads: Arc::clone(&loads), reloads: Arc::clone(&reloads) });
+    let counts = || (loads.load(Ordering::Relaxed), reloads.load(Ordering::Relaxed));
+    generate(&e, request()).await;
+    e.install_weights(Arc::new(tiny_model(1).snapshot(PolicyVersion(1)).unwrap())).await.unwrap();
+    assert_eq!(counts(), (1, 0), "the model handed in is not written over");
+    generate(&e, request()).await;
+    let v2 = Arc::new(tiny_model(2).snapshot(PolicyVersion(2)).unwrap());
+    e.install_weights(Arc::clone(&v2)).await.unwrap();
+    assert_eq!(counts(), (1, 1), "the loaded model is written over");
+    let written = signature(&generate(&e, request()).await);
+    let fresh = engine(2, 3, sampling(8));
+    fresh.install_weights(v2).await.unwrap();
+    assert_eq!(written, signature(&generate(&fresh, request()).await));
+    // A refused snapshot leaves it as it was.
+    let mut bad = tiny_model(3).snapshot(PolicyVersion(3)).unwrap();
+    bad.tensors.push(bad.tensors[1].clone());
+    let err = ErrorChain(&e.install_weights(Arc::new(bad)).await.unwrap_err()).to_string();
+    assert!(err.contains("twice"), "{err}");
+    assert_eq!(e.version(), PolicyVersion(2));
+    assert_eq!(written, signature(&generate(&e, request()).await));
+}
