@@ -245,9 +245,11 @@ impl<M: InferenceModel> Engine<M> {
     }
 
     /// Builds a model from `weights` with the engine's loader and installs it, unless
-    /// they are older than the installed weights and `rollback` refuses that. The
-    /// loader checks names, shapes and values first (e.g. `Model::from_snapshot`), so
-    /// a refused snapshot leaves the served weights as they were.
+    /// they are older than the installed weights and `rollback` refuses that. When the
+    /// served model is one the loader built and nothing holds it (no sequence runs on
+    /// it), the loader writes the weights over it instead ([`WeightLoader::reload`]).
+    /// The loader checks names, shapes and values first (e.g. `Model::from_snapshot`),
+    /// so a refused snapshot leaves the served weights as they were.
     pub fn install_snapshot(&self, weights: &WeightSnapshot, rollback: Rollback) -> Result<()> {
         let loader = self
             .loader
@@ -255,9 +257,6 @@ impl<M: InferenceModel> Engine<M> {
             .ok_or_else(|| Error::config("weight_loader", "is not set, so weights cannot be installed"))?;
         let older = |installed| Error::Rollback { offered: weights.version, installed };
         let refuse = |current| rollback == Rollback::Refuse && weights.version < current;
-        if refuse(self.current_version()) {
-            return Err(older(self.current_version()));
-        }
         {
             // The served model written over, when the loader built it and no sequence
             // or worker holds it (between the periods of an on-policy schedule).

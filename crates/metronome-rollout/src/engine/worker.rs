@@ -390,7 +390,12 @@ impl<M: InferenceModel> Worker<M> {
             };
             match batches.iter_mut().find(|(m, _)| Arc::ptr_eq(m, model)) {
                 Some((_, batch)) => batch.push((slot, token)),
-                None => batches.push((Arc::clone(model), vec![(slot, token)])),
+                None => {
+                    // Room for every slot from here on: the batch grows without moving.
+                    let mut batch = Vec::with_capacity(self.slots.len() - slot);
+                    batch.push((slot, token));
+                    batches.push((Arc::clone(model), batch));
+                }
             }
         }
         if batches.is_empty() {
