@@ -45,7 +45,6 @@ impl GradAccumulator {
 
     /// Adds the gradients of `params` found in `grads`.
     pub fn add(&mut self, params: &[(String, Var)], grads: &GradStore) -> Result<()> {
-        self.spare.resize(self.sums.len(), None);
         for (i, (_, var)) in params.iter().enumerate() {
             if let Some(g) = grads.get(var.as_tensor()) {
                 // candle detaches the gradients of inner nodes but not those of the
@@ -68,7 +67,7 @@ impl GradAccumulator {
                         s
                     }
                     Some(s) => (s + g.to_dtype(DType::F64)?)?,
-                    None => match self.spare[i].take() {
+                    None => match self.spare.get_mut(i).and_then(Option::take) {
                         Some(s)
                             if s.dtype() == DType::F64
                                 && s.dims() == g.dims()
@@ -117,7 +116,6 @@ impl GradAccumulator {
 
     /// Forgets everything accumulated (keeping the sums' memory for the next ones).
     pub fn clear(&mut self) {
-        self.spare.resize(self.sums.len(), None);
         for (sum, spare) in self.sums.iter_mut().zip(&mut self.spare) {
             if let Some(s) = sum.take() {
                 *spare = Some(s);
