@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 3] = ["draw", "layer", "decode"];
+const KERNELS: [&str; 4] = ["draw", "layer", "decode", "attention"];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");

@@ -8,6 +8,7 @@ mod common;
 mod decode;
 mod devices;
 mod gguf;
+mod kernels_on_cpu;
 mod lora;
 mod matmul;
 mod memory;
