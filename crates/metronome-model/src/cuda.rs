@@ -1148,3 +1148,6 @@ impl candle_core::CustomOp3 for DecodeAttention {
         Ok((out, l1.shape().clone()))
     }
 }
+
+mod attention;
+pub(crate) use attention::{flash_attention_fits, segment_attention};

@@ -278,8 +278,10 @@ impl Kernels {
     /// (query `i` the first `plan.visible + i + 1` of its plan's keys). `q: [n, heads,
     /// hd]`, `k`, `v: [n, kv_heads, hd]` of the concatenated rows; returns `[n, heads *
     /// hd]`. Fused: one op for the whole batch over the causal blocks only
-    /// (`ops/attention.rs`); otherwise each segment's [`Kernels::attention`] under its
-    /// mask, from `narrow`s of the batch's tensors.
+    /// (`ops/attention.rs`); CUDA: flash-style kernels over every segment of the batch
+    /// in one launch each way (`kernels/attention.cu`, heads up to 128 wide);
+    /// otherwise each segment's [`Kernels::attention`] under its mask, from `narrow`s of
+    /// the batch's tensors.
     pub(crate) fn segment_attention(
         self,
         q: &Tensor,
@@ -289,6 +291,10 @@ impl Kernels {
     ) -> Result<Tensor> {
         if self == Self::Fused {
             return ops::packed_attention(q, k, v, plans);
+        }
+        #[cfg(feature = "cuda")]
+        if self == Self::Cuda && crate::cuda::flash_attention_fits(q.dim(2)?) {
+            return crate::cuda::segment_attention(q, k, v, plans);
         }
         let mut outs = Vec::new();
         let mut row_start = 0;

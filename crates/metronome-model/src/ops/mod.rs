@@ -17,6 +17,9 @@
 
 mod attention;
 mod decode;
+// The CUDA flash attention's tiles: built on the host for `src/cuda.rs`, tested here.
+#[cfg(any(feature = "cuda", test))]
+mod flash;
 mod gemm;
 mod layer;
 mod linear;
@@ -29,6 +32,8 @@ pub(crate) use decode::{
     DecodeRows, DenseWeight, StepIndex, attention_rows, decode_attention, dense_rows, swiglu,
     swiglu_stacked_rows, write_decode_rows,
 };
+#[cfg(feature = "cuda")]
+pub(crate) use flash::{FlashTiles, MAX_HEAD_DIM, TILE};
 pub(crate) use layer::{Buffers, LayerShape, LayerWeights, layer_backward, layer_forward};
 pub use linear::Projection;
 pub(crate) use linear::{frozen_linear, fused_linear, linear};

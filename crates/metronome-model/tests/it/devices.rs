@@ -287,6 +287,29 @@ fn cuda_kernel_masked_softmax_over_long_segments_matches_the_portable_form() {
     kernel_step_matches_portable(&model, &row, &targets, |_, _, _, _| {});
 }
 
+/// The flash attention kernels (`kernels/attention.cu`), which attend rows per segment
+/// on a GPU (`with_batched_attention(false)`), against the portable forms: segments
+/// longer than a tile and not a multiple of one (a shared prompt of 300 tokens with
+/// responses of 400, 250 and 5: keys to 700 per query, seen by four segments), with
+/// grouped-query heads, at head dimensions for each of the kernels' lane shares (32,
+/// 64, 128), f32 and bf16 within the bounds of the other kernel tests. Their logic is
+/// also checked without a GPU (`kernels_on_cpu.rs`).
+#[test]
+fn cuda_kernel_flash_attention_matches_the_portable_form() {
+    use crate::common::shared_prompt_row;
+    let Some(gpu) = cuda() else { return };
+    for head_dim in [32, 64, 128] {
+        let cfg = ModelConfig { hidden_size: 4 * head_dim, head_dim, ..ModelConfig::tiny() };
+        let model = Model::new(cfg, &gpu, 17).unwrap().with_batched_attention(false);
+        let vocab = model.config().vocab_size;
+        let (row, targets) = shared_prompt_row(
+            &tokens(71, 300, vocab),
+            &[tokens(72, 400, vocab), tokens(73, 250, vocab), tokens(74, 5, vocab)],
+        );
+        kernel_step_matches_portable(&model, &row, &targets, |_, _, _, _| {});
+    }
+}
+
 /// The chunked head's kernels (`logprob_stats`, `logprob_columns_grad` in
 /// `kernels/layer.cu`) against the portable forms, through a model of 3,001 tokens
 /// (more than a block's threads per row, not a multiple of them) whose head runs
