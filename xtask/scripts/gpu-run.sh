@@ -216,7 +216,7 @@ step() { # step NAME LIMIT_S COMMAND...: runs it if it fits, then packs what the
 train() { # train SHAPE ROWSxLEN,... COMPILE_BUDGET_S: Metronome's step, then PyTorch's
     local shape=$1 sizes=$2 compile=$3
     local ours=("$bin/bin/throughput" --device cuda:0 --shape "$shape" --precision bf16 --train "$sizes"
-        --memory chunked,chunked+checkpoint --generate '' --warmup 1 --reps 3 --json "$out/metronome-$shape.json")
+        --memory chunked,chunked+checkpoint,chunked+flash,chunked+checkpoint+flash --generate '' --warmup 1 --reps 3 --json "$out/metronome-$shape.json")
     echo "${ours[*]}" >"$out/metronome-$shape.cmd"
     # Many threads for the host-side work (the random initialisation of 1.5 B weights).
     RAYON_NUM_THREADS=$(nproc) step "metronome train $shape" 120 "${ours[@]}"
@@ -253,7 +253,9 @@ fi
 wanted() { [ -z "${BENCH_ONLY:-}" ] && [ "$1" != profile ] || [[ " ${BENCH_ONLY:-} " == *" $1 "* ]]; }
 # Training (issue #30): SmolLM2-135M at 8x512, 32x512, 16x1024; Qwen2.5-0.5B and 1.5B at
 # 8x1024 (random weights, llama_shapes.json); bf16 with the chunked head, without and with
-# checkpointed layers, against PyTorch eager bf16 autocast and torch.compile.
+# checkpointed layers, rows attended whole (the default) and per segment by the flash
+# kernels (`+flash`, last: a kernel fault cannot cost the figures before it), against
+# PyTorch eager bf16 autocast and torch.compile.
 wanted smollm2 && train smollm2-135m 8x512,32x512,16x1024 "${TORCH_COMPILE_S:-25}"
 # Generation (issue #31): greedy, 32-token prompt + 128 new, in bf16 (the engine's
 # default on a GPU) at 1, 16, 64 and 256 sequences, logits to the host and drawn on the

@@ -15,7 +15,8 @@
 //! copy with the f32 weights kept beside it, as the trainer holds them; `--memory`
 //! lists the memory settings to time, each one of `whole` (the whole-logits head),
 //! `chunked` (the chunked head) and either with `+checkpoint` (checkpointed decoder
-//! layers). On a GPU each step's peak device memory in use (total minus free, polled
+//! layers) and `+flash` (rows attended per segment, on a GPU by the flash attention
+//! kernels, instead of whole under `[rows, T, T]` masks, the GPU's default). On a GPU each step's peak device memory in use (total minus free, polled
 //! every millisecond; this process's and any other's) is reported too; a setting
 //! that runs out of memory is reported as such and the next one runs. Generation: `N`
 //! sequences prefilled with a 32-token prompt, then greedy decode steps up to 128 new
@@ -54,38 +55,40 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// A memory setting of `--memory`: the chunked head or not, checkpointed layers or not.
+/// A memory setting of `--memory`: the chunked head or not, checkpointed layers or
+/// not, rows attended per segment (`+flash`) or as the model's default.
 #[derive(Clone, Copy, Debug)]
 struct Memory {
     chunked: bool,
     checkpoint: bool,
+    flash: bool,
 }
 
 impl Memory {
     fn parse(s: &str) -> Result<Self> {
-        let (head, checkpoint) = match s.strip_suffix("+checkpoint") {
-            Some(head) => (head, true),
-            None => (s, false),
-        };
+        let (rest, flash) = s.strip_suffix("+flash").map_or((s, false), |r| (r, true));
+        let (head, checkpoint) = rest.strip_suffix("+checkpoint").map_or((rest, false), |h| (h, true));
         let chunked = match head {
             "whole" => false,
             "chunked" => true,
-            _ => bail!("--memory `{s}`: expected whole or chunked, each optionally +checkpoint"),
+            _ => bail!("--memory `{s}`: expected whole or chunked, each optionally +checkpoint, then +flash"),
         };
-        Ok(Self { chunked, checkpoint })
+        Ok(Self { chunked, checkpoint, flash })
     }
 
     fn name(self) -> String {
         format!(
-            "{}{}",
+            "{}{}{}",
             if self.chunked { "chunked" } else { "whole" },
-            if self.checkpoint { "+checkpoint" } else { "" }
+            if self.checkpoint { "+checkpoint" } else { "" },
+            if self.flash { "+flash" } else { "" }
         )
     }
 
     fn apply(self, model: &Model) -> Model {
         let chunk = self.chunked.then(|| model.default_head_chunk());
-        model.clone().with_chunked_head(chunk).with_gradient_checkpointing(self.checkpoint)
+        let m = model.clone().with_chunked_head(chunk).with_gradient_checkpointing(self.checkpoint);
+        if self.flash { m.with_batched_attention(false) } else { m }
     }
 }
 
@@ -266,7 +269,7 @@ fn main() -> Result<()> {
     let mut train_shapes = vec![(1usize, 64usize)];
     let mut gen_sizes = vec![1usize, 4];
     let mut precision = None;
-    let mut memory = vec![Memory { chunked: false, checkpoint: false }];
+    let mut memory = vec![Memory { chunked: false, checkpoint: false, flash: false }];
     let (mut warmup, mut reps) = (2usize, 5usize);
     let mut json = None;
     let mut args = std::env::args().skip(1);
