@@ -251,10 +251,12 @@ impl WeightLoader<metronome_model::Model> for SnapshotLoader {
         model.compute_copy(self.dtype).map_err(crate::Error::model)
     }
 
-    /// In place for an f32 model (a snapshot's own type); a model of another type
-    /// (a bf16 engine's) is loaded anew.
+    /// In place for a model of this loader's type: each weight cast as it is written
+    /// (a bf16 engine's as [`SnapshotLoader::load`] casts it), so an install needs no
+    /// second copy of the weights beside the served one; a model of another type is
+    /// loaded anew.
     fn reload(&self, model: &mut metronome_model::Model, weights: &WeightSnapshot) -> Result<bool> {
-        if model.dtype() != candle_core::DType::F32 || self.dtype != candle_core::DType::F32 {
+        if model.dtype() != self.dtype {
             return Ok(false);
         }
         model.load_snapshot(weights).map_err(crate::Error::model)?;

@@ -54,8 +54,8 @@ impl Model {
         Ok(model)
     }
 
-    /// Overwrites every weight in place with the snapshot's (every handle sharing
-    /// these weights sees the change). Names and shapes must be exactly the model's and
+    /// Overwrites every weight in place with the snapshot's, cast to the weights' type
+    /// (every handle sharing these weights sees the change). Names and shapes must be exactly the model's and
     /// every element finite; all of it is checked before the first weight is written,
     /// so a refused snapshot leaves the model as it was. Refused for a handle with
     /// adapters, whose snapshots hold merged weights that its base must not take.
@@ -91,7 +91,9 @@ impl Model {
                 {
                     crate::ops::write_host(var.as_tensor(), |w| w.copy_from_slice(data))?;
                 }
-                _ => var.set(&host_to_tensor(t, self.device())?)?,
+                // Elsewhere (a GPU, or weights of another type: a bf16 engine's), uploaded
+                // and cast as `Model::compute_copy` casts, then copied into the storage.
+                _ => var.set(&host_to_tensor(t, self.device())?.to_dtype(var.dtype())?)?,
             }
         }
         // The next decode step rebuilds the decode layout from the new weights.

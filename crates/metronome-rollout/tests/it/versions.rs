@@ -273,37 +273,65 @@ impl metronome_rollout::WeightLoader<metronome_model::Model> for Counting {
 
 /// Between requests the served model is the loader's own and no sequence holds it:
 /// the next weights are written over it rather than loaded into a new model, and it
-/// generates what a model loaded anew with them does. The model handed to the engine
-/// at its start is never written over (others may share its weights).
+/// generates what a model loaded anew with them does, in f32 and in a bf16 engine
+/// (each snapshot cast as it is written). The model handed to the engine at its start
+/// is never written over (others may share its weights).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_engine_writes_new_weights_over_its_loaded_model() {
+    use metronome_model::Precision;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let (loads, reloads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let base = engine(2, 3, sampling(8));
-    let inner = metronome_rollout::SnapshotLoader {
-        config: metronome_model::ModelConfig::tiny(),
-        device: metronome_model::Device::Cpu,
-        dtype: candle_core::DType::F32,
+    // `common::engine`'s engine, decoding in `precision`.
+    let engine_in = |precision: Precision| {
+        let config = metronome_rollout::EngineConfig {
+            workers: 2,
+            threads_per_worker: Some(1),
+            max_num_seqs: 3,
+            max_seq_len: 128,
+            sampling: sampling(8),
+            precision: Some(precision),
+            ..metronome_rollout::EngineConfig::default()
+        };
+        let tokenizer = crate::common::tokenizer();
+        metronome_rollout::model_engine(
+            tiny_model(7),
+            PolicyVersion(0),
+            tokenizer,
+            config,
+            metronome_core::RunSeed(42),
+        )
+        .unwrap()
     };
-    let e =
-        base.with_weight_loader(Counting { inner, loads: Arc::clone(&loads), reloads: Arc::clone(&reloads) });
-    let counts = || (loads.load(Ordering::Relaxed), reloads.load(Ordering::Relaxed));
-    generate(&e, request()).await;
-    e.install_weights(Arc::new(tiny_model(1).snapshot(PolicyVersion(1)).unwrap())).await.unwrap();
-    assert_eq!(counts(), (1, 0), "the model handed in is not written over");
-    generate(&e, request()).await;
-    let v2 = Arc::new(tiny_model(2).snapshot(PolicyVersion(2)).unwrap());
-    e.install_weights(Arc::clone(&v2)).await.unwrap();
-    assert_eq!(counts(), (1, 1), "the loaded model is written over");
-    let written = signature(&generate(&e, request()).await);
-    let fresh = engine(2, 3, sampling(8));
-    fresh.install_weights(v2).await.unwrap();
-    assert_eq!(written, signature(&generate(&fresh, request()).await));
-    // A refused snapshot leaves it as it was.
-    let mut bad = tiny_model(3).snapshot(PolicyVersion(3)).unwrap();
-    bad.tensors.push(bad.tensors[1].clone());
-    let err = ErrorChain(&e.install_weights(Arc::new(bad)).await.unwrap_err()).to_string();
-    assert!(err.contains("twice"), "{err}");
-    assert_eq!(e.version(), PolicyVersion(2));
-    assert_eq!(written, signature(&generate(&e, request()).await));
+    for precision in [Precision::F32, Precision::Bf16] {
+        let dtype = precision.dtype();
+        let (loads, reloads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let loader = metronome_rollout::SnapshotLoader {
+            config: metronome_model::ModelConfig::tiny(),
+            device: metronome_model::Device::Cpu,
+            dtype,
+        };
+        let e = engine_in(precision).with_weight_loader(Counting {
+            inner: loader,
+            loads: Arc::clone(&loads),
+            reloads: Arc::clone(&reloads),
+        });
+        let counts = || (loads.load(Ordering::Relaxed), reloads.load(Ordering::Relaxed));
+        generate(&e, request()).await;
+        e.install_weights(Arc::new(tiny_model(1).snapshot(PolicyVersion(1)).unwrap())).await.unwrap();
+        assert_eq!(counts(), (1, 0), "{dtype:?}: the model handed in is not written over");
+        generate(&e, request()).await;
+        let v2 = Arc::new(tiny_model(2).snapshot(PolicyVersion(2)).unwrap());
+        e.install_weights(Arc::clone(&v2)).await.unwrap();
+        assert_eq!(counts(), (1, 1), "{dtype:?}: the loaded model is written over");
+        let written = signature(&generate(&e, request()).await);
+        let fresh = engine_in(precision);
+        fresh.install_weights(v2).await.unwrap();
+        assert_eq!(written, signature(&generate(&fresh, request()).await), "{dtype:?}");
+        // A refused snapshot leaves it as it was.
+        let mut bad = tiny_model(3).snapshot(PolicyVersion(3)).unwrap();
+        bad.tensors.push(bad.tensors[1].clone());
+        let err = ErrorChain(&e.install_weights(Arc::new(bad)).await.unwrap_err()).to_string();
+        assert!(err.contains("twice"), "{dtype:?}: {err}");
+        assert_eq!(e.version(), PolicyVersion(2));
+        assert_eq!(written, signature(&generate(&e, request()).await), "{dtype:?}");
+    }
 }
