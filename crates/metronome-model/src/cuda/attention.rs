@@ -24,9 +24,12 @@ const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.pt
 /// Threads per block (`THREADS` there): four lanes for each of a tile's queries or keys.
 const THREADS: u32 = 4 * TILE;
 
-/// Whether the kernels take heads of `head_dim` (up to 128); others run the portable form.
+/// The largest head dimension the kernels take (`MAX_HD` there).
+const MAX_HEAD_DIM: usize = 128;
+
+/// Whether the kernels take heads of `head_dim`; others run the portable form.
 pub(crate) fn flash_attention_fits(head_dim: usize) -> bool {
-    (1..=crate::ops::MAX_HEAD_DIM).contains(&head_dim)
+    (1..=MAX_HEAD_DIM).contains(&head_dim)
 }
 
 /// The tiles of a batch on one device: [`FlashTiles`]' arrays in one `u32` tensor.

@@ -12,9 +12,6 @@ use crate::{Error, Result};
 /// (`QB`, `KB` in `kernels/attention.cu`).
 pub(crate) const TILE: u32 = 32;
 
-/// The largest head dimension the kernels take (`MAX_HD` there).
-pub(crate) const MAX_HEAD_DIM: usize = 128;
-
 /// Everything the kernels read besides the tensors, as the `u32` arrays they take
 /// (`kernels/attention.cu` describes each).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -33,7 +33,7 @@ pub(crate) use decode::{
     swiglu_stacked_rows, write_decode_rows,
 };
 #[cfg(feature = "cuda")]
-pub(crate) use flash::{FlashTiles, MAX_HEAD_DIM, TILE};
+pub(crate) use flash::{FlashTiles, TILE};
 pub(crate) use layer::{Buffers, LayerShape, LayerWeights, layer_backward, layer_forward};
 pub use linear::Projection;
 pub(crate) use linear::{frozen_linear, fused_linear, linear};
