@@ -72,6 +72,15 @@ pub trait InferenceModel: Send + Sync + 'static {
     /// Empties `slot` for the next sequence.
     fn free(&self, cache: &mut Self::Cache, slot: usize);
 
+    /// Why the caches this model made cannot serve `next` (weights of another
+    /// architecture, type or device), if they cannot: the engine refuses to install such
+    /// a model, naming its weight loader, rather than fail in its next decode step.
+    /// The default accepts every model.
+    fn cache_mismatch(&self, next: &Self) -> Option<String> {
+        let _ = next;
+        None
+    }
+
     /// Refuses, before anything is allocated, `caches` caches of `num_slots` slots of
     /// `max_seq_len` tokens (or of `pool` positions shared by the slots, when given)
     /// that this machine cannot hold (an error naming `max_num_seqs` or
@@ -224,6 +233,22 @@ mod candle_model {
 
         fn max_context(&self) -> usize {
             self.config().max_position_embeddings
+        }
+
+        fn cache_mismatch(&self, next: &Model) -> Option<String> {
+            if self.config() != next.config() {
+                return Some("its architecture differs from the served model's".into());
+            }
+            if self.dtype() != next.dtype() || !self.device().same_device(next.device()) {
+                return Some(format!(
+                    "its weights are {:?} on {:?}, the caches hold {:?} on {:?}",
+                    next.dtype(),
+                    next.device(),
+                    self.dtype(),
+                    self.device()
+                ));
+            }
+            None
         }
     }
 }

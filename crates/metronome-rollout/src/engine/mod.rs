@@ -278,6 +278,15 @@ impl<M: InferenceModel> Engine<M> {
         if refuse(current.version) {
             return Err(older(current.version));
         }
+        if let Some(why) = current.model.cache_mismatch(&model) {
+            return Err(Error::config(
+                "weight_loader",
+                format!(
+                    "loaded version {} into a model the engine's KV caches cannot serve: {why}",
+                    weights.version
+                ),
+            ));
+        }
         *current = Arc::new(Versioned { version: weights.version, model, loaded: true });
         Ok(())
     }

@@ -271,6 +271,26 @@ impl metronome_rollout::WeightLoader<metronome_model::Model> for Counting {
     }
 }
 
+/// A weight loader whose models the engine's KV caches cannot serve (bf16 weights for
+/// an f32 engine's caches) is refused at the install, naming the loader and both types,
+/// and the engine goes on serving what it served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loader_of_weights_the_caches_cannot_serve_is_refused_at_the_install() {
+    let e = engine(2, 3, sampling(8)).with_weight_loader(metronome_rollout::SnapshotLoader {
+        config: metronome_model::ModelConfig::tiny(),
+        device: metronome_model::Device::Cpu,
+        dtype: candle_core::DType::BF16,
+    });
+    let before = signature(&generate(&e, request()).await);
+    let v1 = Arc::new(tiny_model(1).snapshot(PolicyVersion(1)).unwrap());
+    let err = ErrorChain(&e.install_weights(v1).await.unwrap_err()).to_string();
+    for part in ["weight_loader", "BF16", "F32", "version 1"] {
+        assert!(err.contains(part), "{part} in {err}");
+    }
+    assert_eq!(e.version(), PolicyVersion(0));
+    assert_eq!(before, signature(&generate(&e, request()).await));
+}
+
 /// Between requests the served model is the loader's own and no sequence holds it:
 /// the next weights are written over it rather than loaded into a new model, and it
 /// generates what a model loaded anew with them does, in f32 and in a bf16 engine
