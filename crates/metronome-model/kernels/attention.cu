@@ -17,8 +17,8 @@
 //   viewers  per segment s, from vrange[s] to vrange[s + 1]: s, then every segment whose
 //            ancestors include s (they see all of s's keys)
 //
-// forward   one block of THREADS per (query tile, head); four lanes per query, lane c
-//           holding dimensions c, c + 4, ... of its scaled query and its output; key
+// forward   one block of THREADS per (query tile, head); four lanes per query, each
+//           holding a quarter of its scaled query and its output (lane_dim); key
 //           and value tiles of KB keys through shared memory; an online softmax
 //           (running max m and sum l), as flash attention does. Writes o and the
 //           log-sum-exp of each query's scores (lse: [n, heads] f32) for the backward.
@@ -55,18 +55,62 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x;
 }
 
-// The dot product of a lane's share of a vector (dimensions c + 4t, PL of them) with
-// row `row` of a shared tile of hd-wide rows, summed over the four lanes.
+// The dimension of a lane's t-th value: the four lanes of a query (or key) take turns
+// by chunks of four, lane c holding dimensions 4c .. 4c + 3, then 16 + 4c .., so that
+// it reads a shared row's chunk as one 16-byte load (PL, its count, is a multiple of 4).
+__device__ __forceinline__ uint32_t lane_dim(uint32_t c, int t) { return 16 * (t / 4) + 4 * c + (t % 4); }
+
+// The dot product of a lane's share of a vector (PL values, at lane_dim) with row `row`
+// of a shared tile of hd-wide rows, summed over the four lanes. Chunks whole when hd is
+// a multiple of 4 (every model's), element by element otherwise.
 template <int PL>
 __device__ __forceinline__ float quad_dot(const float (&mine)[PL], const float *tile, uint32_t row, uint32_t hd,
                                           uint32_t c) {
+    const float *r = tile + row * hd;
     float part = 0.f;
+    if ((hd & 3) == 0) {
 #pragma unroll
-    for (int t = 0; t < PL; ++t) {
-        const uint32_t d = c + 4 * t;
-        if (d < hd) part += mine[t] * tile[row * hd + d];
+        for (int t = 0; t < PL; t += 4) {
+            const uint32_t d = lane_dim(c, t);
+            if (d < hd) {
+                const float4 x = *reinterpret_cast<const float4 *>(r + d);
+                part += mine[t] * x.x + mine[t + 1] * x.y + mine[t + 2] * x.z + mine[t + 3] * x.w;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < PL; ++t) {
+            const uint32_t d = lane_dim(c, t);
+            if (d < hd) part += mine[t] * r[d];
+        }
     }
     return quad_sum(part);
+}
+
+// acc += a x (row `row` of a shared tile), over a lane's share, as quad_dot reads it.
+template <int PL>
+__device__ __forceinline__ void quad_axpy(float (&acc)[PL], float a, const float *tile, uint32_t row, uint32_t hd,
+                                          uint32_t c) {
+    const float *r = tile + row * hd;
+    if ((hd & 3) == 0) {
+#pragma unroll
+        for (int t = 0; t < PL; t += 4) {
+            const uint32_t d = lane_dim(c, t);
+            if (d < hd) {
+                const float4 x = *reinterpret_cast<const float4 *>(r + d);
+                acc[t] += a * x.x;
+                acc[t + 1] += a * x.y;
+                acc[t + 2] += a * x.z;
+                acc[t + 3] += a * x.w;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < PL; ++t) {
+            const uint32_t d = lane_dim(c, t);
+            if (d < hd) acc[t] += a * r[d];
+        }
+    }
 }
 
 // Loads `count` rows (of hd) of a [n, width_heads, hd] tensor into a shared tile: rows
@@ -84,8 +128,8 @@ template <typename T, int PL>
 __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, const uint32_t *seg,
                           const uint32_t *keys, const uint32_t *qtiles, uint32_t heads, uint32_t kv_heads,
                           uint32_t hd, float scale) {
-    __shared__ float ks[KB * MAX_HD];
-    __shared__ float vs[KB * MAX_HD];
+    __shared__ __align__(16) float ks[KB * MAX_HD];
+    __shared__ __align__(16) float vs[KB * MAX_HD];
     const uint32_t h = blockIdx.y, s = qtiles[2 * blockIdx.x], q0 = qtiles[2 * blockIdx.x + 1];
     const uint32_t *sg = seg + 5 * s;
     const uint32_t base = sg[0] + sg[1], len = sg[2], visible = sg[3];
@@ -97,7 +141,7 @@ __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, 
     float qr[PL], acc[PL];
 #pragma unroll
     for (int t = 0; t < PL; ++t) {
-        const uint32_t d = c + 4 * t;
+        const uint32_t d = lane_dim(c, t);
         qr[t] = live && d < hd ? to_f(q[at + d]) * scale : 0.f;
         acc[t] = 0.f;
     }
@@ -132,18 +176,14 @@ __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, 
             if (sc[j] == -INFINITY) continue;
             const float p = expf(sc[j] - mn);
             l += p;
-#pragma unroll
-            for (int t = 0; t < PL; ++t) {
-                const uint32_t d = c + 4 * t;
-                if (d < hd) acc[t] += p * vs[j * hd + d];
-            }
+            quad_axpy<PL>(acc, p, vs, j, hd, c);
         }
         m = mn;
     }
     if (live) {
 #pragma unroll
         for (int t = 0; t < PL; ++t) {
-            const uint32_t d = c + 4 * t;
+            const uint32_t d = lane_dim(c, t);
             if (d < hd) o[at + d] = from_f<T>(acc[t] / l);
         }
         if (c == 0) lse[(size_t)(base + i) * heads + h] = m + logf(l);
@@ -154,8 +194,8 @@ template <typename T, int PL>
 __device__ void flash_bwd_q(const T *q, const T *k, const T *v, const T *o, const T *g, const float *lse,
                             float *dsum, T *dq, const uint32_t *seg, const uint32_t *keys, const uint32_t *qtiles,
                             uint32_t heads, uint32_t kv_heads, uint32_t hd, float scale) {
-    __shared__ float ks[KB * MAX_HD];
-    __shared__ float vs[KB * MAX_HD];
+    __shared__ __align__(16) float ks[KB * MAX_HD];
+    __shared__ __align__(16) float vs[KB * MAX_HD];
     const uint32_t h = blockIdx.y, s = qtiles[2 * blockIdx.x], q0 = qtiles[2 * blockIdx.x + 1];
     const uint32_t *sg = seg + 5 * s;
     const uint32_t base = sg[0] + sg[1], len = sg[2], visible = sg[3];
@@ -168,7 +208,7 @@ __device__ void flash_bwd_q(const T *q, const T *k, const T *v, const T *o, cons
     float dsum_part = 0.f;
 #pragma unroll
     for (int t = 0; t < PL; ++t) {
-        const uint32_t d = c + 4 * t;
+        const uint32_t d = lane_dim(c, t);
         const bool in = live && d < hd;
         qr[t] = in ? to_f(q[at + d]) * scale : 0.f;
         gr[t] = in ? to_f(g[at + d]) : 0.f;
@@ -190,17 +230,13 @@ __device__ void flash_bwd_q(const T *q, const T *k, const T *v, const T *o, cons
             const float dp = quad_dot<PL>(gr, vs, j, hd, c);
             const float p = live && j0 + j < limit ? expf(x - lse_i) : 0.f;
             const float ds = p * (dp - dsum_i);
-#pragma unroll
-            for (int t = 0; t < PL; ++t) {
-                const uint32_t d = c + 4 * t;
-                if (d < hd) acc[t] += ds * ks[j * hd + d];
-            }
+            quad_axpy<PL>(acc, ds, ks, j, hd, c);
         }
     }
     if (live) {
 #pragma unroll
         for (int t = 0; t < PL; ++t) {
-            const uint32_t d = c + 4 * t;
+            const uint32_t d = lane_dim(c, t);
             if (d < hd) dq[at + d] = from_f<T>(acc[t] * scale);
         }
     }
@@ -210,8 +246,8 @@ template <typename T, int PL>
 __device__ void flash_bwd_kv(const T *q, const T *k, const T *v, const T *g, const float *lse, const float *dsum,
                              T *dk, T *dv, const uint32_t *seg, const uint32_t *ktiles, const uint32_t *vrange,
                              const uint32_t *viewers, uint32_t heads, uint32_t kv_heads, uint32_t hd, float scale) {
-    __shared__ float qs[QB * MAX_HD];
-    __shared__ float gs[QB * MAX_HD];
+    __shared__ __align__(16) float qs[QB * MAX_HD];
+    __shared__ __align__(16) float gs[QB * MAX_HD];
     __shared__ float lses[QB], dsums[QB];
     const uint32_t kvh = blockIdx.y, s = ktiles[2 * blockIdx.x], k0 = ktiles[2 * blockIdx.x + 1];
     const uint32_t *sg = seg + 5 * s;
@@ -222,7 +258,7 @@ __device__ void flash_bwd_kv(const T *q, const T *k, const T *v, const T *g, con
     float kr[PL], vr[PL], dka[PL], dva[PL];
 #pragma unroll
     for (int t = 0; t < PL; ++t) {
-        const uint32_t d = c + 4 * t;
+        const uint32_t d = lane_dim(c, t);
         kr[t] = live && d < hd ? to_f(k[at + d]) : 0.f;
         vr[t] = live && d < hd ? to_f(v[at + d]) : 0.f;
         dka[t] = 0.f;
@@ -254,14 +290,8 @@ __device__ void flash_bwd_kv(const T *q, const T *k, const T *v, const T *g, con
                     const bool seen = live && (!own || jl <= i0 + ii);
                     const float p = seen ? expf(x - lses[ii]) : 0.f;
                     const float ds = p * (dp - dsums[ii]);
-#pragma unroll
-                    for (int t = 0; t < PL; ++t) {
-                        const uint32_t d = c + 4 * t;
-                        if (d < hd) {
-                            dva[t] += p * gs[ii * hd + d];
-                            dka[t] += ds * qs[ii * hd + d];
-                        }
-                    }
+                    quad_axpy<PL>(dva, p, gs, ii, hd, c);
+                    quad_axpy<PL>(dka, ds, qs, ii, hd, c);
                 }
             }
         }
@@ -269,7 +299,7 @@ __device__ void flash_bwd_kv(const T *q, const T *k, const T *v, const T *g, con
     if (live) {
 #pragma unroll
         for (int t = 0; t < PL; ++t) {
-            const uint32_t d = c + 4 * t;
+            const uint32_t d = lane_dim(c, t);
             if (d < hd) {
                 dk[at + d] = from_f<T>(dka[t]);
                 dv[at + d] = from_f<T>(dva[t]);

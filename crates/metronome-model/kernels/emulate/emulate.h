@@ -50,7 +50,12 @@ inline float __shfl_xor_sync(unsigned, float x, int lane_mask) {
     return y;
 }
 
+struct float4 {
+    float x, y, z, w;
+};
+
 using std::min;
+#define __align__(n) __attribute__((aligned(n)))
 #define __global__
 #define __device__
 #define __forceinline__ inline

@@ -17,7 +17,7 @@ fn flash_attention_kernels_emulated_on_the_cpu_match_attention_in_double() {
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flash-attention-emulated");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
     let compiled = Command::new(&cxx)
-        .args(["-std=c++20", "-O2", "-I"])
+        .args(["-std=c++20", "-O2", "-fno-strict-aliasing", "-I"])
         .arg(&dir)
         .arg(dir.join("attention.cpp"))
         .arg("-o")
