@@ -45,7 +45,8 @@ pub enum Kernels {
     /// (`kernels/*.cu`, built by nvcc with the `cuda` feature): RMSNorm, SwiGLU and
     /// rotary embeddings as one kernel each way (`kernels/layer.cu`), the cached
     /// forward's cache writes and attention read in place, one launch per layer each
-    /// (`kernels/decode.cu`), and a decode step's draw of its next
+    /// (`kernels/decode.cu`), training attention per segment, flash style
+    /// (`kernels/attention.cu`), and a decode step's draw of its next
     /// tokens ([`crate::Next`], `kernels/draw.cu`), so that `[rows, vocab]` logits stay
     /// on the device. The default on CUDA devices (unless [`CUDA_KERNELS_ENV`] says
     /// `0`); each kernel is tested against the portable form or its CPU reference on a
@@ -278,8 +279,9 @@ impl Kernels {
     /// (query `i` the first `plan.visible + i + 1` of its plan's keys). `q: [n, heads,
     /// hd]`, `k`, `v: [n, kv_heads, hd]` of the concatenated rows; returns `[n, heads *
     /// hd]`. Fused: one op for the whole batch over the causal blocks only
-    /// (`ops/attention.rs`); CUDA: flash-style kernels over every segment of the batch
-    /// in one launch each way (`kernels/attention.cu`, heads up to 128 wide);
+    /// (`ops/attention.rs`); CUDA: flash-style kernels over every segment of the batch,
+    /// one launch forward and two backward (`kernels/attention.cu`, heads up to 128
+    /// wide);
     /// otherwise each segment's [`Kernels::attention`] under its mask, from `narrow`s of
     /// the batch's tensors.
     pub(crate) fn segment_attention(
