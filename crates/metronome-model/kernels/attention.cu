@@ -124,20 +124,51 @@ __device__ __forceinline__ void load_tile(float *tile, const T *x, uint32_t coun
     }
 }
 
+// A block's tile of queries (the forward's and dq's): its head, segment and key list,
+// and this thread's query (lane c of query i; a lane past the segment's end is dead,
+// computes on the segment's first query and writes nothing).
+struct QueryTile {
+    uint32_t c, kvh, nkeys, limit;
+    const uint32_t *key;
+    bool live;
+    size_t row;  // the query's row of [n, heads]
+
+    __device__ QueryTile(const uint32_t *seg, const uint32_t *keys, const uint32_t *qtiles, uint32_t heads,
+                         uint32_t kv_heads) {
+        const uint32_t h = blockIdx.y, *sg = seg + 5 * qtiles[2 * blockIdx.x];
+        const uint32_t q0 = qtiles[2 * blockIdx.x + 1], len = sg[2], visible = sg[3];
+        const uint32_t i = q0 + (threadIdx.x >> 2);
+        key = keys + sg[4];
+        kvh = h / (heads / kv_heads);
+        c = threadIdx.x & 3;
+        live = i < len;
+        row = (size_t)(sg[0] + sg[1] + (live ? i : 0)) * heads + h;
+        // The keys the tile's last query sees bound the loop; this query sees `limit`.
+        nkeys = visible + min(q0 + QB, len);
+        limit = visible + i + 1;
+    }
+
+    // Loads keys j0 .. j0 + nk of the list (every thread of the block calls it).
+    template <typename T>
+    __device__ void load_keys(float *ks, float *vs, const T *k, const T *v, uint32_t j0, uint32_t nk,
+                              uint32_t kv_heads, uint32_t hd) const {
+        __syncthreads();  // the previous tile is read by every thread
+        load_tile(ks, k, nk, kv_heads, kvh, hd, 1.f, [&](uint32_t j) { return key[j0 + j]; });
+        load_tile(vs, v, nk, kv_heads, kvh, hd, 1.f, [&](uint32_t j) { return key[j0 + j]; });
+        __syncthreads();
+    }
+};
+
 template <typename T, int PL>
 __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, const uint32_t *seg,
                           const uint32_t *keys, const uint32_t *qtiles, uint32_t heads, uint32_t kv_heads,
                           uint32_t hd, float scale) {
     __shared__ __align__(16) float ks[KB * MAX_HD];
     __shared__ __align__(16) float vs[KB * MAX_HD];
-    const uint32_t h = blockIdx.y, s = qtiles[2 * blockIdx.x], q0 = qtiles[2 * blockIdx.x + 1];
-    const uint32_t *sg = seg + 5 * s;
-    const uint32_t base = sg[0] + sg[1], len = sg[2], visible = sg[3];
-    const uint32_t *key = keys + sg[4];
-    const uint32_t kvh = h / (heads / kv_heads);
-    const uint32_t r = threadIdx.x >> 2, c = threadIdx.x & 3, i = q0 + r;
-    const bool live = i < len;
-    const size_t at = ((size_t)(base + (live ? i : 0)) * heads + h) * hd;
+    const QueryTile qt(seg, keys, qtiles, heads, kv_heads);
+    const uint32_t c = qt.c;
+    const bool live = qt.live;
+    const size_t at = qt.row * hd;
     float qr[PL], acc[PL];
 #pragma unroll
     for (int t = 0; t < PL; ++t) {
@@ -145,15 +176,10 @@ __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, 
         qr[t] = live && d < hd ? to_f(q[at + d]) * scale : 0.f;
         acc[t] = 0.f;
     }
-    // The keys the tile's last query sees bound the loop; this query sees `limit`.
-    const uint32_t nkeys = visible + min(q0 + QB, len), limit = visible + i + 1;
     float m = -INFINITY, l = 0.f;
-    for (uint32_t j0 = 0; j0 < nkeys; j0 += KB) {
-        const uint32_t nk = min((uint32_t)KB, nkeys - j0);
-        __syncthreads();  // the previous tile is read by every thread
-        load_tile(ks, k, nk, kv_heads, kvh, hd, 1.f, [&](uint32_t j) { return key[j0 + j]; });
-        load_tile(vs, v, nk, kv_heads, kvh, hd, 1.f, [&](uint32_t j) { return key[j0 + j]; });
-        __syncthreads();
+    for (uint32_t j0 = 0; j0 < qt.nkeys; j0 += KB) {
+        const uint32_t nk = min((uint32_t)KB, qt.nkeys - j0);
+        qt.load_keys(ks, vs, k, v, j0, nk, kv_heads, hd);
         float sc[KB];
         float mt = -INFINITY;
 #pragma unroll
@@ -161,7 +187,7 @@ __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, 
             sc[j] = -INFINITY;
             if (j < nk) {  // uniform over the block: every lane reaches the shuffles
                 const float x = quad_dot<PL>(qr, ks, j, hd, c);
-                if (j0 + j < limit) sc[j] = x;
+                if (j0 + j < qt.limit) sc[j] = x;
             }
             mt = fmaxf(mt, sc[j]);
         }
@@ -186,7 +212,7 @@ __device__ void flash_fwd(const T *q, const T *k, const T *v, T *o, float *lse, 
             const uint32_t d = lane_dim(c, t);
             if (d < hd) o[at + d] = from_f<T>(acc[t] / l);
         }
-        if (c == 0) lse[(size_t)(base + i) * heads + h] = m + logf(l);
+        if (c == 0) lse[qt.row] = m + logf(l);
     }
 }
 
@@ -196,14 +222,10 @@ __device__ void flash_bwd_q(const T *q, const T *k, const T *v, const T *o, cons
                             uint32_t heads, uint32_t kv_heads, uint32_t hd, float scale) {
     __shared__ __align__(16) float ks[KB * MAX_HD];
     __shared__ __align__(16) float vs[KB * MAX_HD];
-    const uint32_t h = blockIdx.y, s = qtiles[2 * blockIdx.x], q0 = qtiles[2 * blockIdx.x + 1];
-    const uint32_t *sg = seg + 5 * s;
-    const uint32_t base = sg[0] + sg[1], len = sg[2], visible = sg[3];
-    const uint32_t *key = keys + sg[4];
-    const uint32_t kvh = h / (heads / kv_heads);
-    const uint32_t r = threadIdx.x >> 2, c = threadIdx.x & 3, i = q0 + r;
-    const bool live = i < len;
-    const size_t row = (size_t)(base + (live ? i : 0)) * heads + h, at = row * hd;
+    const QueryTile qt(seg, keys, qtiles, heads, kv_heads);
+    const uint32_t c = qt.c;
+    const bool live = qt.live;
+    const size_t row = qt.row, at = row * hd;
     float qr[PL], gr[PL], acc[PL];
     float dsum_part = 0.f;
 #pragma unroll
@@ -218,17 +240,13 @@ __device__ void flash_bwd_q(const T *q, const T *k, const T *v, const T *o, cons
     const float dsum_i = quad_sum(dsum_part);
     const float lse_i = live ? lse[row] : 0.f;
     if (live && c == 0) dsum[row] = dsum_i;
-    const uint32_t nkeys = visible + min(q0 + QB, len), limit = visible + i + 1;
-    for (uint32_t j0 = 0; j0 < nkeys; j0 += KB) {
-        const uint32_t nk = min((uint32_t)KB, nkeys - j0);
-        __syncthreads();
-        load_tile(ks, k, nk, kv_heads, kvh, hd, 1.f, [&](uint32_t j) { return key[j0 + j]; });
-        load_tile(vs, v, nk, kv_heads, kvh, hd, 1.f, [&](uint32_t j) { return key[j0 + j]; });
-        __syncthreads();
+    for (uint32_t j0 = 0; j0 < qt.nkeys; j0 += KB) {
+        const uint32_t nk = min((uint32_t)KB, qt.nkeys - j0);
+        qt.load_keys(ks, vs, k, v, j0, nk, kv_heads, hd);
         for (uint32_t j = 0; j < nk; ++j) {
             const float x = quad_dot<PL>(qr, ks, j, hd, c);
             const float dp = quad_dot<PL>(gr, vs, j, hd, c);
-            const float p = live && j0 + j < limit ? expf(x - lse_i) : 0.f;
+            const float p = live && j0 + j < qt.limit ? expf(x - lse_i) : 0.f;
             const float ds = p * (dp - dsum_i);
             quad_axpy<PL>(acc, ds, ks, j, hd, c);
         }

@@ -185,17 +185,7 @@ impl candle_core::CustomOp3 for FlashAttention {
         "cuda-flash-attention"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> FwdCpu {
-        candle_core::bail!("{} runs on CUDA devices only", self.name())
-    }
+    cpu_fwd_refused!(3);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(
@@ -294,17 +284,7 @@ impl candle_core::CustomOp3 for FlashAttentionGrad {
         "cuda-flash-attention-grad"
     }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-        _: &CpuStorage,
-        _: &Layout,
-    ) -> FwdCpu {
-        candle_core::bail!("{} runs on CUDA devices only", self.name())
-    }
+    cpu_fwd_refused!(3);
 
     #[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
     fn cuda_fwd(
