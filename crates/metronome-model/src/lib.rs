@@ -110,6 +110,7 @@ pub use device::DeviceSpec;
 pub use draw::{Draw, Drawn, Next};
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
+pub use head::{HeadInput, reverse_kl};
 pub use kv_cache::{DECODE_MIN_ROWS, KV_BLOCK, KvCache};
 pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
 pub use model::{BATCHED_MASK_BYTES, Model, ScoringBatch, TargetOutput};

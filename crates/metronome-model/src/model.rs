@@ -7,12 +7,13 @@ use candle_core::{DType, Device, Tensor, Var};
 use metronome_core::{PackedRow, Targets};
 
 use crate::config::ModelConfig;
+use crate::head::{self, HeadInput};
 use crate::ops::{
     Buffers, DenseWeight, LayerShape, LayerWeights, Projection, RopeTables, RowIndex, RowMasks, RowPlans,
     layer_backward, layer_forward, read_host, read_hosts, rope_tables, segment_plans,
 };
 use crate::recompute::{LinkCache, Links, attach};
-use crate::{Error, Kernels, Result, head};
+use crate::{Error, Kernels, Result};
 
 mod init;
 mod snapshot;
@@ -179,6 +180,9 @@ pub struct TargetOutput {
     pub logprobs: Tensor,
     /// Entropy of the predicting position's distribution, `[n_targets]` f32.
     pub entropy: Tensor,
+    /// What the head read: the rows a loss over the whole distributions builds on
+    /// ([`crate::reverse_kl`]).
+    pub head: HeadInput,
 }
 
 /// A packed micro-batch checked and laid out by [`Model::prepare_batch`], ready for
@@ -942,32 +946,39 @@ impl Model {
                 "was prepared by a model of another vocabulary, head size, rotary base or device",
             ));
         }
-        let n = batch.targets.len();
-        if n == 0 {
-            let empty = Tensor::zeros(0, DType::F32, self.device())?;
-            return Ok(TargetOutput { logprobs: empty.clone(), entropy: empty });
-        }
         let grad = self.base_grad();
-        let hidden = self.hidden_states(batch, grad)?;
-        let picked = self.kernels.gather_rows(&hidden, &batch.index)?;
         let inv_temperature = if temperature == 0.0 { 1.0 } else { 1.0 / temperature };
+        let head_input = |hidden: Tensor| HeadInput {
+            hidden,
+            weight: self.lm_head(grad),
+            inv_temperature,
+            chunk_elements: self.head_chunk.unwrap_or_else(|| self.default_head_chunk()),
+        };
+        if batch.targets.is_empty() {
+            let empty = Tensor::zeros(0, DType::F32, self.device())?;
+            let head =
+                head_input(Tensor::zeros((0, self.inner.cfg.hidden_size), self.dtype(), self.device())?);
+            return Ok(TargetOutput { logprobs: empty.clone(), entropy: empty, head });
+        }
+        let hidden = self.hidden_states(batch, grad)?;
+        let head = head_input(self.kernels.gather_rows(&hidden, &batch.index)?);
         let both = match self.head_chunk {
             Some(elements) => head::linear_logprobs(
                 self.kernels,
-                &picked,
-                &self.lm_head(grad),
+                &head.hidden,
+                &head.weight,
                 batch.targets.clone(),
                 inv_temperature,
                 elements,
             )?,
             None => {
-                let logits = self.base_linear(&picked, &self.lm_head(grad), None)?;
+                let logits = self.base_linear(&head.hidden, &head.weight, None)?;
                 self.kernels.target_logprobs_entropy(&logits, batch.targets.clone(), inv_temperature)?
             }
         };
         let logprobs = both.narrow(1, 0, 1)?.squeeze(1)?;
         let entropy = both.narrow(1, 1, 1)?.squeeze(1)?;
-        Ok(TargetOutput { logprobs, entropy })
+        Ok(TargetOutput { logprobs, entropy, head })
     }
 
     /// Plain causal forward for ordinary rows: `tokens: [batch, seq]` (u32) to logits

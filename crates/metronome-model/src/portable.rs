@@ -536,7 +536,7 @@ impl Kernels {
 /// `log softmax(logits / T)` over the last dimension in f32 (`inv_temperature` is
 /// `1 / T`) and the log-sum-exp of `logits / T`, `[n, 1]`: differentiable in the
 /// logits (the max is detached: the log-softmax does not depend on it).
-fn portable_log_softmax(logits: &Tensor, inv_temperature: f32) -> Result<(Tensor, Tensor)> {
+pub(crate) fn portable_log_softmax(logits: &Tensor, inv_temperature: f32) -> Result<(Tensor, Tensor)> {
     let z = logits.to_dtype(DType::F32)?;
     let z = if inv_temperature == 1.0 { z } else { (z * f64::from(inv_temperature))? };
     let max = z.max_keepdim(D::Minus1)?.detach();
