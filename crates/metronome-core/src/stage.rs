@@ -163,8 +163,10 @@ pub struct StepReport {
     #[serde(default)]
     pub mismatch: LogprobMismatch,
     /// On-policy distillation: the mean per-token reverse KL from the policy to the
-    /// teacher on the policy's own sampled tokens, `log π(y_t) − log π_teacher(y_t)`
-    /// over the scored targets (its single-sample estimate); `None` without a teacher.
+    /// teacher on the policy's own sampled tokens over the scored targets: its
+    /// single-sample estimate `log π(y_t) − log π_teacher(y_t)` under the sampled
+    /// signal, the exact sum over the vocabulary under the full one; `None` without a
+    /// teacher.
     #[serde(default)]
     pub distill_kl: Option<f64>,
 }

@@ -190,6 +190,7 @@ impl TwoPass {
                     behaviour_logprobs: &behaviour,
                     ref_logprobs: Some(&reference),
                     entropy: Some(&out.entropy),
+                    teacher_kl: None,
                     advantages: &t.advantage,
                     sequences: &t.sequence,
                 },

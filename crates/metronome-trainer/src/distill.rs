@@ -1,22 +1,32 @@
 //! On-policy distillation (`trainer.distill`): the student samples, a teacher scores
-//! the student's own tokens, and the per-token reverse KL is the learning signal.
+//! the student's own tokens, and the reverse KL from the teacher is the learning
+//! signal.
 //!
 //! The technique: Agarwal et al. 2024, "On-Policy Distillation of Language Models:
 //! Learning from Self-Generated Mistakes" (GKD, ICLR 2024, arXiv 2306.13649), train
 //! the student on its own samples against the teacher's distribution instead of on a
-//! fixed dataset, so it learns where its own mistakes lead; Thinking Machines Lab,
-//! "On-Policy Distillation" (2025), uses the single-sample reverse KL
-//! `log π_student(y_t) − log π_teacher(y_t)` of each sampled token, negated and
-//! without gradient, as that token's advantage in the ordinary policy-gradient loss.
-//! That is what this module computes: with weight `w`,
+//! fixed dataset, so it learns where its own mistakes lead. Two signals
+//! (`trainer.distill.signal`, [`DistillSignal`]):
 //!
-//! `A_t = −w · (log π_student(y_t) − log π_teacher(y_t))` (stop-gradient),
+//! - `sampled` (Thinking Machines Lab, "On-Policy Distillation", 2025): the
+//!   single-sample reverse KL of each sampled token, negated and without gradient, is
+//!   that token's advantage in the ordinary policy-gradient loss; with weight `w`,
 //!
-//! either alone (`mode = "alone"`: the rewards' advantages are not used) or added to
-//! the GRPO advantage of the token's response (`mode = "add"`). On-policy the ratio is
-//! 1 and the policy-gradient term's gradient is `w · Σ_t (log π − log π_teacher) ∇log π`:
-//! the gradient of the sampled reverse KL, `KL(student ‖ teacher)`, which pulls the
-//! student towards the teacher on the tokens it actually produces.
+//!   `A_t = −w · (log π_student(y_t) − log π_teacher(y_t))` (stop-gradient),
+//!
+//!   either alone (`mode = "alone"`: the rewards' advantages are not used) or added to
+//!   the GRPO advantage of the token's response (`mode = "add"`). On-policy the ratio
+//!   is 1 and the term's gradient is `w · Σ_t (log π − log π_teacher) ∇log π`: an
+//!   unbiased estimate of the gradient of `KL(student ‖ teacher)` on the tokens the
+//!   student produces, from one token of each position's distribution.
+//! - `full` (GKD's token-level divergence): the exact `KL(student ‖ teacher)` over the
+//!   whole vocabulary at each of the student's positions, `w · KL_t` added to each
+//!   target's loss as the KL to a reference is, beside the GRPO term of the rewards'
+//!   advantages (`add`) or without it (`alone`). The same expected gradient with none
+//!   of the sampling noise: each position carries the teacher's whole next-token
+//!   distribution, where the sampled signal carries one token of it. It costs a second
+//!   pass of the head over the targets' logits of both models, in chunks
+//!   ([`metronome_model::reverse_kl`]).
 //!
 //! The teacher is scored in the trainer's reference slot: it shares the policy's
 //! layout of each micro-batch (token ids, rotary tables, segment masks) when it has
@@ -31,7 +41,7 @@
 use std::path::PathBuf;
 
 use metronome_core::ErrorChain;
-use metronome_model::{Device, Model, ModelConfig, Precision};
+use metronome_model::{DType, Device, Model, ModelConfig, Precision, TargetOutput, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::{Result, TrainerError};
@@ -59,6 +69,24 @@ pub enum DistillMode {
     Add,
 }
 
+/// What the teacher tells the student at each of its tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillSignal {
+    /// The sampled token's reverse KL `log π_student(y_t) − log π_teacher(y_t)`,
+    /// negated, as its advantage in the policy-gradient loss (Thinking Machines Lab's
+    /// form): one number per token, an unbiased but noisy estimate of the divergence.
+    #[default]
+    Sampled,
+    /// The exact reverse KL over the whole vocabulary at each of the student's
+    /// positions, `Σ_v π_student(v) (log π_student(v) − log π_teacher(v))`, as a loss
+    /// term of weight `w` (GKD's token-level divergence on the student's own
+    /// sequences): the teacher's whole next-token distribution at every position, not
+    /// one sample of it. Computed in chunks of the student's head budget from the rows
+    /// both heads read ([`metronome_model::reverse_kl`]).
+    Full,
+}
+
 /// `[trainer.distill]`: the teacher and how its signal is used.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,7 +98,12 @@ pub struct DistillConfig {
     /// Alone, or added to the GRPO advantage.
     #[serde(default)]
     pub mode: DistillMode,
-    /// `w` in `A_t = −w · (log π_student − log π_teacher)`.
+    /// The sampled token's log-ratio as an advantage, or the exact divergence as a
+    /// loss term.
+    #[serde(default)]
+    pub signal: DistillSignal,
+    /// `w`: the sampled signal's `A_t = −w · (log π_student − log π_teacher)`, or the
+    /// full signal's loss term `w · KL_t`.
     #[serde(default = "default_weight")]
     pub weight: f32,
 }
@@ -134,6 +167,7 @@ impl DistillConfig {
 pub(crate) struct Teacher {
     pub(crate) model: Model,
     pub(crate) mode: DistillMode,
+    pub(crate) signal: DistillSignal,
     pub(crate) weight: f32,
     /// Whether it scores from the policy's layout of a micro-batch (same head size
     /// and rotary base); otherwise it lays the batch out itself.
@@ -158,15 +192,49 @@ impl Teacher {
         .with_chunked_head(chunk);
         let (t, s) = (model.config(), policy.config());
         let shares_layout = t.head_dim == s.head_dim && t.rope_theta == s.rope_theta;
-        Ok(Self { model, mode: cfg.mode, weight: cfg.weight, shares_layout })
+        Ok(Self { model, mode: cfg.mode, signal: cfg.signal, weight: cfg.weight, shares_layout })
     }
 
-    /// Each target's advantage (see the module docs) from the rewards' advantages,
-    /// the student's and the teacher's log-probs of the targets; and the sum of the
-    /// per-token reverse KL `log π_student − log π_teacher`.
-    pub(crate) fn advantages(&self, rewards: &[f32], student: &[f32], teacher: &[f32]) -> (Vec<f32>, f64) {
-        per_token_advantages(self.mode, self.weight, rewards, student, teacher)
+    /// The teacher's signal for one micro-batch, from the rewards' advantages of its
+    /// targets, the student's scoring (with `student_logprobs`, its log-probs on the
+    /// host) and the teacher's.
+    pub(crate) fn signal(
+        &self,
+        rewards: &[f32],
+        student: &TargetOutput,
+        student_logprobs: &[f32],
+        teacher: &TargetOutput,
+    ) -> Result<Signal> {
+        match self.signal {
+            DistillSignal::Sampled => {
+                let teacher = teacher.logprobs.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let (advantages, reverse_kl) =
+                    per_token_advantages(self.mode, self.weight, rewards, student_logprobs, &teacher);
+                Ok(Signal { advantages, reverse_kl, divergence: None })
+            }
+            DistillSignal::Full => {
+                let divergence = metronome_model::reverse_kl(&student.head, &teacher.head)?;
+                let reverse_kl = divergence.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                let advantages = match self.mode {
+                    DistillMode::Alone => vec![0.0; rewards.len()],
+                    DistillMode::Add => rewards.to_vec(),
+                };
+                Ok(Signal { advantages, reverse_kl, divergence: Some(divergence) })
+            }
+        }
     }
+}
+
+/// What [`Teacher::signal`] gives the loss.
+pub(crate) struct Signal {
+    /// Each target's advantage: the sampled signal's (alone or added to the
+    /// rewards'), or under the full signal the rewards' (`add`) or zero (`alone`).
+    pub(crate) advantages: Vec<f32>,
+    /// The sum over the targets of the reverse KL, sampled or exact: the statistic.
+    pub(crate) reverse_kl: f64,
+    /// The full signal's per-target divergence, differentiable in the student, for the
+    /// loss (weighted by [`Teacher::weight`]).
+    pub(crate) divergence: Option<Tensor>,
 }
 
 /// [`Teacher::advantages`] as a function of its settings.
@@ -216,6 +284,7 @@ mod tests {
             kind: TeacherFormat::Hf,
             path: "teacher".into(),
             mode: DistillMode::Add,
+            signal: DistillSignal::Full,
             weight: 1.0,
         };
         cfg.validate("distill").unwrap();

@@ -92,7 +92,7 @@ pub mod schedule;
 mod trainer;
 
 pub use config::TrainerConfig;
-pub use distill::{DistillConfig, DistillMode, TeacherFormat};
+pub use distill::{DistillConfig, DistillMode, DistillSignal, TeacherFormat};
 pub use error::{Result, TrainerError};
 pub use metrics::METRICS;
 pub use trainer::{GrpoTrainer, PhaseTimes, SftExample, sft_batch};

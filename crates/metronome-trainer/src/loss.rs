@@ -300,6 +300,10 @@ pub struct LossInputs<'a> {
     pub ref_logprobs: Option<&'a Tensor>,
     /// Per-token entropy of the policy (for the bonus and the statistics).
     pub entropy: Option<&'a Tensor>,
+    /// A per-target divergence from a teacher, differentiable, and its weight `w`:
+    /// `w · kl_t` joins each target's loss as the KL to the reference does
+    /// (on-policy distillation's exact reverse KL, `trainer.distill.signal = "full"`).
+    pub teacher_kl: Option<(&'a Tensor, f32)>,
     /// Advantage of each target's response.
     pub advantages: &'a [f32],
     /// The response each target belongs to (an index into the micro-batch's
@@ -315,13 +319,15 @@ pub struct LossTerms {
     /// The policy-gradient part of `loss` alone (importance weights included): the
     /// trainer scales it apart from the rest for REINFORCE++'s batch normalisation.
     pub policy_loss: Tensor,
-    /// The KL and entropy parts of `loss`; `None` when both coefficients are 0.
+    /// The KL (to the reference and to a teacher) and entropy parts of `loss`; `None`
+    /// when there are none.
     pub regulariser: Option<Tensor>,
     /// `Σ_t w_t ℓ_t` as a number.
     pub loss_sum: f64,
     /// The policy-gradient part of `loss_sum` (importance weights included).
     pub policy_sum: f64,
-    /// The KL part of `loss_sum` (coefficient included).
+    /// The KL parts of `loss_sum`, to the reference and to a teacher (coefficients
+    /// included).
     pub kl_term_sum: f64,
     /// Unweighted `Σ_t kl_t` over the kept targets (for the mean KL statistic); 0
     /// without a reference.
@@ -546,6 +552,17 @@ pub fn grpo_loss(cfg: &LossConfig, x: LossInputs<'_>) -> Result<LossTerms> {
             kl_host.iter().zip(&weights).map(|(&k, &w)| f64::from(cfg.kl_coef * w) * f64::from(k)).sum();
         regulariser = Some((kl * f64::from(cfg.kl_coef))?.mul(&weights_t)?.sum_all()?);
     }
+    if let Some((kl, weight)) = x.teacher_kl {
+        check_len("teacher_kl", kl.dims1()?, n)?;
+        let kl_host = host(kl)?;
+        kl_term_sum +=
+            kl_host.iter().zip(&weights).map(|(&k, &w)| f64::from(weight * w) * f64::from(k)).sum::<f64>();
+        let term = (kl * f64::from(weight))?.mul(&weights_t)?.sum_all()?;
+        regulariser = Some(match regulariser {
+            Some(r) => (r + term)?,
+            None => term,
+        });
+    }
     let mut entropy_sum = 0f64;
     let mut entropy_term_sum = 0f64;
     if let Some(h) = x.entropy {
@@ -627,6 +644,7 @@ mod tests {
             behaviour_logprobs: behaviour,
             ref_logprobs: reference,
             entropy: None,
+            teacher_kl: None,
             advantages,
             sequences,
         };
@@ -762,6 +780,7 @@ mod tests {
                 behaviour_logprobs: &old,
                 ref_logprobs: None,
                 entropy: Some(h.as_tensor()),
+                teacher_kl: None,
                 advantages: &[0.0, 0.0],
                 sequences: &[0, 1],
             },

@@ -322,13 +322,13 @@ fn a_distill_section_is_read_round_trips_and_names_its_bad_keys() {
     let again = PipelineConfig::parse(&config.to_toml().unwrap(), "round trip", &[]).unwrap();
     assert_eq!(again, config);
     let text = format!(
-        "{}\n[trainer.distill]\nkind = \"gguf\"\npath = \"t.gguf\"\nmode = \"add\"\nweight = 0.5",
+        "{}\n[trainer.distill]\nkind = \"gguf\"\npath = \"t.gguf\"\nmode = \"add\"\nsignal = \"full\"\nweight = 0.5",
         PipelineConfig::embedded(&[]).unwrap().to_toml().unwrap()
     );
     let distill = PipelineConfig::parse(&text, "file", &[]).unwrap().trainer.distill.unwrap();
     assert_eq!(
-        (format!("{:?}/{:?}", distill.kind, distill.mode), distill.weight),
-        ("Gguf/Add".to_owned(), 0.5)
+        (format!("{:?}/{:?}/{:?}", distill.kind, distill.mode, distill.signal), distill.weight),
+        ("Gguf/Add/Full".to_owned(), 0.5)
     );
     invalid(&["trainer.distill={ kind = \"hf\", path = \"t\", weight = 0.0 }"], "`trainer.distill.weight`");
     invalid(&["trainer.distill={ kind = \"hf\", path = \"\" }"], "`trainer.distill.path`");
@@ -339,6 +339,7 @@ fn a_distill_section_is_read_round_trips_and_names_its_bad_keys() {
     assert_named(&[
         ("trainer.distill={ kind = \"onnx\", path = \"t\" }", "onnx"),
         ("trainer.distill={ kind = \"hf\", path = \"t\", mode = \"mix\" }", "mix"),
+        ("trainer.distill={ kind = \"hf\", path = \"t\", signal = \"dense\" }", "dense"),
         ("trainer.distill={ kind = \"hf\", path = \"t\", wieght = 1.0 }", "wieght"),
         ("trainer.distill={ path = \"t\" }", "kind"),
     ]);

@@ -7,7 +7,6 @@
 //! aggregation's normaliser, REINFORCE++'s `1 / (std + eps)`), and mini-steps,
 //! several updates per period with the behaviour log-probs as the old policy.
 
-use std::borrow::Cow;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
@@ -162,21 +161,19 @@ impl GrpoTrainer {
                     || self.scorer.score(&batch, temperature),
                     || m.score(teacher_batch.as_ref().unwrap_or(&batch), temperature),
                 );
-                (out?, Some(second?.logprobs))
+                (out?, Some(second?))
             }
             None => (self.scorer.score(&batch, temperature)?, None),
         };
         drop((batch, teacher_batch));
-        let (reference, teacher) = if self.teacher.is_some() { (None, second) } else { (second, None) };
         let logprobs_host = out.logprobs.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let (advantages, distill_kl) = match (&self.teacher, &teacher) {
+        let (reference, distill) = match (&self.teacher, second) {
             (Some(t), Some(teacher)) => {
-                let teacher = teacher.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                let (advantages, kl) = t.advantages(&p.targets.advantage, &logprobs_host, &teacher);
-                (Cow::Owned(advantages), kl)
+                (None, Some(t.signal(&p.targets.advantage, &out, &logprobs_host, &teacher)?))
             }
-            _ => (Cow::Borrowed(p.targets.advantage.as_slice()), 0.0),
+            (_, second) => (second.map(|s| s.logprobs), None),
         };
+        let advantages = distill.as_ref().map_or(p.targets.advantage.as_slice(), |d| &d.advantages);
         let behaviour = Tensor::from_slice(&p.targets.behaviour_logprob, n, self.policy.device())?;
         let old = if old_is_behaviour { behaviour.clone() } else { out.logprobs.detach() };
         let terms = grpo_loss(
@@ -187,7 +184,11 @@ impl GrpoTrainer {
                 behaviour_logprobs: &behaviour,
                 ref_logprobs: reference.as_ref(),
                 entropy: Some(&out.entropy),
-                advantages: advantages.as_ref(),
+                teacher_kl: distill
+                    .as_ref()
+                    .zip(self.teacher.as_ref())
+                    .and_then(|(d, t)| Some((d.divergence.as_ref()?, t.weight))),
+                advantages,
                 sequences: &p.targets.sequence,
             },
         )?;
@@ -217,9 +218,9 @@ impl GrpoTrainer {
         sums.entropy = terms.entropy_sum;
         sums.gap = terms.logprob_gap_sum;
         sums.clipped = terms.clipped;
-        if self.teacher.is_some() {
+        if let Some(distill) = &distill {
             sums.distill_tokens = n as u64;
-            sums.distill_kl = distill_kl;
+            sums.distill_kl = distill.reverse_kl;
         }
         Ok(sums)
     }

@@ -1,5 +1,6 @@
-//! On-policy distillation in the trainer (`trainer.distill`): the teacher's signal is
-//! the per-token reverse KL as an advantage, alone or added to the rewards'; a
+//! On-policy distillation in the trainer (`trainer.distill`): the teacher's sampled
+//! signal is the per-token reverse KL as an advantage, alone or added to the rewards';
+//! its full signal is the exact reverse KL over the vocabulary as a loss term; a
 //! teacher equal to the student teaches nothing; a teacher that does not load or has
 //! another vocabulary is refused naming the key; checkpoints leave the teacher out
 //! and a resumed trainer, which loads it again, steps bit-identically.
@@ -7,8 +8,10 @@
 use std::path::Path;
 
 use metronome_core::TrainBatch;
-use metronome_model::{Device, Model, ModelConfig};
-use metronome_trainer::{DistillConfig, DistillMode, GrpoTrainer, TeacherFormat, TrainerConfig};
+use metronome_model::{Device, Model, ModelConfig, reverse_kl};
+use metronome_trainer::{
+    DistillConfig, DistillMode, DistillSignal, GrpoTrainer, TeacherFormat, TrainerConfig,
+};
 
 use crate::common::{
     config, flat_weights, max_abs_diff, pending_gradients, period_batch, stamped, tiny_model,
@@ -22,8 +25,13 @@ fn save_teacher(dir: &Path, seed: u64) -> std::path::PathBuf {
 }
 
 fn distill_config(path: &Path, mode: DistillMode, weight: f32) -> TrainerConfig {
+    with_signal(path, mode, DistillSignal::Sampled, weight)
+}
+
+fn with_signal(path: &Path, mode: DistillMode, signal: DistillSignal, weight: f32) -> TrainerConfig {
     let mut cfg = config();
-    cfg.distill = Some(DistillConfig { kind: TeacherFormat::Hf, path: path.to_owned(), mode, weight });
+    cfg.distill =
+        Some(DistillConfig { kind: TeacherFormat::Hf, path: path.to_owned(), mode, signal, weight });
     cfg
 }
 
@@ -65,6 +73,86 @@ fn the_advantage_is_the_negated_reverse_kl_alone_or_added_to_the_rewards() {
         assert!(scale > 0.0 && diff <= 1e-5 * scale, "{mode:?}: gradients differ by {diff} (scale {scale})");
         assert_eq!(plain.step_sync().unwrap().distill_kl, None);
     }
+}
+
+/// The full signal: the step reports the mean exact reverse KL over the targets, and
+/// the gradient is that of `w · mean_t KL_t` (the default token-mean loss), alone or
+/// with the GRPO term of the rewards' advantages beside it.
+#[test]
+fn the_full_signal_is_the_exact_reverse_kl_as_a_loss_term() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = save_teacher(dir.path(), 11);
+    let teacher = Model::load_hf(&path, &Device::Cpu).unwrap();
+    let batch = period_batch(metronome_core::PolicyVersion(0));
+    for (mode, weight) in [(DistillMode::Alone, 1.0f32), (DistillMode::Add, 0.5)] {
+        let mut t = with_signal(&path, mode, DistillSignal::Full, weight).build(tiny_model()).unwrap();
+        t.accumulate_sync(&batch).unwrap();
+        let distilled = pending_gradients(&t);
+        let report = t.step_sync().unwrap();
+
+        // By hand: the student's graph, the teacher's rows, the divergence's gradient.
+        let student = tiny_model();
+        let out = student.target_logprobs(&batch.rows, &batch.targets).unwrap();
+        let of_teacher = teacher.target_logprobs(&batch.rows, &batch.targets).unwrap();
+        let kl = reverse_kl(&out.head, &of_teacher.head).unwrap();
+        let per_token = kl.to_vec1::<f32>().unwrap();
+        let mean = per_token.iter().map(|&k| f64::from(k)).sum::<f64>() / per_token.len() as f64;
+        assert!(per_token.iter().all(|&k| k >= 0.0) && mean > 1e-3, "{per_token:?}");
+        let got = report.distill_kl.expect("a distilling trainer reports the reverse KL");
+        assert!((got - mean).abs() < 1e-5 * mean, "{mode:?}: {got} vs {mean}");
+
+        let scale = f64::from(weight) / per_token.len() as f64;
+        let mut grads = (kl * scale).unwrap().sum_all().unwrap().backward().unwrap();
+        if mode == DistillMode::Add {
+            // Plain GRPO's gradient on the rewards' advantages, added.
+            let mut plain = config().build(tiny_model()).unwrap();
+            plain.accumulate_sync(&batch).unwrap();
+            let expected: Vec<f32> = student
+                .parameters()
+                .iter()
+                .flat_map(|(_, v)| {
+                    grads.remove(v.as_tensor()).map_or_else(
+                        || vec![0.0; v.elem_count()],
+                        |g| g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    )
+                })
+                .zip(pending_gradients(&plain))
+                .map(|(a, b)| a + b)
+                .collect();
+            let scale = expected.iter().fold(0f32, |m, g| m.max(g.abs()));
+            let diff = max_abs_diff(&distilled, &expected);
+            assert!(diff <= 1e-5 * scale, "{mode:?}: gradients differ by {diff} (scale {scale})");
+            continue;
+        }
+        let expected: Vec<f32> = student
+            .parameters()
+            .iter()
+            .flat_map(|(_, v)| {
+                grads.get(v.as_tensor()).map_or_else(
+                    || vec![0.0; v.elem_count()],
+                    |g| g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                )
+            })
+            .collect();
+        let scale = expected.iter().fold(0f32, |m, g| m.max(g.abs()));
+        let diff = max_abs_diff(&distilled, &expected);
+        assert!(scale > 0.0 && diff <= 1e-5 * scale, "{mode:?}: gradients differ by {diff} (scale {scale})");
+    }
+}
+
+/// A student that is its own teacher under the full signal: a divergence and a
+/// gradient of zero, and the mean reported as such.
+#[test]
+fn under_the_full_signal_a_teacher_equal_to_the_student_teaches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("same");
+    tiny_model().save_hf(&path).unwrap();
+    let mut t = with_signal(&path, DistillMode::Alone, DistillSignal::Full, 1.0).build(tiny_model()).unwrap();
+    let batch = period_batch(metronome_core::PolicyVersion(0));
+    t.accumulate_sync(&batch).unwrap();
+    assert!(pending_gradients(&t).iter().all(|&g| g.abs() < 1e-7), "no pull towards itself");
+    let kl = t.step_sync().unwrap().distill_kl.unwrap();
+    assert!(kl.abs() < 1e-6, "{kl}");
 }
 
 #[test]
