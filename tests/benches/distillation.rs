@@ -11,7 +11,7 @@
 #[path = "distill/experiment.rs"]
 mod experiment;
 
-use experiment::{Sizes, Task, distillation, table};
+use experiment::{Sizes, Student, Task, distillation, table};
 
 fn main() -> anyhow::Result<()> {
     let bench = std::env::args().any(|a| a == "--bench");
@@ -28,6 +28,7 @@ fn main() -> anyhow::Result<()> {
         eval_every: 10,
         eval_prompts: 400,
         eval_samples: 2,
+        students: students().into_iter().filter(|s| s.overrides.is_empty()).collect(),
     };
     // The default e2e run (`cargo xtask e2e`) as the teacher, a fresh copy of its
     // warm start as the student, the default's settings in both arms.
@@ -44,6 +45,7 @@ fn main() -> anyhow::Result<()> {
         eval_every: 10,
         eval_prompts: 400,
         eval_samples: 4,
+        students: students(),
     };
     let smoke = Sizes {
         teacher_sft: 20,
@@ -55,7 +57,11 @@ fn main() -> anyhow::Result<()> {
         eval_samples: 1,
         ..copy.clone()
     };
+    // `DISTILL_TASKS=arithmetic` (or `copy`) runs one of the two.
+    let only = std::env::var("DISTILL_TASKS").unwrap_or_default();
     let runs = if bench { vec![copy, arithmetic] } else { vec![smoke] };
+    let runs =
+        runs.into_iter().filter(|s| only.is_empty() || format!("{:?}", s.task).eq_ignore_ascii_case(&only));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     for sizes in runs {
         let out = tempfile::tempdir()?;
@@ -77,12 +83,26 @@ fn main() -> anyhow::Result<()> {
             start.elapsed().as_secs_f64()
         );
         print!("{}", table(&outcome));
-        println!(
-            "gain over {} periods: GRPO alone {:+.1} points, distillation {:+.1} points",
-            sizes.periods,
-            100.0 * outcome.grpo.gain(),
-            100.0 * outcome.distill.gain()
-        );
+        let gains: Vec<String> = outcome
+            .arms
+            .iter()
+            .map(|arm| format!("{} {:+.1} points", arm.name, 100.0 * arm.gain()))
+            .collect();
+        println!("gain over {} periods: {}", sizes.periods, gains.join(", "));
     }
     Ok(())
+}
+
+/// GRPO alone and distillation with each signal, at the default's settings (one
+/// optimiser step per period) and with four mini-steps per period.
+fn students() -> Vec<Student> {
+    const MINI: &[&str] = &["trainer.mini_steps=4"];
+    vec![
+        Student::GRPO,
+        Student { name: "GRPO alone, 4 mini-steps", signal: None, overrides: MINI },
+        Student { name: "distillation, sampled", signal: Some("sampled"), overrides: &[] },
+        Student { name: "distillation, sampled, 4 mini-steps", signal: Some("sampled"), overrides: MINI },
+        Student { name: "distillation, full", signal: Some("full"), overrides: &[] },
+        Student { name: "distillation, full, 4 mini-steps", signal: Some("full"), overrides: MINI },
+    ]
 }

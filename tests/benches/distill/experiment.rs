@@ -5,9 +5,10 @@
 //! (and, for arithmetic, the default's GRPO periods); its final checkpoint's
 //! `policy/` folder is the teacher. Then a fresh student is warm-started less, and
 //! from that same student two runs of the same periods with the same settings: GRPO
-//! alone, and on-policy distillation from the teacher (`trainer.distill`, the
-//! teacher's per-token reverse KL alone as the advantage). Held-out accuracy is
-//! measured every `eval_every` periods, sampled at temperature 1 as `[eval]` does.
+//! alone, and on-policy distillation from the teacher (`trainer.distill` alone) with
+//! each signal asked for: the sampled token's reverse KL as the advantage, or the
+//! exact reverse KL over the vocabulary as the loss. Held-out accuracy is measured
+//! every `eval_every` periods, sampled at temperature 1 as `[eval]` does.
 //!
 //! Two tasks:
 //! - `Copy`: the copy task (`dbjj=` → `dbjj`, 3 to 10 characters, exact match). The
@@ -58,11 +59,32 @@ pub(crate) struct Sizes {
     pub(crate) eval_prompts: usize,
     /// Answers sampled per held-out prompt.
     pub(crate) eval_samples: u32,
+    /// The student runs, each from the same warm-started student.
+    pub(crate) students: Vec<Student>,
+}
+
+/// How one student run trains.
+#[derive(Clone, Debug)]
+pub(crate) struct Student {
+    /// Its name in the tables.
+    pub(crate) name: &'static str,
+    /// `trainer.distill.signal` (`"sampled"`, `"full"`) of a distillation from the
+    /// teacher (`mode = "alone"`); `None`: GRPO alone.
+    pub(crate) signal: Option<&'static str>,
+    /// Settings of its own beside the experiment's (`trainer.mini_steps=4`, say).
+    pub(crate) overrides: &'static [&'static str],
+}
+
+impl Student {
+    /// GRPO alone at the default's settings.
+    pub(crate) const GRPO: Self = Self { name: "GRPO alone", signal: None, overrides: &[] };
 }
 
 /// One student run.
 #[derive(Clone, Debug)]
 pub(crate) struct Arm {
+    /// Its [`Student::name`].
+    pub(crate) name: &'static str,
     /// Held-out accuracy after 0, `eval_every`, … periods: (periods, accuracy).
     pub(crate) accuracy: Vec<(u64, f64)>,
     /// The mean reverse KL per token to the teacher in each period (empty without
@@ -82,10 +104,16 @@ impl Arm {
 pub(crate) struct Outcome {
     /// The teacher's held-out accuracy.
     pub(crate) teacher: f64,
-    /// The student trained with GRPO alone.
-    pub(crate) grpo: Arm,
-    /// The student trained by distillation from the teacher.
-    pub(crate) distill: Arm,
+    /// The student runs, in the order of [`Sizes::students`].
+    pub(crate) arms: Vec<Arm>,
+}
+
+impl Outcome {
+    /// The arm of the student named `name`.
+    #[allow(dead_code, reason = "the test reads it, the bench does not")]
+    pub(crate) fn arm(&self, name: &str) -> &Arm {
+        self.arms.iter().find(|a| a.name == name).unwrap_or_else(|| panic!("no student `{name}`"))
+    }
 }
 
 /// The settings of a run of `sizes.task` named `name`.
@@ -126,14 +154,14 @@ async fn teacher(out: &Path, sizes: &Sizes) -> anyhow::Result<(f64, PathBuf)> {
     Ok((accuracy, outcome.dir.checkpoints().join("final").join("policy")))
 }
 
-/// Runs the teacher, then the student twice: GRPO alone and distillation.
+/// Runs the teacher, then each of the students from the same warm start.
 pub(crate) async fn distillation(out: &Path, sizes: &Sizes) -> anyhow::Result<Outcome> {
     let (teacher_accuracy, teacher_path) = teacher(out, sizes).await?;
-    let distill =
-        format!("trainer.distill={{ kind = \"hf\", path = {:?} }}", teacher_path.display().to_string());
+    let teacher_path = teacher_path.display().to_string();
     let mut arms = Vec::new();
-    for (name, extra) in [("grpo", None), ("distill", Some(distill))] {
-        let mut o = overrides(out, name, sizes.student_seed, sizes);
+    for student in &sizes.students {
+        let name = student.name.replace(|c: char| !c.is_ascii_alphanumeric(), "_");
+        let mut o = overrides(out, &name, sizes.student_seed, sizes);
         o.extend([
             format!("sft.steps={}", sizes.student_sft),
             format!("run.periods={}", sizes.periods),
@@ -141,29 +169,46 @@ pub(crate) async fn distillation(out: &Path, sizes: &Sizes) -> anyhow::Result<Ou
             format!("trainer.schedule.warmup_steps={}", sizes.warmup_steps),
             format!("eval.every={}", sizes.eval_every),
         ]);
-        o.extend(extra);
+        o.extend(student.signal.map(|signal| {
+            format!("trainer.distill={{ kind = \"hf\", path = {teacher_path:?}, signal = {signal:?} }}")
+        }));
+        o.extend(student.overrides.iter().map(|&s| s.to_owned()));
         let outcome = run(PipelineConfig::embedded(&o)?, RunOptions::default()).await?;
         arms.push(Arm {
+            name: student.name,
             accuracy: outcome.evals.iter().map(|e| (e.after_periods, e.accuracy)).collect(),
             reverse_kl: outcome.periods.iter().filter_map(|p| p.step.distill_kl).collect(),
         });
     }
-    let distill = arms.pop().expect("two arms");
-    let grpo = arms.pop().expect("two arms");
-    Ok(Outcome { teacher: teacher_accuracy, grpo, distill })
+    Ok(Outcome { teacher: teacher_accuracy, arms })
 }
 
-/// The table of an outcome: held-out accuracy of both arms at every evaluation, and
-/// the distilled student's reverse KL to the teacher in the period before it.
+/// The table of an outcome: held-out accuracy of every arm at every evaluation, and
+/// beside each distilled one its reverse KL per token to the teacher in the period
+/// before.
 pub(crate) fn table(outcome: &Outcome) -> String {
-    let mut s = format!(
-        "teacher held-out accuracy: {:.1}%\n| period | GRPO alone | distillation | reverse KL per token |\n|---:|---:|---:|---:|\n",
-        100.0 * outcome.teacher,
-    );
-    for ((k, g), (_, d)) in outcome.grpo.accuracy.iter().zip(&outcome.distill.accuracy) {
-        let kl = k.checked_sub(1).and_then(|i| outcome.distill.reverse_kl.get(i as usize));
-        let kl = kl.map_or_else(|| "–".to_owned(), |v| format!("{v:.3}"));
-        s.push_str(&format!("| {k} | {:.1}% | {:.1}% | {kl} |\n", 100.0 * g, 100.0 * d));
+    let mut s = format!("teacher held-out accuracy: {:.1}%\n| period |", 100.0 * outcome.teacher);
+    let mut rule = String::from("|---:|");
+    for arm in &outcome.arms {
+        s.push_str(&format!(" {} |", arm.name));
+        rule.push_str("---:|");
+        if !arm.reverse_kl.is_empty() {
+            s.push_str(" reverse KL |");
+            rule.push_str("---:|");
+        }
+    }
+    s.push_str(&format!("\n{rule}\n"));
+    let points = outcome.arms.first().map_or(&[][..], |a| &a.accuracy[..]);
+    for (i, (k, _)) in points.iter().enumerate() {
+        s.push_str(&format!("| {k} |"));
+        for arm in &outcome.arms {
+            s.push_str(&format!(" {:.1}% |", 100.0 * arm.accuracy.get(i).map_or(f64::NAN, |a| a.1)));
+            if !arm.reverse_kl.is_empty() {
+                let kl = k.checked_sub(1).and_then(|p| arm.reverse_kl.get(p as usize));
+                s.push_str(&format!(" {} |", kl.map_or_else(|| "–".to_owned(), |v| format!("{v:.3}"))));
+            }
+        }
+        s.push('\n');
     }
     s
 }
