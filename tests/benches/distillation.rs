@@ -28,7 +28,7 @@ fn main() -> anyhow::Result<()> {
         eval_every: 10,
         eval_prompts: 400,
         eval_samples: 2,
-        students: students().into_iter().filter(|s| s.overrides.is_empty()).collect(),
+        students: students(),
     };
     // The default e2e run (`cargo xtask e2e`) as the teacher, a fresh copy of its
     // warm start as the student, the default's settings in both arms.
@@ -44,8 +44,8 @@ fn main() -> anyhow::Result<()> {
         warmup_steps: 10,
         eval_every: 10,
         eval_prompts: 400,
-        eval_samples: 4,
-        students: students(),
+        eval_samples: 16,
+        students: arithmetic_students(),
     };
     let smoke = Sizes {
         teacher_sft: 20,
@@ -93,16 +93,24 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// GRPO alone and distillation with each signal, at the default's settings (one
-/// optimiser step per period) and with four mini-steps per period.
+/// GRPO alone and distillation alone with each signal, at the default's settings.
 fn students() -> Vec<Student> {
-    const MINI: &[&str] = &["trainer.mini_steps=4"];
     vec![
         Student::GRPO,
-        Student { name: "GRPO alone, 4 mini-steps", signal: None, overrides: MINI },
         Student { name: "distillation, sampled", signal: Some("sampled"), overrides: &[] },
-        Student { name: "distillation, sampled, 4 mini-steps", signal: Some("sampled"), overrides: MINI },
         Student { name: "distillation, full", signal: Some("full"), overrides: &[] },
-        Student { name: "distillation, full, 4 mini-steps", signal: Some("full"), overrides: MINI },
     ]
+}
+
+/// [`students`], then GRPO with four optimiser steps per period, and each signal
+/// added to GRPO's advantages (`mode = "add"`, weight 1).
+fn arithmetic_students() -> Vec<Student> {
+    const ADD: &[&str] = &["trainer.distill.mode=\"add\""];
+    let mut students = students();
+    students.extend([
+        Student { name: "GRPO alone, 4 mini-steps", signal: None, overrides: &["trainer.mini_steps=4"] },
+        Student { name: "GRPO + sampled", signal: Some("sampled"), overrides: ADD },
+        Student { name: "GRPO + full", signal: Some("full"), overrides: ADD },
+    ]);
+    students
 }
