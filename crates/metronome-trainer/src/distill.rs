@@ -210,7 +210,7 @@ impl Teacher {
                 let teacher = teacher.logprobs.to_dtype(DType::F32)?.to_vec1::<f32>()?;
                 let (advantages, reverse_kl) =
                     per_token_advantages(self.mode, self.weight, rewards, student_logprobs, &teacher);
-                Ok(Signal { advantages, reverse_kl, divergence: None })
+                Ok(Signal { advantages, reverse_kl, divergence: None, weight: self.weight })
             }
             DistillSignal::Full => {
                 let divergence = metronome_model::reverse_kl(&student.head, &teacher.head)?;
@@ -219,7 +219,7 @@ impl Teacher {
                     DistillMode::Alone => vec![0.0; rewards.len()],
                     DistillMode::Add => rewards.to_vec(),
                 };
-                Ok(Signal { advantages, reverse_kl, divergence: Some(divergence) })
+                Ok(Signal { advantages, reverse_kl, divergence: Some(divergence), weight: self.weight })
             }
         }
     }
@@ -232,9 +232,17 @@ pub(crate) struct Signal {
     pub(crate) advantages: Vec<f32>,
     /// The sum over the targets of the reverse KL, sampled or exact: the statistic.
     pub(crate) reverse_kl: f64,
-    /// The full signal's per-target divergence, differentiable in the student, for the
-    /// loss (weighted by [`Teacher::weight`]).
-    pub(crate) divergence: Option<Tensor>,
+    /// The full signal's per-target divergence, differentiable in the student.
+    divergence: Option<Tensor>,
+    /// Its weight in the loss.
+    weight: f32,
+}
+
+impl Signal {
+    /// The full signal's loss term: each target's divergence and its weight `w`.
+    pub(crate) fn loss_term(&self) -> Option<(&Tensor, f32)> {
+        self.divergence.as_ref().map(|d| (d, self.weight))
+    }
 }
 
 /// [`Teacher::advantages`] as a function of its settings.

@@ -794,6 +794,52 @@ mod tests {
         assert!((g[0] + 0.1).abs() < 1e-6 && (g[1] + 0.1).abs() < 1e-6, "{g:?}");
     }
 
+    /// A teacher's per-target divergence joins the loss as `w · weight_t · kl_t`, with
+    /// its gradient, under the aggregation's weights; the policy term stays as it is.
+    #[test]
+    fn a_teacher_divergence_is_added_with_its_weight_and_gradient() {
+        let lp = var(&[-1.0, -2.0, -0.5]);
+        let kl = var(&[0.3, 0.1, 0.8]);
+        let old = lp.as_tensor().detach();
+        let cfg = LossConfig { aggregation: Aggregation::SeqMeanTokenMean, ..LossConfig::default() };
+        let out = grpo_loss(
+            &cfg,
+            LossInputs {
+                logprobs: lp.as_tensor(),
+                old_logprobs: &old,
+                behaviour_logprobs: &old,
+                ref_logprobs: None,
+                entropy: None,
+                teacher_kl: Some((kl.as_tensor(), 2.0)),
+                advantages: &[1.0, 0.0, 0.0],
+                sequences: &[0, 1, 1],
+            },
+        )
+        .unwrap();
+        // Weights 1, 1/2, 1/2: ℓ = −1·1 (policy) + 2·(0.3 + 0.05 + 0.4) = 0.5.
+        assert!((out.policy_sum + 1.0).abs() < 1e-6);
+        assert!((out.kl_term_sum - 1.5).abs() < 1e-6 && (out.loss_sum - 0.5).abs() < 1e-6);
+        assert!(out.regulariser.is_some());
+        let g = grad(&out.loss, &kl);
+        assert!((g[0] - 2.0).abs() < 1e-6 && (g[1] - 1.0).abs() < 1e-6 && (g[2] - 1.0).abs() < 1e-6, "{g:?}");
+        let err = grpo_loss(
+            &cfg,
+            LossInputs {
+                logprobs: lp.as_tensor(),
+                old_logprobs: &old,
+                behaviour_logprobs: &old,
+                ref_logprobs: None,
+                entropy: None,
+                teacher_kl: Some((&kl.as_tensor().narrow(0, 0, 2).unwrap(), 1.0)),
+                advantages: &[1.0, 0.0, 0.0],
+                sequences: &[0, 1, 1],
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("teacher_kl") && err.contains("2 entries for 3 targets"), "{err}");
+    }
+
     #[test]
     fn aggregation_weights_and_step_scales() {
         let totals = StepTotals { tokens: 10, sequences: 4 };

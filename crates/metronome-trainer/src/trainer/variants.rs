@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use metronome_core::{AdvantageEstimator, PackedRow, StepReport, Targets, TrainBatch, mix64};
 
 use super::{GrpoTrainer, Mode, Sums};
+use crate::distill;
 use crate::loss::{Aggregation, LossInputs, StepTotals, grpo_loss};
 use crate::optim::GradAccumulator;
 use crate::{Result, TrainerError};
@@ -184,10 +185,7 @@ impl GrpoTrainer {
                 behaviour_logprobs: &behaviour,
                 ref_logprobs: reference.as_ref(),
                 entropy: Some(&out.entropy),
-                teacher_kl: distill
-                    .as_ref()
-                    .zip(self.teacher.as_ref())
-                    .and_then(|(d, t)| Some((d.divergence.as_ref()?, t.weight))),
+                teacher_kl: distill.as_ref().and_then(distill::Signal::loss_term),
                 advantages,
                 sequences: &p.targets.sequence,
             },
