@@ -240,6 +240,22 @@ overlap() { # overlap SCHEDULE: the default run on the GPU, 4 periods, no warm s
     { echo "${run[*]}"; awk "BEGIN { print $(date +%s.%N) - $start }"; tail -n 12 "$bin/overlap-$1.log"; } >"$out/overlap-$1.txt"
     tail -n 12 "$bin/overlap-$1.log"
 }
+longtail() { # longtail NAME SETTINGS...: the long-tail bench's run (issue #34) on the GPU
+    local name=$1
+    shift
+    local run=("$bin/bin/metronome" run --config crates/metronome-pipeline/configs/longtail_copy.toml
+        --set 'model.device="cuda:0"' --set run.periods=40 --set data.release.batch_size=8 --set run.group_size=16
+        --set rollout.max_num_seqs=128 --set eval.prompts=400 --set eval.every=40 --set "run.out_dir=\"$bin/runs\""
+        --set "run.name=\"longtail-$name\"" "$@")
+    (cd "$build_root" && step "longtail $name" 90 "${run[@]}") >"$bin/longtail-$name.log" 2>&1
+    cp "$bin/runs/longtail-$name/metrics.jsonl" "$out/longtail-$name.jsonl" 2>/dev/null || true
+    # Generated tokens per second of the periods' wall time, as the CPU bench counts them.
+    { echo "${run[*]}"; python3 -c 'import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+print("tokens/s", sum(r["generated_tokens"] for r in rows) / sum(r["period_s"] for r in rows))' \
+        "$out/longtail-$name.jsonl" 2>&1; grep 'held-out accuracy:' "$bin/longtail-$name.log"; } >"$out/longtail-$name.txt"
+    cat "$out/longtail-$name.txt"
+}
 deadline=$((script_start + ${BENCH_S:-540}))
 # When this crate's kernels failed their tests, the figures are taken without them.
 if grep -qE '^test .*cuda_kernel.* FAILED' "$log"; then
@@ -250,7 +266,7 @@ fi
 # The steps, in this order; BENCH_ONLY="NAME ..." runs those alone (e.g. after a kernel
 # change, `BENCH_ONLY="smollm2 profile"`). TORCH_COMPILE_S (default 25) bounds
 # torch.compile's compiling for the SmolLM2 shapes (0: eager alone).
-wanted() { [ -z "${BENCH_ONLY:-}" ] && [ "$1" != profile ] || [[ " ${BENCH_ONLY:-} " == *" $1 "* ]]; }
+wanted() { [ -z "${BENCH_ONLY:-}" ] && [ "$1" != profile ] && [ "$1" != longtail ] || [[ " ${BENCH_ONLY:-} " == *" $1 "* ]]; }
 # Training (issue #30): SmolLM2-135M at 8x512, 32x512, 16x1024; Qwen2.5-0.5B and 1.5B at
 # 8x1024 (random weights, llama_shapes.json); bf16 with the chunked head, without and with
 # checkpointed layers, rows attended whole (the default) and per segment by the flash
@@ -289,6 +305,16 @@ if wanted profile && [ -n "$ncu_bin" ]; then
 fi
 wanted qwen0.5 && train qwen2.5-0.5b 8x1024 0
 wanted qwen1.5 && train qwen2.5-1.5b 8x1024 0
+# On request only: the long-tail bench's schedules on the GPU engine (issue #34: partial
+# rollouts against `stale:2` without them; `cargo bench -p metronome-pipeline --bench
+# longtail` is the CPU's side by side).
+if wanted longtail; then
+    stale=(--set 'run.schedule="stale:2"' --set trainer.loss.tis_cap=2.0)
+    longtail sync --set 'run.schedule="sync"'
+    longtail stale2 "${stale[@]}"
+    longtail partial-rebuilt "${stale[@]}" --set rollout.partial_rollouts=true --set 'rollout.partial_cache="rebuild"'
+    longtail partial-kept "${stale[@]}" --set rollout.partial_rollouts=true --set 'rollout.partial_cache="keep"'
+fi
 # Then what an earlier call measured before: f32 generation, and the kernels under initcheck.
 wanted f32 && generate f32 64,256
 if wanted initcheck && [ -n "$san" ] && [ -n "$model_it" ]; then
