@@ -59,6 +59,10 @@ fn main() -> anyhow::Result<()> {
     };
     // `DISTILL_TASKS=arithmetic` (or `copy`) runs one of the two.
     let only = std::env::var("DISTILL_TASKS").unwrap_or_default();
+    anyhow::ensure!(
+        ["", "copy", "arithmetic"].contains(&only.to_ascii_lowercase().as_str()),
+        "DISTILL_TASKS={only:?}: expected `copy` or `arithmetic`"
+    );
     let runs = if bench { vec![copy, arithmetic] } else { vec![smoke] };
     let runs =
         runs.into_iter().filter(|s| only.is_empty() || format!("{:?}", s.task).eq_ignore_ascii_case(&only));

@@ -390,7 +390,7 @@ mod tests {
         for (inv_s, inv_t) in [(1.0f32, 1.0f32), (1.0 / 0.7, 1.0 / 0.7), (1.0, 2.0)] {
             let log_probs = |h: &Var, w: &Var, inv: f32| {
                 let z = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
-                candle_nn_free_log_softmax(&(z * f64::from(inv)).unwrap())
+                log_softmax_rows(&(z * f64::from(inv)).unwrap())
             };
             let (logp, logq) = (log_probs(&h, &w, inv_s), log_probs(&ht, &wt, inv_t).detach());
             let reference = (logp.exp().unwrap() * (&logp - &logq).unwrap()).unwrap().sum(1).unwrap();
@@ -419,7 +419,7 @@ mod tests {
 
     /// `log softmax` over the last dimension, written out (the reference of the
     /// reverse KL test).
-    fn candle_nn_free_log_softmax(z: &Tensor) -> Tensor {
+    fn log_softmax_rows(z: &Tensor) -> Tensor {
         let max = z.max_keepdim(1).unwrap().detach();
         let z = z.broadcast_sub(&max).unwrap();
         let lse = z.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();

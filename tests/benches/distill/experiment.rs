@@ -69,7 +69,7 @@ pub(crate) struct Student {
     /// Its name in the tables.
     pub(crate) name: &'static str,
     /// `trainer.distill.signal` (`"sampled"`, `"full"`) of a distillation from the
-    /// teacher (`mode = "alone"`); `None`: GRPO alone.
+    /// teacher (`mode = "alone"`, unless `overrides` set it); `None`: GRPO alone.
     pub(crate) signal: Option<&'static str>,
     /// Settings of its own beside the experiment's (`trainer.mini_steps=4`, say).
     pub(crate) overrides: &'static [&'static str],
