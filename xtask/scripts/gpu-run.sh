@@ -266,7 +266,8 @@ fi
 # The steps, in this order; BENCH_ONLY="NAME ..." runs those alone (e.g. after a kernel
 # change, `BENCH_ONLY="smollm2 profile"`). TORCH_COMPILE_S (default 25) bounds
 # torch.compile's compiling for the SmolLM2 shapes (0: eager alone).
-wanted() { [ -z "${BENCH_ONLY:-}" ] && [ "$1" != profile ] && [ "$1" != longtail ] || [[ " ${BENCH_ONLY:-} " == *" $1 "* ]]; }
+on_request=" profile longtail overlap-profile "
+wanted() { [ -z "${BENCH_ONLY:-}" ] && [[ "$on_request" != *" $1 "* ]] || [[ " ${BENCH_ONLY:-} " == *" $1 "* ]]; }
 # Training (issue #30): SmolLM2-135M at 8x512, 32x512, 16x1024; Qwen2.5-0.5B and 1.5B at
 # 8x1024 (random weights, llama_shapes.json); bf16 with the chunked head, without and with
 # checkpointed layers, rows attended whole (the default) and per segment by the flash
@@ -305,6 +306,24 @@ if wanted profile && [ -n "$ncu_bin" ]; then
 fi
 wanted qwen0.5 && train qwen2.5-0.5b 8x1024 0
 wanted qwen1.5 && train qwen2.5-1.5b 8x1024 0
+# On request only: where the host's time goes when the two stages share the GPU
+# (issue #31: `periodic` ran slower than `sync` on one H100, its training busy time
+# growing 0.74 -> 2.14 s when overlapped). Nsight Systems' summaries of the default run
+# under each schedule: the CUDA API calls (a synchronising copy, allocation or free
+# blocks the host thread that makes it; a synchronous free waits for the whole
+# device), the kernels and the copies, so the two can be compared call by call.
+nsys_bin=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda*/bin/nsys 2>/dev/null | head -n 1 || true)
+if wanted overlap-profile && [ -n "$nsys_bin" ]; then
+    for schedule in sync periodic; do
+        run=("$nsys_bin" profile --trace cuda,osrt --stats true --force-overwrite true
+            --output "$bin/overlap-$schedule" "$bin/bin/metronome" run --set 'model.device="cuda:0"'
+            --set run.periods=4 --set sft.steps=0 --set eval.prompts=0 --set "run.schedule=\"$schedule\""
+            --set "run.out_dir=\"$bin/runs\"" --set "run.name=\"profile-$schedule\"")
+        echo "${run[*]}" >"$out/overlap-profile-$schedule.txt"
+        (cd "$build_root" && step "overlap profile $schedule" 90 "${run[@]}") >>"$out/overlap-profile-$schedule.txt" 2>&1
+        grep -A 12 -E 'cuda_api_sum|cuda_gpu_kern_sum' "$out/overlap-profile-$schedule.txt" | head -n 30
+    done
+fi
 # On request only: the long-tail bench's schedules on the GPU engine (issue #34: partial
 # rollouts against `stale:2` without them; `cargo bench -p metronome-pipeline --bench
 # longtail` is the CPU's side by side).
