@@ -232,13 +232,16 @@ generate() { # generate PRECISION SEQUENCES: Metronome's engine-style greedy dec
     echo "${ours[*]}" >"$out/generate_metronome_$1.command"
     step "metronome generate $1" 120 "${ours[@]}"
 }
-overlap() { # overlap SCHEDULE: the default run on the GPU, 4 periods, no warm start, no evaluation
+overlap() { # overlap SCHEDULE [STREAMS]: the default run on the GPU, 4 periods, no warm start, no evaluation
+    # With STREAMS=1 each stage has a GPU handle and CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS).
+    local name=$1${2:+-streams}
     local run=("$bin/bin/metronome" run --set 'model.device="cuda:0"' --set run.periods=4 --set sft.steps=0
-        --set eval.prompts=0 --set "run.schedule=\"$1\"" --set "run.out_dir=\"$bin/runs\"" --set "run.name=\"$1\"")
+        --set eval.prompts=0 --set "run.schedule=\"$1\"" --set "run.out_dir=\"$bin/runs\"" --set "run.name=\"$name\"")
     local start=$(date +%s.%N)
-    (cd "$build_root" && step "overlap $1" 60 "${run[@]}") >"$bin/overlap-$1.log" 2>&1
-    { echo "${run[*]}"; awk "BEGIN { print $(date +%s.%N) - $start }"; tail -n 12 "$bin/overlap-$1.log"; } >"$out/overlap-$1.txt"
-    tail -n 12 "$bin/overlap-$1.log"
+    (cd "$build_root" && METRONOME_CUDA_STAGE_STREAMS=${2:-0} step "overlap $name" 60 "${run[@]}") >"$bin/overlap-$name.log" 2>&1
+    { echo "METRONOME_CUDA_STAGE_STREAMS=${2:-0} ${run[*]}"; awk "BEGIN { print $(date +%s.%N) - $start }"
+        tail -n 12 "$bin/overlap-$name.log"; } >"$out/overlap-$name.txt"
+    tail -n 12 "$bin/overlap-$name.log"
 }
 longtail() { # longtail NAME SETTINGS...: the long-tail bench's run (issue #34) on the GPU
     local name=$1
@@ -289,6 +292,9 @@ fi
 if wanted overlap; then
     overlap sync
     overlap periodic
+    # Issue #31: the engine and the trainer on streams of their own.
+    overlap sync 1
+    overlap periodic 1
 fi
 # On request only (and then before the larger shapes, which a short call may not
 # reach): where a SmolLM2 8x512 bf16 training step spends its GPU time, per

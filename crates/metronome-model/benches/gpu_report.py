@@ -153,9 +153,10 @@ def main():
             row["metronome_best_over_roofline"] = best / roofline[n] if best and roofline.get(n) else None
             report["generation"].append(row)
     # `periodic` against `sync` on the default run: each one's wall seconds and the run's
-    # own per-period table (generation and training busy seconds, overlap).
+    # own per-period table (generation and training busy seconds, overlap); `-streams`:
+    # the same with each stage on a CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS=1).
     report["periodic_vs_sync"] = {}
-    for schedule in ("sync", "periodic"):
+    for schedule in ("sync", "periodic", "sync-streams", "periodic-streams"):
         lines = (read(bench / f"overlap-{schedule}.txt", "") or "").splitlines()
         if lines:
             report["periodic_vs_sync"][schedule] = {"command": lines[0], "wall_s": lines[1], "summary": lines[2:]}

@@ -8,6 +8,27 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
+/// `METRONOME_CUDA_STAGE_STREAMS=1` gives the rollout stage a GPU handle of its own,
+/// with its own CUDA stream ([`DeviceSpec::open_for`] with [`Stage::Rollout`]), and
+/// the trainer an explicit stream too, instead of one handle shared by both stages on
+/// candle's per-thread default streams. Off by default until measured on a GPU (issue
+/// #31: the engine and the trainer on separate streams, so that `periodic` overlaps
+/// them on one GPU); weights cross between the two handles by a device-to-device copy
+/// that cudarc orders after the source's last write with a stream event.
+pub const STAGE_STREAMS_ENV: &str = "METRONOME_CUDA_STAGE_STREAMS";
+
+/// The GPU handles opened so far, by ordinal and stage (`None`: shared by both).
+type Handles = HashMap<(usize, Option<Stage>), Device>;
+
+/// The stage a device handle serves ([`DeviceSpec::open_for`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// The trainer: the policy, its reference or teacher, the warm start.
+    Trainer,
+    /// The rollout engine and what it alone reads (serving, evaluation).
+    Rollout,
+}
+
 /// A device named in a config. The CPU is the default; CUDA devices need a build with
 /// the `cuda` feature, and opening one without it is an error that says so.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -21,28 +42,58 @@ pub enum DeviceSpec {
 }
 
 impl DeviceSpec {
-    /// Opens the device. Every call for the same GPU returns the same
-    /// `candle_core::Device` (one CUDA context and stream per GPU and process):
-    /// candle refuses to combine tensors of two devices opened separately, even on one
-    /// GPU, so stages that share a GPU must share its handle.
+    /// Opens the device for the trainer's stage: [`DeviceSpec::open_for`] with
+    /// [`Stage::Trainer`].
     pub fn open(self) -> Result<Device> {
+        self.open_for(Stage::Trainer)
+    }
+
+    /// Opens the device for `stage`. Every call for the same GPU and stage returns the
+    /// same `candle_core::Device`: candle refuses to combine tensors of two devices
+    /// opened separately, even on one GPU, so what one stage computes together must
+    /// share its handle. Both stages share one handle (one CUDA context, candle's
+    /// per-thread default streams) unless [`STAGE_STREAMS_ENV`] is `1`, when each
+    /// stage has its own handle with its own stream ([`DeviceSpec::open_stream`]);
+    /// a model then crosses between them only by a copy (`Model::frozen_copy_on`,
+    /// installed snapshots).
+    pub fn open_for(self, stage: Stage) -> Result<Device> {
         match self {
             Self::Cpu => Ok(Device::Cpu),
             Self::Cuda(ordinal) => {
                 self.check_built()?;
-                static OPEN: Mutex<Option<HashMap<usize, Device>>> = Mutex::new(None);
+                let streams = std::env::var_os(STAGE_STREAMS_ENV).is_some_and(|v| v == "1");
+                let stage = if streams { Some(stage) } else { None };
+                static OPEN: Mutex<Option<Handles>> = Mutex::new(None);
                 let mut open = OPEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 let open = open.get_or_insert_with(HashMap::new);
-                if let Some(d) = open.get(&ordinal) {
+                if let Some(d) = open.get(&(ordinal, stage)) {
                     return Ok(d.clone());
                 }
-                let d = Device::new_cuda(ordinal).map_err(|e| {
-                    Error::invalid(format!("device `{self}`"), format!("cannot be opened: {e}"))
-                })?;
-                open.insert(ordinal, d.clone());
+                let d = match stage {
+                    Some(_) => self.open_stream()?,
+                    None => Device::new_cuda(ordinal).map_err(|e| self.cannot_open(&e))?,
+                };
+                open.insert((ordinal, stage), d.clone());
                 Ok(d)
             }
         }
+    }
+
+    /// A new handle on this GPU with a CUDA stream of its own (the CPU for the CPU): its
+    /// work is ordered on that stream whichever host thread issues it, and runs beside
+    /// other handles' on the GPU. Its tensors combine with no other handle's.
+    pub fn open_stream(self) -> Result<Device> {
+        match self {
+            Self::Cpu => Ok(Device::Cpu),
+            Self::Cuda(ordinal) => {
+                self.check_built()?;
+                Device::new_cuda_with_stream(ordinal).map_err(|e| self.cannot_open(&e))
+            }
+        }
+    }
+
+    fn cannot_open(self, e: &candle_core::Error) -> Error {
+        Error::invalid(format!("device `{self}`"), format!("cannot be opened: {e}"))
     }
 
     /// An error when this build cannot open such a device (a GPU without the `cuda`
@@ -124,9 +175,15 @@ mod tests {
     #[test]
     fn cpu_opens_and_cuda_without_the_feature_says_so() {
         assert!(DeviceSpec::Cpu.open().unwrap().is_cpu());
+        for stage in [Stage::Trainer, Stage::Rollout] {
+            assert!(DeviceSpec::Cpu.open_for(stage).unwrap().is_cpu());
+        }
+        assert!(DeviceSpec::Cpu.open_stream().unwrap().is_cpu());
         if !cfg!(feature = "cuda") {
             let e = DeviceSpec::Cuda(0).open().unwrap_err().to_string();
             assert!(e.contains("`cuda` feature") && e.contains("cuda:0"), "{e}");
+            let e = DeviceSpec::Cuda(1).open_stream().unwrap_err().to_string();
+            assert!(e.contains("`cuda` feature") && e.contains("cuda:1"), "{e}");
         }
     }
 }

@@ -12,7 +12,7 @@ use metronome_core::{
     AccumulateReport, GroupScorer, PolicyVersion, PromptSource, RolloutEngine, RunSeed, ScoredGroup,
     StepReport, Tokenizer, TrainBatch, Trainer, WeightSnapshot,
 };
-use metronome_model::{CharTokenizer, DeviceSpec, HfTokenizer, Model, ModelConfig};
+use metronome_model::{CharTokenizer, DeviceSpec, HfTokenizer, Model, ModelConfig, Stage};
 use metronome_trainer::GrpoTrainer;
 use metronome_transport::local;
 
@@ -215,7 +215,7 @@ pub(crate) fn native_engine(
     version: PolicyVersion,
     tokenizer: Arc<dyn Tokenizer>,
 ) -> Result<metronome_rollout::ModelEngine> {
-    let device = config.rollout_device().open()?;
+    let device = config.rollout_device().open_for(Stage::Rollout)?;
     let inference = model.frozen_copy_on(&device)?;
     let built = engine.build(inference, version, tokenizer, RunSeed(config.run.seed))?;
     with_env(built, config)
@@ -250,7 +250,7 @@ pub(crate) fn rollout_engine(
         metronome_rollout::Backend::Openai => Err(crate::config::openai_needs_http()),
         #[cfg(feature = "http")]
         metronome_rollout::Backend::Agent => {
-            let device = config.rollout_device().open()?;
+            let device = config.rollout_device().open_for(Stage::Rollout)?;
             let inference = policy.frozen_copy_on(&device)?;
             let native = config.rollout.build(inference, version, tokenizer, RunSeed(config.run.seed))?;
             let agent = &config.rollout.agent;

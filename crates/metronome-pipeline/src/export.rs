@@ -84,7 +84,8 @@ pub async fn export(run: &Path, config: &PipelineConfig, options: &ExportOptions
         if !policy_dir.join("config.json").is_file() {
             return Err(missing(&policy_dir, "holds no policy (config.json and model.safetensors)"));
         }
-        let mut model = Model::load_hf(&policy_dir, &config.rollout_device().open()?)?;
+        let mut model =
+            Model::load_hf(&policy_dir, &config.rollout_device().open_for(metronome_model::Stage::Rollout)?)?;
         let adapter = checkpoint.join("adapter");
         if adapter.is_dir() {
             model = model.with_lora_adapter(&adapter)?.merged()?;

@@ -59,6 +59,51 @@ fn cuda_tensors_dropped_on_a_thread_that_never_used_the_gpu_leave_the_device_wor
     assert_eq!(sum.to_scalar::<f32>().unwrap(), 8.0);
 }
 
+/// Two handles on one GPU, each with a stream of its own (`DeviceSpec::open_stream`,
+/// what `METRONOME_CUDA_STAGE_STREAMS=1` gives the trainer and the rollout stage): a
+/// model copied from one to the other computes the same logits, a tensor crosses by a
+/// device-to-device copy (cudarc orders it after the source's last write with an
+/// event) with the same values, and work issued from several host threads on one
+/// handle stays in order on its stream.
+#[test]
+fn cuda_handles_with_streams_of_their_own_take_copies_between_them() {
+    use metronome_model::Tensor;
+    if cuda().is_none() {
+        return;
+    }
+    let (a, b) = (DeviceSpec::Cuda(0).open_stream().unwrap(), DeviceSpec::Cuda(0).open_stream().unwrap());
+    assert!(!a.same_device(&b), "each handle is a device of its own to candle");
+    let model = Model::new(ModelConfig::tiny(), &a, 3).unwrap();
+    let copy = model.frozen_copy_on(&b).unwrap();
+    let ids: Vec<u32> = (0..48).map(|i| (i * 7 + 1) % 90).collect();
+    let logits =
+        |m: &Model, d: &Device| m.forward_logits(&Tensor::from_slice(&ids, (2, 24), d).unwrap()).unwrap();
+    let (la, lb) = (logits(&model, &a), logits(&copy, &b));
+    let host = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(host(&la), host(&lb), "the same weights give the same logits on either stream");
+    let crossed = la.to_device(&b).unwrap();
+    assert!(crossed.device().same_device(&b));
+    assert_eq!(host(&crossed), host(&la));
+    // Products issued from other threads on handle `a`, read back on this one.
+    let x = Tensor::from_slice(&ids.iter().map(|&i| i as f32).collect::<Vec<_>>(), (6, 8), &a).unwrap();
+    let ones = Tensor::ones((8, 8), metronome_model::DType::F32, &a).unwrap();
+    let sums: Vec<f32> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..4u32)
+            .map(|k| {
+                let (x, ones) = (&x, &ones);
+                s.spawn(move || (x * f64::from(k + 1)).unwrap().matmul(ones).unwrap())
+            })
+            .collect();
+        let parts: Vec<Tensor> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        parts.iter().map(|p| p.sum_all().unwrap().to_scalar::<f32>().unwrap()).collect()
+    });
+    let base = f64::from(host(&x).iter().sum::<f32>()) * 8.0;
+    for (k, sum) in sums.iter().enumerate() {
+        let want = base * (k + 1) as f64;
+        assert!((f64::from(*sum) - want).abs() <= 1e-5 * want, "thread {k}: {sum} vs {want}");
+    }
+}
+
 #[test]
 fn cuda_fused_kernels_are_refused_off_the_cpu() {
     let Some(gpu) = cuda() else { return };
