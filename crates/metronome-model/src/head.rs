@@ -191,10 +191,10 @@ pub struct HeadInput {
 /// temperature it was scored at, over the whole vocabulary: `[n]` f32, differentiable
 /// in the student's hidden states and head weight (the teacher is a constant).
 ///
-/// Computed a chunk of rows at a time, as [`linear_logprobs`] bounds its logits by the
-/// student's budget: the forward keeps only the `[n]` result, and the backward
-/// recomputes each chunk's log-probs of both models, whose gradient in the student's
-/// logits `z` is `∂KL/∂z_v = p(v) (log p(v) − log q(v) − KL) / T`, then
+/// Computed a chunk of rows at a time, within the student's head budget as the
+/// chunked log-prob head is: the forward keeps only the `[n]` result, and the
+/// backward recomputes each chunk's log-probs of both models, whose gradient in the
+/// student's logits `z` is `∂KL/∂z_v = p(v) (log p(v) − log q(v) − KL) / T`, then
 /// `dh = dz·W` and `dW += dzᵀ·h`. The ops are candle's, so it runs on every device.
 ///
 /// Errors when the two have different numbers of rows or vocabularies.

@@ -38,6 +38,9 @@
 //!   one `loss.backward()` still gives every gradient. Tested on the CPU: the chunked
 //!   head within 1e-5 (values) and 1e-4 (gradients) of the whole-logits head,
 //!   checkpointed gradients bitwise equal, bf16 within measured tolerances of f32.
+//!   [`reverse_kl`] (on-policy distillation's full signal) reads the rows a head
+//!   scored ([`TargetOutput::head`]) and computes the exact reverse KL from a
+//!   teacher's distributions by chunks of rows both ways, on the same terms.
 //! - Tokenizers implementing `metronome_core::Tokenizer`: [`CharTokenizer`],
 //!   [`HfTokenizer`] (`tokenizer.json`) and [`GgufTokenizer`], with chat templates
 //!   rendered by `minijinja`.
@@ -48,7 +51,9 @@
 //! `transformers` with equal logits (`fixtures/check_checkpoint.py`).
 //!
 //! Devices: everything above runs on any candle device. [`DeviceSpec`] names one in
-//! configs (`"cpu"`, `"cuda:N"`; GPUs need the `cuda` feature). On the CPU the
+//! configs (`"cpu"`, `"cuda:N"`; GPUs need the `cuda` feature) and opens it for a
+//! [`Stage`]: one GPU handle shared by the trainer and the rollout engine, or one each
+//! with a CUDA stream of its own under [`STAGE_STREAMS_ENV`]. On the CPU the
 //! element-wise ops are fused custom ops with their own backward
 //! ([`Kernels::Fused`]); elsewhere they are composed from candle-core primitives that
 //! every backend implements forward and backward ([`Kernels::Portable`]), tested
