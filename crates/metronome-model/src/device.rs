@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-/// `METRONOME_CUDA_STAGE_STREAMS=1` gives the rollout stage a GPU handle of its own,
+/// `METRONOME_CUDA_STAGE_STREAMS=1` (`0` or unset: off; any other value is refused
+/// when a GPU is opened) gives the rollout stage a GPU handle of its own,
 /// with its own CUDA stream ([`DeviceSpec::open_for`] with [`Stage::Rollout`]), and
 /// the trainer an explicit stream too, instead of one handle shared by both stages on
 /// candle's per-thread default streams. Off by default until measured on a GPU (issue
@@ -61,7 +62,7 @@ impl DeviceSpec {
             Self::Cpu => Ok(Device::Cpu),
             Self::Cuda(ordinal) => {
                 self.check_built()?;
-                let streams = std::env::var_os(STAGE_STREAMS_ENV).is_some_and(|v| v == "1");
+                let streams = stage_streams(std::env::var_os(STAGE_STREAMS_ENV).as_deref())?;
                 let stage = if streams { Some(stage) } else { None };
                 static OPEN: Mutex<Option<Handles>> = Mutex::new(None);
                 let mut open = OPEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -112,6 +113,19 @@ impl DeviceSpec {
     #[must_use]
     pub fn is_gpu(self) -> bool {
         matches!(self, Self::Cuda(_))
+    }
+}
+
+/// [`STAGE_STREAMS_ENV`]'s value: unset or `0` is off, `1` on; anything else is an
+/// error naming the variable (a `true` read as off would go unnoticed).
+fn stage_streams(value: Option<&std::ffi::OsStr>) -> Result<bool> {
+    match value.map(|v| v.to_str()) {
+        None | Some(Some("0")) => Ok(false),
+        Some(Some("1")) => Ok(true),
+        Some(v) => Err(Error::invalid(
+            STAGE_STREAMS_ENV,
+            format!("is {:?}, expected `0` or `1`", v.unwrap_or("(not UTF-8)")),
+        )),
     }
 }
 
@@ -169,6 +183,18 @@ mod tests {
         for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", ""] {
             let e = bad.parse::<DeviceSpec>().unwrap_err();
             assert!(e.contains("expected \"cpu\""), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_stage_streams_variable_is_0_or_1_and_nothing_else() {
+        use std::ffi::OsStr;
+        assert!(!stage_streams(None).unwrap());
+        assert!(!stage_streams(Some(OsStr::new("0"))).unwrap());
+        assert!(stage_streams(Some(OsStr::new("1"))).unwrap());
+        for bad in ["true", "", " 1"] {
+            let e = stage_streams(Some(OsStr::new(bad))).unwrap_err().to_string();
+            assert!(e.contains(STAGE_STREAMS_ENV) && e.contains("expected `0` or `1`"), "{bad}: {e}");
         }
     }
 
