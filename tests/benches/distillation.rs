@@ -38,7 +38,7 @@ fn main() -> anyhow::Result<()> {
         teacher_periods: 100,
         teacher_prompts: 128,
         student_seed: 0,
-        student_sft: 800,
+        student_sft: student_sft()?,
         periods: 40,
         prompts_per_period: 128,
         warmup_steps: 10,
@@ -57,7 +57,8 @@ fn main() -> anyhow::Result<()> {
         eval_samples: 1,
         ..copy.clone()
     };
-    // `DISTILL_TASKS=arithmetic` (or `copy`) runs one of the two.
+    // `DISTILL_TASKS=arithmetic` (or `copy`) runs one of the two; `DISTILL_STUDENT_SFT`
+    // warm-starts the arithmetic student less than the teacher ([`student_sft`]).
     let only = std::env::var("DISTILL_TASKS").unwrap_or_default();
     anyhow::ensure!(
         ["", "copy", "arithmetic"].contains(&only.to_ascii_lowercase().as_str()),
@@ -95,6 +96,17 @@ fn main() -> anyhow::Result<()> {
         println!("gain over {} periods: {}", sizes.periods, gains.join(", "));
     }
     Ok(())
+}
+
+/// The arithmetic student's warm-start steps: the teacher's 800 (a fresh copy of its
+/// warm start), or `DISTILL_STUDENT_SFT` (a weaker student, further from the teacher).
+fn student_sft() -> anyhow::Result<u64> {
+    match std::env::var("DISTILL_STUDENT_SFT") {
+        Err(_) => Ok(800),
+        Ok(v) => {
+            v.parse().map_err(|_| anyhow::anyhow!("DISTILL_STUDENT_SFT={v:?}: expected a number of steps"))
+        }
+    }
 }
 
 /// GRPO alone and distillation alone with each signal, at the default's settings.
