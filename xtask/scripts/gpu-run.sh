@@ -17,6 +17,7 @@
 # and with checkpointed layers; `examples/throughput.rs`) against PyTorch eager bf16
 # autocast and torch.compile (`benches/torch_gpu.py`) for SmolLM2-135M at 8x512, 32x512
 # and 16x1024; generation in bf16 at 1-256 sequences against `transformers` `generate`;
+# publication of the weights to an engine through the host against device to device, and
 # `periodic` against `sync` on the default run; Qwen2.5-0.5B and 1.5B at 8x1024 (random
 # weights, `crates/metronome-model/benches/llama_shapes.json`); f32 generation. Then
 # `benches/gpu_report.py` merges everything, with the device, driver, commit and date,
@@ -290,6 +291,12 @@ if wanted generate; then
     step "torch generate" 100 "${gen_torch[@]}"
 fi
 if wanted overlap; then
+    # Publication to an engine of the same process (issue #31): through the host against
+    # device to device, SmolLM2-135M's f32 weights into a bf16 engine on its own stream.
+    publish=("$bin/bin/throughput" --device cuda:0 --shape smollm2-135m --precision bf16 --train ''
+        --generate '' --publish --reps 5 --json "$out/publish.json")
+    echo "${publish[*]}" >"$out/publish.command"
+    step "metronome publish" 60 "${publish[@]}"
     overlap sync
     overlap periodic
     # Issue #31: the engine and the trainer on streams of their own.

@@ -11,7 +11,8 @@
 //!   [`ScoredGroup`]) and the packed training layout ([`TrainBatch`]);
 //! - the tests of a code task ([`CodeTests`]), which a data loader writes into a
 //!   prompt's reference and a code-execution reward runs;
-//! - weight snapshots as host data ([`WeightSnapshot`]) and the [`Tokenizer`] contract;
+//! - weight snapshots as host data, or resident on a device between stages of one
+//!   process ([`WeightSnapshot`], [`Resident`]), and the [`Tokenizer`] contract;
 //! - the typed entry of a crate's metrics catalogue ([`Metric`]) and the macro that
 //!   declares one ([`metric_catalogue!`]);
 //! - multi-turn episodes ([`Environment`], [`Episode`], [`Observation`]) and what a
@@ -56,4 +57,4 @@ pub use stage::{
     RolloutEngine, RolloutRequest, StepReport, Trainer, WeightPublisher, WeightSubscriber,
 };
 pub use text::{ChatMessage, Tokenizer};
-pub use weights::{HostTensor, TensorData, WeightSnapshot};
+pub use weights::{HostTensor, Resident, ResidentData, TensorData, WeightSnapshot};

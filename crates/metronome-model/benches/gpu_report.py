@@ -152,6 +152,14 @@ def main():
             row["metronome_best_over_transformers_bf16"] = best / theirs_best if best and theirs_best else None
             row["metronome_best_over_roofline"] = best / roofline[n] if best and roofline.get(n) else None
             report["generation"].append(row)
+    # Publication to an engine of the same process: through the host against device to
+    # device (`throughput --publish`), and one raw device copy of the weights.
+    published = load(bench / "publish.json")
+    report["publication"] = (
+        dict(published["publish"], command=read(bench / "publish.command"))
+        if published and published.get("publish")
+        else None
+    )
     # `periodic` against `sync` on the default run: each one's wall seconds and the run's
     # own per-period table (generation and training busy seconds, overlap); `-streams`:
     # the same with each stage on a CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS=1).

@@ -27,7 +27,13 @@
 //! ids cross), as the rollout engine now decodes, in `--precision` (the engine's
 //! `rollout.precision`); beside them the memory roofline (the weights and every
 //! sequence's KV cache read once per step at the device's measured copy bandwidth);
-//! `--generate ''` skips it. `--json PATH` writes every figure.
+//! `--generate ''` skips it. `--publish` times publication to a rollout engine of the
+//! same process: the f32 weights copied into an engine's weights in `--precision` on a
+//! handle of its own (on a GPU its own CUDA stream), through the host (`Model::snapshot`
+//! then `Model::load_snapshot`, the path before issue #31) and device to device
+//! (`Model::snapshot_resident`, then the same install), against one raw device copy of
+//! every weight (the floor; publication copies twice: out of the trainer's weights, then
+//! into the engine's). `--json PATH` writes every figure.
 
 use std::time::Instant;
 
@@ -124,6 +130,54 @@ struct Report {
     /// `(sequences, tokens/s)` if every decode step only read the weights and the KV
     /// cache once at that bandwidth: the memory roofline of greedy generation.
     generate_roofline: Vec<(usize, f64)>,
+    /// `--publish`'s milliseconds (medians of `--reps`).
+    publish: Option<PublishFigure>,
+}
+
+/// Milliseconds to publish the weights to an engine of the same process.
+#[derive(Debug, Serialize)]
+struct PublishFigure {
+    /// Bytes of the f32 weights.
+    bytes: usize,
+    /// Snapshot to the host, then install from it.
+    through_host_ms: f64,
+    /// Snapshot left on the device, then install from it (device to device).
+    resident_ms: f64,
+    /// One device copy of every weight.
+    raw_copy_ms: f64,
+}
+
+/// `--publish`: each way of publishing `masters` into `engine` (the engine's weights, on
+/// a handle of its own), `reps` times after one untimed run, synchronised on both.
+fn publish(masters: &Model, engine: &Model, reps: usize) -> Result<PublishFigure> {
+    let sync = || -> Result<()> {
+        synchronize(masters)?;
+        synchronize(engine)
+    };
+    let time = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+        f()?;
+        let mut times = Vec::new();
+        for _ in 0..reps {
+            sync()?;
+            let start = Instant::now();
+            f()?;
+            sync()?;
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(median(times))
+    };
+    let version = metronome_core::PolicyVersion(1);
+    let through_host_ms = time(&|| Ok(engine.load_snapshot(&masters.snapshot(version)?)?))?;
+    let resident_ms = time(&|| Ok(engine.load_snapshot(&masters.snapshot_resident(version)?)?))?;
+    let weights: Vec<_> = masters.parameters().into_iter().map(|(_, v)| v.as_tensor().clone()).collect();
+    let raw_copy_ms = time(&|| {
+        let copies = weights.iter().map(|w| w.copy()).collect::<candle_core::Result<Vec<_>>>()?;
+        sync()?;
+        drop(copies);
+        Ok(())
+    })?;
+    let bytes = masters.num_parameters() * 4;
+    Ok(PublishFigure { bytes, through_host_ms, resident_ms, raw_copy_ms })
 }
 
 /// Device memory in use (total minus free) polled every millisecond from a thread
@@ -272,6 +326,7 @@ fn main() -> Result<()> {
     let mut memory = vec![Memory { chunked: false, checkpoint: false, flash: false }];
     let (mut warmup, mut reps) = (2usize, 5usize);
     let mut json = None;
+    let mut publishing = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().with_context(|| format!("{a} needs a value"));
@@ -295,9 +350,10 @@ fn main() -> Result<()> {
             "--warmup" => warmup = value()?.parse()?,
             "--reps" => reps = value()?.parse()?,
             "--json" => json = Some(value()?),
+            "--publish" => publishing = true,
             other => bail!(
                 "unknown argument `{other}` (--device, --shape, --train, --generate, --precision, --memory, \
-                 --warmup, --reps, --json)"
+                 --warmup, --reps, --publish, --json)"
             ),
         }
     }
@@ -331,7 +387,25 @@ fn main() -> Result<()> {
         generate_drawn: Vec::new(),
         copy_bandwidth_gbps: None,
         generate_roofline: Vec::new(),
+        publish: None,
     };
+    if publishing {
+        // The engine's weights on a handle of their own, in the engine's precision.
+        let engine = Model::new(masters.config().clone(), &device.open_stream()?, 1)?.frozen_copy()?;
+        let engine =
+            if precision == Precision::F32 { engine } else { engine.compute_copy(precision.dtype())? };
+        let f = publish(&masters, &engine, reps)?;
+        println!(
+            "publish {:.0} MB of f32 weights to a {precision} engine: through the host {:.1} ms, device to device \
+             {:.1} ms ({:.1}x), one raw device copy {:.1} ms",
+            f.bytes as f64 / 1e6,
+            f.through_host_ms,
+            f.resident_ms,
+            f.through_host_ms / f.resident_ms,
+            f.raw_copy_ms
+        );
+        report.publish = Some(f);
+    }
     for &(rows, len) in &train_shapes {
         for &m in &memory {
             let levered = m.apply(&model);

@@ -184,7 +184,9 @@ pub(crate) fn new_trainer(config: &PipelineConfig, policy: Model) -> Result<Grpo
 }
 
 /// The stages of a configured run around `trainer` (a new one, or one resumed from
-/// a checkpoint: the engine starts from its weights and version).
+/// a checkpoint: the engine starts from its weights and version). A trainer on a GPU
+/// publishes to an engine of this process (`native`, `agent`) by snapshots left on
+/// its device, which the engine installs device to device.
 pub(crate) fn stages_around(
     config: &PipelineConfig,
     trainer: GrpoTrainer,
@@ -192,6 +194,9 @@ pub(crate) fn stages_around(
 ) -> Result<(Stages, TrainerHandle)> {
     let source = config.data.build(RunSeed(config.run.seed), tokenizer.clone())?;
     let engine = rollout_engine(config, trainer.policy(), trainer.version(), tokenizer)?;
+    let in_process = config.rollout.backend != metronome_rollout::Backend::Openai;
+    let on_gpu = !trainer.policy().device().is_cpu();
+    let trainer = trainer.with_resident_snapshots(in_process && on_gpu);
     let scorer = group_scorer(config)?;
     let packer = packer(config.packing);
     let trainer = TrainerHandle(Arc::new(Mutex::new(trainer)));

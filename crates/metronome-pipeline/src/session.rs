@@ -158,7 +158,8 @@ impl Session {
         tracing::info!(seconds = started.elapsed().as_secs_f64(), "schedule done");
 
         let mut trainer = end.trainer;
-        let weights = Arc::new(trainer.snapshot().await?);
+        // In host memory: what a caller reads (the trainer may publish resident ones).
+        let weights = Arc::new(trainer.snapshot().await?.into_host()?);
         trainer.save_checkpoint(&self.dir.checkpoints().join("final")).await?;
         evals.extend(shared_evals.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain(..));
         // The whole run, also when it was resumed: the record on disk.

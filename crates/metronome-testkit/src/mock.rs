@@ -109,6 +109,7 @@ impl MockEngine {
 }
 
 fn weights_hash(s: &WeightSnapshot) -> u64 {
+    let s = s.on_host().expect("the weights read back to the host");
     let TensorData::F32(w) = &s.tensors[0].data else { unreachable!() };
     w.iter().fold(0u64, |h, x| mix64(h ^ u64::from(x.to_bits())))
 }

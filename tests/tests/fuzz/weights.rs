@@ -166,6 +166,7 @@ fn apply(snapshot: &mut WeightSnapshot, edit: &Edit) {
         Edit::Cut { tensor, len } => match &mut snapshot.tensors[pick(*tensor)].data {
             TensorData::F32(v) => v.truncate(*len),
             TensorData::Bf16(v) | TensorData::F16(v) => v.truncate(*len),
+            TensorData::Resident(_) => unreachable!("the good snapshot is in host memory"),
         },
     }
 }

@@ -50,28 +50,95 @@ fn init_is_deterministic_per_seed() {
     assert_ne!(bits(&a), bits(&c));
 }
 
+/// Both kinds of snapshot: in host memory, and left on the model's device (the CPU
+/// here, as a GPU trainer leaves them on its GPU for an engine of the same process).
+fn snapshot_of(kind: &str, model: &Model, version: PolicyVersion) -> metronome_core::WeightSnapshot {
+    match kind {
+        "host" => model.snapshot(version).unwrap(),
+        _ => model.snapshot_resident(version).unwrap(),
+    }
+}
+
 #[test]
 fn snapshots_do_not_alias_and_restore() {
-    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
-    let before = bits(&model);
-    let snap = model.snapshot(PolicyVersion(3)).unwrap();
-    assert_eq!(snap.version, PolicyVersion(3));
-    assert_eq!(snap.tensors.len(), model.parameters().len());
-    let frozen = model.frozen_copy().unwrap();
-    let worker = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, false).unwrap();
-    assert!(!worker.is_trainable());
-    // An optimiser-style in-place write to the trainer's weights...
-    for (_, var) in model.parameters() {
-        var.set(&(var.as_tensor() + 1.0).unwrap()).unwrap();
+    for kind in ["host", "resident"] {
+        let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
+        let snap = snapshot_of(kind, &model, PolicyVersion(3));
+        let before = bits(&model);
+        assert_eq!(snap.version, PolicyVersion(3));
+        assert_eq!(snap.tensors.len(), model.parameters().len());
+        assert_eq!(snap.is_resident(), kind == "resident");
+        let frozen = model.frozen_copy().unwrap();
+        let worker = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, false).unwrap();
+        assert!(!worker.is_trainable());
+        // An optimiser-style in-place write to the trainer's weights...
+        for (_, var) in model.parameters() {
+            var.set(&(var.as_tensor() + 1.0).unwrap()).unwrap();
+        }
+        // ...changes neither the snapshot, nor the frozen copy, nor the worker.
+        assert_ne!(bits(&model), before, "{kind}");
+        assert_eq!(bits(&frozen), before, "{kind}");
+        assert_eq!(bits(&worker), before, "{kind}");
+        let again = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, true).unwrap();
+        assert_eq!(bits(&again), before, "{kind}");
+        model.load_snapshot(&snap).unwrap();
+        assert_eq!(bits(&model), before, "{kind}");
+        // A model built from the snapshot owns its weights: installing other weights
+        // into it leaves the snapshot (and anything else built from it) as it was.
+        again
+            .load_snapshot(
+                &Model::new(ModelConfig::tiny(), &Device::Cpu, 2)
+                    .unwrap()
+                    .snapshot(PolicyVersion(4))
+                    .unwrap(),
+            )
+            .unwrap();
+        assert_ne!(bits(&again), before, "{kind}");
+        assert_eq!(
+            bits(&Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, false).unwrap()),
+            before,
+            "{kind}"
+        );
     }
-    // ...changes neither the snapshot, nor the frozen copy, nor the worker.
-    assert_ne!(bits(&model), before);
-    assert_eq!(bits(&frozen), before);
-    assert_eq!(bits(&worker), before);
-    let again = Model::from_snapshot(model.config().clone(), &snap, &Device::Cpu, true).unwrap();
-    assert_eq!(bits(&again), before);
-    model.load_snapshot(&snap).unwrap();
-    assert_eq!(bits(&model), before);
+}
+
+/// A resident snapshot reads back to the host snapshot bit for bit (what a transport
+/// sends of it), and one holding a weight that is not finite is refused by both
+/// installers, naming the tensor and the element, with the model left as it was.
+#[test]
+fn resident_snapshots_read_back_exactly_and_refuse_weights_that_are_not_finite() {
+    let model = Model::new(ModelConfig::tiny(), &Device::Cpu, 5).unwrap();
+    let host = model.snapshot(PolicyVersion(2)).unwrap();
+    let resident = model.snapshot_resident(PolicyVersion(2)).unwrap();
+    assert!(resident.is_resident() && !host.is_resident());
+    assert_eq!(resident.num_bytes(), host.num_bytes());
+    assert!(*resident.on_host().unwrap() == host);
+    assert!(resident.clone().into_host().unwrap() == host);
+    assert!(resident == model.snapshot_resident(PolicyVersion(2)).unwrap(), "equal as their host forms");
+    let (name, var) = model.parameters().into_iter().nth(3).unwrap();
+    let mut values = var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for (bad, value) in [(7, f32::NAN), (values.len() - 1, f32::NEG_INFINITY)] {
+        let kept = values[bad];
+        values[bad] = value;
+        var.set(&Tensor::from_slice(&values, var.dims(), &Device::Cpu).unwrap()).unwrap();
+        values[bad] = kept;
+        let poisoned = model.snapshot_resident(PolicyVersion(3)).unwrap();
+        let target = Model::new(ModelConfig::tiny(), &Device::Cpu, 6).unwrap();
+        let before = bits(&target);
+        let e = target.load_snapshot(&poisoned).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("`{name}`")) && e.contains(&format!("element {bad} is not finite")),
+            "{e}"
+        );
+        assert_eq!(bits(&target), before, "a refused snapshot leaves the model as it was");
+        let e = Model::from_snapshot(model.config().clone(), &poisoned, &Device::Cpu, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(&format!("`{name}`")) && e.contains(&format!("element {bad} is not finite")),
+            "{e}"
+        );
+    }
 }
 
 #[test]

@@ -104,6 +104,62 @@ fn cuda_handles_with_streams_of_their_own_take_copies_between_them() {
     }
 }
 
+/// Publication on one GPU without a host round trip: a trainer's snapshot left on its
+/// device (its own stream's handle) installs into an engine on another stream's handle
+/// by a device copy, in f32 and into bf16 weights; the engine's logits are then those
+/// of the trainer's weights, and the trainer writing its weights afterwards changes
+/// neither the snapshot nor the engine. Then a snapshot with a NaN is refused by the
+/// device check, naming the element.
+#[test]
+fn cuda_resident_snapshots_install_device_to_device_across_streams() {
+    if cuda().is_none() {
+        return;
+    }
+    let (trainer, engine) =
+        (DeviceSpec::Cuda(0).open_stream().unwrap(), DeviceSpec::Cuda(0).open_stream().unwrap());
+    resident_snapshots_install_across_handles(&trainer, &engine);
+}
+
+/// [`cuda_resident_snapshots_install_device_to_device_across_streams`] on the CPU.
+#[test]
+fn resident_snapshots_install_across_handles_on_the_cpu() {
+    resident_snapshots_install_across_handles(&Device::Cpu, &Device::Cpu);
+}
+
+fn resident_snapshots_install_across_handles(trainer: &Device, engine: &Device) {
+    use metronome_core::PolicyVersion;
+    use metronome_model::{DType, Tensor};
+    let policy = Model::new(ModelConfig::tiny(), trainer, 3).unwrap();
+    let served = Model::new(ModelConfig::tiny(), engine, 4).unwrap().frozen_copy().unwrap();
+    let served_bf16 = served.compute_copy(DType::BF16).unwrap();
+    let snap = policy.snapshot_resident(PolicyVersion(1)).unwrap();
+    assert!(snap.is_resident());
+    served.load_snapshot(&snap).unwrap();
+    served_bf16.load_snapshot(&snap).unwrap();
+    let built = Model::from_snapshot(policy.config().clone(), &snap, engine, false).unwrap();
+    let seq = tokens(5, 9, policy.config().vocab_size);
+    let want = full_logits(&policy, &seq);
+    assert_eq!(full_logits(&served, &seq), want, "the same f32 weights, the same logits");
+    assert_eq!(full_logits(&built, &seq), want);
+    let flat = |l: Vec<Vec<f32>>| l.concat();
+    let bf16 = max_abs_diff(&flat(full_logits(&served_bf16, &seq)), &flat(want.clone()));
+    assert!(bf16 < 0.05, "bf16 weights of the same values: {bf16}");
+    for (_, var) in policy.parameters() {
+        var.set(&(var.as_tensor() + 1.0).unwrap()).unwrap();
+    }
+    assert_eq!(full_logits(&served, &seq), want, "the engine's weights are its own");
+    let again = Model::from_snapshot(policy.config().clone(), &snap, engine, false).unwrap();
+    assert_eq!(full_logits(&again, &seq), want, "the snapshot is its own");
+    let (name, var) = policy.parameters().into_iter().nth(2).unwrap();
+    let mut values = var.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    values[11] = f32::NAN;
+    var.set(&Tensor::from_slice(&values, var.dims(), trainer).unwrap()).unwrap();
+    let e =
+        served.load_snapshot(&policy.snapshot_resident(PolicyVersion(2)).unwrap()).unwrap_err().to_string();
+    assert!(e.contains(&format!("`{name}`")) && e.contains("element 11 is not finite"), "{e}");
+    assert_eq!(full_logits(&served, &seq), want, "a refused snapshot changes nothing");
+}
+
 #[test]
 fn cuda_fused_kernels_are_refused_off_the_cpu() {
     let Some(gpu) = cuda() else { return };

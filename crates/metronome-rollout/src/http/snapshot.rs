@@ -10,8 +10,10 @@ use crate::{Error, Result};
 /// The snapshot as a safetensors file (f32, bf16 and f16 kept as they are); the version
 /// goes into the metadata as `metronome_version`. A snapshot holding a tensor name
 /// twice is refused, naming it (the `safetensors` writer panics on one, and a
-/// snapshot from the transport is not checked for it before it is exported).
+/// snapshot from the transport is not checked for it before it is exported). A
+/// resident snapshot is read back from its device first.
 pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
+    let s = &*s.on_host().map_err(|e| Error::model(e.to_string()))?;
     let mut names = HashSet::with_capacity(s.tensors.len());
     if let Some(twice) = s.tensors.iter().find(|t| !names.insert(t.name.as_str())) {
         return Err(Error::model(format!("tensor `{}` appears twice in the snapshot", twice.name)));
@@ -25,6 +27,7 @@ pub fn snapshot_to_safetensors(s: &WeightSnapshot) -> Result<Vec<u8>> {
                 (safetensors::Dtype::BF16, v.iter().flat_map(|x| x.to_le_bytes()).collect())
             }
             TensorData::F16(v) => (safetensors::Dtype::F16, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            TensorData::Resident(_) => unreachable!("read back by `on_host`"),
         })
         .collect();
     let views = s

@@ -28,6 +28,25 @@ async fn installed_weights_are_used_and_recorded() {
     assert_ne!(signature(&v0), signature(&v1));
 }
 
+/// Weights left on the trainer's device (`Model::snapshot_resident`, as a GPU trainer
+/// publishes to an engine of its process) install as host ones do: the same
+/// generations, token for token, at the same version; and an engine passes the
+/// rollout engine suite on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resident_weights_generate_what_host_weights_do() {
+    let trained = tiny_model(99);
+    let (host, resident) = (engine(1, 4, sampling(12)), engine(1, 4, sampling(12)));
+    host.install_weights(Arc::new(trained.snapshot(PolicyVersion(1)).unwrap())).await.unwrap();
+    resident.install_weights(Arc::new(trained.snapshot_resident(PolicyVersion(1)).unwrap())).await.unwrap();
+    assert_eq!(resident.version(), PolicyVersion(1));
+    let (a, b) = (generate(&host, request()).await, generate(&resident, request()).await);
+    assert_eq!(signature(&a), signature(&b));
+    assert_ne!(signature(&a), signature(&generate(&engine(1, 4, sampling(12)), request()).await));
+    let e = engine(2, 3, sampling(8));
+    let weights = trained.snapshot_resident(PolicyVersion(1)).unwrap();
+    metronome_testkit::conformance::engine::run_all(&e, weights, &prompts(5), 3).await;
+}
+
 /// The `RolloutEngine` contract on the real engine, two workers sharing the queue:
 /// every group once with G responses of the installed version, the group of a prompt
 /// too long for `max_seq_len` (rejected) included.

@@ -198,6 +198,8 @@ pub struct GrpoTrainer {
     /// normaliser.
     advantages_normalised: bool,
     pool: Arc<rayon::ThreadPool>,
+    /// Snapshots left on the policy's device ([`GrpoTrainer::with_resident_snapshots`]).
+    resident_snapshots: bool,
     version: PolicyVersion,
     rng_state: u64,
     skipped_steps: u64,
@@ -310,6 +312,7 @@ impl GrpoTrainer {
             teacher,
             optimizer,
             pool,
+            resident_snapshots: false,
             version: PolicyVersion(0),
             skipped_steps: 0,
             sums: Sums::default(),
@@ -336,6 +339,19 @@ impl GrpoTrainer {
         }
         self.temperature = temperature;
         Ok(self)
+    }
+
+    /// Publishes snapshots left on the policy's device ([`Model::snapshot_resident`]):
+    /// for a rollout engine of the same process, which installs them by a device copy
+    /// (on a GPU: device to device, no host round trip). Off by default: snapshots are
+    /// host data, which is what a transport to another process sends (it would read
+    /// resident ones back, and each held version would cost a copy of the weights in
+    /// device memory meanwhile). `metronome-pipeline` turns it on for an in-process
+    /// engine when the trainer is on a GPU.
+    #[must_use]
+    pub fn with_resident_snapshots(mut self, on: bool) -> Self {
+        self.resident_snapshots = on;
+        self
     }
 
     /// The sampling temperature log-probs are scored at
@@ -538,9 +554,15 @@ impl GrpoTrainer {
     }
 
     /// An owned copy of the current weights at the current version (with LoRA, the
-    /// base with the adapters merged in: rollout workers decode a plain model).
+    /// base with the adapters merged in: rollout workers decode a plain model), in
+    /// host memory or left on the policy's device
+    /// ([`GrpoTrainer::with_resident_snapshots`]).
     pub fn snapshot_sync(&self) -> Result<WeightSnapshot> {
-        Ok(self.policy.snapshot(self.version)?)
+        Ok(if self.resident_snapshots {
+            self.policy.snapshot_resident(self.version)?
+        } else {
+            self.policy.snapshot(self.version)?
+        })
     }
 }
 

@@ -47,6 +47,20 @@ async fn the_trainer_passes_the_trainer_suite() {
     .await;
 }
 
+/// The same suite on a trainer that publishes snapshots left on its device (a GPU
+/// trainer for an engine of its process; the CPU here): still copies of the current
+/// weights, resident, and equal to the host snapshots of the same weights.
+#[tokio::test]
+async fn a_trainer_publishing_resident_snapshots_passes_the_trainer_suite() {
+    let mut t = config().build(tiny_model()).unwrap().with_resident_snapshots(true);
+    let refused = |v| group_batch_at(9, &[5, 6, 7], &[vec![8, 9], vec![10, 11]], &[f32::NAN, 1.0], v);
+    metronome_testkit::conformance::trainer::run_all(&mut t, &period_batch, Some(&refused)).await;
+    let resident = t.snapshot_sync().unwrap();
+    assert!(resident.is_resident());
+    assert!(resident.on_host().unwrap().into_owned() == t.policy().snapshot(t.version()).unwrap());
+    assert!(!t.with_resident_snapshots(false).snapshot_sync().unwrap().is_resident());
+}
+
 #[test]
 fn zero_advantage_groups_contribute_nothing_and_are_counted() {
     let groups = period_groups();

@@ -13,8 +13,10 @@ const DTYPE_F32: u8 = 0;
 const DTYPE_BF16: u8 = 1;
 const DTYPE_F16: u8 = 2;
 
-/// Encodes a weight snapshot: a tensor table, then every tensor's raw bytes.
+/// Encodes a weight snapshot: a tensor table, then every tensor's raw bytes (of
+/// resident tensors, read back from their device first).
 pub fn encode_weights(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
+    let snapshot = &*on_host(snapshot)?;
     let table: usize =
         snapshot.tensors.iter().map(|t| 4 + t.name.len() + 1 + 4 + 8 * t.shape.len() + 8).sum();
     let mut w =
@@ -24,9 +26,19 @@ pub fn encode_weights(snapshot: &WeightSnapshot) -> Result<Vec<u8>> {
         match &t.data {
             TensorData::F32(v) => w.raw(v),
             TensorData::Bf16(v) | TensorData::F16(v) => w.raw(v),
+            TensorData::Resident(_) => unreachable!("read back by `on_host`"),
         }
     }
     Ok(w.finish())
+}
+
+/// The snapshot with every tensor in host memory, for an encoder to borrow.
+fn on_host(snapshot: &WeightSnapshot) -> Result<std::borrow::Cow<'_, WeightSnapshot>> {
+    snapshot.on_host().map_err(|e| Error::Malformed {
+        kind: "weights",
+        field: "tensors".into(),
+        reason: format!("cannot be read back from their device: {e}"),
+    })
 }
 
 /// Decodes a weight snapshot written by [`encode_weights`].
@@ -94,12 +106,17 @@ fn read_weights_table(r: &mut Reader<'_>) -> Result<(PolicyVersion, Vec<TableEnt
 
 /// Encodes a weight snapshot as a list of chunks of at most `max_chunk` bytes whose
 /// concatenation equals [`encode_weights`]. Tensor data is not copied: the chunks
-/// borrow it from the shared snapshot, so publishing costs one checksum pass.
+/// borrow it from the shared snapshot, so publishing costs one checksum pass (and a
+/// read back to the host of a resident snapshot).
 pub fn encode_weights_chunks(
     snapshot: &std::sync::Arc<WeightSnapshot>,
     max_chunk: usize,
 ) -> Result<Vec<bytes::Bytes>> {
     let max_chunk = max_chunk.max(1);
+    let snapshot = &match on_host(snapshot)? {
+        std::borrow::Cow::Borrowed(_) => std::sync::Arc::clone(snapshot),
+        std::borrow::Cow::Owned(host) => std::sync::Arc::new(host),
+    };
     if cfg!(target_endian = "big") {
         let all = bytes::Bytes::from(encode_weights(snapshot)?);
         return Ok((0..all.len())
@@ -165,16 +182,20 @@ impl AsRef<[u8]> for TensorBytes {
     }
 }
 
+/// The bytes of host data (the encoders read resident data back first, the decoder
+/// makes none).
 fn tensor_bytes(data: &TensorData) -> &[u8] {
     match data {
         TensorData::F32(v) => bytemuck::cast_slice(v),
         TensorData::Bf16(v) | TensorData::F16(v) => bytemuck::cast_slice(v),
+        TensorData::Resident(_) => unreachable!("read back by `on_host`"),
     }
 }
 
 fn dtype_code(data: &TensorData) -> u8 {
     match data {
-        TensorData::F32(_) => DTYPE_F32,
+        // Resident weights are f32 on their device, and written as read back.
+        TensorData::F32(_) | TensorData::Resident(_) => DTYPE_F32,
         TensorData::Bf16(_) => DTYPE_BF16,
         TensorData::F16(_) => DTYPE_F16,
     }
@@ -347,6 +368,7 @@ impl WeightsDecoder {
             let dst: &mut [u8] = match &mut tensor.data {
                 TensorData::F32(v) => bytemuck::cast_slice_mut(v),
                 TensorData::Bf16(v) | TensorData::F16(v) => bytemuck::cast_slice_mut(v),
+                TensorData::Resident(_) => unreachable!("the decoder fills host tensors"),
             };
             let n = (dst.len() - offset).min(bytes.len());
             dst[offset..offset + n].copy_from_slice(&bytes[..n]);
@@ -392,6 +414,7 @@ impl WeightsDecoder {
                     TensorData::Bf16(v) | TensorData::F16(v) => {
                         v.iter_mut().for_each(|x| *x = Packed::swap_bytes(*x))
                     }
+                    TensorData::Resident(_) => unreachable!("the decoder fills host tensors"),
                 }
             }
         }

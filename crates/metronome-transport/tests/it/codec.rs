@@ -233,3 +233,87 @@ fn version_switches_round_trip_bad_ones_are_refused_and_version_2_groups_still_d
     past.group.completions[2].switches[1].at = 6;
     assert!(encode_group(&past).unwrap_err().to_string().contains("version switch 1"));
 }
+
+/// Tensor data "resident on a device" for the codec: held host data that counts how
+/// often it is read back, or that cannot be read back at all.
+#[derive(Debug)]
+struct Held {
+    data: Option<metronome_core::TensorData>,
+    reads: std::sync::atomic::AtomicUsize,
+}
+
+impl metronome_core::ResidentData for Held {
+    fn len(&self) -> usize {
+        self.data.as_ref().map_or(0, metronome_core::TensorData::len)
+    }
+
+    fn num_bytes(&self) -> usize {
+        self.data.as_ref().map_or(0, metronome_core::TensorData::num_bytes)
+    }
+
+    fn to_host(&self) -> Result<metronome_core::TensorData, String> {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.data.clone().ok_or_else(|| "the device is gone".to_owned())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn resident(data: Option<metronome_core::TensorData>) -> (metronome_core::TensorData, std::sync::Arc<Held>) {
+    let held = std::sync::Arc::new(Held { data, reads: 0.into() });
+    let shared: std::sync::Arc<dyn metronome_core::ResidentData> = held.clone();
+    (metronome_core::TensorData::Resident(metronome_core::Resident(shared)), held)
+}
+
+/// A snapshot resident on its device (as a GPU trainer publishes to an engine of its
+/// own process) crosses the in-process channel as it is, never read back; the
+/// encoders read it back once and write exactly the bytes of its host form, and one
+/// that cannot be read back is an error naming the tensor, never a panic.
+#[tokio::test]
+async fn resident_weights_cross_the_local_channel_as_they_are_and_encode_as_their_host_form() {
+    use metronome_core::{WeightPublisher, WeightSubscriber};
+    use std::sync::atomic::Ordering::Relaxed;
+
+    let host = snapshot(4, 16);
+    let mut on_device = host.clone();
+    let held: Vec<_> = on_device
+        .tensors
+        .iter_mut()
+        .map(|t| {
+            let (data, held) = resident(Some(t.data.clone()));
+            t.data = data;
+            held
+        })
+        .collect();
+    assert!(on_device.is_resident() && on_device.num_bytes() == host.num_bytes());
+    let reads = || held.iter().map(|h| h.reads.load(Relaxed)).sum::<usize>();
+
+    let (publisher, mut subscriber) = metronome_transport::local::weight_channel();
+    let on_device = std::sync::Arc::new(on_device);
+    publisher.publish(std::sync::Arc::clone(&on_device)).await.unwrap();
+    let got = subscriber.latest().await.unwrap().unwrap();
+    assert!(std::sync::Arc::ptr_eq(&got, &on_device), "the same snapshot, not a copy");
+    assert_eq!(reads(), 0, "nothing was read back to the host");
+
+    let bytes = encode_weights(&host).unwrap();
+    assert_eq!(encode_weights(&on_device).unwrap(), bytes);
+    assert_eq!(reads(), held.len(), "each tensor read back once");
+    let chunks = metronome_transport::wire::encode_weights_chunks(&on_device, 1000).unwrap();
+    assert_eq!(chunks.concat(), bytes);
+    assert_eq!(decode_weights(&bytes).unwrap(), host);
+
+    let mut broken = host.clone();
+    broken.tensors[2].data = resident(None).0;
+    let e = encode_weights(&broken).unwrap_err().to_string();
+    let name = &host.tensors[2].name;
+    assert!(
+        e.contains("cannot be read back")
+            && e.contains(&format!("`{name}`"))
+            && e.contains("the device is gone"),
+        "{e}"
+    );
+    let e = metronome_transport::wire::encode_weights_chunks(&std::sync::Arc::new(broken), 1000).unwrap_err();
+    assert!(e.to_string().contains(&format!("`{name}`")), "{e}");
+}

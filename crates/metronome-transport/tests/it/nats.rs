@@ -452,6 +452,7 @@ fn first_data_ptr(s: &metronome_core::WeightSnapshot) -> usize {
     match &s.tensors[0].data {
         metronome_core::TensorData::F32(v) => v.as_ptr() as usize,
         metronome_core::TensorData::Bf16(v) | metronome_core::TensorData::F16(v) => v.as_ptr() as usize,
+        metronome_core::TensorData::Resident(_) => panic!("a decoded snapshot is in host memory"),
     }
 }
 
