@@ -116,6 +116,24 @@ impl DeviceSpec {
     }
 }
 
+/// Waits until the device has done everything any thread of this process queued on
+/// it; nothing on the CPU. On a GPU that is the whole context, whatever stream the work
+/// went to: candle's default handle queues each thread's work on that thread's own
+/// default stream, and nothing orders those streams among themselves, so weights
+/// written on one thread (the optimiser's, an install's copies) and read on another
+/// (a snapshot's copies, the engine's decode steps) are waited for here.
+pub(crate) fn synchronize_all(device: &Device) -> Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(gpu) => gpu
+            .cuda_stream()
+            .context()
+            .synchronize()
+            .map_err(|e| crate::Error::invalid("the GPU", format!("cannot synchronise its context: {e}"))),
+        _ => Ok(()),
+    }
+}
+
 /// [`STAGE_STREAMS_ENV`]'s value: unset or `0` is off, `1` on; anything else is an
 /// error naming the variable (a `true` read as off would go unnoticed).
 fn stage_streams(value: Option<&std::ffi::OsStr>) -> Result<bool> {

@@ -41,6 +41,10 @@ impl Model {
     /// streams of the handles involved, and cudarc orders each after the last write to
     /// its source with a stream event.
     pub fn snapshot_resident(&self, version: PolicyVersion) -> Result<metronome_core::WeightSnapshot> {
+        // The weights' last writes done before they are copied, and the copies done
+        // before the snapshot leaves for another thread (`synchronize_all`): a host
+        // snapshot's read back waited for both.
+        crate::device::synchronize_all(self.device())?;
         let tensors = self
             .weights()?
             .into_iter()
@@ -53,6 +57,7 @@ impl Model {
                 Ok(metronome_core::HostTensor { name, shape, data })
             })
             .collect::<Result<_>>()?;
+        crate::device::synchronize_all(self.device())?;
         Ok(metronome_core::WeightSnapshot { version, tensors })
     }
 
@@ -90,6 +95,8 @@ impl Model {
         };
         refuse_unknown(s, |name| used.contains(name))?;
         check_all(s.version, &resident)?;
+        // Its weights written before another thread (an engine's worker) reads them.
+        crate::device::synchronize_all(device)?;
         Ok(model)
     }
 
@@ -139,6 +146,8 @@ impl Model {
                 }
             }
         }
+        // The new weights written before another thread (an engine's worker) reads them.
+        crate::device::synchronize_all(self.device())?;
         // The next decode step rebuilds the decode layout from the new weights.
         if let Ok(mut d) = self.inner.decode.write() {
             *d = None;
