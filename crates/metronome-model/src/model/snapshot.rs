@@ -37,13 +37,15 @@ impl Model {
     /// made by one device copy each, without reading anything back. An engine of the
     /// same process installs it by another device copy ([`Model::load_snapshot`],
     /// [`Model::from_snapshot`]); a transport reads it back through
-    /// [`metronome_core::WeightSnapshot::on_host`]. On a GPU the copies run on the
-    /// streams of the handles involved, and cudarc orders each after the last write to
-    /// its source with a stream event.
+    /// [`metronome_core::WeightSnapshot::on_host`]. On a GPU the whole context is
+    /// waited for before the copies and after them, as the install waits for its own
+    /// (`synchronize_all`): candle's default handle puts each thread's work on that
+    /// thread's stream, which nothing orders; between handles with streams of their
+    /// own, cudarc's events order the copies as well.
     pub fn snapshot_resident(&self, version: PolicyVersion) -> Result<metronome_core::WeightSnapshot> {
         // The weights' last writes done before they are copied, and the copies done
-        // before the snapshot leaves for another thread (`synchronize_all`): a host
-        // snapshot's read back waited for both.
+        // before the snapshot leaves for another thread: a host snapshot's read back
+        // waited for both.
         crate::device::synchronize_all(self.device())?;
         let tensors = self
             .weights()?
