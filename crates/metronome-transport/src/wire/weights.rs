@@ -194,10 +194,10 @@ fn tensor_bytes(data: &TensorData) -> &[u8] {
 
 fn dtype_code(data: &TensorData) -> u8 {
     match data {
-        // Resident weights are f32 on their device, and written as read back.
-        TensorData::F32(_) | TensorData::Resident(_) => DTYPE_F32,
+        TensorData::F32(_) => DTYPE_F32,
         TensorData::Bf16(_) => DTYPE_BF16,
         TensorData::F16(_) => DTYPE_F16,
+        TensorData::Resident(_) => unreachable!("read back by `on_host`"),
     }
 }
 
