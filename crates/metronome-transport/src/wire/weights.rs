@@ -259,16 +259,18 @@ impl WeightsDecoder {
     /// without allocating: the page faults of 100 MB of fresh memory cost about as
     /// much as copying it. Every byte of a reused buffer is overwritten before
     /// [`WeightsDecoder::finish`] succeeds (the body length is checked against the
-    /// table), so nothing of the old snapshot survives in the new one.
+    /// table), so nothing of the old snapshot survives in the new one. Resident tensors
+    /// (`TensorData::Resident`) have no host buffer to lend and are dropped.
     #[must_use]
     pub fn recycling(expected_len: u64, old: Vec<HostTensor>) -> Self {
+        let recycle = old.into_iter().filter(|t| !matches!(t.data, TensorData::Resident(_))).collect();
         Self {
             expected_len,
             received: 0,
             prefix: Vec::new(),
             state: None,
             hasher: xxhash_rust::xxh3::Xxh3::new(),
-            recycle: old,
+            recycle,
         }
     }
 
@@ -509,13 +511,32 @@ mod tests {
     }
 
     #[test]
-    fn recycling_skips_tensors_whose_layout_changed() {
+    fn recycling_skips_tensors_whose_layout_changed_or_that_are_resident() {
         let mut old = snapshot(1, 40);
         // Another dtype, another size, another name: none of them can be reused.
         old.tensors[0].data = TensorData::Bf16(vec![0; old.tensors[0].data.len()]);
         old.tensors[1].data = TensorData::F32(vec![0.0; 3]);
         old.tensors[1].shape = vec![3];
         old.tensors[2].name = "renamed".into();
+        // Data resident on a device: no host buffer to lend.
+        #[derive(Debug)]
+        struct OnDevice(usize);
+        impl metronome_core::ResidentData for OnDevice {
+            fn len(&self) -> usize {
+                self.0
+            }
+            fn num_bytes(&self) -> usize {
+                4 * self.0
+            }
+            fn to_host(&self) -> std::result::Result<TensorData, String> {
+                Ok(TensorData::F32(vec![0.0; self.0]))
+            }
+            fn as_any(&self) -> &dyn std::any::Any {
+                self
+            }
+        }
+        let resident = OnDevice(old.tensors[4].data.len());
+        old.tensors[4].data = TensorData::Resident(metronome_core::Resident(std::sync::Arc::new(resident)));
         let kept = data_ptr(&old.tensors[3]);
         let bytes = encode_weights(&snapshot(2, 40)).unwrap();
         let got = decode_recycling(&bytes, old.tensors).unwrap();
