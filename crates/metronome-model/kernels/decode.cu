@@ -10,6 +10,16 @@
 // (`rows` holds table and len interleaved, u32).
 //
 // decode_write: one thread per element of the new keys (or values) [n, width].
+// decode_project: the decode layout's stacked product qkv: [n, (heads + 2 kv_heads) hd]
+// (queries, keys, values; the bias, when has_bias, not yet added) made ready in one
+// pass, one thread per rotated pair of a query or key head and per value element: the
+// bias added and rounded to T (as candle's add in T), the query and key pairs rotated
+// by the row's f32 tables cos, sin: [n, hd / 2] as `rope` (kernels/layer.cu) rotates
+// them, the query written to q: [n, heads, hd], the key and value to the caches at the
+// row's position len[i] - 1. Its reference is the composed form in src/portable.rs
+// (`Kernels::decode_project`): bias, rope, decode_write twice.
+// decode_attention writes out_rows rows: those from n on (padding for the next
+// product's minimum rows) are zeros.
 // decode_attention: one warp per (row, query head). Lane l holds the dimensions
 // l, l + 32, ... of the query and of the output accumulator; for each cached position
 // in order the warp computes the score (a warp sum of the lanes' products), then the
@@ -43,12 +53,50 @@ __device__ void decode_write(T *cache, const T *src, const uint32_t *rows, const
 }
 
 template <typename T>
+__device__ void decode_project(const T *qkv, const T *bias, uint32_t has_bias, const float *cos, const float *sin,
+                               const uint32_t *rows, const uint32_t *blocks, uint32_t block, T *q, T *keys,
+                               T *values, uint32_t heads, uint32_t kv_heads, uint32_t hd, size_t total) {
+    const size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= total) return;
+    const uint32_t half = hd / 2, kv_width = kv_heads * hd;
+    const uint32_t q_pairs = heads * half, k_pairs = kv_heads * half;
+    const uint32_t per_row = q_pairs + k_pairs + kv_width, width = heads * hd + 2 * kv_width;
+    const size_t i = e / per_row;
+    const uint32_t j = (uint32_t)(e % per_row);
+    const T *row = qkv + i * width;
+    // Column c of the row with its bias, as the composed form's add leaves it in T.
+    auto at = [&](uint32_t c) {
+        const float x = to_f(row[c]);
+        return has_bias ? to_f(from_f<T>(x + to_f(bias[c]))) : x;
+    };
+    const size_t slot_row = cache_row(blocks, rows[2 * i], block, (size_t)rows[2 * i + 1] - 1);
+    if (j < q_pairs + k_pairs) {
+        const bool query = j < q_pairs;
+        const uint32_t p = query ? j : j - q_pairs, h = p / half, k = p % half;
+        const uint32_t first = (query ? 0 : heads * hd) + h * hd;
+        const float c = cos[i * half + k], s = sin[i * half + k];
+        const float x1 = at(first + k), x2 = at(first + k + half);
+        T *out = query ? q + (i * heads + h) * hd : keys + slot_row * kv_width + h * hd;
+        out[k] = from_f<T>(x1 * c - x2 * s);
+        out[k + half] = from_f<T>(x2 * c + x1 * s);
+    } else {
+        const uint32_t c = j - q_pairs - k_pairs;
+        values[slot_row * kv_width + c] = from_f<T>(at(heads * hd + kv_width + c));
+    }
+}
+
+template <typename T>
 __device__ void decode_attention(const T *q, const T *keys, const T *values, const uint32_t *rows,
                                  const uint32_t *blocks, uint32_t block, T *out, uint32_t heads, uint32_t kv_heads,
-                                 uint32_t hd, float scale) {
+                                 uint32_t hd, float scale, uint32_t n) {
     const uint32_t i = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
     const uint32_t kvh = h / (heads / kv_heads);
     const uint32_t chunks = hd / 32;
+    if (i >= n) {  // a padding row
+        T *orow = out + ((size_t)i * heads + h) * hd;
+        for (uint32_t j = 0; j < chunks; ++j) orow[lane + 32 * j] = from_f<T>(0.0f);
+        return;
+    }
     const uint32_t table = rows[2 * i];
     const size_t len = rows[2 * i + 1];
     float qv[MAX_CHUNKS], acc[MAX_CHUNKS];
@@ -86,8 +134,18 @@ __device__ void decode_attention(const T *q, const T *keys, const T *values, con
     extern "C" __global__ void decode_attention_##SUFFIX(const T *q, const T *keys, const T *values, \
                                                          const uint32_t *rows, const uint32_t *blocks, \
                                                          uint32_t block, T *out, uint32_t heads,       \
-                                                         uint32_t kv_heads, uint32_t hd, float scale) { \
-        decode_attention<T>(q, keys, values, rows, blocks, block, out, heads, kv_heads, hd, scale);   \
+                                                         uint32_t kv_heads, uint32_t hd, float scale,   \
+                                                         uint32_t n) {                                  \
+        decode_attention<T>(q, keys, values, rows, blocks, block, out, heads, kv_heads, hd, scale, n); \
+    }                                                                                                 \
+    extern "C" __global__ void decode_project_##SUFFIX(const T *qkv, const T *bias, uint32_t has_bias,   \
+                                                       const float *cos, const float *sin,             \
+                                                       const uint32_t *rows, const uint32_t *blocks,   \
+                                                       uint32_t block, T *q, T *keys, T *values,        \
+                                                       uint32_t heads, uint32_t kv_heads, uint32_t hd,  \
+                                                       size_t total) {                                  \
+        decode_project<T>(qkv, bias, has_bias, cos, sin, rows, blocks, block, q, keys, values, heads,  \
+                          kv_heads, hd, total);                                                         \
     }
 
 DECODE_KERNELS(f32, float)

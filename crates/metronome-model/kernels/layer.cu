@@ -8,6 +8,8 @@
 //   forward   r = 1 / sqrt(mean(x^2) + eps); y = T(T(x r) w)
 //   backward  gw = g w; dx = r (gw - x r mean(gw x r)); wrow = g T(x r), both in f32
 //             (wrow summed over rows by candle for the weight's gradient)
+// A decode step's residual sum and RMSNorm as one kernel (add_rms_norm), and SwiGLU
+// of the decode layout's stacked gate and up product (swiglu_stacked), forward only.
 // SwiGLU, one thread per element:
 //   forward   o = T(silu(a) b), silu(a) = a / (1 + exp(-a))
 //   backward  s = sigmoid(a); da = g b s (1 + a (1 - s)); db = g silu(a)
@@ -54,18 +56,16 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 
 // The sum of v over the block (every thread gets it); `shared` holds a float per warp.
+// Every warp sums the warps' partial sums, in the same order, so each has the total
+// without a second round through `shared` (and every thread reaches each shuffle, which
+// the CPU emulation of the kernels needs, emulate/emulate.h).
 __device__ float block_sum(float v, float *shared) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (lane == 0) shared[warp] = v;
     __syncthreads();
     v = lane < (int)(blockDim.x / 32) ? shared[lane] : 0.0f;
-    if (warp == 0) {
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) shared[0] = v;
-    }
-    __syncthreads();
-    v = shared[0];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     __syncthreads();  // `shared` may be reused by the caller's next sum
     return v;
 }
@@ -77,12 +77,7 @@ __device__ float block_max(float v, float *shared) {
     if (lane == 0) shared[warp] = v;
     __syncthreads();
     v = lane < (int)(blockDim.x / 32) ? shared[lane] : -INFINITY;
-    if (warp == 0) {
-        for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (lane == 0) shared[0] = v;
-    }
-    __syncthreads();
-    v = shared[0];
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     __syncthreads();
     return v;
 }
@@ -137,6 +132,40 @@ __device__ void swiglu_fwd(const T *a, const T *b, T *o, size_t n) {
     if (i >= n) return;
     const float av = to_f(a[i]);
     o[i] = from_f<T>(av / (1.0f + expf(-av)) * to_f(b[i]));
+}
+
+// SwiGLU of a stacked gate and up product gu: [rows, 2 inter] (gate columns first),
+// the decode layout's: o[row, c] = T(silu(gate) up), as swiglu_fwd of the two halves.
+template <typename T>
+__device__ void swiglu_stacked(const T *gu, T *o, uint32_t inter, size_t n) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const size_t row = i / inter, c = i % inter;
+    const float av = to_f(gu[row * 2 * inter + c]);
+    o[i] = from_f<T>(av / (1.0f + expf(-av)) * to_f(gu[row * 2 * inter + inter + c]));
+}
+
+// The residual sum and the next RMSNorm of a decode step in one pass, forward only:
+// out[0] = s = T(x + y) (as candle's add in T rounds it), out[1] = rms_norm_fwd(s),
+// out: [2, rows, d], one block per row.
+template <typename T>
+__device__ void add_rms_norm(const T *x, const T *y, const T *w, T *out, uint32_t d, float eps) {
+    __shared__ float shared[32];
+    const size_t row = blockIdx.x;
+    const T *xr = x + row * d, *yr = y + row * d;
+    T *sr = out + row * d, *nr = out + ((size_t)gridDim.x + row) * d;
+    float ss = 0.0f;
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const T s = from_f<T>(to_f(xr[i]) + to_f(yr[i]));
+        sr[i] = s;
+        const float v = to_f(s);
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss, shared) / (float)d + eps);
+    for (uint32_t i = threadIdx.x; i < d; i += blockDim.x) {
+        const float n = to_f(from_f<T>(to_f(sr[i]) * r));
+        nr[i] = from_f<T>(n * to_f(w[i]));
+    }
 }
 
 // da and db side by side: out[0..n] = da, out[n..2n] = db.
@@ -267,6 +296,13 @@ __device__ void gather_rows_bwd(const T *g, const uint32_t *inv, T *out, uint32_
     }                                                                                                   \
     extern "C" __global__ void swiglu_bwd_##SUFFIX(const T *a, const T *b, const T *g, T *out, size_t n) { \
         swiglu_bwd<T>(a, b, g, out, n);                                                                 \
+    }                                                                                                   \
+    extern "C" __global__ void swiglu_stacked_##SUFFIX(const T *gu, T *o, uint32_t inter, size_t n) {  \
+        swiglu_stacked<T>(gu, o, inter, n);                                                             \
+    }                                                                                                   \
+    extern "C" __global__ void add_rms_norm_##SUFFIX(const T *x, const T *y, const T *w, T *out, uint32_t d, \
+                                                     float eps) {                                       \
+        add_rms_norm<T>(x, y, w, out, d, eps);                                                          \
     }                                                                                                   \
     extern "C" __global__ void rope_##SUFFIX(const T *x, const float *cos, const float *sin, T *o,      \
                                              uint32_t heads, uint32_t half, size_t pairs, float sign) { \

@@ -1042,7 +1042,8 @@ impl candle_core::InplaceOp2 for DecodeWrite {
 }
 
 /// Attention of a step's queries `q: [n, heads, head_dim]` over each row's cached prefix,
-/// read in place (no gather, no padding): `[n, heads * head_dim]`.
+/// read in place (no gather, no padding): `[out_rows, heads * head_dim]`, rows from `n`
+/// on zeros (the next product's padding).
 /// [`crate::Kernels::decode_attention`] under [`crate::Kernels::Cuda`] for head
 /// dimensions [`decode_kernels_fit`] takes.
 pub(crate) fn decode_attention(
@@ -1050,6 +1051,7 @@ pub(crate) fn decode_attention(
     keys: &Tensor,
     values: &Tensor,
     rows: crate::ops::DecodeRows<'_>,
+    out_rows: usize,
 ) -> Result<Tensor> {
     let (n, heads, hd) = q.dims3()?;
     rows.check("cuda-decode-attention", n, keys.dim(0)?)?;
@@ -1061,9 +1063,11 @@ pub(crate) fn decode_attention(
         ));
     }
     let (pairs, blocks) = rows_tensors(rows, q.device())?;
-    let op = DecodeAttention { rows: pairs, blocks, block: block_u32(rows)? };
+    let out_rows = out_rows.max(n);
+    let op = DecodeAttention { rows: pairs, blocks, block: block_u32(rows)?, out_rows };
     let q = q.to_dtype(keys.dtype())?.contiguous()?;
-    Ok(q.apply_op3_no_bwd(&keys.contiguous()?, &values.contiguous()?, &op)?.reshape((n, heads * hd))?)
+    Ok(q.apply_op3_no_bwd(&keys.contiguous()?, &values.contiguous()?, &op)?
+        .reshape((out_rows, heads * hd))?)
 }
 
 #[derive(Debug)]
@@ -1071,6 +1075,8 @@ struct DecodeAttention {
     rows: Tensor,
     blocks: Tensor,
     block: u32,
+    /// Rows of the output, at least the queries' (the rest zeros).
+    out_rows: usize,
 }
 
 impl candle_core::CustomOp3 for DecodeAttention {
@@ -1108,15 +1114,19 @@ impl candle_core::CustomOp3 for DecodeAttention {
         let func = decode_func!(dev, "decode_attention", s1.dtype());
         let (heads32, kvh32, hd32) = (heads as u32, kvh as u32, hd as u32);
         let scale = 1.0 / (hd as f32).sqrt();
-        let cfg =
-            LaunchConfig { grid_dim: (n as u32, heads32, 1), block_dim: (WARP, 1, 1), shared_mem_bytes: 0 };
+        let (n32, out_rows) = (n as u32, self.out_rows);
+        let cfg = LaunchConfig {
+            grid_dim: (out_rows as u32, heads32, 1),
+            block_dim: (WARP, 1, 1),
+            shared_mem_bytes: 0,
+        };
         macro_rules! launch {
             ($t:ty) => {{
                 let q = view::<$t>(s1, l1, self.name())?;
                 let (k, v) = (view::<$t>(s2, l2, self.name())?, view::<$t>(s3, l3, self.name())?);
                 // SAFETY: uninitialised, and every element is written by the kernel below
-                // (each (row, head) warp writes its head_dim outputs).
-                let out = unsafe { dev.alloc::<$t>(n * heads * hd) }?;
+                // (each (row, head) warp writes its head_dim outputs, zeros past n).
+                let out = unsafe { dev.alloc::<$t>(out_rows * heads * hd) }?;
                 let mut args = func.builder();
                 args.arg(&q)
                     .arg(&k)
@@ -1128,14 +1138,15 @@ impl candle_core::CustomOp3 for DecodeAttention {
                     .arg(&heads32)
                     .arg(&kvh32)
                     .arg(&hd32)
-                    .arg(&scale);
+                    .arg(&scale)
+                    .arg(&n32);
                 // SAFETY: `decode_attention_*(q, keys, values, rows, blocks, block, out,
-                // heads, kv_heads, head_dim, scale)` over (n, heads) warps: `rows` holds n
-                // pairs whose block tables in `blocks` were checked against the cache's
-                // rows (each at least one position), `q` and `out`
-                // `n heads head_dim` elements, head_dim a multiple of 32 within the
-                // kernel's registers.
-                if n > 0 {
+                // heads, kv_heads, head_dim, scale, n)` over (out_rows, heads) warps, those
+                // of rows from n on writing zeros only: `rows` holds n pairs whose block
+                // tables in `blocks` were checked against the cache's rows (each at least
+                // one position), `q` `n heads head_dim` elements and `out` `out_rows heads
+                // head_dim`, head_dim a multiple of 32 within the kernel's registers.
+                if out_rows > 0 {
                     unsafe { args.launch(cfg) }.w()?;
                 }
                 CudaStorage::wrap_cuda_slice(out, dev.clone())
@@ -1145,9 +1156,11 @@ impl candle_core::CustomOp3 for DecodeAttention {
             DType::F32 => launch!(f32),
             _ => launch!(half::bf16),
         };
-        Ok((out, l1.shape().clone()))
+        Ok((out, Shape::from((out_rows, heads, hd))))
     }
 }
 
 mod attention;
+mod stacked;
 pub(crate) use attention::{flash_attention_fits, segment_attention};
+pub(crate) use stacked::{add_rms_norm, decode_project, swiglu_stacked};

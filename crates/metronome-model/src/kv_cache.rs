@@ -41,7 +41,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Tensor};
 
 use crate::draw::{Draw, Next, check_draws};
-use crate::model::{DecodeWeights, Model};
+use crate::model::{DecodeWeights, Model, StackedWeights};
 use crate::ops::{
     DecodeRows, StepIndex, attention_rows, dense_rows, linear, output, read_host, rms_norm_rows,
     swiglu_stacked_rows, write_host,
@@ -487,6 +487,14 @@ impl StepRows<'_> {
         Ok(computed.index_select(&index, 0)?)
     }
 
+    /// `from` on `device` (uploaded once per step), when written rows take others'.
+    fn sources_on(&self, device: &candle_core::Device) -> Result<Option<Tensor>> {
+        let Some(from) = self.from else { return Ok(None) };
+        let index =
+            StepIndex::get(Some(&self.from_index), || Ok(Tensor::from_slice(from, from.len(), device)?))?;
+        Ok(Some(index))
+    }
+
     /// The computed row whose key and value written row `i` takes.
     fn source(&self, i: usize) -> usize {
         self.from.map_or(i, |f| f[i] as usize)
@@ -497,7 +505,7 @@ impl StepRows<'_> {
 /// Padding each linear layer's input once, and running the gate, up and down
 /// projections and the SwiGLU between them on the padded rows (zero rows stay zero),
 /// costs three pads per layer instead of seven.
-fn pad_rows(x: &Tensor, min_rows: usize) -> Result<Tensor> {
+pub(crate) fn pad_rows(x: &Tensor, min_rows: usize) -> Result<Tensor> {
     let n = x.dim(0)?;
     if n >= min_rows {
         return Ok(x.clone());
@@ -661,11 +669,14 @@ impl Model {
         };
         let w = |v: &candle_core::Var| Self::w(v, false);
         let (h, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let logits = match self.decode_weights()? {
-            Some(dw) => {
+        let logits = match (self.decode_weights()?, self.stacked_weights()?) {
+            (Some(dw), _) => {
                 self.extend_dense((&cache.keys, &cache.values), &mut cache.scratch, &dw, &plan.ids, &step)?
             }
-            None => {
+            (None, Some(sw)) => {
+                self.extend_stacked((&cache.keys, &cache.values), &sw, &plan.ids, &step, mr)?
+            }
+            (None, None) => {
                 let ks = self.kernels;
                 let mut x = w(&m.embed).index_select(&Tensor::from_slice(&plan.ids, total, dev)?, 0)?;
                 for (li, l) in m.layers.iter().enumerate() {
@@ -687,8 +698,8 @@ impl Model {
                     let k = ks.rope(&k, step.rope)?;
                     ks.write_decode_rows(&cache.keys[li], &step.written(&k)?, step.write)?;
                     ks.write_decode_rows(&cache.values[li], &step.written(&v)?, step.write)?;
-                    let att = ks.decode_attention(&q, &cache.keys[li], &cache.values[li], step.attend)?;
-                    x = (x + padded_linear(&att, &w(&l.o), None, mr)?)?;
+                    let att = ks.decode_attention(&q, &cache.keys[li], &cache.values[li], step.attend, mr)?;
+                    x = (x + linear(&att, &w(&l.o), None)?.narrow(0, 0, total)?)?;
                     let b = ks.rms_norm(&x, &w(&l.post_norm), cfg.rms_norm_eps)?;
                     let b = pad_rows(&b, mr)?;
                     let gu =
@@ -712,6 +723,66 @@ impl Model {
         }
         cache.plan = plan;
         Ok(logits)
+    }
+
+    /// The layers and LM head of [`Model::extend`] on the stacked products of the
+    /// portable and CUDA kernels ([`StackedWeights`]): nine ops per layer (on a GPU,
+    /// nine launches; the op by op form ran 17, and 26 on fewer rows than
+    /// `min_rows`, whose padding it made three times per layer). The residual stream
+    /// holds `max(rows, min_rows)` rows throughout (the padding rows embed token 0: every
+    /// op but attention is row by row, and attention reads and writes the computed rows
+    /// only, writing zeros to the others), so no layer pads. Returns the logits of
+    /// `step.last`.
+    fn extend_stacked(
+        &self,
+        (keys, values): (&[Tensor], &[Tensor]),
+        sw: &StackedWeights,
+        ids: &[u32],
+        step: &StepRows<'_>,
+        min_rows: usize,
+    ) -> Result<Tensor> {
+        let m = &self.inner;
+        let cfg = &m.cfg;
+        let ks = self.kernels;
+        let (total, eps) = (ids.len(), cfg.rms_norm_eps);
+        let rows = total.max(min_rows);
+        let dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let w = |v: &candle_core::Var| Self::w(v, false);
+        let mut padded = Vec::with_capacity(rows);
+        padded.extend_from_slice(ids);
+        padded.resize(rows, 0);
+        let mut x = w(&m.embed).index_select(&Tensor::from_vec(padded, rows, &m.device)?, 0)?;
+        let from = step.sources_on(&m.device)?;
+        let Some(first) = m.layers.first() else {
+            return Err(Error::invalid("decoding", "a model without layers"));
+        };
+        let mut normed = ks.rms_norm(&x, &w(&first.input_norm), eps)?;
+        for (li, (l, sl)) in m.layers.iter().zip(&sw.layers).enumerate() {
+            let qkv = linear(&normed, &sl.qkv, None)?;
+            let caches = (&keys[li], &values[li]);
+            let rows_of = (step.attend, step.write);
+            let q = ks.decode_project(
+                &qkv,
+                sl.qkv_bias.as_ref(),
+                dims,
+                step.rope,
+                caches,
+                rows_of,
+                from.as_ref(),
+            )?;
+            let att = ks.decode_attention(&q, caches.0, caches.1, step.attend, rows)?;
+            (x, normed) = ks.add_rms_norm(&x, &linear(&att, &w(&l.o), None)?, &w(&l.post_norm), eps)?;
+            let gate_up = linear(&normed, &sl.gate_up, None)?;
+            let down = linear(&ks.swiglu_stacked(&gate_up, total)?, &w(&l.down), None)?;
+            // The sum with the next layer's norm, or after the last with the final one.
+            let next_norm = m.layers.get(li + 1).map_or(&m.norm, |next| &next.input_norm);
+            (x, normed) = ks.add_rms_norm(&x, &down, &w(next_norm), eps)?;
+        }
+        if total > step.last.len() {
+            let last = Tensor::from_slice(step.last, step.last.len(), &m.device)?;
+            return padded_linear(&normed.index_select(&last, 0)?, &self.lm_head(false), None, min_rows);
+        }
+        Ok(linear(&normed, &self.lm_head(false), None)?.narrow(0, 0, total)?)
     }
 
     /// The layers and LM head of [`Model::extend`] on decode-layout weights: the

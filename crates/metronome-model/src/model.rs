@@ -94,8 +94,11 @@ pub(crate) struct Inner {
     pub(crate) frozen: std::sync::atomic::AtomicBool,
     /// That copy, built by the first decode step that needs it (a frozen reference model
     /// that only scores never pays its memory) and dropped by
-    /// [`Model::load_snapshot`], to be rebuilt from the new weights.
+    /// [`Model::load_snapshot`], to be rebuilt from the new weights: on the host for the
+    /// fused kernels, ...
     pub(crate) decode: std::sync::RwLock<Option<Arc<DecodeWeights>>>,
+    /// ... stacked on the model's device for the others ([`StackedWeights`]).
+    pub(crate) stacked: std::sync::RwLock<Option<Arc<StackedWeights>>>,
     /// The host buffers of the layers run whole (`Model::host_layer`).
     pub(crate) buffers: Arc<Buffers>,
 }
@@ -142,6 +145,71 @@ impl DecodeWeights {
         let lm_head = DenseWeight::stacked(&[&t(m.lm_head.as_ref().unwrap_or(&m.embed))], &[])?;
         Ok(Self { layers, lm_head })
     }
+}
+
+/// A layer's products in the decode layout of the portable and CUDA kernels: the query,
+/// key and value weights stacked into one `[(heads + 2 kv_heads) head_dim, hidden]`
+/// tensor (and their biases into one), the gate and up weights into one `[2
+/// intermediate, hidden]`, so that a cached forward runs one product for each stack
+/// (`Model::extend_stacked`): on a GPU a decode step's time is its launches.
+#[derive(Debug)]
+pub(crate) struct StackedLayer {
+    pub(crate) qkv: Tensor,
+    pub(crate) qkv_bias: Option<Tensor>,
+    pub(crate) gate_up: Tensor,
+}
+
+/// Every layer's [`StackedLayer`].
+#[derive(Debug)]
+pub(crate) struct StackedWeights {
+    pub(crate) layers: Vec<StackedLayer>,
+}
+
+impl StackedWeights {
+    /// The stacks of `m`'s current weights, on its device.
+    fn of(m: &Inner) -> Result<Self> {
+        let t = |v: &Var| v.as_tensor().detach();
+        let layers = m
+            .layers
+            .iter()
+            .map(|l| {
+                let biases: Vec<Tensor> =
+                    [&l.q_bias, &l.k_bias, &l.v_bias].into_iter().flatten().map(t).collect();
+                let qkv_bias = match biases.len() {
+                    0 => None,
+                    3 => Some(Tensor::cat(&biases, 0)?),
+                    _ => {
+                        return Err(Error::invalid(
+                            "decode layout",
+                            "a layer with biases on some of its query, key and value projections only",
+                        ));
+                    }
+                };
+                Ok(StackedLayer {
+                    qkv: Tensor::cat(&[t(&l.q), t(&l.k), t(&l.v)], 0)?,
+                    qkv_bias,
+                    gate_up: Tensor::cat(&[t(&l.gate), t(&l.up)], 0)?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self { layers })
+    }
+}
+
+/// The value in `slot`, built by `build` on first use; `None` when the lock is poisoned.
+fn cached<T>(
+    slot: &std::sync::RwLock<Option<Arc<T>>>,
+    build: impl FnOnce() -> Result<T>,
+) -> Result<Option<Arc<T>>> {
+    if let Some(d) = slot.read().ok().and_then(|d| d.clone()) {
+        return Ok(Some(d));
+    }
+    let Ok(mut slot) = slot.write() else { return Ok(None) };
+    // Another worker may have built it while this one waited for the lock.
+    if slot.is_none() {
+        *slot = Some(Arc::new(build()?));
+    }
+    Ok(slot.clone())
 }
 
 /// A Llama/Qwen2-family decoder.
@@ -348,6 +416,7 @@ impl Model {
             lm_head,
             frozen: std::sync::atomic::AtomicBool::new(!trainable),
             decode: std::sync::RwLock::new(None),
+            stacked: std::sync::RwLock::new(None),
             buffers,
         };
         Ok(Self {
@@ -404,6 +473,7 @@ impl Model {
             lm_head: cast_opt(&m.lm_head)?,
             frozen: std::sync::atomic::AtomicBool::new(!self.trainable),
             decode: std::sync::RwLock::new(None),
+            stacked: std::sync::RwLock::new(None),
             buffers: Arc::new(Buffers::new(m.cfg.num_hidden_layers)),
         };
         let lora = match &self.lora {
@@ -514,9 +584,7 @@ impl Model {
     pub fn with_trainable(mut self, trainable: bool) -> Self {
         if trainable {
             self.inner.frozen.store(false, std::sync::atomic::Ordering::SeqCst);
-            if let Ok(mut d) = self.inner.decode.write() {
-                *d = None;
-            }
+            self.drop_decode_layouts();
         }
         self.trainable = trainable;
         self
@@ -539,21 +607,39 @@ impl Model {
         Ok(self)
     }
 
-    /// The decode-layout weights of a frozen model, built on first use; `None` for a
-    /// model that may train, and for the portable kernels (the layout is a CPU kernel's).
+    /// The decode-layout weights of a frozen model under the fused kernels, built on
+    /// first use; `None` for a model that may train, and for the other kernels (the
+    /// layout is a CPU kernel's).
     pub(crate) fn decode_weights(&self) -> Result<Option<Arc<DecodeWeights>>> {
-        if self.kernels != Kernels::Fused || !self.inner.frozen.load(std::sync::atomic::Ordering::SeqCst) {
+        if self.kernels != Kernels::Fused || !self.is_frozen() {
             return Ok(None);
         }
-        if let Some(d) = self.inner.decode.read().ok().and_then(|d| d.clone()) {
-            return Ok(Some(d));
+        cached(&self.inner.decode, || DecodeWeights::of(&self.inner))
+    }
+
+    /// The stacked products of a frozen model under the portable and CUDA kernels,
+    /// built on first use; `None` for a model that may train, and under the fused
+    /// kernels (which decode from [`Model::decode_weights`]).
+    pub(crate) fn stacked_weights(&self) -> Result<Option<Arc<StackedWeights>>> {
+        if self.kernels == Kernels::Fused || !self.is_frozen() {
+            return Ok(None);
         }
-        let Ok(mut slot) = self.inner.decode.write() else { return Ok(None) };
-        // Another worker may have built it while this one waited for the lock.
-        if slot.is_none() {
-            *slot = Some(Arc::new(DecodeWeights::of(&self.inner)?));
+        cached(&self.inner.stacked, || StackedWeights::of(&self.inner))
+    }
+
+    fn is_frozen(&self) -> bool {
+        self.inner.frozen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Drops the decode layouts (weights changed, or the model may now train): the
+    /// next decode step rebuilds the one it needs.
+    pub(crate) fn drop_decode_layouts(&self) {
+        if let Ok(mut d) = self.inner.decode.write() {
+            *d = None;
         }
-        Ok(slot.clone())
+        if let Ok(mut d) = self.inner.stacked.write() {
+            *d = None;
+        }
     }
 
     /// Every base parameter with its Hugging Face name, in a stable order (embedding,

@@ -472,22 +472,109 @@ impl Kernels {
     }
 
     /// Attention of a step's queries `q: [n, heads, head_dim]` over each row's cached
-    /// prefix; `[n, heads * head_dim]`.
+    /// prefix; `[out_rows, heads * head_dim]` (at least `n` rows), the rows from `n` on
+    /// zeros: the padding of the next linear layer's input, made where the output is.
     pub(crate) fn decode_attention(
         self,
         q: &Tensor,
         keys: &Tensor,
         values: &Tensor,
         rows: DecodeRows<'_>,
+        out_rows: usize,
     ) -> Result<Tensor> {
-        match self {
-            Self::Fused => ops::decode_attention(q, keys, values, rows),
+        let att = match self {
+            Self::Fused => ops::decode_attention(q, keys, values, rows)?,
             #[cfg(feature = "cuda")]
             Self::Cuda if crate::cuda::decode_kernels_fit(q.dim(2)?) => {
-                crate::cuda::decode_attention(q, keys, values, rows)
+                return crate::cuda::decode_attention(q, keys, values, rows, out_rows);
             }
-            _ => portable_decode_attention(q, keys, values, rows),
+            _ => portable_decode_attention(q, keys, values, rows)?,
+        };
+        crate::kv_cache::pad_rows(&att, out_rows)
+    }
+
+    /// `(x + y, rms_norm(x + y))`: a decode step's residual sum and the next RMSNorm
+    /// (on CUDA one kernel, forward only).
+    pub(crate) fn add_rms_norm(
+        self,
+        x: &Tensor,
+        y: &Tensor,
+        weight: &Tensor,
+        eps: f64,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if self == Self::Cuda {
+            return crate::cuda::add_rms_norm(x, y, weight, eps);
         }
+        let sum = (x + y)?;
+        let normed = self.rms_norm(&sum, weight, eps)?;
+        Ok((sum, normed))
+    }
+
+    /// SwiGLU of the decode layout's stacked gate and up product `[rows, 2 inter]`
+    /// (gate columns first): `[rows, inter]`; rows from `rows` on are padding.
+    pub(crate) fn swiglu_stacked(self, gate_up: &Tensor, rows: usize) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self == Self::Cuda {
+            return crate::cuda::swiglu_stacked(gate_up);
+        }
+        let inter = gate_up.dim(1)? / 2;
+        let gate = gate_up.narrow(1, 0, inter)?.contiguous()?;
+        let up = gate_up.narrow(1, inter, inter)?.contiguous()?;
+        self.swiglu(&gate, &up, rows)
+    }
+
+    /// A cached forward's stacked product `qkv: [rows, (heads + 2 kv_heads) head_dim]`
+    /// (the decode layout's; rows past `n = rows.len.len()` are padding) made ready:
+    /// `bias` added, queries and keys rotated by `rope`, keys and values written to
+    /// `caches` at the rows `write` names, written row `i` taking computed row `from[i]`
+    /// (or row `i` when `from` is `None`). Returns the rotated queries `[n, heads,
+    /// head_dim]`. On CUDA, when each computed row writes its own row, one kernel;
+    /// otherwise the composed ops.
+    #[allow(clippy::too_many_arguments, reason = "one fused step of the decode layout")]
+    pub(crate) fn decode_project(
+        self,
+        qkv: &Tensor,
+        bias: Option<&Tensor>,
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        rope: &ops::RopeTables,
+        (keys, values): (&Tensor, &Tensor),
+        (attend, write): (DecodeRows<'_>, DecodeRows<'_>),
+        from: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let n = attend.len.len();
+        #[cfg(feature = "cuda")]
+        if self == Self::Cuda && from.is_none() {
+            return crate::cuda::decode_project(
+                qkv,
+                bias,
+                (heads, kv_heads, head_dim),
+                rope,
+                (keys, values),
+                write,
+            );
+        }
+        let qkv = qkv.narrow(0, 0, n)?;
+        let qkv = match bias {
+            Some(b) => qkv.broadcast_add(b)?,
+            None => qkv,
+        };
+        let (qw, kvw) = (heads * head_dim, kv_heads * head_dim);
+        let part = |start: usize, width: usize, heads: usize| -> Result<Tensor> {
+            Ok(qkv.narrow(1, start, width)?.contiguous()?.reshape((n, heads, head_dim))?)
+        };
+        let q = self.rope(&part(0, qw, heads)?, rope)?;
+        let k = self.rope(&part(qw, kvw, kv_heads)?, rope)?;
+        let v = part(qw + kvw, kvw, kv_heads)?;
+        let written = |t: Tensor| -> Result<Tensor> {
+            Ok(match from {
+                Some(index) => t.index_select(index, 0)?,
+                None => t,
+            })
+        };
+        self.write_decode_rows(keys, &written(k)?, write)?;
+        self.write_decode_rows(values, &written(v)?, write)?;
+        Ok(q)
     }
 }
 
@@ -940,7 +1027,7 @@ mod tests {
         // The keys' write builds the step's index and the values' reuses it.
         kernels.write_decode_rows(&keys, &new_k, rows).unwrap();
         kernels.write_decode_rows(&values, &new_v, rows).unwrap();
-        let fused = kernels.decode_attention(&q, &keys, &values, rows).unwrap();
+        let fused = kernels.decode_attention(&q, &keys, &values, rows, 0).unwrap();
         assert_eq!(fused.dims(), [n, heads * hd]);
         for (i, &l) in len.iter().enumerate() {
             let last = rows.at(i, l - 1);
@@ -1021,7 +1108,7 @@ mod tests {
         let no_block = DecodeRows { block: 0, ..rows(&[0], &[0], &[1]) };
         for rows in [past_end, short_table, table_past_end, empty, two, no_block] {
             assert!(kernels.write_decode_rows(&cache, &new, rows).is_err());
-            assert!(kernels.decode_attention(&q, &cache, &cache, rows).is_err());
+            assert!(kernels.decode_attention(&q, &cache, &cache, rows, 0).is_err());
         }
         if kernels == Kernels::Portable {
             return;

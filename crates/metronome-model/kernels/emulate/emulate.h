@@ -24,7 +24,7 @@
 struct EmulatedDim3 {
     unsigned x = 0, y = 0, z = 0;
 };
-inline EmulatedDim3 threadIdx, blockIdx;
+inline EmulatedDim3 threadIdx, blockIdx, blockDim, gridDim;
 
 namespace emulated {
 inline ucontext_t scheduler;
@@ -70,6 +70,8 @@ inline void emulate_launch(unsigned gx, unsigned gy, unsigned threads, const std
     emulated::fibers.assign(threads, ucontext_t{});
     emulated::slots.assign(threads, 0.f);
     emulated::kernel = &kernel;
+    blockDim = {threads, 1, 1};
+    gridDim = {gx, gy, 1};
     for (unsigned by = 0; by < gy; ++by) {
         for (unsigned bx = 0; bx < gx; ++bx) {
             blockIdx = {bx, by, 0};

@@ -151,9 +151,7 @@ impl Model {
         // The new weights written before another thread (an engine's worker) reads them.
         crate::device::synchronize_all(self.device())?;
         // The next decode step rebuilds the decode layout from the new weights.
-        if let Ok(mut d) = self.inner.decode.write() {
-            *d = None;
-        }
+        self.drop_decode_layouts();
         Ok(())
     }
 

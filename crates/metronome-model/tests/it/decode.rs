@@ -562,10 +562,18 @@ fn two_steps(model: &Model) -> Vec<Vec<f32>> {
     ]
 }
 
+/// Under the fused kernels (whose frozen copies decode from host weights in decode
+/// layout) and the portable ones (from stacked products on the device).
 #[test]
 fn frozen_decode_follows_new_weights() {
-    let a = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap();
-    let b = Model::new(ModelConfig::tiny(), &Device::Cpu, 2).unwrap();
+    for kernels in [Kernels::Fused, Kernels::Portable] {
+        frozen_decode_follows_new_weights_under(kernels);
+    }
+}
+
+fn frozen_decode_follows_new_weights_under(kernels: Kernels) {
+    let a = Model::new(ModelConfig::tiny(), &Device::Cpu, 1).unwrap().with_kernels(kernels).unwrap();
+    let b = Model::new(ModelConfig::tiny(), &Device::Cpu, 2).unwrap().with_kernels(kernels).unwrap();
     let frozen = a.frozen_copy().unwrap();
     let before = two_steps(&frozen);
     assert_eq!(before, two_steps(&a.frozen_copy().unwrap()));

@@ -191,7 +191,7 @@ fn portable_kernels_pack_shared_prompts_like_separate_rows() {
 fn portable_decode_equals_full_forward() {
     decode_matches_full_forward(&portable(Model::new(ModelConfig::tiny(), &Device::Cpu, 7).unwrap()), 1e-5);
     decode_matches_full_forward(&portable(cpu_fixture("tiny_qwen2")), 1e-5);
-    // A frozen copy keeps the portable kernels (no CPU decode layout).
+    // A frozen copy keeps the portable kernels, and decodes from stacked products.
     let frozen = portable(cpu_fixture("tiny_llama")).frozen_copy().unwrap();
     assert_eq!(frozen.kernels(), Kernels::Portable);
     decode_matches_full_forward(&frozen, 1e-5);

@@ -13,13 +13,36 @@ use std::process::Command;
 /// magnitude, the portable forms' bounds) and bf16 (1e-2).
 #[test]
 fn flash_attention_kernels_emulated_on_the_cpu_match_attention_in_double() {
+    emulated("attention", 8);
+}
+
+/// The decode layout's kernels of `kernels/decode.cu`: `decode_project` (bias,
+/// rotation, cache writes through out-of-order block tables; every other cache row
+/// kept) and `decode_attention` with padding rows (zeros), against double, with and
+/// without a bias, f32 (1e-6 and 1e-5) and bf16 (1e-2), heads of 32 and 64.
+#[test]
+fn decode_kernels_emulated_on_the_cpu_match_double() {
+    emulated("decode", 8);
+}
+
+/// The decode layout's kernels of `kernels/layer.cu`: `add_rms_norm` (the sum exactly
+/// as the composed add rounds it, the norm within 1e-6 in f32 and 1e-2 in bf16) and
+/// `swiglu_stacked`, on rows wider than a block's threads.
+#[test]
+fn layer_kernels_emulated_on_the_cpu_match_double() {
+    emulated("layer", 4);
+}
+
+/// Compiles `kernels/emulate/{program}.cpp`, runs it, and expects `checks` lines that
+/// end in ` ok` and a zero exit.
+fn emulated(program: &str, checks: usize) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/emulate");
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flash-attention-emulated");
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{program}-emulated"));
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
     let compiled = Command::new(&cxx)
         .args(["-std=c++20", "-O2", "-fno-strict-aliasing", "-I"])
         .arg(&dir)
-        .arg(dir.join("attention.cpp"))
+        .arg(dir.join(format!("{program}.cpp")))
         .arg("-o")
         .arg(&exe)
         .output();
@@ -34,12 +57,12 @@ fn flash_attention_kernels_emulated_on_the_cpu_match_attention_in_double() {
     };
     assert!(
         compiled.status.success(),
-        "compiling the emulation:\n{}",
+        "compiling the emulation of {program}:\n{}",
         String::from_utf8_lossy(&compiled.stderr)
     );
     let run = Command::new(&exe).output().unwrap();
     let report = String::from_utf8_lossy(&run.stdout);
     eprintln!("{report}{}", String::from_utf8_lossy(&run.stderr));
-    assert!(run.status.success(), "the emulated kernels are off their bounds:\n{report}");
-    assert_eq!(report.lines().filter(|l| l.ends_with(" ok")).count(), 8, "{report}");
+    assert!(run.status.success(), "the emulated {program} kernels are off their bounds:\n{report}");
+    assert_eq!(report.lines().filter(|l| l.ends_with(" ok")).count(), checks, "{report}");
 }
