@@ -68,9 +68,11 @@
 //! Batch invariance: a decode step's logits for a slot are bitwise the same whoever
 //! shares the step. Attention runs per slot over its own cache in a fixed order. A
 //! model that never trains ([`Model::frozen_copy`]) runs its linear layers through a
-//! decode-layout copy whose kernel computes every output in input order; a trainable
-//! one pads linear-layer inputs to [`DECODE_MIN_ROWS`] rows so that candle's matmul
-//! takes the same kernel for every batch size (a cache that serves one conversation
+//! decode-layout copy: under the fused kernels one whose kernel computes every output
+//! in input order; under the portable and CUDA kernels stacked products (query, key and
+//! value as one, gate and up as one) with fused ops between them, nine per layer, its
+//! inputs padded to [`DECODE_MIN_ROWS`] rows. A trainable one pads linear-layer inputs
+//! to those rows too, so that candle's matmul takes the same kernel for every batch size (a cache that serves one conversation
 //! may opt out with [`KvCache::set_batch_invariant`]). `src/kv_cache.rs` says
 //! how, and the README's benchmark section what it costs.
 //!

@@ -45,7 +45,9 @@ pub enum Kernels {
     /// (`kernels/*.cu`, built by nvcc with the `cuda` feature): RMSNorm, SwiGLU and
     /// rotary embeddings as one kernel each way (`kernels/layer.cu`), the cached
     /// forward's cache writes and attention read in place, one launch per layer each
-    /// (`kernels/decode.cu`), training attention per segment, flash style
+    /// (`kernels/decode.cu`), a frozen model's decode layout as nine launches per layer
+    /// (stacked products, and between them its projections made ready, the residual sum
+    /// with the next norm, and SwiGLU, each one kernel), training attention per segment, flash style
     /// (`kernels/attention.cu`), and a decode step's draw of its next
     /// tokens ([`crate::Next`], `kernels/draw.cu`), so that `[rows, vocab]` logits stay
     /// on the device. The default on CUDA devices (unless [`CUDA_KERNELS_ENV`] says
