@@ -279,8 +279,9 @@ wanted() { [ -z "${BENCH_ONLY:-}" ] && [[ "$on_request" != *" $1 "* ]] || [[ " $
 # PyTorch eager bf16 autocast and torch.compile.
 wanted smollm2 && train smollm2-135m 8x512,32x512,16x1024 "${TORCH_COMPILE_S:-25}"
 # Generation (issue #31): greedy, 32-token prompt + 128 new, in bf16 (the engine's
-# default on a GPU) at 1, 16, 64 and 256 sequences, logits to the host and drawn on the
-# device, beside the memory roofline, against `transformers` `generate` in bf16 (its
+# default on a GPU) at 1, 16, 64 and 256 sequences, logits to the host, drawn on the
+# device, and drawn with the decode steps replayed as CUDA graphs (opt-in,
+# `KvCache::set_cuda_graphs`; what the graphs did is in the report), beside the memory roofline, against `transformers` `generate` in bf16 (its
 # dynamic cache: its static one, made for torch.compile, ran past two minutes in eager
 # on an H100); then `periodic` against `sync` on the default run.
 if wanted generate; then

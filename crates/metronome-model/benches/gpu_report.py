@@ -129,13 +129,17 @@ def main():
         }
         host = dict((ours or {}).get("generate", []))
         drawn = dict((ours or {}).get("generate_drawn", []))
+        graphed = dict((ours or {}).get("generate_graphed", []))
+        graph_stats = dict((ours or {}).get("generate_graph_stats", []))
         roofline = dict((ours or {}).get("generate_roofline", []))
-        for n in sorted(set(host) | set(drawn)):
+        for n in sorted(set(host) | set(drawn) | set(graphed)):
             row = {
                 "sequences": n,
                 "precision": precision,
                 "metronome_logits_to_host": host.get(n),
                 "metronome_drawn_on_device": drawn.get(n),
+                "metronome_cuda_graphs": graphed.get(n),
+                "cuda_graph_stats": graph_stats.get(n),
                 "roofline": roofline.get(n),
                 "copy_bandwidth_gbps": (ours or {}).get("copy_bandwidth_gbps"),
                 "commands": commands,
@@ -143,7 +147,7 @@ def main():
             for f in torch_figures:
                 if f["sequences"] == n:
                     row[f"transformers_{f['precision']}_{f['cache']}"] = f.get("tokens_per_s")
-            best = max((x for x in (host.get(n), drawn.get(n)) if x), default=None)
+            best = max((x for x in (host.get(n), drawn.get(n), graphed.get(n)) if x), default=None)
             theirs_best = max(
                 (f["tokens_per_s"] for f in torch_figures if f["sequences"] == n and f["precision"] == "bf16" and f.get("tokens_per_s")),
                 default=None,

@@ -24,7 +24,8 @@
 //! timed, twice: with every row's logits to the host each step (`Model::decode_step`,
 //! argmax there) and with the next tokens drawn where the logits are
 //! (`Model::decode_step_drawing`, greedy draws: on a GPU the draw kernel, so only token
-//! ids cross), as the rollout engine now decodes, in `--precision` (the engine's
+//! ids cross), as the rollout engine now decodes, and a third time so with the decode
+//! steps replayed as CUDA graphs (`KvCache::set_cuda_graphs`), in `--precision` (the engine's
 //! `rollout.precision`); beside them the memory roofline (the weights and every
 //! sequence's KV cache read once per step at the device's measured copy bandwidth);
 //! `--generate ''` skips it. `--publish` times publication to a rollout engine of the
@@ -125,6 +126,11 @@ struct Report {
     generate: Vec<(usize, f64)>,
     /// `(sequences, tokens/s)` with the tokens drawn where the logits are.
     generate_drawn: Vec<(usize, f64)>,
+    /// `(sequences, tokens/s)` drawn where the logits are, decode steps replayed as CUDA
+    /// graphs (`KvCache::set_cuda_graphs`; on the CPU the same as `generate_drawn`).
+    generate_graphed: Vec<(usize, f64)>,
+    /// `(sequences, what the graphs did)` for those runs.
+    generate_graph_stats: Vec<(usize, String)>,
     /// The device's copy bandwidth (bytes read and written per second), in GB/s.
     copy_bandwidth_gbps: Option<f64>,
     /// `(sequences, tokens/s)` if every decode step only read the weights and the KV
@@ -244,11 +250,24 @@ fn train(model: &Model, rows: usize, len: usize, warmup: usize, reps: usize) -> 
     Ok(median(times))
 }
 
-/// Tokens/s of `n` sequences decoding greedily: argmax of the host's logits, or
-/// (`drawn`) greedy draws where the logits are.
-fn generate(model: &Model, n: usize, drawn: bool) -> Result<f64> {
+/// How `generate` decodes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Decode {
+    /// Argmax of the host's logits.
+    LogitsToHost,
+    /// Greedy draws where the logits are.
+    Drawn,
+    /// Drawn, the decode steps replayed as CUDA graphs.
+    Graphed,
+}
+
+/// Tokens/s of `n` sequences decoding greedily as `how` says, and what the cache's CUDA
+/// graphs did.
+fn generate(model: &Model, n: usize, how: Decode) -> Result<(f64, metronome_model::DecodeGraphStats)> {
+    let drawn = how != Decode::LogitsToHost;
     let vocab = model.config().vocab_size;
     let mut cache = KvCache::new(model, n, PROMPT + NEW_TOKENS + 1)?;
+    cache.set_cuda_graphs(how == Decode::Graphed);
     let prompts: Vec<Vec<u32>> = (0..n).map(|s| tokens(1000 + s as u64, PROMPT, vocab)).collect();
     let seqs: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(s, p)| (s, p.as_slice())).collect();
     synchronize(model)?;
@@ -274,7 +293,7 @@ fn generate(model: &Model, n: usize, drawn: bool) -> Result<f64> {
         };
     }
     synchronize(model)?;
-    Ok((n * NEW_TOKENS) as f64 / start.elapsed().as_secs_f64())
+    Ok(((n * NEW_TOKENS) as f64 / start.elapsed().as_secs_f64(), cache.decode_graphs()))
 }
 
 /// Bytes per second a device-to-device copy moves, counting the bytes read and written
@@ -385,6 +404,8 @@ fn main() -> Result<()> {
         train: Vec::new(),
         generate: Vec::new(),
         generate_drawn: Vec::new(),
+        generate_graphed: Vec::new(),
+        generate_graph_stats: Vec::new(),
         copy_bandwidth_gbps: None,
         generate_roofline: Vec::new(),
         publish: None,
@@ -472,19 +493,26 @@ fn main() -> Result<()> {
         }
         // One untimed run of each path first: the first launch of a kernel loads its
         // module, and cuBLAS sets up its handle and workspace.
-        generate(&frozen, gen_sizes[0].min(16), false)?;
-        generate(&frozen, gen_sizes[0].min(16), true)?;
+        for how in [Decode::LogitsToHost, Decode::Drawn, Decode::Graphed] {
+            generate(&frozen, gen_sizes[0].min(16), how)?;
+        }
         for n in gen_sizes {
-            let tps = generate(&frozen, n, false)?;
+            let (tps, _) = generate(&frozen, n, Decode::LogitsToHost)?;
             println!(
                 "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, {precision}, logits to the host)"
             );
             report.generate.push((n, tps));
-            let tps = generate(&frozen, n, true)?;
+            let (tps, _) = generate(&frozen, n, Decode::Drawn)?;
             println!(
                 "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, {precision}, drawn where the logits are)"
             );
             report.generate_drawn.push((n, tps));
+            let (tps, graphs) = generate(&frozen, n, Decode::Graphed)?;
+            println!(
+                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, {precision}, drawn, CUDA graphs: {graphs:?})"
+            );
+            report.generate_graphed.push((n, tps));
+            report.generate_graph_stats.push((n, format!("{graphs:?}")));
             if let Some(path) = &json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)
                     .with_context(|| format!("writing {path}"))?;

@@ -1161,6 +1161,8 @@ impl candle_core::CustomOp3 for DecodeAttention {
 }
 
 mod attention;
+mod graph;
 mod stacked;
 pub(crate) use attention::{flash_attention_fits, segment_attention};
+pub(crate) use graph::{DecodeGraphs, StepInputs};
 pub(crate) use stacked::{add_rms_norm, decode_project, swiglu_stacked};

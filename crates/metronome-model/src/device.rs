@@ -134,16 +134,20 @@ pub(crate) fn synchronize_all(device: &Device) -> Result<()> {
     }
 }
 
-/// [`STAGE_STREAMS_ENV`]'s value: unset or `0` is off, `1` on; anything else is an
-/// error naming the variable (a `true` read as off would go unnoticed).
+/// [`STAGE_STREAMS_ENV`]'s value.
 fn stage_streams(value: Option<&std::ffi::OsStr>) -> Result<bool> {
+    switch(STAGE_STREAMS_ENV, value)
+}
+
+/// The value of the switch variable `name`: unset or `0` is off, `1` on; anything else
+/// is an error naming the variable (a `true` read as off would go unnoticed).
+pub(crate) fn switch(name: &str, value: Option<&std::ffi::OsStr>) -> Result<bool> {
     match value.map(|v| v.to_str()) {
         None | Some(Some("0")) => Ok(false),
         Some(Some("1")) => Ok(true),
-        Some(v) => Err(Error::invalid(
-            STAGE_STREAMS_ENV,
-            format!("is {:?}, expected `0` or `1`", v.unwrap_or("(not UTF-8)")),
-        )),
+        Some(v) => {
+            Err(Error::invalid(name, format!("is {:?}, expected `0` or `1`", v.unwrap_or("(not UTF-8)"))))
+        }
     }
 }
 
@@ -213,6 +217,9 @@ mod tests {
         for bad in ["true", "", " 1"] {
             let e = stage_streams(Some(OsStr::new(bad))).unwrap_err().to_string();
             assert!(e.contains(STAGE_STREAMS_ENV) && e.contains("expected `0` or `1`"), "{bad}: {e}");
+            // The same switch reads `METRONOME_CUDA_GRAPHS` for every `KvCache`.
+            let e = switch(crate::CUDA_GRAPHS_ENV, Some(OsStr::new(bad))).unwrap_err().to_string();
+            assert!(e.contains("METRONOME_CUDA_GRAPHS") && e.contains("expected `0` or `1`"), "{bad}: {e}");
         }
     }
 

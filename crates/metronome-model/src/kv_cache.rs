@@ -61,6 +61,25 @@ pub const DECODE_MIN_ROWS: usize = 16;
 /// enough that a slot's prefix is a few contiguous runs.
 pub const KV_BLOCK: usize = 16;
 
+/// `METRONOME_CUDA_GRAPHS=1` turns [`KvCache::set_cuda_graphs`] on for every cache
+/// (`0` or unset: off; any other value is refused naming it).
+pub const CUDA_GRAPHS_ENV: &str = "METRONOME_CUDA_GRAPHS";
+
+/// What a cache's CUDA graphs of decode steps did ([`KvCache::set_cuda_graphs`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DecodeGraphStats {
+    /// Steps run as a captured graph (a capturing step's launch included).
+    pub replayed: u64,
+    /// Graphs captured.
+    pub captured: u64,
+    /// Captures that failed (each such step ran op by op).
+    pub failed: u64,
+    /// The last failed capture's error.
+    pub last_error: Option<String>,
+    /// Whether the cache stopped trying, after four failed captures in a row.
+    pub given_up: bool,
+}
+
 /// Cached keys and values for a fixed number of sequence slots, paged. Each slot is
 /// filled ([`Model::prefill`], [`Model::decode_step`]) and freed ([`KvCache::free`])
 /// independently. Memory is a pool of blocks of [`KvCache::block_size`] positions,
@@ -95,6 +114,10 @@ pub struct KvCache {
     scratch: Scratch,
     /// The last step's plan, whose buffers the next step refills.
     plan: StepPlan,
+    /// Whether decode steps run as CUDA graphs where they can ([`KvCache::set_cuda_graphs`]).
+    cuda_graphs: bool,
+    #[cfg(feature = "cuda")]
+    graphs: crate::cuda::DecodeGraphs,
 }
 
 /// The activations of one cached forward on a frozen model's decode-layout weights
@@ -243,7 +266,39 @@ impl KvCache {
             min_rows: DECODE_MIN_ROWS,
             scratch: Scratch::default(),
             plan: StepPlan::default(),
+            cuda_graphs: crate::device::switch(
+                CUDA_GRAPHS_ENV,
+                std::env::var_os(CUDA_GRAPHS_ENV).as_deref(),
+            )?,
+            #[cfg(feature = "cuda")]
+            graphs: crate::cuda::DecodeGraphs::default(),
         })
+    }
+
+    /// Runs decode steps of a frozen model under [`crate::Kernels::Cuda`] as CUDA graphs
+    /// (off by default, or as [`CUDA_GRAPHS_ENV`] says): a step whose row count was also
+    /// the last step's is captured once, and later steps of that count, until the next
+    /// installed snapshot, replay it with one launch instead of about 280 (its inputs
+    /// written into the graph's buffers in place). The logits such a step returns are
+    /// overwritten by the next replay. A capture that fails (another thread
+    /// synchronising the GPU meanwhile invalidates it) runs the step op by op and is
+    /// tried again later; [`KvCache::decode_graphs`] says what happened. Elsewhere it
+    /// changes nothing.
+    pub fn set_cuda_graphs(&mut self, on: bool) {
+        self.cuda_graphs = on;
+        #[cfg(feature = "cuda")]
+        if !on {
+            self.graphs.clear();
+        }
+    }
+
+    /// What this cache's CUDA graphs did (all zeros without them).
+    #[must_use]
+    pub fn decode_graphs(&self) -> DecodeGraphStats {
+        #[cfg(feature = "cuda")]
+        return self.graphs.stats();
+        #[cfg(not(feature = "cuda"))]
+        DecodeGraphStats::default()
     }
 
     /// Switches batch-invariant decoding off (or back on) for models that may train
@@ -674,7 +729,37 @@ impl Model {
                 self.extend_dense((&cache.keys, &cache.values), &mut cache.scratch, &dw, &plan.ids, &step)?
             }
             (None, Some(sw)) => {
-                self.extend_stacked((&cache.keys, &cache.values), &sw, &plan.ids, &step, mr)?
+                // A decode step: one computed row per pair, none shared.
+                #[cfg(feature = "cuda")]
+                let graphed = if cache.cuda_graphs
+                    && self.kernels == crate::Kernels::Cuda
+                    && plan.copies.is_none()
+                    && total == seqs.len()
+                {
+                    self.extend_graphed(
+                        &mut cache.graphs,
+                        (&cache.keys, &cache.values),
+                        &sw,
+                        &plan,
+                        &step,
+                        &index,
+                        mr,
+                    )?
+                } else {
+                    None
+                };
+                #[cfg(not(feature = "cuda"))]
+                let graphed = None;
+                match graphed {
+                    Some(logits) => logits,
+                    None => {
+                        let mut ids = Vec::with_capacity(total.max(mr));
+                        ids.extend_from_slice(&plan.ids);
+                        ids.resize(total.max(mr), 0);
+                        let ids = Tensor::from_vec(ids, total.max(mr), dev)?;
+                        self.extend_stacked((&cache.keys, &cache.values), &sw, &ids, &step, mr)?
+                    }
+                }
             }
             (None, None) => {
                 let ks = self.kernels;
@@ -733,25 +818,28 @@ impl Model {
     /// op but attention is row by row, and attention reads and writes the computed rows
     /// only, writing zeros to the others), so no layer pads. Returns the logits of
     /// `step.last`.
+    ///
+    /// `ids` are the tokens of every row of the residual stream on the model's device:
+    /// the computed rows' (`step.attend`'s), then token 0 up to `min_rows` rows.
     fn extend_stacked(
         &self,
         (keys, values): (&[Tensor], &[Tensor]),
         sw: &StackedWeights,
-        ids: &[u32],
+        ids: &Tensor,
         step: &StepRows<'_>,
         min_rows: usize,
     ) -> Result<Tensor> {
         let m = &self.inner;
         let cfg = &m.cfg;
         let ks = self.kernels;
-        let (total, eps) = (ids.len(), cfg.rms_norm_eps);
+        let (total, eps) = (step.attend.len.len(), cfg.rms_norm_eps);
         let rows = total.max(min_rows);
+        if ids.dims() != [rows] {
+            return Err(Error::invalid("decoding", format!("{:?} token ids for {rows} rows", ids.dims())));
+        }
         let dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let w = |v: &candle_core::Var| Self::w(v, false);
-        let mut padded = Vec::with_capacity(rows);
-        padded.extend_from_slice(ids);
-        padded.resize(rows, 0);
-        let mut x = w(&m.embed).index_select(&Tensor::from_vec(padded, rows, &m.device)?, 0)?;
+        let mut x = w(&m.embed).index_select(ids, 0)?;
         let from = step.sources_on(&m.device)?;
         let Some(first) = m.layers.first() else {
             return Err(Error::invalid("decoding", "a model without layers"));
@@ -783,6 +871,50 @@ impl Model {
             return padded_linear(&normed.index_select(&last, 0)?, &self.lm_head(false), None, min_rows);
         }
         Ok(linear(&normed, &self.lm_head(false), None)?.narrow(0, 0, total)?)
+    }
+
+    /// [`Model::extend_stacked`] of a decode step as a CUDA graph of `graphs`
+    /// (`crate::cuda::DecodeGraphs::run`): `None` when the step is to run op by op. A
+    /// capture runs the forward on the graph's buffers: the step's index and rotary
+    /// tables are set to them before anything builds its own.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments, reason = "the parts of `extend`'s step a graph reads")]
+    fn extend_graphed(
+        &self,
+        graphs: &mut crate::cuda::DecodeGraphs,
+        caches: (&[Tensor], &[Tensor]),
+        sw: &StackedWeights,
+        plan: &StepPlan,
+        step: &StepRows<'_>,
+        index: &StepIndex,
+        min_rows: usize,
+    ) -> Result<Option<Tensor>> {
+        let total = plan.ids.len();
+        let mut ids = Vec::with_capacity(total.max(min_rows));
+        ids.extend_from_slice(&plan.ids);
+        ids.resize(total.max(min_rows), 0);
+        let mut rows = Vec::with_capacity(2 * total);
+        for (&t, &l) in plan.table.iter().zip(&plan.lens) {
+            let (Ok(t), Ok(l)) = (u32::try_from(t), u32::try_from(l)) else {
+                return Err(Error::invalid("decode rows", "beyond u32"));
+            };
+            rows.extend([t, l]);
+        }
+        let (cos, sin) = plan.rope.host();
+        let inputs = crate::cuda::StepInputs {
+            ids: &ids,
+            cos,
+            sin,
+            rows: &rows,
+            blocks: step.attend.blocks,
+            weights: sw.id,
+        };
+        graphs.run(&self.inner.device, total, &inputs, |g| {
+            let _ = index.rows.set(g.rows.clone());
+            let _ = index.blocks.set(g.blocks.clone());
+            plan.rope.set_on_device(g.cos.clone(), g.sin.clone());
+            self.extend_stacked(caches, sw, &g.ids, step, min_rows)
+        })
     }
 
     /// The layers and LM head of [`Model::extend`] on decode-layout weights: the

@@ -118,7 +118,7 @@ pub use draw::{Draw, Drawn, Next};
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use head::{HeadInput, reverse_kl};
-pub use kv_cache::{DECODE_MIN_ROWS, KV_BLOCK, KvCache};
+pub use kv_cache::{CUDA_GRAPHS_ENV, DECODE_MIN_ROWS, DecodeGraphStats, KV_BLOCK, KvCache};
 pub use lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, LoraConfig};
 pub use model::{BATCHED_MASK_BYTES, Model, ScoringBatch, TargetOutput};
 pub use ops::Projection;

@@ -163,6 +163,10 @@ pub(crate) struct StackedLayer {
 #[derive(Debug)]
 pub(crate) struct StackedWeights {
     pub(crate) layers: Vec<StackedLayer>,
+    /// Unique to this build of the stacks (CUDA graphs of decode steps, which hold the
+    /// weights' addresses, are dropped when it changes; an address could be reused).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "read by the CUDA graphs only"))]
+    pub(crate) id: u64,
 }
 
 impl StackedWeights {
@@ -192,7 +196,8 @@ impl StackedWeights {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self { layers })
+        static BUILT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(Self { layers, id: BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) })
     }
 }
 

@@ -376,6 +376,19 @@ impl RopeTables {
         }
     }
 
+    /// The host tables `[n, half]`, cosines and sines.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "read by the CUDA graphs only"))]
+    pub(crate) fn host(&self) -> (&[f32], &[f32]) {
+        (&self.cos, &self.sin)
+    }
+
+    /// Makes `cos` and `sin` (`[n, 1, half]`, holding these tables) the tables
+    /// [`RopeTables::on`] returns until the next refill, unless it made its own already.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "set by the CUDA graphs only"))]
+    pub(crate) fn set_on_device(&self, cos: Tensor, sin: Tensor) {
+        let _ = self.device.0.set((cos, sin));
+    }
+
     /// `cos` and `sin` as `[n, 1, half]` tensors on `device` (uploaded on first use).
     pub(crate) fn on(&self, device: &Device, n: usize, half: usize) -> Result<(Tensor, Tensor)> {
         if self.cos.len() != n * half {

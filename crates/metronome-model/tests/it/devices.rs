@@ -351,6 +351,71 @@ fn cuda_decode_is_reproducible_and_near_batch_invariant() {
     assert!(d < 1e-5, "{d}");
 }
 
+/// Decode steps of `model` (frozen, not shared with another run: it takes new weights)
+/// with CUDA graphs `on` or off: three slots for four steps, `other`'s weights
+/// installed, four more steps, then two slots for three steps (another row count). The
+/// logits of every step, and what the graphs did.
+fn decode_with_graphs(
+    model: &Model,
+    other: &Model,
+    on: bool,
+) -> (Vec<Vec<Vec<f32>>>, metronome_model::DecodeGraphStats) {
+    let vocab = model.config().vocab_size;
+    let mut cache = metronome_model::KvCache::new(model, 4, 40).unwrap();
+    cache.set_cuda_graphs(on);
+    for s in 0..3 {
+        model.prefill(&mut cache, s, &tokens(70 + s as u64, 3 + 2 * s, vocab)).unwrap();
+    }
+    let mut steps = Vec::new();
+    for t in 0..11u64 {
+        if t == 4 {
+            model.load_snapshot(&other.snapshot(metronome_core::PolicyVersion(1)).unwrap()).unwrap();
+        }
+        let slots: &[usize] = if t < 8 { &[0, 1, 2] } else { &[0, 2] };
+        let batch: Vec<(usize, u32)> =
+            slots.iter().map(|&s| (s, tokens(90 + t * 7 + s as u64, 1, vocab)[0])).collect();
+        steps.push(model.decode_step(&mut cache, &batch).unwrap());
+    }
+    (steps, cache.decode_graphs())
+}
+
+/// Decode steps replayed as CUDA graphs compute bitwise what the same steps compute op
+/// by op, in f32 and bf16, with and without biases, across an installed snapshot (the
+/// graphs of the old weights are dropped) and a change of row count; and they did run
+/// as graphs (captured, replayed, no failed capture).
+#[test]
+fn cuda_decode_graphs_replay_what_steps_compute_op_by_op() {
+    let Some(gpu) = cuda() else { return };
+    for name in ["tiny_llama", "tiny_qwen2"] {
+        let base = Model::load_hf(&fixture(name), &gpu).unwrap();
+        let other = Model::new(base.config().clone(), &gpu, 11).unwrap();
+        for dtype in [metronome_model::DType::F32, metronome_model::DType::BF16] {
+            // A fresh frozen engine model for each run, in the run's type.
+            let engine = || base.frozen_copy().unwrap().compute_copy(dtype).unwrap();
+            let (eager, none) = decode_with_graphs(&engine(), &other, false);
+            assert_eq!(none, metronome_model::DecodeGraphStats::default());
+            let (graphed, stats) = decode_with_graphs(&engine(), &other, true);
+            eprintln!("{name} {dtype:?}: {stats:?}");
+            let bits = |s: &[Vec<Vec<f32>>]| -> Vec<u32> {
+                s.iter().flatten().flatten().map(|x| x.to_bits()).collect()
+            };
+            assert_eq!(bits(&graphed), bits(&eager), "{name} {dtype:?}");
+            assert!(stats.captured >= 3 && stats.replayed >= 7 && stats.failed == 0, "{stats:?}");
+        }
+    }
+}
+
+/// Off a GPU the switch changes nothing: the same logits, and no graph.
+#[test]
+fn graphs_switched_on_change_nothing_off_a_gpu() {
+    let base = portable(cpu_fixture("tiny_qwen2"));
+    let other = Model::new(base.config().clone(), &Device::Cpu, 11).unwrap();
+    let (eager, _) = decode_with_graphs(&base.frozen_copy().unwrap(), &other, false);
+    let (on, stats) = decode_with_graphs(&base.frozen_copy().unwrap(), &other, true);
+    assert_eq!(on, eager);
+    assert_eq!(stats, metronome_model::DecodeGraphStats::default());
+}
+
 /// This crate's CUDA kernels for RMSNorm, SwiGLU and rotary embeddings (`kernels/layer.cu`, the default
 /// `Kernels::Cuda` on a GPU) against the portable forms on the same GPU weights: a
 /// training step's log-probs and entropies within 1e-5, gradients within 1e-4, and a
