@@ -233,14 +233,17 @@ generate() { # generate PRECISION SEQUENCES: Metronome's engine-style greedy dec
     echo "${ours[*]}" >"$out/generate_metronome_$1.command"
     step "metronome generate $1" 120 "${ours[@]}"
 }
-overlap() { # overlap SCHEDULE [STREAMS]: the default run on the GPU, 4 periods, no warm start, no evaluation
-    # With STREAMS=1 each stage has a GPU handle and CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS).
-    local name=$1${2:+-streams}
+overlap() { # overlap SCHEDULE [STREAMS] [GRAPHS]: the default run on the GPU, 4 periods, no warm start, no evaluation
+    # With STREAMS=1 each stage has a GPU handle and CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS);
+    # with GRAPHS=1 the engine replays its decode steps as CUDA graphs (METRONOME_CUDA_GRAPHS).
+    local name=$1
+    [ "${2:-0}" = 1 ] && name+=-streams
+    [ "${3:-0}" = 1 ] && name+=-graphs
     local run=("$bin/bin/metronome" run --set 'model.device="cuda:0"' --set run.periods=4 --set sft.steps=0
         --set eval.prompts=0 --set "run.schedule=\"$1\"" --set "run.out_dir=\"$bin/runs\"" --set "run.name=\"$name\"")
     local start=$(date +%s.%N)
-    (cd "$build_root" && METRONOME_CUDA_STAGE_STREAMS=${2:-0} step "overlap $name" 60 "${run[@]}") >"$bin/overlap-$name.log" 2>&1
-    { echo "METRONOME_CUDA_STAGE_STREAMS=${2:-0} ${run[*]}"; awk "BEGIN { print $(date +%s.%N) - $start }"
+    (cd "$build_root" && METRONOME_CUDA_STAGE_STREAMS=${2:-0} METRONOME_CUDA_GRAPHS=${3:-0} step "overlap $name" 60 "${run[@]}") >"$bin/overlap-$name.log" 2>&1
+    { echo "METRONOME_CUDA_STAGE_STREAMS=${2:-0} METRONOME_CUDA_GRAPHS=${3:-0} ${run[*]}"; awk "BEGIN { print $(date +%s.%N) - $start }"
         tail -n 12 "$bin/overlap-$name.log"; } >"$out/overlap-$name.txt"
     tail -n 12 "$bin/overlap-$name.log"
 }
@@ -303,6 +306,10 @@ if wanted overlap; then
     # Issue #31: the engine and the trainer on streams of their own.
     overlap sync 1
     overlap periodic 1
+    # Issue #31: the engine's decode steps as CUDA graphs (opt-in: does a capture beside
+    # the trainer survive, and what do they save end to end?).
+    overlap sync 0 1
+    overlap periodic 0 1
 fi
 # On request only (and then before the larger shapes, which a short call may not
 # reach): where a SmolLM2 8x512 bf16 training step spends its GPU time, per

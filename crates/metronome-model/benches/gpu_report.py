@@ -166,9 +166,10 @@ def main():
     )
     # `periodic` against `sync` on the default run: each one's wall seconds and the run's
     # own per-period table (generation and training busy seconds, overlap); `-streams`:
-    # the same with each stage on a CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS=1).
+    # the same with each stage on a CUDA stream of its own (METRONOME_CUDA_STAGE_STREAMS=1);
+    # `-graphs`: the engine's decode steps as CUDA graphs (METRONOME_CUDA_GRAPHS=1).
     report["periodic_vs_sync"] = {}
-    for schedule in ("sync", "periodic", "sync-streams", "periodic-streams"):
+    for schedule in ("sync", "periodic", "sync-streams", "periodic-streams", "sync-graphs", "periodic-graphs"):
         lines = (read(bench / f"overlap-{schedule}.txt", "") or "").splitlines()
         if lines:
             report["periodic_vs_sync"][schedule] = {"command": lines[0], "wall_s": lines[1], "summary": lines[2:]}

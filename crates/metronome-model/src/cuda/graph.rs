@@ -186,6 +186,13 @@ impl DecodeGraphs {
                 self.stats.failed += 1;
                 self.stats.last_error = Some(e.to_string());
                 self.stats.given_up = self.failures_in_a_row >= MAX_FAILURES;
+                if self.stats.failed == 1 || self.stats.given_up {
+                    tracing::warn!(
+                        rows = n,
+                        given_up = self.stats.given_up,
+                        "a decode step's CUDA graph capture failed, the step ran op by op: {e}"
+                    );
+                }
                 // Try again at the next step of this count but one.
                 self.last_rows = None;
                 Ok(None)
