@@ -729,10 +729,13 @@ impl Model {
                 self.extend_dense((&cache.keys, &cache.values), &mut cache.scratch, &dw, &plan.ids, &step)?
             }
             (None, Some(sw)) => {
-                // A decode step: one computed row per pair, none shared.
+                // A decode step (one computed row per pair, none shared) whose every op
+                // is a kernel reading the step's index from device buffers: the portable
+                // attention, for heads the CUDA kernel does not take, uploads its own.
                 #[cfg(feature = "cuda")]
                 let graphed = if cache.cuda_graphs
                     && self.kernels == crate::Kernels::Cuda
+                    && crate::cuda::decode_kernels_fit(cfg.head_dim)
                     && plan.copies.is_none()
                     && total == seqs.len()
                 {
