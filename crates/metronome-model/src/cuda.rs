@@ -930,14 +930,7 @@ const MAX_HEAD_DIM: usize = 256;
 fn rows_tensors(rows: crate::ops::DecodeRows<'_>, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
     let index = rows.index;
     let pairs = crate::ops::StepIndex::get(index.map(|s| &s.rows), || {
-        let mut v = Vec::with_capacity(2 * rows.len.len());
-        for (&t, &l) in rows.table.iter().zip(rows.len) {
-            let (Ok(t), Ok(l)) = (u32::try_from(t), u32::try_from(l)) else {
-                return Err(Error::invalid("decode rows", "beyond u32"));
-            };
-            v.extend([t, l]);
-        }
-        Ok(Tensor::from_vec(v, (rows.len.len(), 2), device)?)
+        Ok(Tensor::from_vec(rows.pairs()?, (rows.len.len(), 2), device)?)
     })?;
     let blocks = crate::ops::StepIndex::get(index.map(|s| &s.blocks), || {
         Ok(Tensor::from_slice(rows.blocks, rows.blocks.len(), device)?)

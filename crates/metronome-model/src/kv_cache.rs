@@ -569,6 +569,15 @@ pub(crate) fn pad_rows(x: &Tensor, min_rows: usize) -> Result<Tensor> {
     Ok(Tensor::cat(&[x, &pad], 0)?)
 }
 
+/// The token ids of a stacked forward's residual stream ([`Model::extend_stacked`]):
+/// `ids`, then token 0 up to `min_rows` rows.
+fn padded_ids(ids: &[u32], min_rows: usize) -> Vec<u32> {
+    let mut padded = Vec::with_capacity(ids.len().max(min_rows));
+    padded.extend_from_slice(ids);
+    padded.resize(ids.len().max(min_rows), 0);
+    padded
+}
+
 /// `linear` with the input padded to `min_rows` rows.
 fn padded_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, min_rows: usize) -> Result<Tensor> {
     let n = x.dim(0)?;
@@ -756,10 +765,7 @@ impl Model {
                 match graphed {
                     Some(logits) => logits,
                     None => {
-                        let mut ids = Vec::with_capacity(total.max(mr));
-                        ids.extend_from_slice(&plan.ids);
-                        ids.resize(total.max(mr), 0);
-                        let ids = Tensor::from_vec(ids, total.max(mr), dev)?;
+                        let ids = Tensor::from_vec(padded_ids(&plan.ids, mr), total.max(mr), dev)?;
                         self.extend_stacked((&cache.keys, &cache.values), &sw, &ids, &step, mr)?
                     }
                 }
@@ -892,17 +898,8 @@ impl Model {
         index: &StepIndex,
         min_rows: usize,
     ) -> Result<Option<Tensor>> {
-        let total = plan.ids.len();
-        let mut ids = Vec::with_capacity(total.max(min_rows));
-        ids.extend_from_slice(&plan.ids);
-        ids.resize(total.max(min_rows), 0);
-        let mut rows = Vec::with_capacity(2 * total);
-        for (&t, &l) in plan.table.iter().zip(&plan.lens) {
-            let (Ok(t), Ok(l)) = (u32::try_from(t), u32::try_from(l)) else {
-                return Err(Error::invalid("decode rows", "beyond u32"));
-            };
-            rows.extend([t, l]);
-        }
+        let ids = padded_ids(&plan.ids, min_rows);
+        let rows = step.attend.pairs()?;
         let (cos, sin) = plan.rope.host();
         let inputs = crate::cuda::StepInputs {
             ids: &ids,
@@ -912,7 +909,7 @@ impl Model {
             blocks: step.attend.blocks,
             weights: sw.id,
         };
-        graphs.run(&self.inner.device, total, &inputs, |g| {
+        graphs.run(&self.inner.device, plan.ids.len(), &inputs, |g| {
             let _ = index.rows.set(g.rows.clone());
             let _ = index.blocks.set(g.blocks.clone());
             plan.rope.set_on_device(g.cos.clone(), g.sin.clone());

@@ -1031,6 +1031,24 @@ mod tests {
         kernels.write_decode_rows(&values, &new_v, rows).unwrap();
         let fused = kernels.decode_attention(&q, &keys, &values, rows, 0).unwrap();
         assert_eq!(fused.dims(), [n, heads * hd]);
+        // Asked for more rows (the next product's padding): the same rows, then zeros.
+        let padded = kernels.decode_attention(&q, &keys, &values, rows, n + 3).unwrap();
+        assert_eq!(padded.dims(), [n + 3, heads * hd]);
+        assert_eq!(
+            padded.narrow(0, 0, n).unwrap().to_vec2::<f32>().unwrap(),
+            fused.to_vec2::<f32>().unwrap()
+        );
+        assert!(
+            padded
+                .narrow(0, n, 3)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .all(|&x| x == 0.0)
+        );
         for (i, &l) in len.iter().enumerate() {
             let last = rows.at(i, l - 1);
             let written = keys.narrow(0, last, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();

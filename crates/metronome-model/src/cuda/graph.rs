@@ -193,7 +193,7 @@ impl DecodeGraphs {
                         "a decode step's CUDA graph capture failed, the step ran op by op: {e}"
                     );
                 }
-                // Try again at the next step of this count but one.
+                // Tried again two steps of this count later (the first runs op by op).
                 self.last_rows = None;
                 Ok(None)
             }

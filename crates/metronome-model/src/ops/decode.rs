@@ -114,6 +114,20 @@ impl<'a> DecodeRows<'a> {
         }
     }
 
+    /// Each row's block-table start and length, interleaved, as the CUDA decode kernels
+    /// read them (`[n, 2]` u32).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "read by the CUDA kernels only"))]
+    pub(crate) fn pairs(&self) -> crate::Result<Vec<u32>> {
+        let mut v = Vec::with_capacity(2 * self.len.len());
+        for (&t, &l) in self.table.iter().zip(self.len) {
+            let (Ok(t), Ok(l)) = (u32::try_from(t), u32::try_from(l)) else {
+                return Err(crate::Error::invalid("decode rows", "beyond u32"));
+            };
+            v.extend([t, l]);
+        }
+        Ok(v)
+    }
+
     /// The cache row of row `i`'s position `p`.
     #[inline]
     pub(crate) fn at(&self, i: usize, p: usize) -> usize {
