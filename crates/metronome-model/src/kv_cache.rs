@@ -277,9 +277,10 @@ impl KvCache {
 
     /// Runs decode steps of a frozen model under [`crate::Kernels::Cuda`] as CUDA graphs
     /// (off by default, or as [`CUDA_GRAPHS_ENV`] says): a step whose row count was also
-    /// the last step's is captured once, and later steps of that count, until the next
-    /// installed snapshot, replay it with one launch instead of about 280 (its inputs
-    /// written into the graph's buffers in place). The logits such a step returns are
+    /// the last step's is captured once, and later steps of that count replay it with
+    /// one launch instead of about 280 (its inputs written into the graph's buffers in
+    /// place; an installed snapshot writes the weights in place too, so graphs outlive
+    /// it). The logits such a step returns are
     /// overwritten by the next replay. A capture that fails (another thread
     /// synchronising the GPU meanwhile invalidates it) runs the step op by op and is
     /// tried again later; [`KvCache::decode_graphs`] says what happened. Elsewhere it

@@ -169,35 +169,70 @@ pub(crate) struct StackedWeights {
     pub(crate) id: u64,
 }
 
+/// A layer's weights as its stacks take them: query, key, value; their biases (all three
+/// or none); gate, up.
+struct StackParts {
+    qkv: [Tensor; 3],
+    biases: Option<[Tensor; 3]>,
+    gate_up: [Tensor; 2],
+}
+
+fn stack_parts(l: &Layer) -> Result<StackParts> {
+    let t = |v: &Var| v.as_tensor().detach();
+    let biases = match (&l.q_bias, &l.k_bias, &l.v_bias) {
+        (Some(q), Some(k), Some(v)) => Some([t(q), t(k), t(v)]),
+        (None, None, None) => None,
+        _ => {
+            return Err(Error::invalid(
+                "decode layout",
+                "a layer with biases on some of its query, key and value projections only",
+            ));
+        }
+    };
+    Ok(StackParts { qkv: [t(&l.q), t(&l.k), t(&l.v)], biases, gate_up: [t(&l.gate), t(&l.up)] })
+}
+
+/// Writes `parts` into `stack` one after another along its first dimension, in place.
+fn restack(stack: &Tensor, parts: &[Tensor]) -> Result<()> {
+    let mut offset = 0;
+    for p in parts {
+        stack.slice_set(p, 0, offset)?;
+        offset += p.dim(0)?;
+    }
+    Ok(())
+}
+
 impl StackedWeights {
     /// The stacks of `m`'s current weights, on its device.
     fn of(m: &Inner) -> Result<Self> {
-        let t = |v: &Var| v.as_tensor().detach();
         let layers = m
             .layers
             .iter()
             .map(|l| {
-                let biases: Vec<Tensor> =
-                    [&l.q_bias, &l.k_bias, &l.v_bias].into_iter().flatten().map(t).collect();
-                let qkv_bias = match biases.len() {
-                    0 => None,
-                    3 => Some(Tensor::cat(&biases, 0)?),
-                    _ => {
-                        return Err(Error::invalid(
-                            "decode layout",
-                            "a layer with biases on some of its query, key and value projections only",
-                        ));
-                    }
-                };
+                let StackParts { qkv, biases, gate_up } = stack_parts(l)?;
                 Ok(StackedLayer {
-                    qkv: Tensor::cat(&[t(&l.q), t(&l.k), t(&l.v)], 0)?,
-                    qkv_bias,
-                    gate_up: Tensor::cat(&[t(&l.gate), t(&l.up)], 0)?,
+                    qkv: Tensor::cat(&qkv, 0)?,
+                    qkv_bias: biases.map(|b| Tensor::cat(&b, 0)).transpose()?,
+                    gate_up: Tensor::cat(&gate_up, 0)?,
                 })
             })
             .collect::<Result<_>>()?;
         static BUILT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Self { layers, id: BUILT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) })
+    }
+
+    /// Writes `m`'s current weights into these stacks, in place: their addresses, which
+    /// CUDA graphs of decode steps hold, stay.
+    fn refresh(&self, m: &Inner) -> Result<()> {
+        for (l, sl) in m.layers.iter().zip(&self.layers) {
+            let StackParts { qkv, biases, gate_up } = stack_parts(l)?;
+            restack(&sl.qkv, &qkv)?;
+            if let (Some(stack), Some(b)) = (&sl.qkv_bias, biases) {
+                restack(stack, &b)?;
+            }
+            restack(&sl.gate_up, &gate_up)?;
+        }
+        Ok(())
     }
 }
 
@@ -636,15 +671,33 @@ impl Model {
         self.inner.frozen.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Drops the decode layouts (weights changed, or the model may now train): the
-    /// next decode step rebuilds the one it needs.
-    pub(crate) fn drop_decode_layouts(&self) {
+    /// Drops the decode layouts (the model may now train): the next decode step of a
+    /// frozen model would rebuild the one it needs.
+    fn drop_decode_layouts(&self) {
         if let Ok(mut d) = self.inner.decode.write() {
             *d = None;
         }
         if let Ok(mut d) = self.inner.stacked.write() {
             *d = None;
         }
+    }
+
+    /// Brings the decode layouts up to weights just installed: the host layout of the
+    /// fused kernels is rebuilt on its next use, the stacked products are written over
+    /// in place (so CUDA graphs of decode steps, which read them where they are, stay
+    /// valid across installs).
+    pub(crate) fn refresh_decode_layouts(&self) -> Result<()> {
+        if let Ok(mut d) = self.inner.decode.write() {
+            *d = None;
+        }
+        let stacked = self.inner.stacked.read().ok().and_then(|s| s.clone());
+        let Some(sw) = stacked else { return Ok(()) };
+        sw.refresh(&self.inner).inspect_err(|_| {
+            // Stacks partly written: the next decode step builds them anew.
+            if let Ok(mut d) = self.inner.stacked.write() {
+                *d = None;
+            }
+        })
     }
 
     /// Every base parameter with its Hugging Face name, in a stable order (embedding,

@@ -14,9 +14,10 @@
 //! step; after four failures in a row a cache stops trying and says why
 //! ([`crate::KvCache::decode_graphs`]).
 //!
-//! What a graph holds: the weights' and caches' addresses (a graph is dropped when the
-//! stacked weights are rebuilt, i.e. after every installed snapshot, and belongs to one
-//! cache), and its own allocations for the step's intermediates and its logits, which
+//! What a graph holds: the weights' and caches' addresses (it belongs to one cache, and
+//! is dropped when the stacked weights are built anew, for a model built anew; an
+//! installed snapshot writes over the weights and stacks in place, so graphs outlive
+//! it), and its own allocations for the step's intermediates and its logits, which
 //! it frees and makes again at each launch at the same addresses
 //! (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`): the logits a replay returns are
 //! overwritten by the next replay of that graph, so a caller reads them before its next

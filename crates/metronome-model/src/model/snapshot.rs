@@ -148,10 +148,10 @@ impl Model {
                 }
             }
         }
-        // The new weights written before another thread (an engine's worker) reads them.
+        // The decode layouts follow the new weights, and all of it is written before
+        // another thread (an engine's worker) reads them.
+        self.refresh_decode_layouts()?;
         crate::device::synchronize_all(self.device())?;
-        // The next decode step rebuilds the decode layout from the new weights.
-        self.drop_decode_layouts();
         Ok(())
     }
 
