@@ -108,6 +108,8 @@ mod ops;
 mod portable;
 mod precision;
 mod recompute;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "the CUDA graphs' policy, tested on the CPU"))]
+mod replays;
 mod simd;
 mod tokenizer;
 

@@ -23,19 +23,13 @@
 //! overwritten by the next replay of that graph, so a caller reads them before its next
 //! step (the engine's steps do).
 
-use std::collections::HashMap;
-
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{CudaGraph, sys};
 use candle_core::{CudaStorage, Layout, Tensor};
 
 use crate::kv_cache::DecodeGraphStats;
+use crate::replays::Replays;
 use crate::{Error, Result};
-
-/// Graphs one cache keeps at most (one per row count); more drops them all.
-const MAX_GRAPHS: usize = 8;
-/// Failed captures in a row after which a cache stops trying.
-const MAX_FAILURES: u32 = 4;
 
 /// The host inputs of a decode step that its graph reads from device buffers.
 pub(crate) struct StepInputs<'a> {
@@ -107,45 +101,32 @@ struct Graph(CudaGraph);
 )]
 unsafe impl Send for Graph {}
 
-/// A cache's decode-step graphs.
-#[derive(Default)]
-pub(crate) struct DecodeGraphs {
-    steps: HashMap<usize, Captured>,
-    /// The stacked weights the graphs read.
-    weights: u64,
-    /// The row count of the last step run op by op: a count seen twice in a row is
-    /// captured (a step count that changes every step is not worth a capture).
-    last_rows: Option<usize>,
-    /// Failed captures since the last success.
-    failures_in_a_row: u32,
-    stats: DecodeGraphStats,
-}
+/// A cache's decode-step graphs: [`Replays`] (when to replay, capture or run op by
+/// op, and what a failed capture costs) of captured steps.
+#[derive(Debug, Default)]
+pub(crate) struct DecodeGraphs(Replays<Captured>);
 
-impl std::fmt::Debug for DecodeGraphs {
+impl std::fmt::Debug for Captured {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DecodeGraphs")
-            .field("row_counts", &self.steps.keys().collect::<Vec<_>>())
-            .field("stats", &self.stats)
-            .finish()
+        f.debug_struct("Captured").field("logits", &self.logits.dims()).finish()
     }
 }
 
 impl DecodeGraphs {
     pub(crate) fn stats(&self) -> DecodeGraphStats {
-        self.stats.clone()
+        self.0.stats()
     }
 
-    /// Drops every graph (the caches they write are being replaced, say).
+    /// Drops every graph.
     pub(crate) fn clear(&mut self) {
-        self.steps.clear();
-        self.last_rows = None;
+        self.0.clear();
     }
 
-    /// Runs a decode step of `n` computed rows as a graph: replayed when one was
-    /// captured for `n` and these weights, captured (by running `forward` on the graph's
-    /// input buffers under stream capture) when `n` was also the last step's row
-    /// count, and launched. `None` when the step is to run op by op: its caller runs
-    /// it. `forward` must read its inputs from the [`GraphInputs`] it is given only.
+    /// Runs a decode step of `n` computed rows as a graph ([`Replays::run`]): replayed
+    /// with `inputs` written into its buffers, or captured by running `forward` on fresh
+    /// buffers under stream capture, then launched. `None` when the step is to run op
+    /// by op: its caller runs it. `forward` must read its inputs from the
+    /// [`GraphInputs`] it is given only.
     pub(crate) fn run(
         &mut self,
         device: &candle_core::Device,
@@ -153,52 +134,18 @@ impl DecodeGraphs {
         inputs: &StepInputs<'_>,
         forward: impl FnOnce(&GraphInputs) -> Result<Tensor>,
     ) -> Result<Option<Tensor>> {
-        if self.stats.given_up {
-            return Ok(None);
-        }
-        if self.weights != inputs.weights {
-            self.clear();
-            self.weights = inputs.weights;
-        }
-        if let Some(step) = self.steps.get(&n) {
+        let replay = |step: &Captured| {
             step.inputs.write(inputs)?;
             step.graph.0.launch().map_err(cuda_err)?;
-            self.stats.replayed += 1;
-            return Ok(Some(step.logits.clone()));
-        }
-        if self.last_rows.replace(n) != Some(n) {
-            return Ok(None);
-        }
-        if self.steps.len() >= MAX_GRAPHS {
-            self.steps.clear();
-        }
-        match capture(device, inputs, forward) {
-            Ok(step) => {
-                step.graph.0.launch().map_err(cuda_err)?;
-                self.failures_in_a_row = 0;
-                self.stats.captured += 1;
-                self.stats.replayed += 1;
-                let logits = step.logits.clone();
-                self.steps.insert(n, step);
-                Ok(Some(logits))
-            }
-            Err(e) => {
-                self.failures_in_a_row += 1;
-                self.stats.failed += 1;
-                self.stats.last_error = Some(e.to_string());
-                self.stats.given_up = self.failures_in_a_row >= MAX_FAILURES;
-                if self.stats.failed == 1 || self.stats.given_up {
-                    tracing::warn!(
-                        rows = n,
-                        given_up = self.stats.given_up,
-                        "a decode step's CUDA graph capture failed, the step ran op by op: {e}"
-                    );
-                }
-                // Tried again two steps of this count later (the first runs op by op).
-                self.last_rows = None;
-                Ok(None)
-            }
-        }
+            Ok(step.logits.clone())
+        };
+        let capture = || {
+            let step = capture(device, inputs, forward)?;
+            step.graph.0.launch().map_err(cuda_err)?;
+            let logits = step.logits.clone();
+            Ok((step, logits))
+        };
+        self.0.run(n, inputs.weights, replay, capture)
     }
 }
 
