@@ -10,14 +10,18 @@
 //! empty; with them the next period's responses fill the slots as they free up, and
 //! responses still running continue under the newest weights. It prints, per
 //! schedule, the generated tokens per second of wall time over the RL periods, the
-//! share of that time the trainer was idle, the groups dropped as too stale, and the
-//! held-out accuracy after the last period, so that speed is not bought with learning.
+//! share of that time the trainer was idle, how many cores the process kept busy (the
+//! ceiling of any schedule's gain on the machine), the groups dropped as too stale, and
+//! the held-out accuracy after the last period, so that speed is not bought with
+//! learning.
 //! Each schedule runs once per round, in turn, three rounds: the table gives medians
 //! (and the range of held-out accuracy), the partial rollouts' ratio to `stale:2` is
 //! the median of the per-round ratios.
 //!
 //! Under `cargo test` (no `--bench` argument) it runs two short periods per schedule as
-//! a smoke test.
+//! a smoke test. `LONGTAIL_ONLY='stale:2|sync'` runs only the schedules named,
+//! `LONGTAIL_ROUNDS` sets the rounds, and `LONGTAIL_SET='run.periods=50;sft.steps=100'`
+//! adds overrides to every run (a profile, a quick look).
 
 use metronome_pipeline::{PipelineConfig, RunOptions};
 
@@ -55,7 +59,53 @@ struct Row {
     /// Held-out accuracy after the warm start, and after the last period.
     warm: f64,
     accuracy: f64,
+    /// CPU time over wall time between the first and the last-but-one period's end
+    /// (the last one's evaluation left out): how many cores the run kept busy.
+    cores_busy: f64,
 }
+
+/// The process's CPU time at each period's end (see [`Row::cores_busy`]).
+#[derive(Clone, Default)]
+struct CoresBusy(std::sync::Arc<std::sync::Mutex<Vec<(std::time::Instant, f64)>>>);
+
+impl CoresBusy {
+    fn observer(&self) -> metronome_pipeline::Observer {
+        let marks = self.0.clone();
+        metronome_pipeline::Observer::new(move |event| {
+            if let metronome_pipeline::Event::PeriodDone { .. } = event
+                && let Some(cpu) = process_cpu_s()
+            {
+                marks
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push((std::time::Instant::now(), cpu));
+            }
+        })
+    }
+
+    fn cores(&self) -> f64 {
+        let marks = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match (marks.first(), marks.len().checked_sub(2).map(|i| marks[i])) {
+            (Some(&(t0, c0)), Some((t1, c1))) if t1 > t0 => (c1 - c0) / (t1 - t0).as_secs_f64(),
+            _ => f64::NAN,
+        }
+    }
+}
+
+/// The process's user and system CPU seconds (Linux; `None` elsewhere).
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces) start at the state, field 3;
+    // utime and stime are fields 14 and 15, in clock ticks (100 a second on Linux).
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let ticks: f64 = fields.next()?.parse::<f64>().ok()? + fields.next()?.parse::<f64>().ok()?;
+    Some(ticks / 100.0)
+}
+
+/// The RL periods of a `--bench` run. At 40 (about 1.5 s of periods on 2 cores) the
+/// start of the pipeline weighed on every figure and the same schedule's tokens/s
+/// moved 30% from run to run; at 200 the periods take 6-12 s.
+const PERIODS: u64 = 200;
 
 /// The rounds of a `--bench` run: every variant once per round, in turn, so that a
 /// slow spell of the machine falls on all of them; the table gives medians.
@@ -63,15 +113,29 @@ const ROUNDS: usize = 3;
 
 fn main() -> anyhow::Result<()> {
     let bench = std::env::args().any(|a| a == "--bench");
+    let only = std::env::var("LONGTAIL_ONLY").ok();
+    if let Some(unknown) =
+        only.iter().flat_map(|o| o.split('|')).find(|o| VARIANTS.iter().all(|v| v.name != *o))
+    {
+        let names: Vec<&str> = VARIANTS.iter().map(|v| v.name).collect();
+        anyhow::bail!("LONGTAIL_ONLY: no schedule {unknown:?} (the schedules: {})", names.join(" | "));
+    }
+    let extra: Vec<String> = std::env::var("LONGTAIL_SET")
+        .map(|s| s.split(';').filter(|o| !o.is_empty()).map(str::to_owned).collect())
+        .unwrap_or_default();
+    let rounds: usize = match std::env::var("LONGTAIL_ROUNDS") {
+        Ok(r) => r.parse().map_err(|e| anyhow::anyhow!("LONGTAIL_ROUNDS={r:?}: {e}"))?,
+        Err(_) => ROUNDS,
+    };
     let preset = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/longtail_copy.toml");
     let out = tempfile::tempdir()?;
     // Every prompt of a period in a slot at once: the period waits on its slowest.
     let common: Vec<String> = [
         format!("run.out_dir={:?}", out.path().display().to_string()),
-        format!("run.periods={}", if bench { 40 } else { 2 }),
+        format!("run.periods={}", if bench { PERIODS } else { 2 }),
         format!("sft.steps={}", if bench { 600 } else { 20 }),
         format!("eval.prompts={}", if bench { 400 } else { 8 }),
-        format!("eval.every={}", if bench { 40 } else { 2 }),
+        format!("eval.every={}", if bench { PERIODS } else { 2 }),
         "data.release.batch_size=8".to_owned(),
         "run.group_size=16".to_owned(),
         "rollout.max_num_seqs=128".to_owned(),
@@ -79,46 +143,59 @@ fn main() -> anyhow::Result<()> {
     .into();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let mut rows: Vec<Vec<Row>> = VARIANTS.iter().map(|_| Vec::new()).collect();
-    for round in 0..if bench { ROUNDS } else { 1 } {
+    for round in 0..if bench { rounds } else { 1 } {
         for (variant, runs) in VARIANTS.iter().zip(&mut rows) {
+            if only.as_ref().is_some_and(|o| !o.split('|').any(|o| variant.name == o)) {
+                continue;
+            }
             let mut overrides = common.clone();
             let name = variant.name.replace([':', ' ', '+', ','], "_");
             overrides.push(format!("run.name=\"{name}_{round}\""));
             overrides.extend(variant.overrides.iter().map(|s| (*s).to_owned()));
+            overrides.extend(extra.iter().cloned());
             let config = PipelineConfig::load(&preset, &overrides)?;
-            let outcome = runtime.block_on(metronome_pipeline::run(config, RunOptions::default()))?;
+            let busy = CoresBusy::default();
+            let options = RunOptions { observer: busy.observer(), ..RunOptions::default() };
+            let outcome = runtime.block_on(metronome_pipeline::run(config, options))?;
             let wall: f64 = outcome.periods.iter().map(|r| r.period_s).sum();
             let training: f64 = outcome.periods.iter().map(|r| r.training_s).sum();
             let tokens: u64 = outcome.periods.iter().map(|r| r.generated_tokens).sum();
+            eprintln!(
+                "{} round {round}: {wall:.1} s, training {training:.1} s, generation {:.1} s, {tokens} tokens",
+                variant.name,
+                outcome.periods.iter().map(|r| r.generation_s).sum::<f64>()
+            );
             runs.push(Row {
                 tokens_per_s: tokens as f64 / wall,
                 trainer_idle: 1.0 - training / wall,
                 dropped_stale: outcome.periods.iter().map(|r| r.dropped_stale).sum(),
                 warm: outcome.evals.iter().find(|e| e.after_periods == 0).map_or(f64::NAN, |e| e.accuracy),
                 accuracy: outcome.evals.last().map_or(f64::NAN, |e| e.accuracy),
+                cores_busy: busy.cores(),
             });
         }
     }
     println!(
         "\nlong-tail copy (Zipf 1.2 over 1..=40 characters), tiny model, 8 prompts x 16 per period, 128 KV slots; \
          medians of {} round(s); held-out accuracy after the warm start {:.1}%",
-        rows[0].len(),
-        100.0 * rows[0][0].warm
+        rows.iter().map(Vec::len).max().unwrap_or(0),
+        100.0 * rows.iter().flatten().next().map_or(f64::NAN, |r| r.warm)
     );
     println!(
-        "{:<30}  {:>9}  {:>7}  {:>12}  {:>13}  {:>17}",
-        "schedule", "tokens/s", "vs sync", "trainer idle", "dropped stale", "held-out (range)"
+        "{:<30}  {:>9}  {:>7}  {:>12}  {:>10}  {:>13}  {:>17}",
+        "schedule", "tokens/s", "vs sync", "trainer idle", "cores busy", "dropped stale", "held-out (range)"
     );
     let tokens = |runs: &[Row]| median(runs.iter().map(|r| r.tokens_per_s));
-    for (variant, runs) in VARIANTS.iter().zip(&rows) {
+    for (variant, runs) in VARIANTS.iter().zip(&rows).filter(|(_, runs)| !runs.is_empty()) {
         let (lo, hi) =
             runs.iter().fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(r.accuracy), h.max(r.accuracy)));
         println!(
-            "{:<30}  {:>9.0}  {:>6.2}x  {:>11.0}%  {:>13}  {:>5.1}% ({:.1}-{:.1})",
+            "{:<30}  {:>9.0}  {:>6.2}x  {:>11.0}%  {:>10.2}  {:>13}  {:>5.1}% ({:.1}-{:.1})",
             variant.name,
             tokens(runs),
             tokens(runs) / tokens(&rows[0]),
             100.0 * median(runs.iter().map(|r| r.trainer_idle)),
+            median(runs.iter().map(|r| r.cores_busy)),
             runs.iter().map(|r| r.dropped_stale).max().unwrap_or(0),
             100.0 * median(runs.iter().map(|r| r.accuracy)),
             100.0 * lo,
