@@ -274,7 +274,7 @@ fn generate(model: &Model, n: usize, how: Decode) -> Result<(f64, metronome_mode
     let start = Instant::now();
     let argmax =
         |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
-    let greedy = vec![Some(Draw { temperature: 0.0, u: 0.0 }); n];
+    let greedy = vec![Some(Draw::new(0.0, 0.0)); n];
     let token = |next: Next| match next {
         Next::Drawn(d) => d.token,
         Next::Logits(l) => argmax(&l),

@@ -62,10 +62,11 @@ fn cuda_err(e: impl std::fmt::Display) -> Error {
 
 /// [`crate::Kernels::next_rows`] on a CUDA device: the rows with a draw are drawn by
 /// `draw_rows_*` in one launch (one block per row) and only their tokens and log-probs
-/// are copied to the host; the other rows' logits are gathered and copied.
+/// are copied to the host; the other rows' logits are gathered and copied. The kernel
+/// draws from the whole distribution: a truncated draw's row goes to the host too.
 pub(crate) fn next_rows(logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<Next>> {
     let (rows, vocab) = logits.dims2()?;
-    let drawn: Vec<usize> = (0..rows).filter(|&r| draws[r].is_some()).collect();
+    let drawn: Vec<usize> = (0..rows).filter(|&r| draws[r].is_some_and(|d| d.truncation.is_none())).collect();
     let index =
         |rs: &[usize]| Tensor::from_vec(rs.iter().map(|&r| r as u32).collect(), rs.len(), logits.device());
     let picked = if drawn.len() == rows {

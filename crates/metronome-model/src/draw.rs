@@ -18,6 +18,12 @@
 //! 4. the log-prob of the token under the scaled distribution, `x_t − max − ln total`
 //!    (at `T = 1` when greedy).
 //!
+//! A draw may also truncate the distribution ([`Truncation`]: top-k, then top-p over
+//! the top-k set, then min-p), in which case step 3 walks the surviving tokens in order
+//! of decreasing probability instead ([`invert_truncated`]); the log-prob stays the
+//! untruncated one of step 4. The engine's sampler and a decode step on the CPU use
+//! this one definition; a CUDA decode step hands truncated rows back as logits.
+//!
 //! On the CPU (and under [`crate::Kernels::Portable`]) a step draws its rows with
 //! exactly these functions ([`draw_row`]). The CUDA kernel (`kernels/draw.cu`, under
 //! [`crate::Kernels::Cuda`]) follows the same steps with one thread block per row: each
@@ -36,6 +42,48 @@ pub struct Draw {
     pub temperature: f32,
     /// The row's uniform number in `[0, 1)`.
     pub u: f64,
+    /// The tokens it may draw from (none left out by default; ignored when greedy).
+    pub truncation: Truncation,
+}
+
+impl Draw {
+    /// A draw at `temperature` with the uniform number `u`, from the whole distribution.
+    #[must_use]
+    pub const fn new(temperature: f32, u: f64) -> Self {
+        Self { temperature, u, truncation: Truncation::NONE }
+    }
+}
+
+/// Which tokens a draw may pick, applied in this order: the `top_k` most likely
+/// (`0`: all); of those, the smallest set in order of decreasing probability whose mass
+/// reaches `top_p` of theirs (`1`: all); of those, the ones at least `min_p` times as
+/// likely as the most likely token (`0`: all). At least one token always survives, and
+/// ties go to the lower token id, so the order is total and the draw deterministic.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Truncation {
+    /// Keep the `top_k` most likely tokens; `0` keeps all.
+    pub top_k: u32,
+    /// Keep the smallest most likely set whose probability reaches `top_p`, in `(0, 1]`.
+    pub top_p: f32,
+    /// Keep tokens at least `min_p` times as likely as the top one, in `[0, 1]`.
+    pub min_p: f32,
+}
+
+impl Truncation {
+    /// Every token kept.
+    pub const NONE: Self = Self { top_k: 0, top_p: 1.0, min_p: 0.0 };
+
+    /// Whether it keeps every token.
+    #[must_use]
+    pub fn is_none(&self) -> bool {
+        self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0
+    }
+}
+
+impl Default for Truncation {
+    fn default() -> Self {
+        Self::NONE
+    }
 }
 
 /// A token drawn by a decode step and its log-prob under the temperature-scaled
@@ -147,19 +195,92 @@ pub fn logprob(x: f32, max: f32, total: f64) -> f32 {
     (f64::from(x) - (f64::from(max) + total.ln())) as f32
 }
 
+/// Inverse-CDF sampling over the tokens `truncation` keeps of a row of scaled values
+/// `scaled` (maximum `max`) and weights `weights` ([`row_weights`]): its survivors in
+/// order of decreasing probability (ties to the lower id, NaN last), each set's mass
+/// summed in f64 in that order, and the first survivor whose running sum exceeds
+/// `u · mass`; if rounding leaves the sum short of it, the last survivor. `order` is
+/// scratch.
+pub fn invert_truncated(
+    scaled: &[f32],
+    weights: &[f64],
+    max: f32,
+    truncation: Truncation,
+    u: f64,
+    order: &mut Vec<u32>,
+) -> u32 {
+    // Total order: larger value first, lower token id on ties; NaN ranks with -inf.
+    let key = |&i: &u32| {
+        let x = scaled[i as usize];
+        (if x.is_nan() { f32::NEG_INFINITY } else { x }, std::cmp::Reverse(i))
+    };
+    let cmp = |a: &u32, b: &u32| key(b).partial_cmp(&key(a)).unwrap_or(std::cmp::Ordering::Equal);
+    order.clear();
+    order.extend(0..scaled.len() as u32);
+    let k = match truncation.top_k as usize {
+        0 => scaled.len(),
+        k => k.min(scaled.len()),
+    };
+    if k < order.len() {
+        order.select_nth_unstable_by(k - 1, cmp);
+        order.truncate(k);
+    }
+    order.sort_unstable_by(cmp);
+
+    let mut keep = order.len();
+    if truncation.top_p < 1.0 {
+        let mass: f64 = order.iter().map(|&i| weights[i as usize]).sum();
+        let need = f64::from(truncation.top_p) * mass;
+        let mut acc = 0.0;
+        for (n, &i) in order.iter().enumerate() {
+            acc += weights[i as usize];
+            if acc >= need {
+                keep = n + 1;
+                break;
+            }
+        }
+    }
+    if truncation.min_p > 0.0 {
+        // p_i >= min_p * p_max  <=>  x_i - max >= ln(min_p); the top token always passes.
+        let floor = f64::from(truncation.min_p).ln();
+        let passing = order[..keep]
+            .iter()
+            .take_while(|&&i| f64::from(scaled[i as usize]) - f64::from(max) >= floor)
+            .count();
+        keep = passing.max(1);
+    }
+    let kept = &order[..keep.max(1)];
+    let total: f64 = kept.iter().map(|&i| weights[i as usize]).sum();
+    let target = u * total;
+    let mut acc = 0.0;
+    for &i in kept {
+        acc += weights[i as usize];
+        if acc > target {
+            return i;
+        }
+    }
+    kept[kept.len() - 1]
+}
+
 /// Reusable buffers of [`draw_row`].
 #[derive(Debug, Default)]
 pub struct DrawScratch {
     scaled: Vec<f32>,
     weights: Vec<f64>,
+    order: Vec<u32>,
 }
 
 /// Draws one row's token on the host: the reference of every device's draw (module docs).
 pub fn draw_row(logits: &[f32], draw: Draw, scratch: &mut DrawScratch) -> Result<Drawn> {
     scale(logits, draw.temperature, &mut scratch.scaled);
     let (top, max, total) = row_weights(&scratch.scaled, &mut scratch.weights)?;
-    let token =
-        if draw.temperature == 0.0 { top as u32 } else { invert_cdf(&scratch.weights, total, draw.u) };
+    let token = if draw.temperature == 0.0 {
+        top as u32
+    } else if draw.truncation.is_none() {
+        invert_cdf(&scratch.weights, total, draw.u)
+    } else {
+        invert_truncated(&scratch.scaled, &scratch.weights, max, draw.truncation, draw.u, &mut scratch.order)
+    };
     Ok(Drawn { token, logprob: logprob(scratch.scaled[token as usize], max, total) })
 }
 
@@ -183,6 +304,13 @@ pub(crate) fn check_draws(draws: &[Option<Draw>], rows: usize) -> Result<()> {
                 format!("uniform number {} is not in [0, 1)", d.u),
             ));
         }
+        let t = d.truncation;
+        if !(t.top_p > 0.0 && t.top_p <= 1.0 && (0.0..=1.0).contains(&t.min_p)) {
+            return Err(Error::invalid(
+                format!("draw {i}"),
+                format!("top_p {} is not in (0, 1] or min_p {} not in [0, 1]", t.top_p, t.min_p),
+            ));
+        }
     }
     Ok(())
 }
@@ -194,7 +322,7 @@ mod tests {
     #[test]
     fn greedy_takes_the_first_largest_and_its_temperature_one_logprob() {
         let mut s = DrawScratch::default();
-        let d = draw_row(&[1.0, 3.0, 3.0, -1.0], Draw { temperature: 0.0, u: 0.99 }, &mut s).unwrap();
+        let d = draw_row(&[1.0, 3.0, 3.0, -1.0], Draw::new(0.0, 0.99), &mut s).unwrap();
         assert_eq!(d.token, 1);
         let z = (1f64.exp() + 2.0 * 3f64.exp() + (-1f64).exp()).ln();
         assert!((f64::from(d.logprob) - (3.0 - z)).abs() < 1e-6);
@@ -205,32 +333,76 @@ mod tests {
         let mut s = DrawScratch::default();
         // Equal logits: token i owns [i/4, (i+1)/4).
         for (u, want) in [(0.0, 0), (0.24, 0), (0.26, 1), (0.74, 2), (0.9999, 3)] {
-            let d = draw_row(&[0.5; 4], Draw { temperature: 0.7, u }, &mut s).unwrap();
+            let d = draw_row(&[0.5; 4], Draw::new(0.7, u), &mut s).unwrap();
             assert_eq!(d.token, want, "u = {u}");
             assert!((d.logprob - 0.25f32.ln()).abs() < 1e-6);
         }
         // A token of zero weight is never drawn, even where its interval would be.
-        let d = draw_row(&[0.0, f32::NEG_INFINITY, f32::NAN, 0.0], Draw { temperature: 1.0, u: 0.6 }, &mut s);
+        let d = draw_row(&[0.0, f32::NEG_INFINITY, f32::NAN, 0.0], Draw::new(1.0, 0.6), &mut s);
         assert_eq!(d.unwrap().token, 3);
+    }
+
+    #[test]
+    fn a_truncated_draw_walks_the_survivors_most_likely_first_and_keeps_the_untruncated_logprob() {
+        let mut s = DrawScratch::default();
+        // Token 2 most likely, then 0 and 3 tied (the lower id first), then 1.
+        let logits = [1.0, 0.0, 2.0, 1.0];
+        let z = (2.0 * 1f64.exp() + 1.0 + 2f64.exp()).ln();
+        let top2 = Truncation { top_k: 2, ..Truncation::NONE };
+        // The survivors {2, 0}, in that order: token 2 owns the lower part of [0, 1).
+        let p2 = 2f64.exp() / (2f64.exp() + 1f64.exp());
+        for (u, want) in [(0.0, 2), (p2 - 1e-9, 2), (p2 + 1e-9, 0), (0.999, 0)] {
+            let d = draw_row(&logits, Draw { truncation: top2, ..Draw::new(1.0, u) }, &mut s).unwrap();
+            assert_eq!(d.token, want, "u = {u}");
+            assert!(
+                (f64::from(d.logprob) - (f64::from(logits[want as usize]) - z)).abs() < 1e-6,
+                "untruncated log-prob"
+            );
+        }
+        // top-p: the smallest most likely set reaching the mass; min-p: a floor on the ratio
+        // to the top token; at least the top token always survives.
+        for (t, survivors) in [
+            (Truncation { top_p: 0.5, ..Truncation::NONE }, vec![2]),
+            (Truncation { top_p: 0.8, ..Truncation::NONE }, vec![2, 0, 3]),
+            (Truncation { min_p: 0.3, ..Truncation::NONE }, vec![2, 0, 3]),
+            (Truncation { min_p: 0.99, ..Truncation::NONE }, vec![2]),
+            (Truncation { top_k: 3, top_p: 0.99, min_p: 0.5 }, vec![2]),
+        ] {
+            let mut seen = Vec::new();
+            for i in 0..200 {
+                let d =
+                    draw_row(&logits, Draw { truncation: t, ..Draw::new(1.0, f64::from(i) / 200.0) }, &mut s);
+                seen.push(d.unwrap().token);
+            }
+            seen.sort_unstable();
+            seen.dedup();
+            let mut want = survivors.clone();
+            want.sort_unstable();
+            assert_eq!(seen, want, "{t:?}");
+        }
+        // Greedy ignores the truncation.
+        let greedy = Draw { truncation: top2, ..Draw::new(0.0, 0.9) };
+        assert_eq!(draw_row(&logits, greedy, &mut s).unwrap().token, 2);
     }
 
     #[test]
     fn rows_without_a_finite_maximum_and_bad_draws_are_errors_naming_them() {
         let mut s = DrawScratch::default();
-        let e = draw_row(&[f32::NAN, f32::NEG_INFINITY], Draw { temperature: 1.0, u: 0.5 }, &mut s);
+        let e = draw_row(&[f32::NAN, f32::NEG_INFINITY], Draw::new(1.0, 0.5), &mut s);
         assert!(e.unwrap_err().to_string().contains("no finite maximum"));
-        assert!(
-            draw_row(&[], Draw { temperature: 1.0, u: 0.5 }, &mut s)
-                .unwrap_err()
-                .to_string()
-                .contains("empty")
-        );
-        let ok = Some(Draw { temperature: 1.0, u: 0.5 });
+        assert!(draw_row(&[], Draw::new(1.0, 0.5), &mut s).unwrap_err().to_string().contains("empty"));
+        let ok = Some(Draw::new(1.0, 0.5));
         assert!(check_draws(&[ok, None], 2).is_ok());
         assert!(check_draws(&[ok], 2).unwrap_err().to_string().contains("1 for 2 rows"));
-        let hot = Some(Draw { temperature: -1.0, u: 0.5 });
+        let hot = Some(Draw::new(-1.0, 0.5));
         assert!(check_draws(&[None, hot], 2).unwrap_err().to_string().contains("draw 1"));
-        let far = Some(Draw { temperature: 1.0, u: 1.0 });
+        let wide =
+            Some(Draw { truncation: Truncation { top_p: 0.0, ..Truncation::NONE }, ..Draw::new(1.0, 0.5) });
+        assert!(check_draws(&[wide], 1).unwrap_err().to_string().contains("top_p 0"));
+        let low =
+            Some(Draw { truncation: Truncation { min_p: 1.5, ..Truncation::NONE }, ..Draw::new(1.0, 0.5) });
+        assert!(check_draws(&[low], 1).unwrap_err().to_string().contains("min_p 1.5"));
+        let far = Some(Draw::new(1.0, 1.0));
         assert!(check_draws(&[far], 1).unwrap_err().to_string().contains("[0, 1)"));
     }
 }

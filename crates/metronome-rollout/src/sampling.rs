@@ -41,7 +41,8 @@
 //! total and the result deterministic.
 
 use metronome_core::{TokenId, mix64};
-use metronome_model::Draw;
+use metronome_model::{Draw, Truncation};
+
 use metronome_model::draw;
 use serde::{Deserialize, Serialize};
 
@@ -199,18 +200,26 @@ impl SamplingConfig {
 
     /// The draw a decode step may make where the logits are for a response under these
     /// settings, whose next token's uniform number is `u` (`metronome_model::draw`,
-    /// which is [`Sampler::sample`]'s own arithmetic for such settings); `None` when
-    /// sampling needs the host's rules: truncation, a repetition penalty (which reads
-    /// the context) or raw log-probs.
+    /// which is [`Sampler::sample`]'s own arithmetic, truncation included); `None` when
+    /// sampling needs the host's rules: a repetition penalty (which reads the context)
+    /// or raw log-probs.
     #[must_use]
     pub fn draw(&self, u: f64) -> Option<Draw> {
-        let plain =
-            !self.truncates() && self.repetition_penalty == 1.0 && self.logprobs == LogprobsMode::Sampled;
-        plain.then_some(Draw { temperature: self.temperature, u })
+        let plain = self.repetition_penalty == 1.0 && self.logprobs == LogprobsMode::Sampled;
+        plain.then_some(Draw { temperature: self.temperature, u, truncation: self.truncation() })
     }
 
     fn truncates(&self) -> bool {
-        self.top_k > 0 || self.top_p < 1.0 || self.min_p > 0.0
+        !self.truncation().is_none()
+    }
+
+    /// Top-k, top-p and min-p as a draw applies them.
+    fn truncation(&self) -> Truncation {
+        Truncation {
+            top_k: u32::try_from(self.top_k).unwrap_or(u32::MAX),
+            top_p: self.top_p,
+            min_p: self.min_p,
+        }
     }
 }
 
@@ -234,6 +243,7 @@ pub struct Sampler {
     /// inverse CDF and the truncation rules all read these instead of recomputing them
     /// (an f64 `exp` per token per use was about 5% of a 64-slot decode step).
     weights: Vec<f64>,
+    /// The truncated draw's order of tokens.
     order: Vec<u32>,
     seen: Vec<u32>,
 }
@@ -282,7 +292,7 @@ impl Sampler {
         let token = if greedy {
             max_i as TokenId
         } else if cfg.truncates() {
-            self.sample_truncated(cfg, max, u)
+            draw::invert_truncated(&self.scaled, &self.weights, max, cfg.truncation(), u, &mut self.order)
         } else {
             draw::invert_cdf(&self.weights, total, u)
         };
@@ -291,61 +301,6 @@ impl Sampler {
             LogprobsMode::Raw => raw_logprob(logits, token as usize),
         };
         Ok(Sampled { token, logprob })
-    }
-
-    /// Top-k, then top-p on the renormalised top-k set, then min-p; inverse-CDF over
-    /// the survivors in order of decreasing probability.
-    fn sample_truncated(&mut self, cfg: &SamplingConfig, max: f32, u: f64) -> TokenId {
-        let scaled = &self.scaled;
-        let weights = &self.weights;
-        // Total order: larger logit first, lower token id on ties; NaN ranks last.
-        let key = |&i: &u32| {
-            let x = scaled[i as usize];
-            (if x.is_nan() { f32::NEG_INFINITY } else { x }, std::cmp::Reverse(i))
-        };
-        let cmp = |a: &u32, b: &u32| key(b).partial_cmp(&key(a)).unwrap_or(std::cmp::Ordering::Equal);
-        self.order.clear();
-        self.order.extend(0..scaled.len() as u32);
-        let k = if cfg.top_k > 0 { cfg.top_k.min(scaled.len()) } else { scaled.len() };
-        if k < self.order.len() {
-            self.order.select_nth_unstable_by(k - 1, cmp);
-            self.order.truncate(k);
-        }
-        self.order.sort_unstable_by(cmp);
-
-        let mut keep = self.order.len();
-        if cfg.top_p < 1.0 {
-            let mass: f64 = self.order.iter().map(|&i| weights[i as usize]).sum();
-            let need = f64::from(cfg.top_p) * mass;
-            let mut acc = 0.0;
-            for (n, &i) in self.order.iter().enumerate() {
-                acc += weights[i as usize];
-                if acc >= need {
-                    keep = n + 1;
-                    break;
-                }
-            }
-        }
-        if cfg.min_p > 0.0 {
-            // p_i >= min_p * p_max  <=>  x_i - max >= ln(min_p); the top token always passes.
-            let floor = f64::from(cfg.min_p).ln();
-            let passing = self.order[..keep]
-                .iter()
-                .take_while(|&&i| f64::from(scaled[i as usize]) - f64::from(max) >= floor)
-                .count();
-            keep = passing.max(1);
-        }
-        let kept = &self.order[..keep.max(1)];
-        let total: f64 = kept.iter().map(|&i| weights[i as usize]).sum();
-        let target = u * total;
-        let mut acc = 0.0;
-        for &i in kept {
-            acc += weights[i as usize];
-            if acc > target {
-                return i;
-            }
-        }
-        kept[kept.len() - 1]
     }
 }
 
@@ -522,6 +477,55 @@ mod tests {
             }
         }
         assert_eq!(sorted[0], 1);
+    }
+
+    #[test]
+    fn a_decode_step_draws_what_the_sampler_samples_truncation_included() {
+        // A decode step draws a row with `metronome_model::draw::draw_row` from the
+        // config's `draw`; the engine samples the rows it hands back with `Sampler`.
+        // Both must pick the same token with the same log-prob from the same logits.
+        let mut sampler = Sampler::new();
+        let mut scratch = metronome_model::draw::DrawScratch::default();
+        let configs = [
+            SamplingConfig::default(),
+            SamplingConfig { temperature: 0.7, top_k: 5, ..SamplingConfig::default() },
+            SamplingConfig { temperature: 1.3, top_p: 0.8, ..SamplingConfig::default() },
+            SamplingConfig { min_p: 0.05, ..SamplingConfig::default() },
+            SamplingConfig {
+                temperature: 0.9,
+                top_k: 40,
+                top_p: 0.95,
+                min_p: 0.01,
+                ..SamplingConfig::default()
+            },
+            SamplingConfig { top_k: 1, ..SamplingConfig::default() },
+        ];
+        let mut truncated = 0;
+        for row in 0..64u64 {
+            // 97 logits with ties (every value repeats) and one NaN.
+            let mut logits: Vec<f32> =
+                (0..97u64).map(|i| ((mix64(row * 131 + i) % 23) as f32 - 11.0) / 3.0).collect();
+            logits[(row % 97) as usize] = f32::NAN;
+            for cfg in &configs {
+                let u = TokenRng::new(row).uniform(7);
+                let draw = cfg.draw(u).expect("no penalty, sampled log-probs: the step draws");
+                assert_eq!(draw.truncation.is_none(), !cfg.truncates());
+                truncated += usize::from(!draw.truncation.is_none());
+                let drawn = metronome_model::draw::draw_row(&logits, draw, &mut scratch).unwrap();
+                let sampled = sampler.sample(cfg, &logits, &[], u).unwrap();
+                assert_eq!(
+                    (drawn.token, drawn.logprob.to_bits()),
+                    (sampled.token, sampled.logprob.to_bits()),
+                    "{cfg:?}"
+                );
+            }
+        }
+        assert_eq!(truncated, 64 * 5);
+        // A penalty reads the context, raw log-probs the unscaled row: those stay the sampler's.
+        assert!(SamplingConfig { repetition_penalty: 1.2, ..SamplingConfig::default() }.draw(0.5).is_none());
+        assert!(
+            SamplingConfig { logprobs: LogprobsMode::Raw, ..SamplingConfig::default() }.draw(0.5).is_none()
+        );
     }
 
     #[test]

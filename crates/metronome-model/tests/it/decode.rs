@@ -68,7 +68,7 @@ pub(crate) fn drawing_matches_the_host_reference(model: &Model, logprob_tol: f32
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                t.map(|temperature| Draw { temperature, u: ((k * 7 + i as u64 * 3) % 10) as f64 / 10.0 })
+                t.map(|temperature| Draw::new(temperature, ((k * 7 + i as u64 * 3) % 10) as f64 / 10.0))
             })
             .collect()
     };
@@ -123,7 +123,7 @@ fn drawing_steps_draw_what_the_host_draws_from_their_logits() {
     let mut cache = KvCache::new(&base, 2, 8).unwrap();
     let e = base.decode_step_drawing(&mut cache, &[(0, 3)], &[]).unwrap_err().to_string();
     assert!(e.contains("0 for 1 rows"), "{e}");
-    let hot = [Some(Draw { temperature: f32::NAN, u: 0.5 })];
+    let hot = [Some(Draw::new(f32::NAN, 0.5))];
     let e = base.prefill_many_drawing(&mut cache, &[(0, &[3, 4])], &hot).unwrap_err().to_string();
     assert!(e.contains("draw 0"), "{e}");
     assert_eq!(cache.len(0), 0);
@@ -167,10 +167,10 @@ pub(crate) fn draws_for(rows: usize) -> Vec<Option<Draw>> {
     (0..rows)
         .map(|r| {
             let temperature = [0.6, 1.0, 0.0, 1.7][r % 4];
-            Some(Draw {
+            Some(Draw::new(
                 temperature,
-                u: (metronome_core::mix64(r as u64 + 99) >> 11) as f64 / (1u64 << 53) as f64,
-            })
+                (metronome_core::mix64(r as u64 + 99) >> 11) as f64 / (1u64 << 53) as f64,
+            ))
         })
         .collect()
 }
