@@ -61,29 +61,29 @@ fn cuda_err(e: impl std::fmt::Display) -> Error {
 }
 
 /// [`crate::Kernels::next_rows`] on a CUDA device: the rows with a draw are drawn by
-/// `draw_rows_*` in one launch (one block per row) and only their tokens and log-probs
-/// are copied to the host; the other rows' logits are gathered and copied. The kernel
-/// draws from the whole distribution: a truncated draw's row goes to the host too.
+/// `draw_rows_*` (from the whole distribution, or greedy) and `draw_truncated_rows_*`
+/// (top-k, top-p, min-p), one launch each, one block per row, and only their tokens and
+/// log-probs are copied to the host; the other rows' logits are gathered and copied.
 pub(crate) fn next_rows(logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<Next>> {
     let (rows, vocab) = logits.dims2()?;
-    let drawn: Vec<usize> = (0..rows).filter(|&r| draws[r].is_some_and(|d| d.truncation.is_none())).collect();
-    let index =
-        |rs: &[usize]| Tensor::from_vec(rs.iter().map(|&r| r as u32).collect(), rs.len(), logits.device());
-    let picked = if drawn.len() == rows {
-        logits.contiguous()?
-    } else {
-        logits.index_select(&index(&drawn)?, 0)?.contiguous()?
-    };
-    let draws_of: Vec<Draw> = drawn.iter().filter_map(|&r| draws[r]).collect();
-    let results = draw_rows(&picked, vocab, &draws_of)?;
-    // Rows without a draw, and drawn rows that had no finite maximum, go to the host.
     let mut out: Vec<Option<Next>> = vec![None; rows];
-    for (&r, d) in drawn.iter().zip(results) {
-        out[r] = d.map(Next::Drawn);
+    for truncated in [false, true] {
+        let drawn: Vec<usize> =
+            (0..rows).filter(|&r| draws[r].is_some_and(|d| d.truncates() == truncated)).collect();
+        if drawn.is_empty() {
+            continue;
+        }
+        let picked = if drawn.len() == rows { logits.contiguous()? } else { pick(logits, &drawn)? };
+        let draws_of: Vec<Draw> = drawn.iter().filter_map(|&r| draws[r]).collect();
+        let results = draw_rows(&picked, vocab, &draws_of, truncated)?;
+        for (&r, d) in drawn.iter().zip(results) {
+            out[r] = d.map(Next::Drawn);
+        }
     }
+    // Rows without a draw, and drawn rows that had no finite maximum, go to the host.
     let host: Vec<usize> = (0..rows).filter(|&r| out[r].is_none()).collect();
     if !host.is_empty() {
-        let logits = logits.index_select(&index(&host)?, 0)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let logits = pick(logits, &host)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         for (&r, row) in host.iter().zip(logits) {
             out[r] = Some(Next::Logits(row));
         }
@@ -91,10 +91,17 @@ pub(crate) fn next_rows(logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<N
     Ok(out.into_iter().map(|n| n.expect("every row is drawn or copied")).collect())
 }
 
-/// Launches the draw kernel on `logits: [draws.len(), vocab]` (contiguous, f32 or bf16);
-/// `None` for a row without a finite maximum.
+/// The rows `rows` of `logits`, contiguous.
+fn pick(logits: &Tensor, rows: &[usize]) -> Result<Tensor> {
+    let index = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect(), rows.len(), logits.device())?;
+    Ok(logits.index_select(&index, 0)?.contiguous()?)
+}
+
+/// Launches a draw kernel on `logits: [draws.len(), vocab]` (contiguous, f32 or bf16):
+/// `draw_truncated_rows_*` when `truncated` (every draw truncates), `draw_rows_*`
+/// otherwise (none does); `None` for a row without a finite maximum.
 #[allow(unsafe_code, reason = "a kernel launch: cudarc cannot check the arguments against the PTX")]
-fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw]) -> Result<Vec<Option<Drawn>>> {
+fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> Result<Vec<Option<Drawn>>> {
     let n = draws.len();
     if n == 0 {
         return Ok(Vec::new());
@@ -112,30 +119,49 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw]) -> Result<Vec<Option
         .iter()
         .map(|d| if d.temperature == 0.0 || d.temperature == 1.0 { 1.0 } else { 1.0 / d.temperature })
         .collect();
-    let greedy: Vec<u32> = draws.iter().map(|d| u32::from(d.temperature == 0.0)).collect();
     let u: Vec<f64> = draws.iter().map(|d| d.u).collect();
     let inv = stream.clone_htod(&inv).map_err(cuda_err)?;
-    let greedy = stream.clone_htod(&greedy).map_err(cuda_err)?;
     let u = stream.clone_htod(&u).map_err(cuda_err)?;
     let tokens: CudaSlice<u32> = stream.alloc_zeros(n).map_err(cuda_err)?;
     let logprobs: CudaSlice<f32> = stream.alloc_zeros(n).map_err(cuda_err)?;
+    // The plain kernel's flags, or the truncated one's settings (min-p as the host's
+    // floor on `x - max`: ln min_p in f64, or -inf).
+    let greedy: Vec<u32> = draws.iter().map(|d| u32::from(d.temperature == 0.0)).collect();
+    let top_k: Vec<u32> = draws.iter().map(|d| d.truncation.top_k).collect();
+    let top_p: Vec<f32> = draws.iter().map(|d| d.truncation.top_p).collect();
+    let floor: Vec<f64> = draws
+        .iter()
+        .map(
+            |d| if d.truncation.min_p > 0.0 { f64::from(d.truncation.min_p).ln() } else { f64::NEG_INFINITY },
+        )
+        .collect();
+    let greedy = stream.clone_htod(&greedy).map_err(cuda_err)?;
+    let top_k = stream.clone_htod(&top_k).map_err(cuda_err)?;
+    let top_p = stream.clone_htod(&top_p).map_err(cuda_err)?;
+    let floor = stream.clone_htod(&floor).map_err(cuda_err)?;
     let (start, len) = (layout.start_offset(), n * vocab);
     let cfg =
         LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (DRAW_THREADS, 1, 1), shared_mem_bytes: 0 };
     macro_rules! launch {
-        ($t:ty, $name:literal) => {{
+        ($t:ty, $plain:literal, $truncated:literal) => {{
             let src = cs.as_cuda_slice::<$t>()?.slice(start..start + len);
-            let func = dev.get_or_load_custom_func($name, "metronome_draw", DRAW_PTX)?;
+            let name = if truncated { $truncated } else { $plain };
+            let func = dev.get_or_load_custom_func(name, "metronome_draw", DRAW_PTX)?;
             let mut b = func.builder();
-            b.arg(&src).arg(&inv).arg(&greedy).arg(&u).arg(&tokens).arg(&logprobs).arg(&vocab32);
+            if truncated {
+                b.arg(&src).arg(&inv).arg(&u).arg(&top_k).arg(&top_p).arg(&floor);
+            } else {
+                b.arg(&src).arg(&inv).arg(&greedy).arg(&u);
+            }
+            b.arg(&tokens).arg(&logprobs).arg(&vocab32);
             // SAFETY: the arguments are the kernel's, in its order and types; `src` holds
-            // `n * vocab` elements and the outputs `n`, one block writing each row's.
+            // `n * vocab` elements and the others `n`, one block writing each row's.
             unsafe { b.launch(cfg) }.map_err(cuda_err)?;
         }};
     }
     match logits.dtype() {
-        DType::F32 => launch!(f32, "draw_rows_f32"),
-        DType::BF16 => launch!(half::bf16, "draw_rows_bf16"),
+        DType::F32 => launch!(f32, "draw_rows_f32", "draw_truncated_rows_f32"),
+        DType::BF16 => launch!(half::bf16, "draw_rows_bf16", "draw_truncated_rows_bf16"),
         other => {
             return Err(Error::invalid(
                 "draw",

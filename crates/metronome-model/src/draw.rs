@@ -22,7 +22,8 @@
 //! the top-k set, then min-p), in which case step 3 walks the surviving tokens in order
 //! of decreasing probability instead ([`invert_truncated`]); the log-prob stays the
 //! untruncated one of step 4. The engine's sampler and a decode step on the CPU use
-//! this one definition; a CUDA decode step hands truncated rows back as logits.
+//! this one definition; the CUDA kernel finds the same survivors and token by binary
+//! searches over a key that orders tokens as the host's sort does (`kernels/draw.cu`).
 //!
 //! On the CPU (and under [`crate::Kernels::Portable`]) a step draws its rows with
 //! exactly these functions ([`draw_row`]). The CUDA kernel (`kernels/draw.cu`, under
@@ -51,6 +52,12 @@ impl Draw {
     #[must_use]
     pub const fn new(temperature: f32, u: f64) -> Self {
         Self { temperature, u, truncation: Truncation::NONE }
+    }
+
+    /// Whether it draws from a truncated distribution (greedy draws never do).
+    #[must_use]
+    pub fn truncates(&self) -> bool {
+        self.temperature != 0.0 && !self.truncation.is_none()
     }
 }
 
@@ -276,10 +283,10 @@ pub fn draw_row(logits: &[f32], draw: Draw, scratch: &mut DrawScratch) -> Result
     let (top, max, total) = row_weights(&scratch.scaled, &mut scratch.weights)?;
     let token = if draw.temperature == 0.0 {
         top as u32
-    } else if draw.truncation.is_none() {
-        invert_cdf(&scratch.weights, total, draw.u)
-    } else {
+    } else if draw.truncates() {
         invert_truncated(&scratch.scaled, &scratch.weights, max, draw.truncation, draw.u, &mut scratch.order)
+    } else {
+        invert_cdf(&scratch.weights, total, draw.u)
     };
     Ok(Drawn { token, logprob: logprob(scratch.scaled[token as usize], max, total) })
 }

@@ -585,15 +585,13 @@ impl Kernels {
     /// [`crate::draw`]): each row with a draw is drawn (by the CUDA kernel under
     /// [`Kernels::Cuda`], by the host reference otherwise), each row without one, or
     /// whose logits have no finite maximum, comes back as its logits on the host for
-    /// the caller to sample (and to report); so does a CUDA step's row of a truncated
-    /// draw beside untruncated ones (the kernel draws from the whole distribution). `draws` has one entry per row.
+    /// the caller to sample (and to report). `draws` has one entry per row.
     /// [`crate::Model::decode_step_drawing`] calls it; public so that a device's draw
     /// can be tested against the host's on the same logits.
     pub fn next_rows(self, logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<Next>> {
         crate::draw::check_draws(draws, logits.dims2()?.0)?;
         #[cfg(feature = "cuda")]
-        // The kernel draws rows of untruncated draws; others, if that is all, on the host.
-        if self == Self::Cuda && draws.iter().any(|d| d.is_some_and(|d| d.truncation.is_none())) {
+        if self == Self::Cuda && draws.iter().any(Option::is_some) {
             return crate::cuda::next_rows(logits, draws);
         }
         let (rows, vocab) = logits.dims2()?;

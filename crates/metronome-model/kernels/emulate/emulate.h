@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -54,7 +55,21 @@ struct float4 {
     float x, y, z, w;
 };
 
+using std::isfinite;
+using std::isnan;
 using std::min;
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
 #define __align__(n) __attribute__((aligned(n)))
 #define __global__
 #define __device__

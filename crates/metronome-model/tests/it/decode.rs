@@ -1,7 +1,7 @@
 //! KV-cache decoding: equal to the full forward, and batch-invariant bitwise.
 
 use metronome_model::draw::{DrawScratch, draw_row};
-use metronome_model::{Device, Draw, Kernels, KvCache, Model, ModelConfig, Next};
+use metronome_model::{Device, Draw, Kernels, KvCache, Model, ModelConfig, Next, Truncation};
 
 use crate::common::{fixture, full_logits, max_abs_diff, tokens};
 
@@ -56,7 +56,8 @@ fn kv_cache_decode_equals_full_forward_fixture() {
 
 /// A step that draws its rows gives what drawing them on the host from the step's
 /// logits gives: prefills and decode steps of four slots with a greedy row, rows at
-/// temperatures 0.7 and 1.0 and a row without a draw (its logits come back), against
+/// temperatures 0.7 (top-k and top-p) and 1.0 and a row without a draw (its logits
+/// come back), against
 /// a twin cache fed the same tokens through `prefill_many`/`decode_step` and
 /// `draw::draw_row`. Returns how many drawn tokens had bitwise-equal log-probs, of all.
 pub(crate) fn drawing_matches_the_host_reference(model: &Model, logprob_tol: f32) -> (usize, usize) {
@@ -68,7 +69,15 @@ pub(crate) fn drawing_matches_the_host_reference(model: &Model, logprob_tol: f32
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                t.map(|temperature| Draw::new(temperature, ((k * 7 + i as u64 * 3) % 10) as f64 / 10.0))
+                t.map(|temperature| Draw {
+                    // Slot 1's draw is truncated: top-k and top-p.
+                    truncation: if i == 1 {
+                        Truncation { top_k: 5, top_p: 0.9, min_p: 0.0 }
+                    } else {
+                        Truncation::NONE
+                    },
+                    ..Draw::new(temperature, ((k * 7 + i as u64 * 3) % 10) as f64 / 10.0)
+                })
             })
             .collect()
     };
@@ -162,15 +171,26 @@ pub(crate) fn draw_logits(rows: usize, vocab: usize, device: &Device) -> metrono
     metronome_model::Tensor::from_vec(v, (rows, vocab), device).unwrap()
 }
 
-/// Draws for [`draw_logits`]' rows: every row drawn, temperatures and uniform numbers varied.
+/// Draws for [`draw_logits`]' rows: every row drawn, temperatures and uniform numbers
+/// varied, and from row 3 on every third row truncated (top-k, top-p, min-p, all three).
 pub(crate) fn draws_for(rows: usize) -> Vec<Option<Draw>> {
+    let truncations = [
+        Truncation { top_k: 1, ..Truncation::NONE },
+        Truncation { top_k: 20, ..Truncation::NONE },
+        Truncation { top_p: 0.9, ..Truncation::NONE },
+        Truncation { min_p: 0.1, ..Truncation::NONE },
+        Truncation { top_k: 50, top_p: 0.95, min_p: 0.01 },
+    ];
     (0..rows)
         .map(|r| {
             let temperature = [0.6, 1.0, 0.0, 1.7][r % 4];
-            Some(Draw::new(
-                temperature,
-                (metronome_core::mix64(r as u64 + 99) >> 11) as f64 / (1u64 << 53) as f64,
-            ))
+            let u = (metronome_core::mix64(r as u64 + 99) >> 11) as f64 / (1u64 << 53) as f64;
+            let truncation = if r >= 3 && r % 3 == 0 {
+                truncations[(r / 3) % truncations.len()]
+            } else {
+                Truncation::NONE
+            };
+            Some(Draw { truncation, ..Draw::new(temperature, u) })
         })
         .collect()
 }
