@@ -178,7 +178,7 @@ DRAW_KERNEL(draw_rows_bf16, __nv_bfloat16)
 // -inf, -0 with +0, as the host compares them).
 __device__ __forceinline__ uint32_t ordered(float x) {
     if (isnan(x)) x = -INFINITY;
-    if (x == 0.0f) x = 0.0f;
+    if (x == 0.0f) x = 0.0f;  // -0 becomes +0 (it compares equal, so this is no no-op)
     const uint32_t b = __float_as_uint(x);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }

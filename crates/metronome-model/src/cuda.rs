@@ -124,21 +124,30 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
     let u = stream.clone_htod(&u).map_err(cuda_err)?;
     let tokens: CudaSlice<u32> = stream.alloc_zeros(n).map_err(cuda_err)?;
     let logprobs: CudaSlice<f32> = stream.alloc_zeros(n).map_err(cuda_err)?;
-    // The plain kernel's flags, or the truncated one's settings (min-p as the host's
-    // floor on `x - max`: ln min_p in f64, or -inf).
-    let greedy: Vec<u32> = draws.iter().map(|d| u32::from(d.temperature == 0.0)).collect();
-    let top_k: Vec<u32> = draws.iter().map(|d| d.truncation.top_k).collect();
-    let top_p: Vec<f32> = draws.iter().map(|d| d.truncation.top_p).collect();
-    let floor: Vec<f64> = draws
-        .iter()
-        .map(
-            |d| if d.truncation.min_p > 0.0 { f64::from(d.truncation.min_p).ln() } else { f64::NEG_INFINITY },
-        )
-        .collect();
-    let greedy = stream.clone_htod(&greedy).map_err(cuda_err)?;
-    let top_k = stream.clone_htod(&top_k).map_err(cuda_err)?;
-    let top_p = stream.clone_htod(&top_p).map_err(cuda_err)?;
-    let floor = stream.clone_htod(&floor).map_err(cuda_err)?;
+    // The plain kernel's greedy flags, or the truncated one's settings (min-p as the
+    // host's floor on `x - max`: ln min_p in f64, or -inf).
+    let upload_u32 = |v: Vec<u32>| stream.clone_htod(&v).map_err(cuda_err);
+    let greedy = if truncated {
+        None
+    } else {
+        Some(upload_u32(draws.iter().map(|d| u32::from(d.temperature == 0.0)).collect())?)
+    };
+    let settings = if truncated {
+        let top_p: Vec<f32> = draws.iter().map(|d| d.truncation.top_p).collect();
+        let floor: Vec<f64> = draws
+            .iter()
+            .map(|d| {
+                if d.truncation.min_p > 0.0 { f64::from(d.truncation.min_p).ln() } else { f64::NEG_INFINITY }
+            })
+            .collect();
+        Some((
+            upload_u32(draws.iter().map(|d| d.truncation.top_k).collect())?,
+            stream.clone_htod(&top_p).map_err(cuda_err)?,
+            stream.clone_htod(&floor).map_err(cuda_err)?,
+        ))
+    } else {
+        None
+    };
     let (start, len) = (layout.start_offset(), n * vocab);
     let cfg =
         LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (DRAW_THREADS, 1, 1), shared_mem_bytes: 0 };
@@ -148,10 +157,11 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
             let name = if truncated { $truncated } else { $plain };
             let func = dev.get_or_load_custom_func(name, "metronome_draw", DRAW_PTX)?;
             let mut b = func.builder();
-            if truncated {
-                b.arg(&src).arg(&inv).arg(&u).arg(&top_k).arg(&top_p).arg(&floor);
-            } else {
-                b.arg(&src).arg(&inv).arg(&greedy).arg(&u);
+            b.arg(&src).arg(&inv);
+            if let Some((top_k, top_p, floor)) = &settings {
+                b.arg(&u).arg(top_k).arg(top_p).arg(floor);
+            } else if let Some(greedy) = &greedy {
+                b.arg(greedy).arg(&u);
             }
             b.arg(&tokens).arg(&logprobs).arg(&vocab32);
             // SAFETY: the arguments are the kernel's, in its order and types; `src` holds

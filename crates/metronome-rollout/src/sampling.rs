@@ -38,12 +38,12 @@
 //! in order of decreasing probability, whose mass reaches `top_p`); then min-p (keep
 //! tokens with probability at least `min_p` times the most likely token's). At least
 //! one token always survives. Ties are broken by the lower token id, so the order is
-//! total and the result deterministic.
+//! total and the result deterministic. The definition is
+//! `metronome_model::draw::invert_truncated`, which a decode step drawing on its device
+//! follows too.
 
 use metronome_core::{TokenId, mix64};
-use metronome_model::{Draw, Truncation};
-
-use metronome_model::draw;
+use metronome_model::{Draw, Truncation, draw};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
