@@ -130,6 +130,7 @@ def main():
         host = dict((ours or {}).get("generate", []))
         drawn = dict((ours or {}).get("generate_drawn", []))
         graphed = dict((ours or {}).get("generate_graphed", []))
+        top_p = dict((ours or {}).get("generate_top_p", []))
         graph_stats = dict((ours or {}).get("generate_graph_stats", []))
         roofline = dict((ours or {}).get("generate_roofline", []))
         for n in sorted(set(host) | set(drawn) | set(graphed)):
@@ -139,6 +140,8 @@ def main():
                 "metronome_logits_to_host": host.get(n),
                 "metronome_drawn_on_device": drawn.get(n),
                 "metronome_cuda_graphs": graphed.get(n),
+                # Sampled from the top-p 0.9 nucleus at T = 1: the truncated draw's cost.
+                "metronome_drawn_top_p": top_p.get(n),
                 "cuda_graph_stats": graph_stats.get(n),
                 "roofline": roofline.get(n),
                 "copy_bandwidth_gbps": (ours or {}).get("copy_bandwidth_gbps"),

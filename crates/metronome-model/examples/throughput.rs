@@ -25,7 +25,8 @@
 //! argmax there) and with the next tokens drawn where the logits are
 //! (`Model::decode_step_drawing`, greedy draws: on a GPU the draw kernel, so only token
 //! ids cross), as the rollout engine now decodes, and a third time so with the decode
-//! steps replayed as CUDA graphs (`KvCache::set_cuda_graphs`), in `--precision` (the engine's
+//! steps replayed as CUDA graphs (`KvCache::set_cuda_graphs`), and a fourth drawn at
+//! temperature 1 from the top-p 0.9 nucleus (the truncated draw), in `--precision` (the engine's
 //! `rollout.precision`); beside them the memory roofline (the weights and every
 //! sequence's KV cache read once per step at the device's measured copy bandwidth);
 //! `--generate ''` skips it. `--publish` times publication to a rollout engine of the
@@ -40,7 +41,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use metronome_core::{PackedRow, Segment, Targets};
-use metronome_model::{DeviceSpec, Draw, KvCache, Model, Next, Precision};
+use metronome_model::{DeviceSpec, Draw, KvCache, Model, Next, Precision, Truncation};
 use serde::Serialize;
 
 #[path = "support/shapes.rs"]
@@ -129,6 +130,9 @@ struct Report {
     /// `(sequences, tokens/s)` drawn where the logits are, decode steps replayed as CUDA
     /// graphs (`KvCache::set_cuda_graphs`; on the CPU the same as `generate_drawn`).
     generate_graphed: Vec<(usize, f64)>,
+    /// `(sequences, tokens/s)` drawn where the logits are from the top-p 0.9 nucleus at
+    /// temperature 1 (`Decode::TopP`).
+    generate_top_p: Vec<(usize, f64)>,
     /// `(sequences, what the graphs did)` for those runs.
     generate_graph_stats: Vec<(usize, String)>,
     /// The device's copy bandwidth (bytes read and written per second), in GB/s.
@@ -259,6 +263,9 @@ enum Decode {
     Drawn,
     /// Drawn, the decode steps replayed as CUDA graphs.
     Graphed,
+    /// Drawn at temperature 1 from the top-p 0.9 nucleus (the truncated draw: on a GPU
+    /// `draw_truncated_rows_*`), each row's uniform number its own per step.
+    TopP,
 }
 
 /// Tokens/s of `n` sequences decoding greedily as `how` says, and what the cache's CUDA
@@ -274,20 +281,31 @@ fn generate(model: &Model, n: usize, how: Decode) -> Result<(f64, metronome_mode
     let start = Instant::now();
     let argmax =
         |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
-    let greedy = vec![Some(Draw::new(0.0, 0.0)); n];
+    let draws = |step: usize| -> Vec<Option<Draw>> {
+        (0..n)
+            .map(|s| {
+                Some(if how == Decode::TopP {
+                    let u = (metronome_core::mix64((step * n + s) as u64) >> 11) as f64 / (1u64 << 53) as f64;
+                    Draw { truncation: Truncation { top_p: 0.9, ..Truncation::NONE }, ..Draw::new(1.0, u) }
+                } else {
+                    Draw::new(0.0, 0.0)
+                })
+            })
+            .collect()
+    };
     let token = |next: Next| match next {
         Next::Drawn(d) => d.token,
         Next::Logits(l) => argmax(&l),
     };
     let mut next: Vec<u32> = if drawn {
-        model.prefill_many_drawing(&mut cache, &seqs, &greedy)?.into_iter().map(token).collect()
+        model.prefill_many_drawing(&mut cache, &seqs, &draws(0))?.into_iter().map(token).collect()
     } else {
         model.prefill_many(&mut cache, &seqs)?.iter().map(|l| argmax(l)).collect()
     };
-    for _ in 1..NEW_TOKENS {
+    for step in 1..NEW_TOKENS {
         let batch: Vec<(usize, u32)> = next.iter().enumerate().map(|(s, &t)| (s, t)).collect();
         next = if drawn {
-            model.decode_step_drawing(&mut cache, &batch, &greedy)?.into_iter().map(token).collect()
+            model.decode_step_drawing(&mut cache, &batch, &draws(step))?.into_iter().map(token).collect()
         } else {
             model.decode_step(&mut cache, &batch)?.iter().map(|l| argmax(l)).collect()
         };
@@ -405,6 +423,7 @@ fn main() -> Result<()> {
         generate: Vec::new(),
         generate_drawn: Vec::new(),
         generate_graphed: Vec::new(),
+        generate_top_p: Vec::new(),
         generate_graph_stats: Vec::new(),
         copy_bandwidth_gbps: None,
         generate_roofline: Vec::new(),
@@ -493,7 +512,7 @@ fn main() -> Result<()> {
         }
         // One untimed run of each path first: the first launch of a kernel loads its
         // module, and cuBLAS sets up its handle and workspace.
-        for how in [Decode::LogitsToHost, Decode::Drawn, Decode::Graphed] {
+        for how in [Decode::LogitsToHost, Decode::Drawn, Decode::Graphed, Decode::TopP] {
             generate(&frozen, gen_sizes[0].min(16), how)?;
         }
         for n in gen_sizes {
@@ -513,6 +532,11 @@ fn main() -> Result<()> {
             );
             report.generate_graphed.push((n, tps));
             report.generate_graph_stats.push((n, format!("{graphs:?}")));
+            let (tps, _) = generate(&frozen, n, Decode::TopP)?;
+            println!(
+                "generate {n} seqs: {tps:.0} tokens/s (prompt {PROMPT}, {NEW_TOKENS} new, {precision}, drawn from the top-p 0.9 nucleus)"
+            );
+            report.generate_top_p.push((n, tps));
             if let Some(path) = &json {
                 std::fs::write(path, serde_json::to_string_pretty(&report)?)
                     .with_context(|| format!("writing {path}"))?;
