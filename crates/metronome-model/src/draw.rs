@@ -1,10 +1,11 @@
-//! Drawing a row's next token where its logits are: the untruncated part of sampling
-//! (temperature, or greedy at temperature 0), which a decode step can do on the device
-//! so that only token ids and log-probs cross to the host, not `[rows, vocab]` logits.
+//! Drawing a row's next token where its logits are: the part of sampling that reads
+//! only the row (temperature, or greedy at temperature 0, and top-k/top-p/min-p), which
+//! a decode step can do on the device so that only token ids and log-probs cross to the
+//! host, not `[rows, vocab]` logits.
 //!
-//! The rollout engine owns sampling (configs, seeds, top-k/top-p/min-p, the repetition
-//! penalty); it asks a decode step to draw the rows whose settings need none of the
-//! host-side rules ([`Draw`]) and samples the others from their logits as before
+//! The rollout engine owns sampling (configs, seeds, the repetition penalty, which
+//! reads the context); it asks a decode step to draw the rows whose settings need none
+//! of the host-side rules ([`Draw`]) and samples the others from their logits as before
 //! ([`Next::Logits`]). Its own sampler is built from the functions here, so a row drawn
 //! by the step and one sampled by the engine from the same logits get the same token:
 //!
