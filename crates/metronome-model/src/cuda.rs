@@ -115,17 +115,14 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
     let dev = cs.device();
     let stream = dev.cuda_stream();
     // The host's scaling: `1 / T` in f32, none at `T = 0` (greedy) or `T = 1`.
-    let inv: Vec<f32> = draws
-        .iter()
-        .map(|d| if d.temperature == 0.0 || d.temperature == 1.0 { 1.0 } else { 1.0 / d.temperature })
-        .collect();
+    let inv: Vec<f32> = draws.iter().map(|d| crate::draw::inv_temperature(d.temperature)).collect();
     let u: Vec<f64> = draws.iter().map(|d| d.u).collect();
     let inv = stream.clone_htod(&inv).map_err(cuda_err)?;
     let u = stream.clone_htod(&u).map_err(cuda_err)?;
     let tokens: CudaSlice<u32> = stream.alloc_zeros(n).map_err(cuda_err)?;
     let logprobs: CudaSlice<f32> = stream.alloc_zeros(n).map_err(cuda_err)?;
     // The plain kernel's greedy flags, or the truncated one's settings (min-p as the
-    // host's floor on `x - max`: ln min_p in f64, or -inf).
+    // host's floor on `x - max`).
     let upload_u32 = |v: Vec<u32>| stream.clone_htod(&v).map_err(cuda_err);
     let greedy = if truncated {
         None
@@ -134,12 +131,7 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
     };
     let settings = if truncated {
         let top_p: Vec<f32> = draws.iter().map(|d| d.truncation.top_p).collect();
-        let floor: Vec<f64> = draws
-            .iter()
-            .map(|d| {
-                if d.truncation.min_p > 0.0 { f64::from(d.truncation.min_p).ln() } else { f64::NEG_INFINITY }
-            })
-            .collect();
+        let floor: Vec<f64> = draws.iter().map(|d| d.truncation.min_p_floor()).collect();
         Some((
             upload_u32(draws.iter().map(|d| d.truncation.top_k).collect())?,
             stream.clone_htod(&top_p).map_err(cuda_err)?,

@@ -86,6 +86,13 @@ impl Truncation {
     pub fn is_none(&self) -> bool {
         self.top_k == 0 && self.top_p >= 1.0 && self.min_p <= 0.0
     }
+
+    /// min-p as a floor on a scaled value's distance to the maximum: `p_i >= min_p ·
+    /// p_max` is `x_i − max >= ln min_p` (in f64); `-inf` when min-p is off.
+    #[must_use]
+    pub fn min_p_floor(&self) -> f64 {
+        if self.min_p > 0.0 { f64::from(self.min_p).ln() } else { f64::NEG_INFINITY }
+    }
 }
 
 impl Default for Truncation {
@@ -130,12 +137,19 @@ impl Next {
 pub fn scale(logits: &[f32], temperature: f32, out: &mut Vec<f32>) {
     out.clear();
     out.extend_from_slice(logits);
-    if temperature != 0.0 && temperature != 1.0 {
-        let inv = 1.0 / temperature;
+    let inv = inv_temperature(temperature);
+    if inv != 1.0 {
         for x in out {
             *x *= inv;
         }
     }
+}
+
+/// The factor [`scale`] multiplies the logits by: `1 / T` in f32, or 1 at `T = 0`
+/// (greedy) and `T = 1`. A device's draw is given this, so that it scales as the host.
+#[must_use]
+pub fn inv_temperature(temperature: f32) -> f32 {
+    if temperature == 0.0 || temperature == 1.0 { 1.0 } else { 1.0 / temperature }
 }
 
 /// The first index of the largest of `scaled` (NaN never wins), that value, and the
@@ -249,8 +263,8 @@ pub fn invert_truncated(
         }
     }
     if truncation.min_p > 0.0 {
-        // p_i >= min_p * p_max  <=>  x_i - max >= ln(min_p); the top token always passes.
-        let floor = f64::from(truncation.min_p).ln();
+        // The top token always passes (its distance is 0).
+        let floor = truncation.min_p_floor();
         let passing = order[..keep]
             .iter()
             .take_while(|&&i| f64::from(scaled[i as usize]) - f64::from(max) >= floor)

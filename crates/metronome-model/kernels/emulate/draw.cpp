@@ -15,6 +15,7 @@
 
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
 
 template <typename T> static T from_bits(uint64_t b) {
     T x;

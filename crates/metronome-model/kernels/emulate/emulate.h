@@ -14,11 +14,11 @@
 #pragma once
 #include <ucontext.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -59,17 +59,8 @@ using std::isfinite;
 using std::isnan;
 using std::min;
 
-inline float __int_as_float(int i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
-}
-
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
+inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
+inline unsigned __float_as_uint(float f) { return std::bit_cast<unsigned>(f); }
 #define __align__(n) __attribute__((aligned(n)))
 #define __global__
 #define __device__

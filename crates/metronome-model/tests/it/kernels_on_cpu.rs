@@ -88,9 +88,9 @@ fn draw_kernels_emulated_on_the_cpu_draw_what_the_host_draws() {
         }
         let mut input = format!("{} {rows} {vocab}\n", u32::from(bf16));
         for d in &draws {
-            let inv = if d.temperature == 0.0 || d.temperature == 1.0 { 1.0 } else { 1.0 / d.temperature };
+            let inv = metronome_model::draw::inv_temperature(d.temperature);
             let t = d.truncation;
-            let floor = if t.min_p > 0.0 { f64::from(t.min_p).ln() } else { f64::NEG_INFINITY };
+            let floor = t.min_p_floor();
             let greedy = u32::from(d.temperature == 0.0);
             let (inv, u, p, floor) = (inv.to_bits(), d.u.to_bits(), t.top_p.to_bits(), floor.to_bits());
             writeln!(input, "{inv:x} {u:x} {greedy} {} {p:x} {floor:x}", t.top_k).unwrap();
