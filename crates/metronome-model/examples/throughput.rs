@@ -281,7 +281,7 @@ fn generate(model: &Model, n: usize, how: Decode) -> Result<(f64, metronome_mode
     let start = Instant::now();
     let argmax =
         |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
-    let draws = |step: usize| -> Vec<Option<Draw>> {
+    let draws = |step: usize| -> Vec<Option<Draw<'static>>> {
         (0..n)
             .map(|s| {
                 Some(if how == Decode::TopP {

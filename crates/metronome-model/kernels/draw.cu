@@ -327,3 +327,82 @@ __device__ void draw_truncated_row(const T *logits, uint32_t vocab, float inv, d
 
 DRAW_TRUNCATED_KERNEL(draw_truncated_rows_f32, float)
 DRAW_TRUNCATED_KERNEL(draw_truncated_rows_bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------
+// The repetition penalty (src/draw.rs, `Penalty::apply`): a row's logits copied to f32
+// and each of its context's distinct ids penalised there, as the host does in f32 (a
+// positive logit divided by the factor, any other multiplied), before a draw kernel
+// reads the copy. One block per row; the ids of a row are distinct (the host dedups
+// them), so no two threads write one logit.
+#define PENALISE_THREADS 256
+
+template <typename T>
+__device__ void penalise_row(const T *logits, float *out, uint32_t vocab, const uint32_t *ids, uint32_t n,
+                             float factor) {
+    for (uint32_t i = threadIdx.x; i < vocab; i += PENALISE_THREADS) out[i] = load(logits, i);
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < n; j += PENALISE_THREADS) {
+        const uint32_t id = ids[j];
+        if (id < vocab) {
+            const float x = out[id];
+            out[id] = x > 0.0f ? x / factor : x * factor;
+        }
+    }
+}
+
+// logits: [rows, vocab]; out: [rows, vocab] f32; offsets: [rows + 1] into ids (row r's
+// ids are ids[offsets[r]..offsets[r + 1]]); factor: [rows].
+#define PENALISE_KERNEL(NAME, T)                                                                   \
+    extern "C" __global__ void NAME(const T *logits, float *out, const uint32_t *offsets,           \
+                                    const uint32_t *ids, const float *factor, uint32_t vocab) {     \
+        const uint32_t row = blockIdx.x;                                                           \
+        penalise_row<T>(logits + (size_t)row * vocab, out + (size_t)row * vocab, vocab,             \
+                        ids + offsets[row], offsets[row + 1] - offsets[row], factor[row]);         \
+    }
+
+PENALISE_KERNEL(penalise_rows_f32, float)
+PENALISE_KERNEL(penalise_rows_bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------
+// Raw log-probs (src/draw.rs, `raw_logprob`): the drawn token's log-prob under the raw
+// logits at temperature 1, for rows that report vLLM's `raw_logprobs`. One block per
+// row: the maximum (NaN never wins), each thread's run of weights summed in order and
+// the runs' sums in a fixed tree; x_t - (max + ln total). A row without a drawn token
+// (NONE) is left as it is.
+template <typename T>
+__device__ void raw_logprob_row(const T *logits, uint32_t vocab, uint32_t token, float *logprob_out) {
+    __shared__ float s_max[DRAW_THREADS];
+    __shared__ double s_f64[DRAW_THREADS];
+    if (token == NONE) return;  // the whole block returns: no barrier follows for any
+    const uint32_t t = threadIdx.x;
+    const uint32_t chunk = (vocab + DRAW_THREADS - 1) / DRAW_THREADS;
+    const uint32_t begin = min(t * chunk, vocab);
+    const uint32_t end = min(begin + chunk, vocab);
+    float best = -INFINITY;
+    for (uint32_t i = begin; i < end; ++i) {
+        const float x = load(logits, i);
+        if (x > best) best = x;  // NaN compares false
+    }
+    s_max[t] = best;
+    __syncthreads();
+    for (uint32_t stride = DRAW_THREADS / 2; stride > 0; stride >>= 1) {
+        if (t < stride) s_max[t] = fmaxf(s_max[t], s_max[t + stride]);
+        __syncthreads();
+    }
+    const float max = s_max[0];
+    double sum = 0.0;
+    for (uint32_t i = begin; i < end; ++i) sum += weight(load(logits, i), max);
+    const double total = block_sum_f64(sum, s_f64);
+    if (t == 0) *logprob_out = (float)((double)load(logits, token) - ((double)max + log(total)));
+}
+
+// logits: [rows, vocab]; tokens, logprobs: [rows] (logprobs overwritten where a token is).
+#define RAW_LOGPROB_KERNEL(NAME, T)                                                                \
+    extern "C" __global__ void NAME(const T *logits, const uint32_t *tokens, float *logprobs,       \
+                                    uint32_t vocab) {                                              \
+        const uint32_t row = blockIdx.x;                                                           \
+        raw_logprob_row<T>(logits + (size_t)row * vocab, vocab, tokens[row], logprobs + row);       \
+    }
+
+RAW_LOGPROB_KERNEL(raw_logprobs_f32, float)
+RAW_LOGPROB_KERNEL(raw_logprobs_bf16, __nv_bfloat16)

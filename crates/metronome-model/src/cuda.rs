@@ -4,7 +4,7 @@
 //! the crate, which its GPU test compares it with (`tests/it/devices.rs`).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda::cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 use candle_core::cuda::{CudaDType, WrapErr};
 use candle_core::{CpuStorage, CudaStorage, DType, Layout, Shape, Storage, Tensor};
 
@@ -51,8 +51,10 @@ use crate::{Error, Result};
 
 /// `kernels/draw.cu`.
 const DRAW_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/draw.ptx"));
-/// Threads per row of the draw kernel (`DRAW_THREADS` there, which sizes its shared arrays).
+/// Threads per row of the draw kernels (`DRAW_THREADS` there, which sizes their shared arrays).
 const DRAW_THREADS: u32 = 1024;
+/// Threads per row of the penalty kernel (`PENALISE_THREADS` there).
+const PENALISE_THREADS: u32 = 256;
 /// The kernel's token for a row without a finite maximum.
 const NONE: u32 = u32::MAX;
 
@@ -62,19 +64,21 @@ fn cuda_err(e: impl std::fmt::Display) -> Error {
 
 /// [`crate::Kernels::next_rows`] on a CUDA device: the rows with a draw are drawn by
 /// `draw_rows_*` (from the whole distribution, or greedy) and `draw_truncated_rows_*`
-/// (top-k, top-p, min-p), one launch each, one block per row, and only their tokens and
-/// log-probs are copied to the host; the other rows' logits are gathered and copied.
-pub(crate) fn next_rows(logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<Next>> {
+/// (top-k, top-p, min-p), one block per row, penalised rows first copied to f32 and
+/// penalised by `penalise_rows_*`, one launch for each of these kinds of rows the step
+/// has, and only their tokens and log-probs are copied to the host; the other rows'
+/// logits are gathered and copied.
+pub(crate) fn next_rows(logits: &Tensor, draws: &[Option<Draw<'_>>]) -> Result<Vec<Next>> {
     let (rows, vocab) = logits.dims2()?;
     let mut out: Vec<Option<Next>> = vec![None; rows];
-    for truncated in [false, true] {
-        let drawn: Vec<usize> =
-            (0..rows).filter(|&r| draws[r].is_some_and(|d| d.truncates() == truncated)).collect();
+    for (truncated, penalised) in [(false, false), (true, false), (false, true), (true, true)] {
+        let kind = |d: &Draw<'_>| d.truncates() == truncated && d.penalty.is_some() == penalised;
+        let drawn: Vec<usize> = (0..rows).filter(|&r| draws[r].as_ref().is_some_and(kind)).collect();
         if drawn.is_empty() {
             continue;
         }
         let picked = if drawn.len() == rows { logits.contiguous()? } else { pick(logits, &drawn)? };
-        let draws_of: Vec<Draw> = drawn.iter().filter_map(|&r| draws[r]).collect();
+        let draws_of: Vec<Draw<'_>> = drawn.iter().filter_map(|&r| draws[r]).collect();
         let results = draw_rows(&picked, vocab, &draws_of, truncated)?;
         for (&r, d) in drawn.iter().zip(results) {
             out[r] = d.map(Next::Drawn);
@@ -97,11 +101,55 @@ fn pick(logits: &Tensor, rows: &[usize]) -> Result<Tensor> {
     Ok(logits.index_select(&index, 0)?.contiguous()?)
 }
 
-/// Launches a draw kernel on `logits: [draws.len(), vocab]` (contiguous, f32 or bf16):
-/// `draw_truncated_rows_*` when `truncated` (every draw truncates), `draw_rows_*`
-/// otherwise (none does); `None` for a row without a finite maximum.
-#[allow(unsafe_code, reason = "a kernel launch: cudarc cannot check the arguments against the PTX")]
-fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> Result<Vec<Option<Drawn>>> {
+/// Logits `[rows, vocab]` on the device, in either dtype the draw kernels read.
+enum Rows<'a> {
+    F32(CudaView<'a, f32>),
+    Bf16(CudaView<'a, half::bf16>),
+}
+
+impl Rows<'_> {
+    /// The contiguous elements of `logits` (f32 or bf16).
+    fn of<'a>(cs: &'a CudaStorage, layout: &Layout, dtype: DType, len: usize) -> Result<Rows<'a>> {
+        let start = layout.start_offset();
+        Ok(match dtype {
+            DType::F32 => Rows::F32(cs.as_cuda_slice::<f32>()?.slice(start..start + len)),
+            DType::BF16 => Rows::Bf16(cs.as_cuda_slice::<half::bf16>()?.slice(start..start + len)),
+            other => {
+                return Err(Error::invalid(
+                    "draw",
+                    format!("logits of {other:?}: the kernel reads f32 and bf16"),
+                ));
+            }
+        })
+    }
+
+    /// The kernel `name` of `kernels/draw.cu` for these rows' dtype.
+    fn kernel(&self, name: &str) -> String {
+        format!("{name}_{}", if matches!(self, Rows::F32(_)) { "f32" } else { "bf16" })
+    }
+
+    /// Pushes the rows as a kernel's argument.
+    fn arg<'a, 'b: 'a>(&'b self, builder: &mut LaunchArgs<'a>) {
+        match self {
+            Rows::F32(v) => builder.arg(v),
+            Rows::Bf16(v) => builder.arg(v),
+        };
+    }
+}
+
+/// Launches the draw kernels on `logits: [draws.len(), vocab]` (contiguous, f32 or
+/// bf16), whose draws are all of one kind: `draw_truncated_rows_*` when `truncated`
+/// (every draw truncates), `draw_rows_*` otherwise (none does), on an f32 copy
+/// penalised by `penalise_rows_*` when the draws have a penalty (all or none do), and
+/// `raw_logprobs_*` after them when some report raw log-probs. `None` for a row without
+/// a finite maximum.
+#[allow(unsafe_code, reason = "kernel launches: cudarc cannot check the arguments against the PTX")]
+fn draw_rows(
+    logits: &Tensor,
+    vocab: usize,
+    draws: &[Draw<'_>],
+    truncated: bool,
+) -> Result<Vec<Option<Drawn>>> {
     let n = draws.len();
     if n == 0 {
         return Ok(Vec::new());
@@ -114,6 +162,47 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
     };
     let dev = cs.device();
     let stream = dev.cuda_stream();
+    let load = |name: &str| dev.get_or_load_custom_func(name, "metronome_draw", DRAW_PTX);
+    let rows = Rows::of(cs, layout, logits.dtype(), n * vocab)?;
+    let per_row = |threads: u32| LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+
+    // Penalised rows: their context's distinct ids (a few hundred a row, where the
+    // logits are the vocabulary's), and an f32 copy of the rows penalised.
+    let copy = if draws[0].penalty.is_some() {
+        let (mut offsets, mut ids, mut factors, mut seen) =
+            (vec![0u32], Vec::new(), Vec::with_capacity(n), Vec::new());
+        for d in draws {
+            let p = d
+                .penalty
+                .ok_or_else(|| Error::invalid("draw", "a launch mixes penalised rows with others"))?;
+            p.distinct(vocab, &mut seen);
+            ids.extend_from_slice(&seen);
+            offsets.push(ids.len() as u32);
+            factors.push(p.factor);
+        }
+        ids.push(0); // never read; a launch takes no empty buffer
+        let offsets = stream.clone_htod(&offsets).map_err(cuda_err)?;
+        let ids = stream.clone_htod(&ids).map_err(cuda_err)?;
+        let factors = stream.clone_htod(&factors).map_err(cuda_err)?;
+        let out: CudaSlice<f32> = stream.alloc_zeros(n * vocab).map_err(cuda_err)?;
+        let func = load(&rows.kernel("penalise_rows"))?;
+        let mut b = func.builder();
+        rows.arg(&mut b);
+        b.arg(&out).arg(&offsets).arg(&ids).arg(&factors).arg(&vocab32);
+        // SAFETY: the arguments are the kernel's, in its order and types: the rows and
+        // `out` hold `n * vocab` elements, `offsets` n + 1 bounds into `ids`, `factors` n.
+        unsafe { b.launch(per_row(PENALISE_THREADS)) }.map_err(cuda_err)?;
+        Some(out)
+    } else {
+        None
+    };
+    let penalised = copy.as_ref().map(|out| Rows::F32(out.slice(0..n * vocab)));
+    let source = penalised.as_ref().unwrap_or(&rows);
+
     // The host's scaling: `1 / T` in f32, none at `T = 0` (greedy) or `T = 1`.
     let inv: Vec<f32> = draws.iter().map(|d| crate::draw::inv_temperature(d.temperature)).collect();
     let u: Vec<f64> = draws.iter().map(|d| d.u).collect();
@@ -121,9 +210,9 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
     let u = stream.clone_htod(&u).map_err(cuda_err)?;
     let tokens: CudaSlice<u32> = stream.alloc_zeros(n).map_err(cuda_err)?;
     let logprobs: CudaSlice<f32> = stream.alloc_zeros(n).map_err(cuda_err)?;
+    let upload_u32 = |v: Vec<u32>| stream.clone_htod(&v).map_err(cuda_err);
     // The plain kernel's greedy flags, or the truncated one's settings (min-p as the
     // host's floor on `x - max`).
-    let upload_u32 = |v: Vec<u32>| stream.clone_htod(&v).map_err(cuda_err);
     let greedy = if truncated {
         None
     } else {
@@ -140,43 +229,44 @@ fn draw_rows(logits: &Tensor, vocab: usize, draws: &[Draw], truncated: bool) -> 
     } else {
         None
     };
-    let (start, len) = (layout.start_offset(), n * vocab);
-    let cfg =
-        LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (DRAW_THREADS, 1, 1), shared_mem_bytes: 0 };
-    macro_rules! launch {
-        ($t:ty, $plain:literal, $truncated:literal) => {{
-            let src = cs.as_cuda_slice::<$t>()?.slice(start..start + len);
-            let name = if truncated { $truncated } else { $plain };
-            let func = dev.get_or_load_custom_func(name, "metronome_draw", DRAW_PTX)?;
-            let mut b = func.builder();
-            b.arg(&src).arg(&inv);
-            if let Some((top_k, top_p, floor)) = &settings {
-                b.arg(&u).arg(top_k).arg(top_p).arg(floor);
-            } else if let Some(greedy) = &greedy {
-                b.arg(greedy).arg(&u);
-            }
-            b.arg(&tokens).arg(&logprobs).arg(&vocab32);
-            // SAFETY: the arguments are the kernel's, in its order and types; `src` holds
-            // `n * vocab` elements and the others `n`, one block writing each row's.
-            unsafe { b.launch(cfg) }.map_err(cuda_err)?;
-        }};
+    let func = load(&source.kernel(if truncated { "draw_truncated_rows" } else { "draw_rows" }))?;
+    let mut b = func.builder();
+    source.arg(&mut b);
+    b.arg(&inv);
+    if let Some((top_k, top_p, floor)) = &settings {
+        b.arg(&u).arg(top_k).arg(top_p).arg(floor);
+    } else if let Some(greedy) = &greedy {
+        b.arg(greedy).arg(&u);
     }
-    match logits.dtype() {
-        DType::F32 => launch!(f32, "draw_rows_f32", "draw_truncated_rows_f32"),
-        DType::BF16 => launch!(half::bf16, "draw_rows_bf16", "draw_truncated_rows_bf16"),
-        other => {
-            return Err(Error::invalid(
-                "draw",
-                format!("logits of {other:?}: the kernel reads f32 and bf16"),
-            ));
-        }
-    }
+    b.arg(&tokens).arg(&logprobs).arg(&vocab32);
+    // SAFETY: the arguments are the kernel's, in its order and types; the rows hold
+    // `n * vocab` elements and the others `n`, one block writing each row's.
+    unsafe { b.launch(per_row(DRAW_THREADS)) }.map_err(cuda_err)?;
+
+    // Raw log-probs, from the rows as they came (unpenalised, unscaled).
+    let raw = if draws.iter().any(|d| d.raw_logprob) {
+        let raw: CudaSlice<f32> = stream.alloc_zeros(n).map_err(cuda_err)?;
+        let func = load(&rows.kernel("raw_logprobs"))?;
+        let mut b = func.builder();
+        rows.arg(&mut b);
+        b.arg(&tokens).arg(&raw).arg(&vocab32);
+        // SAFETY: the arguments are the kernel's, in its order and types: the rows hold
+        // `n * vocab` elements, `tokens` and `raw` n.
+        unsafe { b.launch(per_row(DRAW_THREADS)) }.map_err(cuda_err)?;
+        Some(stream.clone_dtoh(&raw).map_err(cuda_err)?)
+    } else {
+        None
+    };
     let tokens = stream.clone_dtoh(&tokens).map_err(cuda_err)?;
     let logprobs = stream.clone_dtoh(&logprobs).map_err(cuda_err)?;
-    Ok(tokens
-        .into_iter()
-        .zip(logprobs)
-        .map(|(token, logprob)| (token != NONE).then_some(Drawn { token, logprob }))
+    Ok((0..n)
+        .map(|r| {
+            let logprob = match &raw {
+                Some(raw) if draws[r].raw_logprob => raw[r],
+                _ => logprobs[r],
+            };
+            (tokens[r] != NONE).then_some(Drawn { token: tokens[r], logprob })
+        })
         .collect())
 }
 

@@ -1,44 +1,49 @@
-//! Drawing a row's next token where its logits are: the part of sampling that reads
-//! only the row (temperature, or greedy at temperature 0, and top-k/top-p/min-p), which
-//! a decode step can do on the device so that only token ids and log-probs cross to the
-//! host, not `[rows, vocab]` logits.
+//! Drawing a row's next token where its logits are, so that only token ids and
+//! log-probs cross to the host, not `[rows, vocab]` logits: every sampling setting the
+//! rollout engine has (temperature, or greedy at temperature 0; the repetition penalty;
+//! top-k/top-p/min-p; the log-probs of the raw distribution instead of the drawn one).
 //!
-//! The rollout engine owns sampling (configs, seeds, the repetition penalty, which
-//! reads the context); it asks a decode step to draw the rows whose settings need none
-//! of the host-side rules ([`Draw`]) and samples the others from their logits as before
-//! ([`Next::Logits`]). Its own sampler is built from the functions here, so a row drawn
-//! by the step and one sampled by the engine from the same logits get the same token:
+//! The rollout engine owns sampling (configs, seeds, the contexts a penalty reads) and
+//! gives a decode step one [`Draw`] per row; a row comes back as its logits
+//! ([`Next::Logits`]) only when it had no draw or its logits no finite maximum. The
+//! engine's own sampler is [`draw_row`], so a row drawn by a step and one sampled by
+//! the engine from the same logits get the same token:
 //!
-//! 1. scale the logits by `1 / T` in f32 ([`scale`]; not at `T = 0` or `T = 1`);
-//! 2. the first index of the largest scaled value, and `w_i = exp(x_i − max)` in f64,
+//! 1. the repetition penalty, when there is one ([`Penalty`]): each distinct context
+//!    token's logit divided by the factor when positive, multiplied otherwise, in f32;
+//! 2. scale the logits by `1 / T` in f32 ([`scale`]; not at `T = 0` or `T = 1`);
+//! 3. the first index of the largest scaled value, and `w_i = exp(x_i − max)` in f64,
 //!    summed in token order ([`row_weights`]);
-//! 3. greedy: that index; otherwise the first token whose running sum of weights
+//! 4. greedy: that index; otherwise the first token whose running sum of weights
 //!    exceeds `u · total` ([`invert_cdf`]), `u` being the row's counter-based uniform
 //!    number (`metronome-rollout`'s `TokenRng`: run seed, version, prompt, sample index
 //!    and position, never the slot, batch or device);
-//! 4. the log-prob of the token under the scaled distribution, `x_t − max − ln total`
-//!    (at `T = 1` when greedy).
+//! 5. the log-prob of the token under the scaled distribution, `x_t − max − ln total`
+//!    (at `T = 1` when greedy), or with [`Draw::raw_logprob`] under the raw logits'
+//!    (step 3 at `T = 1` without the penalty; [`raw_logprob`]).
 //!
 //! A draw may also truncate the distribution ([`Truncation`]: top-k, then top-p over
-//! the top-k set, then min-p), in which case step 3 walks the surviving tokens in order
+//! the top-k set, then min-p), in which case step 4 walks the surviving tokens in order
 //! of decreasing probability instead ([`invert_truncated`]); the log-prob stays the
-//! untruncated one of step 4. The engine's sampler and a decode step on the CPU use
+//! untruncated one of step 5. The engine's sampler and a decode step on the CPU use
 //! this one definition; the CUDA kernel finds the same survivors and token by binary
 //! searches over a key that orders tokens as the host's sort does (`kernels/draw.cu`).
 //!
 //! On the CPU (and under [`crate::Kernels::Portable`]) a step draws its rows with
-//! exactly these functions ([`draw_row`]). The CUDA kernel (`kernels/draw.cu`, under
-//! [`crate::Kernels::Cuda`]) follows the same steps with one thread block per row: each
+//! exactly these functions ([`draw_row`]). The CUDA kernels (`kernels/draw.cu`, under
+//! [`crate::Kernels::Cuda`]) follow the same steps with one thread block per row: each
 //! thread sums a contiguous run of the vocabulary in order and the runs' sums are
 //! added in order, so the total differs from the sequential sum only in f64 rounding
 //! (about 1e-16 relative); a token differs only when `u · total` falls that close to
-//! a boundary between two tokens.
+//! a boundary between two tokens. A penalised row is first copied to f32 and penalised
+//! there by `penalise_rows_*` (the host's arithmetic exactly), its context's distinct
+//! ids uploaded with it: a few hundred ids a row instead of its vocabulary's logits.
 
 use crate::{Error, Result};
 
 /// How one row's next token is drawn by a decode step.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Draw {
+pub struct Draw<'a> {
     /// Softmax temperature; `0` is greedy (the argmax, whose log-prob is then taken at
     /// temperature 1).
     pub temperature: f32,
@@ -46,15 +51,23 @@ pub struct Draw {
     pub u: f64,
     /// The tokens it may draw from (none left out by default; ignored when greedy).
     pub truncation: Truncation,
+    /// The repetition penalty, applied to the logits before everything else (none by
+    /// default).
+    pub penalty: Option<Penalty<'a>>,
+    /// Report the token's log-prob under the raw logits (temperature 1, no penalty; vLLM's
+    /// default `raw_logprobs`) instead of under the distribution it was drawn from.
+    pub raw_logprob: bool,
 }
 
-impl Draw {
+impl Draw<'static> {
     /// A draw at `temperature` with the uniform number `u`, from the whole distribution.
     #[must_use]
     pub const fn new(temperature: f32, u: f64) -> Self {
-        Self { temperature, u, truncation: Truncation::NONE }
+        Self { temperature, u, truncation: Truncation::NONE, penalty: None, raw_logprob: false }
     }
+}
 
+impl Draw<'_> {
     /// Whether it draws from a truncated distribution (greedy draws never do).
     #[must_use]
     pub fn truncates(&self) -> bool {
@@ -98,6 +111,37 @@ impl Truncation {
 impl Default for Truncation {
     fn default() -> Self {
         Self::NONE
+    }
+}
+
+/// Hugging Face's repetition penalty: each distinct token of `context` that is in the
+/// vocabulary has its logit divided by `factor` when positive and multiplied by it
+/// otherwise, so that a factor above 1 always makes it less likely.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Penalty<'a> {
+    /// The factor, finite and positive (1 changes nothing).
+    pub factor: f32,
+    /// The tokens it applies to (the prompt and the response so far); each counts once.
+    pub context: &'a [u32],
+}
+
+impl Penalty<'_> {
+    /// Applies the penalty to `row`; `seen` is scratch (the distinct context ids).
+    pub fn apply(&self, row: &mut [f32], seen: &mut Vec<u32>) {
+        self.distinct(row.len(), seen);
+        for &t in seen.iter() {
+            let x = &mut row[t as usize];
+            *x = if *x > 0.0 { *x / self.factor } else { *x * self.factor };
+        }
+    }
+
+    /// The context's distinct ids below `vocab`, ascending, into `out`: what a device
+    /// is given to penalise a row.
+    pub fn distinct(&self, vocab: usize, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend(self.context.iter().copied().filter(|&t| (t as usize) < vocab));
+        out.sort_unstable();
+        out.dedup();
     }
 }
 
@@ -287,14 +331,27 @@ pub fn invert_truncated(
 /// Reusable buffers of [`draw_row`].
 #[derive(Debug, Default)]
 pub struct DrawScratch {
+    penalised: Vec<f32>,
+    seen: Vec<u32>,
     scaled: Vec<f32>,
     weights: Vec<f64>,
     order: Vec<u32>,
 }
 
-/// Draws one row's token on the host: the reference of every device's draw (module docs).
-pub fn draw_row(logits: &[f32], draw: Draw, scratch: &mut DrawScratch) -> Result<Drawn> {
-    scale(logits, draw.temperature, &mut scratch.scaled);
+/// Draws one row's token on the host: the reference of every device's draw (module
+/// docs). Errors when the row is empty or has no finite maximum once penalised and
+/// scaled.
+pub fn draw_row(logits: &[f32], draw: Draw<'_>, scratch: &mut DrawScratch) -> Result<Drawn> {
+    let row = match draw.penalty {
+        Some(penalty) => {
+            scratch.penalised.clear();
+            scratch.penalised.extend_from_slice(logits);
+            penalty.apply(&mut scratch.penalised, &mut scratch.seen);
+            &scratch.penalised
+        }
+        None => logits,
+    };
+    scale(row, draw.temperature, &mut scratch.scaled);
     let (top, max, total) = row_weights(&scratch.scaled, &mut scratch.weights)?;
     let token = if draw.temperature == 0.0 {
         top as u32
@@ -303,12 +360,25 @@ pub fn draw_row(logits: &[f32], draw: Draw, scratch: &mut DrawScratch) -> Result
     } else {
         invert_cdf(&scratch.weights, total, draw.u)
     };
-    Ok(Drawn { token, logprob: logprob(scratch.scaled[token as usize], max, total) })
+    let logprob = if draw.raw_logprob {
+        raw_logprob(logits, token as usize, &mut scratch.weights)?
+    } else {
+        logprob(scratch.scaled[token as usize], max, total)
+    };
+    Ok(Drawn { token, logprob })
+}
+
+/// `log_softmax(logits)[token]` at temperature 1: steps 3 and 5 of the module docs on
+/// the raw row (`weights` is scratch).
+pub fn raw_logprob(logits: &[f32], token: usize, weights: &mut Vec<f64>) -> Result<f32> {
+    let (_, max, total) = row_weights(logits, weights)?;
+    Ok(logprob(logits[token], max, total))
 }
 
 /// Checks a step's draws against its rows: one per row, temperatures of the sampler's
-/// domain (`0`, or finite and positive), uniform numbers in `[0, 1)`.
-pub(crate) fn check_draws(draws: &[Option<Draw>], rows: usize) -> Result<()> {
+/// domain (`0`, or finite and positive), uniform numbers in `[0, 1)`, truncations and
+/// penalty factors in their ranges.
+pub(crate) fn check_draws(draws: &[Option<Draw<'_>>], rows: usize) -> Result<()> {
     if draws.len() != rows {
         return Err(Error::invalid("draws", format!("{} for {rows} rows", draws.len())));
     }
@@ -331,6 +401,14 @@ pub(crate) fn check_draws(draws: &[Option<Draw>], rows: usize) -> Result<()> {
             return Err(Error::invalid(
                 format!("draw {i}"),
                 format!("top_p {} is not in (0, 1] or min_p {} not in [0, 1]", t.top_p, t.min_p),
+            ));
+        }
+        if let Some(p) = d.penalty
+            && !(p.factor.is_finite() && p.factor > 0.0)
+        {
+            return Err(Error::invalid(
+                format!("draw {i}"),
+                format!("repetition penalty {} is not finite and positive", p.factor),
             ));
         }
     }
@@ -426,5 +504,45 @@ mod tests {
         assert!(check_draws(&[low], 1).unwrap_err().to_string().contains("min_p 1.5"));
         let far = Some(Draw::new(1.0, 1.0));
         assert!(check_draws(&[far], 1).unwrap_err().to_string().contains("[0, 1)"));
+        for factor in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let bad = Some(Draw { penalty: Some(Penalty { factor, context: &[1] }), ..Draw::new(1.0, 0.5) });
+            let e = check_draws(&[ok, bad], 2).unwrap_err().to_string();
+            assert!(e.contains("draw 1") && e.contains("repetition penalty"), "{e}");
+        }
+    }
+
+    #[test]
+    fn the_penalty_comes_first_once_per_distinct_token_and_raw_logprobs_read_the_raw_row() {
+        let mut s = DrawScratch::default();
+        let logits = [2.0f32, -1.0, 1.5, 0.5];
+        // Token 0 repeated and an id past the vocabulary: 2 / 4 = 0.5 and -1 * 4 = -4,
+        // each once, so token 2 (1.5) is now the greedy pick.
+        let penalty = Penalty { factor: 4.0, context: &[0, 1, 0, 0, 9] };
+        let greedy = Draw { penalty: Some(penalty), ..Draw::new(0.0, 0.5) };
+        let d = draw_row(&logits, greedy, &mut s).unwrap();
+        assert_eq!(d.token, 2);
+        let penalised = [0.5f64, -4.0, 1.5, 0.5];
+        let z = penalised.iter().map(|x| x.exp()).sum::<f64>().ln();
+        assert!((f64::from(d.logprob) - (1.5 - z)).abs() < 1e-6, "the penalised log-prob");
+        // Raw: the same token's log-prob under the unpenalised logits at T = 1, whatever
+        // the temperature it was drawn at.
+        let z_raw = logits.iter().map(|&x| f64::from(x).exp()).sum::<f64>().ln();
+        for temperature in [0.0, 0.5, 1.0] {
+            let raw = Draw { temperature, raw_logprob: true, ..greedy };
+            let d = draw_row(&logits, raw, &mut s).unwrap();
+            if temperature == 0.0 {
+                assert_eq!(d.token, 2);
+            }
+            let want = f64::from(logits[d.token as usize]) - z_raw;
+            assert!((f64::from(d.logprob) - want).abs() < 1e-6, "T = {temperature}");
+        }
+        // A factor of 1, or no context, changes nothing.
+        for penalty in [Penalty { factor: 1.0, context: &[0, 1] }, Penalty { factor: 3.0, context: &[] }] {
+            let with = Draw { penalty: Some(penalty), ..Draw::new(0.8, 0.37) };
+            assert_eq!(
+                draw_row(&logits, with, &mut s).unwrap(),
+                draw_row(&logits, Draw::new(0.8, 0.37), &mut s).unwrap()
+            );
+        }
     }
 }

@@ -620,7 +620,7 @@ impl Model {
         &self,
         cache: &mut KvCache,
         seqs: &[(usize, &[u32])],
-        draws: &[Option<Draw>],
+        draws: &[Option<Draw<'_>>],
     ) -> Result<Vec<Next>> {
         self.check_prefill(seqs)?;
         check_draws(draws, seqs.len())?;
@@ -656,7 +656,7 @@ impl Model {
         &self,
         cache: &mut KvCache,
         batch: &[(usize, u32)],
-        draws: &[Option<Draw>],
+        draws: &[Option<Draw<'_>>],
     ) -> Result<Vec<Next>> {
         check_draws(draws, batch.len())?;
         let logits = self.decode_logits(cache, batch)?;

@@ -116,7 +116,7 @@ mod tokenizer;
 pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Architecture, ModelConfig};
 pub use device::{DeviceSpec, STAGE_STREAMS_ENV, Stage};
-pub use draw::{Draw, Drawn, Next, Truncation};
+pub use draw::{Draw, Drawn, Next, Penalty, Truncation};
 pub use error::{Error, Result};
 pub use gguf::{hf_to_gguf_name, permute_for_gguf};
 pub use head::{HeadInput, reverse_kl};

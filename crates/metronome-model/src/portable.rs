@@ -588,7 +588,7 @@ impl Kernels {
     /// the caller to sample (and to report). `draws` has one entry per row.
     /// [`crate::Model::decode_step_drawing`] calls it; public so that a device's draw
     /// can be tested against the host's on the same logits.
-    pub fn next_rows(self, logits: &Tensor, draws: &[Option<Draw>]) -> Result<Vec<Next>> {
+    pub fn next_rows(self, logits: &Tensor, draws: &[Option<Draw<'_>>]) -> Result<Vec<Next>> {
         crate::draw::check_draws(draws, logits.dims2()?.0)?;
         #[cfg(feature = "cuda")]
         if self == Self::Cuda && draws.iter().any(Option::is_some) {

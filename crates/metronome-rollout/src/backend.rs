@@ -54,7 +54,7 @@ pub trait InferenceModel: Send + Sync + 'static {
         &self,
         cache: &mut Self::Cache,
         seqs: &[(usize, &[TokenId])],
-        draws: &[Option<Draw>],
+        draws: &[Option<Draw<'_>>],
     ) -> Result<Vec<Next>> {
         let _ = draws;
         seqs.iter().map(|&(slot, tokens)| Ok(Next::Logits(self.prefill(cache, slot, tokens)?))).collect()
@@ -66,7 +66,7 @@ pub trait InferenceModel: Send + Sync + 'static {
         &self,
         cache: &mut Self::Cache,
         batch: &[(usize, TokenId)],
-        draws: &[Option<Draw>],
+        draws: &[Option<Draw<'_>>],
     ) -> Result<Vec<Next>>;
 
     /// Empties `slot` for the next sequence.
@@ -213,7 +213,7 @@ mod candle_model {
             &self,
             cache: &mut KvCache,
             seqs: &[(usize, &[TokenId])],
-            draws: &[Option<Draw>],
+            draws: &[Option<Draw<'_>>],
         ) -> Result<Vec<Next>> {
             Model::prefill_many_drawing(self, cache, seqs, draws).map_err(Error::model)
         }
@@ -222,7 +222,7 @@ mod candle_model {
             &self,
             cache: &mut KvCache,
             batch: &[(usize, TokenId)],
-            draws: &[Option<Draw>],
+            draws: &[Option<Draw<'_>>],
         ) -> Result<Vec<Next>> {
             Model::decode_step_drawing(self, cache, batch, draws).map_err(Error::model)
         }

@@ -21,8 +21,9 @@
 //!   kernel that needs no padding rows, several times faster at few slots. What each
 //!   mode costs is in the README's benchmark section (`benches/rollout.rs`).
 //! - **Reproducible sampling** ([`sampling`]): temperature, top-k, top-p, min-p,
-//!   repetition penalty, greedy at temperature 0, stop tokens and stop strings. A
-//!   response's seed is `metronome_core::sample_seed(run, version, prompt,
+//!   repetition penalty, greedy at temperature 0, stop tokens and stop strings, all
+//!   but the stop rules drawn by the decode step where the logits are
+//!   (`metronome_model::draw`; on a GPU by CUDA kernels). A response's seed is `metronome_core::sample_seed(run, version, prompt,
 //!   sample_index)` and its `k`-th token uses the `k`-th number of that seed's stream,
 //!   so with a batch-invariant model (`metronome_model`'s decode is) the tokens do not
 //!   depend on the worker, slot or batch that produced them.

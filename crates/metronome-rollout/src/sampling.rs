@@ -9,13 +9,14 @@
 //! batch, or how many tokens other responses have drawn.
 //!
 //! # Where tokens are drawn
-//! A response whose settings need no host-side rule (no top-k, top-p, min-p or
-//! repetition penalty, sampled log-probs) is drawn by the decode step itself, where its
-//! logits are ([`SamplingConfig::draw`], `metronome_model::draw`: on a GPU a CUDA
-//! kernel, so `[slots, vocab]` logits never cross to the host); the others are sampled
-//! here from their logits. [`Sampler::sample`] is built from the same functions, so
-//! both give the same token and log-prob from the same logits.
-//!
+//! Every setting here but the stop rules is a [`metronome_model::Draw`]
+//! ([`SamplingConfig::draw`]), which a decode step draws where its logits are (on a GPU
+//! by CUDA kernels, so `[slots, vocab]` logits never cross to the host; the context a
+//! repetition penalty reads goes the other way, as its distinct ids). [`Sampler`] is
+//! the same arithmetic on the host (`metronome_model::draw::draw_row`), for a row a
+//! step hands back as logits, so both give the same token and log-prob from the same
+//! logits.
+
 //! # Behaviour log-probs
 //! The log-prob recorded for a sampled token is taken from the log-softmax of the
 //! logits *after* the repetition penalty and the temperature, and *before* top-k,
@@ -43,7 +44,8 @@
 //! follows too.
 
 use metronome_core::{TokenId, mix64};
-use metronome_model::{Draw, Truncation, draw};
+use metronome_model::draw::{DrawScratch, draw_row};
+use metronome_model::{Draw, Penalty, Truncation};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -198,19 +200,20 @@ impl SamplingConfig {
         Ok(())
     }
 
-    /// The draw a decode step may make where the logits are for a response under these
-    /// settings, whose next token's uniform number is `u` (`metronome_model::draw`,
-    /// which is [`Sampler::sample`]'s own arithmetic, truncation included); `None` when
-    /// sampling needs the host's rules: a repetition penalty (which reads the context)
-    /// or raw log-probs.
+    /// The draw of a response under these settings whose next token's uniform number
+    /// is `u` and whose context (prompt and response so far, which a repetition penalty
+    /// reads) is `context`: what a decode step draws where the logits are, and what
+    /// [`Sampler::sample`] draws on the host.
     #[must_use]
-    pub fn draw(&self, u: f64) -> Option<Draw> {
-        let plain = self.repetition_penalty == 1.0 && self.logprobs == LogprobsMode::Sampled;
-        plain.then_some(Draw { temperature: self.temperature, u, truncation: self.truncation() })
-    }
-
-    fn truncates(&self) -> bool {
-        !self.truncation().is_none()
+    pub fn draw<'a>(&self, u: f64, context: &'a [TokenId]) -> Draw<'a> {
+        Draw {
+            temperature: self.temperature,
+            u,
+            truncation: self.truncation(),
+            penalty: (self.repetition_penalty != 1.0)
+                .then_some(Penalty { factor: self.repetition_penalty, context }),
+            raw_logprob: self.logprobs == LogprobsMode::Raw,
+        }
     }
 
     /// Top-k, top-p and min-p as a draw applies them.
@@ -233,19 +236,11 @@ pub struct Sampled {
     pub logprob: f32,
 }
 
-/// Chooses tokens from logits; owns scratch buffers so a worker allocates once.
+/// Chooses tokens from logits on the host, as a decode step draws them; owns scratch
+/// buffers so a worker allocates once.
 #[derive(Debug, Default)]
 pub struct Sampler {
-    /// The logits after the repetition penalty (only when there is one).
-    penalised: Vec<f32>,
-    scaled: Vec<f32>,
-    /// `exp(scaled_i - max)` in f64, computed once per row: the normaliser, the
-    /// inverse CDF and the truncation rules all read these instead of recomputing them
-    /// (an f64 `exp` per token per use was about 5% of a 64-slot decode step).
-    weights: Vec<f64>,
-    /// The truncated draw's order of tokens.
-    order: Vec<u32>,
-    seen: Vec<u32>,
+    scratch: DrawScratch,
 }
 
 impl Sampler {
@@ -269,61 +264,11 @@ impl Sampler {
         if logits.is_empty() {
             return Err(Error::model("empty logits row"));
         }
-        // The untruncated steps are `metronome_model::draw`'s, so that a token drawn by a
-        // decode step and one sampled here from the same logits are the same. The
-        // repetition penalty comes first, on the raw logits, as in Hugging Face.
-        let row = if cfg.repetition_penalty == 1.0 {
-            logits
-        } else {
-            self.penalised.clear();
-            self.penalised.extend_from_slice(logits);
-            penalise(&mut self.penalised, &mut self.seen, context, cfg.repetition_penalty);
-            &self.penalised
-        };
-        draw::scale(row, cfg.temperature, &mut self.scaled);
-        let greedy = cfg.temperature == 0.0;
-        let (max_i, max, total) = match draw::row_weights(&self.scaled, &mut self.weights) {
-            Ok(stats) => stats,
-            Err(_) => {
-                let (_, max) = draw::argmax(&self.scaled);
-                return Err(Error::model(format!("logits have no finite maximum ({max})")));
-            }
-        };
-        let token = if greedy {
-            max_i as TokenId
-        } else if cfg.truncates() {
-            draw::invert_truncated(&self.scaled, &self.weights, max, cfg.truncation(), u, &mut self.order)
-        } else {
-            draw::invert_cdf(&self.weights, total, u)
-        };
-        let logprob = match cfg.logprobs {
-            LogprobsMode::Sampled => draw::logprob(self.scaled[token as usize], max, total),
-            LogprobsMode::Raw => raw_logprob(logits, token as usize),
-        };
-        Ok(Sampled { token, logprob })
+        match draw_row(logits, cfg.draw(u, context), &mut self.scratch) {
+            Ok(d) => Ok(Sampled { token: d.token, logprob: d.logprob }),
+            Err(e) => Err(Error::model(format!("cannot sample: {e}"))),
+        }
     }
-}
-
-/// Hugging Face's repetition penalty on `row`: each distinct context token once (`seen`
-/// is scratch), positive logits divided, negative multiplied, so the token always
-/// becomes less likely.
-fn penalise(row: &mut [f32], seen: &mut Vec<u32>, context: &[TokenId], penalty: f32) {
-    seen.clear();
-    seen.extend(context.iter().copied().filter(|&t| (t as usize) < row.len()));
-    seen.sort_unstable();
-    seen.dedup();
-    for &t in seen.iter() {
-        let x = &mut row[t as usize];
-        *x = if *x > 0.0 { *x / penalty } else { *x * penalty };
-    }
-}
-
-/// `log_softmax(logits)[token]` at temperature 1, summed in f64 in token order (so
-/// the value depends on the row alone).
-fn raw_logprob(logits: &[f32], token: usize) -> f32 {
-    let (_, max) = draw::argmax(logits);
-    let total: f64 = logits.iter().map(|&x| draw::weight(x, max)).sum();
-    (f64::from(logits[token]) - f64::from(max) - total.ln()) as f32
 }
 
 #[cfg(test)]
@@ -480,52 +425,31 @@ mod tests {
     }
 
     #[test]
-    fn a_decode_step_draws_what_the_sampler_samples_truncation_included() {
-        // A decode step draws a row with `metronome_model::draw::draw_row` from the
-        // config's `draw`; the engine samples the rows it hands back with `Sampler`.
-        // Both must pick the same token with the same log-prob from the same logits.
-        let mut sampler = Sampler::new();
-        let mut scratch = metronome_model::draw::DrawScratch::default();
-        let configs = [
-            SamplingConfig::default(),
-            SamplingConfig { temperature: 0.7, top_k: 5, ..SamplingConfig::default() },
-            SamplingConfig { temperature: 1.3, top_p: 0.8, ..SamplingConfig::default() },
-            SamplingConfig { min_p: 0.05, ..SamplingConfig::default() },
-            SamplingConfig {
-                temperature: 0.9,
-                top_k: 40,
-                top_p: 0.95,
-                min_p: 0.01,
-                ..SamplingConfig::default()
-            },
-            SamplingConfig { top_k: 1, ..SamplingConfig::default() },
-        ];
-        let mut truncated = 0;
-        for row in 0..64u64 {
-            // 97 logits with ties (every value repeats) and one NaN.
-            let mut logits: Vec<f32> =
-                (0..97u64).map(|i| ((mix64(row * 131 + i) % 23) as f32 - 11.0) / 3.0).collect();
-            logits[(row % 97) as usize] = f32::NAN;
-            for cfg in &configs {
-                let u = TokenRng::new(row).uniform(7);
-                let draw = cfg.draw(u).expect("no penalty, sampled log-probs: the step draws");
-                assert_eq!(draw.truncation.is_none(), !cfg.truncates());
-                truncated += usize::from(!draw.truncation.is_none());
-                let drawn = metronome_model::draw::draw_row(&logits, draw, &mut scratch).unwrap();
-                let sampled = sampler.sample(cfg, &logits, &[], u).unwrap();
-                assert_eq!(
-                    (drawn.token, drawn.logprob.to_bits()),
-                    (sampled.token, sampled.logprob.to_bits()),
-                    "{cfg:?}"
-                );
-            }
-        }
-        assert_eq!(truncated, 64 * 5);
-        // A penalty reads the context, raw log-probs the unscaled row: those stay the sampler's.
-        assert!(SamplingConfig { repetition_penalty: 1.2, ..SamplingConfig::default() }.draw(0.5).is_none());
-        assert!(
-            SamplingConfig { logprobs: LogprobsMode::Raw, ..SamplingConfig::default() }.draw(0.5).is_none()
-        );
+    fn every_setting_but_the_stop_rules_reaches_the_draw() {
+        // A decode step draws what `draw` gives it; a setting lost here would be sampled
+        // by the step as if it were not set.
+        let context = [3, 1, 3];
+        let cfg = SamplingConfig {
+            temperature: 0.7,
+            top_k: 5,
+            top_p: 0.8,
+            min_p: 0.05,
+            repetition_penalty: 1.3,
+            logprobs: LogprobsMode::Raw,
+            ..SamplingConfig::default()
+        };
+        let d = cfg.draw(0.25, &context);
+        assert_eq!((d.temperature, d.u), (0.7, 0.25));
+        assert_eq!(d.truncation, Truncation { top_k: 5, top_p: 0.8, min_p: 0.05 });
+        assert_eq!(d.penalty, Some(Penalty { factor: 1.3, context: &context }));
+        assert!(d.raw_logprob);
+        // No penalty at 1, no truncation by default, sampled log-probs by default.
+        let plain = SamplingConfig::default().draw(0.25, &context);
+        assert_eq!(plain, Draw::new(1.0, 0.25));
+        assert!(!plain.truncates());
+        // A top-k beyond u32 keeps every token, as `0` does not: it saturates.
+        let wide = SamplingConfig { top_k: usize::MAX, ..SamplingConfig::default() };
+        assert_eq!(wide.draw(0.5, &[]).truncation.top_k, u32::MAX);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! KV-cache decoding: equal to the full forward, and batch-invariant bitwise.
 
 use metronome_model::draw::{DrawScratch, draw_row};
-use metronome_model::{Device, Draw, Kernels, KvCache, Model, ModelConfig, Next, Truncation};
+use metronome_model::{Device, Draw, Kernels, KvCache, Model, ModelConfig, Next, Penalty, Truncation};
 
 use crate::common::{fixture, full_logits, max_abs_diff, tokens};
 
@@ -64,18 +64,21 @@ pub(crate) fn drawing_matches_the_host_reference(model: &Model, logprob_tol: f32
     let vocab = model.config().vocab_size;
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(300 + i, 3 + 2 * i as usize, vocab)).collect();
     let temperature = [Some(0.0), Some(0.7), None, Some(1.0)];
-    let draws = |k: u64| -> Vec<Option<Draw>> {
+    let draws = |k: u64| -> Vec<Option<Draw<'static>>> {
         temperature
             .iter()
             .enumerate()
             .map(|(i, t)| {
                 t.map(|temperature| Draw {
-                    // Slot 1's draw is truncated: top-k and top-p.
+                    // Slot 1's draw is truncated: top-k and top-p; slot 3's penalised,
+                    // reporting raw log-probs.
                     truncation: if i == 1 {
                         Truncation { top_k: 5, top_p: 0.9, min_p: 0.0 }
                     } else {
                         Truncation::NONE
                     },
+                    penalty: (i == 3).then_some(Penalty { factor: 1.5, context: CONTEXTS[0] }),
+                    raw_logprob: i == 3,
                     ..Draw::new(temperature, ((k * 7 + i as u64 * 3) % 10) as f64 / 10.0)
                 })
             })
@@ -171,9 +174,15 @@ pub(crate) fn draw_logits(rows: usize, vocab: usize, device: &Device) -> metrono
     metronome_model::Tensor::from_vec(v, (rows, vocab), device).unwrap()
 }
 
+/// The contexts of [`draws_for`]'s penalised rows: repeats, ids past the smaller
+/// vocabularies, none at all.
+const CONTEXTS: [&[u32]; 3] = [&[0, 1, 1, 2, 7, 7, 7, 98], &[5, 200, 1024, 49_151, 151_935, 200_000, 5], &[]];
+
 /// Draws for [`draw_logits`]' rows: every row drawn, temperatures and uniform numbers
-/// varied, and from row 3 on every third row truncated (top-k, top-p, min-p, all three).
-pub(crate) fn draws_for(rows: usize) -> Vec<Option<Draw>> {
+/// varied; from row 3 on every third row truncated (top-k, top-p, min-p, all three);
+/// every fourth from row 1 penalised (factors above and below 1, [`CONTEXTS`]); every
+/// fifth from row 4 reporting raw log-probs.
+pub(crate) fn draws_for(rows: usize) -> Vec<Option<Draw<'static>>> {
     let truncations = [
         Truncation { top_k: 1, ..Truncation::NONE },
         Truncation { top_k: 20, ..Truncation::NONE },
@@ -190,7 +199,9 @@ pub(crate) fn draws_for(rows: usize) -> Vec<Option<Draw>> {
             } else {
                 Truncation::NONE
             };
-            Some(Draw { truncation, ..Draw::new(temperature, u) })
+            let penalty = (r % 4 == 1)
+                .then(|| Penalty { factor: [1.3, 0.7, 2.0][(r / 4) % 3], context: CONTEXTS[(r / 4) % 3] });
+            Some(Draw { truncation, penalty, raw_logprob: r % 5 == 4, ..Draw::new(temperature, u) })
         })
         .collect()
 }

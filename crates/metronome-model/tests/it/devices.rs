@@ -552,8 +552,8 @@ fn kernel_step_matches_portable(
     }
 }
 
-/// The draw kernels (`kernels/draw.cu`, plain and truncated: `draws_for` truncates every
-/// third row) against their host reference on the same logits,
+/// The draw kernels (`kernels/draw.cu`: plain and truncated, on penalised rows, with raw
+/// log-probs, as `draws_for` varies them) against their host reference on the same logits,
 /// f32 and bf16, at vocabulary sizes from the tiny model's to Qwen2's (one run or many
 /// per thread of its block), with the edge rows of `draw_logits`; then through a
 /// model's decode steps. Tokens must be identical (they differ only where `u · total`

@@ -34,15 +34,18 @@ fn layer_kernels_emulated_on_the_cpu_match_double() {
 }
 
 /// The draw kernels of `kernels/draw.cu` draw what the host's reference
-/// (`draw::draw_row`) draws from the same logits: the plain draw (temperature, greedy)
-/// and the truncated one (top-k, top-p, min-p and their combinations, `k` past the
-/// vocabulary, `min_p = 1` keeping only the tied maxima), over rows with ties, NaN and
-/// `-inf`, f32 and bf16: the same token, and log-probs within 1e-6 (their sums run in
-/// another order); a row without a finite maximum comes back undrawn from both.
+/// (`draw::draw_row`) draws from the same logits: the plain draw (temperature, greedy);
+/// the truncated one (top-k, top-p, min-p and their combinations, `k` past the
+/// vocabulary, `min_p = 1` keeping only the tied maxima); the plain one on rows
+/// penalised by `penalise_rows` (factors above and below 1, repeated ids and ids past
+/// the vocabulary, an empty context) and the raw log-prob of what it drew
+/// (`raw_logprobs`); over rows with ties, NaN and `-inf`, f32 and bf16: the same token,
+/// and log-probs within 1e-6 (their sums run in another order); a row without a finite
+/// maximum comes back undrawn from both.
 #[test]
 fn draw_kernels_emulated_on_the_cpu_draw_what_the_host_draws() {
     use metronome_model::draw::{DrawScratch, draw_row};
-    use metronome_model::{Draw, Truncation};
+    use metronome_model::{Draw, Penalty, Truncation};
     use std::fmt::Write as _;
 
     let Some(exe) = compile("draw") else { return };
@@ -60,6 +63,10 @@ fn draw_kernels_emulated_on_the_cpu_draw_what_the_host_draws() {
         Truncation { top_k: 3, top_p: 0.5, min_p: 0.0 },
     ];
     let (rows, vocab) = (66usize, 300usize);
+    // Each row's context: up to five ids, repeated, some past the vocabulary; none in a fourth.
+    let contexts: Vec<Vec<u32>> = (0..rows as u64)
+        .map(|r| (0..(r % 4) * 9).map(|j| (metronome_core::mix64(r * 31 + j % 5) % 330) as u32).collect())
+        .collect();
     for bf16 in [false, true] {
         let mut draws = Vec::new();
         let mut logits = vec![0f32; rows * vocab];
@@ -84,16 +91,31 @@ fn draw_kernels_emulated_on_the_cpu_draw_what_the_host_draws() {
                 row[0] = -0.0;
                 truncation = Truncation { top_k: 2, ..Truncation::NONE };
             }
-            draws.push(Draw { truncation, ..Draw::new(temperature, u) });
+            let penalty = Penalty { factor: [1.7, 0.6, 1.0, 3.0][r % 4], context: &contexts[r] };
+            draws.push(Draw { truncation, penalty: Some(penalty), ..Draw::new(temperature, u) });
         }
         let mut input = format!("{} {rows} {vocab}\n", u32::from(bf16));
+        let mut ids = Vec::new();
         for d in &draws {
             let inv = metronome_model::draw::inv_temperature(d.temperature);
             let t = d.truncation;
             let floor = t.min_p_floor();
             let greedy = u32::from(d.temperature == 0.0);
+            let penalty = d.penalty.unwrap();
+            penalty.distinct(vocab, &mut ids);
             let (inv, u, p, floor) = (inv.to_bits(), d.u.to_bits(), t.top_p.to_bits(), floor.to_bits());
-            writeln!(input, "{inv:x} {u:x} {greedy} {} {p:x} {floor:x}", t.top_k).unwrap();
+            write!(
+                input,
+                "{inv:x} {u:x} {greedy} {} {p:x} {floor:x} {:x} {}",
+                t.top_k,
+                penalty.factor.to_bits(),
+                ids.len()
+            )
+            .unwrap();
+            for id in &ids {
+                write!(input, " {id}").unwrap();
+            }
+            input.push('\n');
         }
         for x in &logits {
             let bits = if bf16 { x.to_bits() >> 16 } else { x.to_bits() };
@@ -101,15 +123,25 @@ fn draw_kernels_emulated_on_the_cpu_draw_what_the_host_draws() {
         }
         let out = run(&exe, &input);
         let mut scratch = DrawScratch::default();
-        let mut compared = [0usize; 2];
+        let mut compared = [0usize; 4];
         for (r, line) in out.lines().enumerate() {
             let f: Vec<u32> = line.split(' ').map(|v| u32::from_str_radix(v, 16).unwrap()).collect();
             let row = &logits[r * vocab..(r + 1) * vocab];
             let d = draws[r];
-            let kernels = [(f[0], f32::from_bits(f[1])), (f[2], f32::from_bits(f[3]))];
-            // The plain kernel reads no truncation; greedy rows never reach the truncated one.
-            let references =
-                [Some(Draw { truncation: Truncation::NONE, ..d }), (d.temperature != 0.0).then_some(d)];
+            let plain = Draw { truncation: Truncation::NONE, penalty: None, ..d };
+            let kernels = [
+                (f[0], f32::from_bits(f[1])),
+                (f[2], f32::from_bits(f[3])),
+                (f[4], f32::from_bits(f[5])),
+                (f[4], f32::from_bits(f[6])),
+            ];
+            let references = [
+                // The plain kernel reads no truncation; greedy rows never reach the truncated one.
+                Some(plain),
+                (d.temperature != 0.0).then_some(Draw { penalty: None, ..d }),
+                Some(Draw { truncation: Truncation::NONE, ..d }),
+                Some(Draw { truncation: Truncation::NONE, raw_logprob: true, ..d }),
+            ];
             for (k, ((token, logprob), reference)) in kernels.into_iter().zip(references).enumerate() {
                 let Some(reference) = reference else { continue };
                 let what = format!("bf16 {bf16}, row {r}, {reference:?}, kernel {k}");
@@ -127,7 +159,8 @@ fn draw_kernels_emulated_on_the_cpu_draw_what_the_host_draws() {
                 }
             }
         }
-        assert_eq!(compared, [rows - 1, rows - 1 - (rows - 1).div_ceil(5)], "every row compared");
+        let all = rows - 1;
+        assert_eq!(compared, [all, all - all.div_ceil(5), all, all], "every row compared");
     }
 }
 

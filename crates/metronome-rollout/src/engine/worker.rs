@@ -346,7 +346,7 @@ impl<M: InferenceModel> Worker<M> {
             .iter()
             .filter_map(|&s| self.slots[s].as_ref().map(|seq| (s, seq.context.as_slice())))
             .collect();
-        let draws: Vec<Option<Draw>> = seqs.iter().map(|&(slot, _)| self.draw_of(slot)).collect();
+        let draws: Vec<Option<Draw<'_>>> = seqs.iter().map(|&(slot, _)| draw_of(&self.slots, slot)).collect();
         let joint = match model.model.prefill_many(&mut self.cache, &seqs, &draws) {
             Ok(rows) if rows.len() == seqs.len() => Some(rows),
             _ => None,
@@ -403,7 +403,8 @@ impl<M: InferenceModel> Worker<M> {
         }
         self.counters().padding_rows.fetch_add(padding_rows, Ordering::Relaxed);
         for (model, batch) in batches {
-            let draws: Vec<Option<Draw>> = batch.iter().map(|&(slot, _)| self.draw_of(slot)).collect();
+            let draws: Vec<Option<Draw<'_>>> =
+                batch.iter().map(|&(slot, _)| draw_of(&self.slots, slot)).collect();
             let result = model.model.decode_step(&mut self.cache, &batch, &draws);
             self.counters().decode_steps.fetch_add(1, Ordering::Relaxed);
             self.counters().decode_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
@@ -473,7 +474,8 @@ impl<M: InferenceModel> Worker<M> {
             });
             feeds = rest;
             let seqs: Vec<(usize, &[TokenId])> = batch.iter().map(|(s, t)| (*s, t.as_slice())).collect();
-            let draws: Vec<Option<Draw>> = batch.iter().map(|&(slot, _)| self.draw_of(slot)).collect();
+            let draws: Vec<Option<Draw<'_>>> =
+                batch.iter().map(|&(slot, _)| draw_of(&self.slots, slot)).collect();
             match model.model.prefill_many(&mut self.cache, &seqs, &draws) {
                 Ok(rows) if rows.len() == batch.len() => {
                     for ((slot, _), next) in batch.iter().zip(rows) {
@@ -596,14 +598,6 @@ impl<M: InferenceModel> Worker<M> {
             }
             self.release(slot);
         }
-    }
-
-    /// The draw the model may make for `slot`'s next token where its logits are (its
-    /// `k`-th token's uniform number); `None` when its settings need the host's rules
-    /// (truncation, a penalty, raw log-probs) or the slot holds no sequence.
-    fn draw_of(&self, slot: usize) -> Option<Draw> {
-        let seq = self.slots[slot].as_ref()?;
-        seq.request.sampling.draw(seq.rng.uniform(seq.sampled))
     }
 
     /// Takes the next token of `slot`, drawn by the model or sampled here from its
@@ -741,4 +735,12 @@ impl<M: InferenceModel> Worker<M> {
 /// within what `max_seq_len` leaves (at least one).
 fn budget(max_new_tokens: usize, prompt: usize, max_seq_len: usize) -> usize {
     max_new_tokens.min(max_seq_len.saturating_sub(prompt).max(1))
+}
+
+/// The draw of `slot`'s next token (its `k`-th token's uniform number, its context for
+/// a repetition penalty), which the model makes where the logits are; `None` when the
+/// slot holds no sequence (a padding row).
+fn draw_of<M>(slots: &[Option<Seq<M>>], slot: usize) -> Option<Draw<'_>> {
+    let seq = slots[slot].as_ref()?;
+    Some(seq.request.sampling.draw(seq.rng.uniform(seq.sampled), &seq.context))
 }

@@ -168,7 +168,7 @@ impl<W: Watch> InferenceModel for Watched<W> {
         &self,
         cache: &mut KvCache,
         seqs: &[(usize, &[TokenId])],
-        draws: &[Option<Draw>],
+        draws: &[Option<Draw<'_>>],
     ) -> Result<Vec<Next>> {
         InferenceModel::prefill_many(&self.model, cache, seqs, draws)
     }
@@ -177,7 +177,7 @@ impl<W: Watch> InferenceModel for Watched<W> {
         &self,
         cache: &mut KvCache,
         batch: &[(usize, TokenId)],
-        draws: &[Option<Draw>],
+        draws: &[Option<Draw<'_>>],
     ) -> Result<Vec<Next>> {
         self.watch.before_decode(batch.len());
         let rows = InferenceModel::decode_step(&self.model, cache, batch, draws)?;

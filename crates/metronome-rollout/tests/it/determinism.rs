@@ -200,3 +200,55 @@ async fn frozen_copies_are_layout_independent_too() {
     assert_eq!(base, signature(&run(1, 16, 1, Batching::Static).await), "1x1 vs 1x16 static");
     assert_eq!(base, signature(&run(1, 16, 2, Batching::StaticPadded).await), "1x1 vs 1x16 padded static");
 }
+
+/// With a repetition penalty and raw log-probs every token is drawn by the model's
+/// decode step, which reads the penalty's context (the prompt and the response so far)
+/// from the engine: each completion is bitwise what the host's sampler gives from the
+/// model's logits of the whole context at every position, with that context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_penalised_draw_in_the_step_reads_the_whole_context() {
+    use metronome_core::{PolicyVersion, sample_seed};
+    use metronome_rollout::{InferenceModel, LogprobsMode, Sampler, TokenRng};
+
+    for logprobs in [LogprobsMode::Sampled, LogprobsMode::Raw] {
+        let s = SamplingConfig {
+            temperature: 0.9,
+            repetition_penalty: 1.8,
+            top_k: 30,
+            logprobs,
+            ignore_eos: true,
+            ..sampling(12)
+        };
+        let e = engine(1, 4, s.clone());
+        let groups = run(1, 4, s.clone()).await;
+        let model = crate::common::tiny_model(7);
+        let mut sampler = Sampler::new();
+        let mut checked = 0;
+        for g in &groups {
+            for c in &g.completions {
+                let seed = sample_seed(e.seed(), PolicyVersion(0), g.prompt.id, c.sample_index);
+                let rng = TokenRng::new(seed);
+                let mut context = g.prompt.tokens.clone();
+                for (k, (&token, &logprob)) in c.tokens.iter().zip(&c.logprobs).enumerate() {
+                    let mut cache = InferenceModel::new_cache(&model, 1, 128).unwrap();
+                    let logits = InferenceModel::prefill_many(&model, &mut cache, &[(0, &context)], &[None])
+                        .unwrap()
+                        .remove(0)
+                        .into_logits()
+                        .unwrap();
+                    let host = sampler.sample(&s, &logits, &context, rng.uniform(k as u64)).unwrap();
+                    assert_eq!(
+                        (token, logprob.to_bits()),
+                        (host.token, host.logprob.to_bits()),
+                        "{logprobs:?}, prompt {:?} sample {} token {k}",
+                        g.prompt.id,
+                        c.sample_index
+                    );
+                    context.push(token);
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 24 * 12, "{logprobs:?}");
+    }
+}
