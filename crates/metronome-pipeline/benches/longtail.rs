@@ -11,7 +11,8 @@
 //! responses still running continue under the newest weights. It prints, per
 //! schedule, the generated tokens per second of wall time over the RL periods, the
 //! share of that time the trainer was idle, how many cores the process kept busy (the
-//! ceiling of any schedule's gain on the machine), the groups dropped as too stale, and
+//! ceiling of any schedule's gain on the machine), the engine's mean rows per decode
+//! step (how full the tail kept its steps), the groups dropped as too stale, and
 //! the held-out accuracy after the last period, so that speed is not bought with
 //! learning.
 //! Each schedule runs once per round, in turn, three rounds: the table gives medians
@@ -62,33 +63,77 @@ struct Row {
     /// CPU time over wall time between the first and the last-but-one period's end
     /// (the last one's evaluation left out): how many cores the run kept busy.
     cores_busy: f64,
+    /// The rollout engine's decode rows per decode step over the same periods
+    /// (`metronome_rollout_decode_{rows,steps}_total`): how full the tail kept its steps.
+    rows_per_step: f64,
 }
 
-/// The process's CPU time at each period's end (see [`Row::cores_busy`]).
-#[derive(Clone, Default)]
-struct CoresBusy(std::sync::Arc<std::sync::Mutex<Vec<(std::time::Instant, f64)>>>);
+/// What the process had done at each period's end: its CPU time and the engine's
+/// decode steps and rows (see [`Row::cores_busy`], [`Row::rows_per_step`]).
+#[derive(Clone)]
+struct Marks {
+    marks: std::sync::Arc<std::sync::Mutex<Vec<Mark>>>,
+    metrics: metrics_util::debugging::Snapshotter,
+}
 
-impl CoresBusy {
+#[derive(Clone, Copy)]
+struct Mark {
+    at: std::time::Instant,
+    cpu_s: f64,
+    steps: f64,
+    rows: f64,
+}
+
+impl Marks {
+    fn new(metrics: metrics_util::debugging::Snapshotter) -> Self {
+        Self { marks: std::sync::Arc::default(), metrics }
+    }
+
     fn observer(&self) -> metronome_pipeline::Observer {
-        let marks = self.0.clone();
+        let this = self.clone();
         metronome_pipeline::Observer::new(move |event| {
             if let metronome_pipeline::Event::PeriodDone { .. } = event
-                && let Some(cpu) = process_cpu_s()
+                && let Some(cpu_s) = process_cpu_s()
             {
-                marks
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .push((std::time::Instant::now(), cpu));
+                let (steps, rows) = this.decode_counters();
+                let mark = Mark { at: std::time::Instant::now(), cpu_s, steps, rows };
+                this.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(mark);
             }
         })
     }
 
-    fn cores(&self) -> f64 {
-        let marks = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    /// The decode steps and rows every engine of the process has counted so far.
+    fn decode_counters(&self) -> (f64, f64) {
+        let (mut steps, mut rows) = (0.0, 0.0);
+        for (key, _, _, value) in self.metrics.snapshot().into_vec() {
+            let metrics_util::debugging::DebugValue::Counter(n) = value else { continue };
+            match key.key().name() {
+                "metronome_rollout_decode_steps_total" => steps += n as f64,
+                "metronome_rollout_decode_rows_total" => rows += n as f64,
+                _ => {}
+            }
+        }
+        (steps, rows)
+    }
+
+    /// The change in `num` over the change in `den` from the first mark to the
+    /// last-but-one.
+    fn between(&self, num: impl Fn(&Mark) -> f64, den: impl Fn(&Mark) -> f64) -> f64 {
+        let marks = self.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match (marks.first(), marks.len().checked_sub(2).map(|i| marks[i])) {
-            (Some(&(t0, c0)), Some((t1, c1))) if t1 > t0 => (c1 - c0) / (t1 - t0).as_secs_f64(),
+            (Some(a), Some(b)) if den(&b) > den(a) => (num(&b) - num(a)) / (den(&b) - den(a)),
             _ => f64::NAN,
         }
+    }
+
+    fn cores(&self) -> f64 {
+        let t0 = self.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).first().map(|m| m.at);
+        let since = move |m: &Mark| t0.map_or(0.0, |t0| m.at.duration_since(t0).as_secs_f64());
+        self.between(|m| m.cpu_s, since)
+    }
+
+    fn rows_per_step(&self) -> f64 {
+        self.between(|m| m.rows, |m| m.steps)
     }
 }
 
@@ -141,6 +186,10 @@ fn main() -> anyhow::Result<()> {
         "rollout.max_num_seqs=128".to_owned(),
     ]
     .into();
+    // The engines' decode counters, read at each period's end (`Marks`).
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().map_err(|e| anyhow::anyhow!("installing the metrics recorder: {e}"))?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let mut rows: Vec<Vec<Row>> = VARIANTS.iter().map(|_| Vec::new()).collect();
     for round in 0..if bench { rounds } else { 1 } {
@@ -154,8 +203,8 @@ fn main() -> anyhow::Result<()> {
             overrides.extend(variant.overrides.iter().map(|s| (*s).to_owned()));
             overrides.extend(extra.iter().cloned());
             let config = PipelineConfig::load(&preset, &overrides)?;
-            let busy = CoresBusy::default();
-            let options = RunOptions { observer: busy.observer(), ..RunOptions::default() };
+            let marks = Marks::new(snapshotter.clone());
+            let options = RunOptions { observer: marks.observer(), ..RunOptions::default() };
             let outcome = runtime.block_on(metronome_pipeline::run(config, options))?;
             let wall: f64 = outcome.periods.iter().map(|r| r.period_s).sum();
             let training: f64 = outcome.periods.iter().map(|r| r.training_s).sum();
@@ -171,7 +220,8 @@ fn main() -> anyhow::Result<()> {
                 dropped_stale: outcome.periods.iter().map(|r| r.dropped_stale).sum(),
                 warm: outcome.evals.iter().find(|e| e.after_periods == 0).map_or(f64::NAN, |e| e.accuracy),
                 accuracy: outcome.evals.last().map_or(f64::NAN, |e| e.accuracy),
-                cores_busy: busy.cores(),
+                cores_busy: marks.cores(),
+                rows_per_step: marks.rows_per_step(),
             });
         }
     }
@@ -182,20 +232,28 @@ fn main() -> anyhow::Result<()> {
         100.0 * rows.iter().flatten().next().map_or(f64::NAN, |r| r.warm)
     );
     println!(
-        "{:<30}  {:>9}  {:>7}  {:>12}  {:>10}  {:>13}  {:>17}",
-        "schedule", "tokens/s", "vs sync", "trainer idle", "cores busy", "dropped stale", "held-out (range)"
+        "{:<30}  {:>9}  {:>7}  {:>12}  {:>10}  {:>13}  {:>13}  {:>17}",
+        "schedule",
+        "tokens/s",
+        "vs sync",
+        "trainer idle",
+        "cores busy",
+        "rows per step",
+        "dropped stale",
+        "held-out (range)"
     );
     let tokens = |runs: &[Row]| median(runs.iter().map(|r| r.tokens_per_s));
     for (variant, runs) in VARIANTS.iter().zip(&rows).filter(|(_, runs)| !runs.is_empty()) {
         let (lo, hi) =
             runs.iter().fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(r.accuracy), h.max(r.accuracy)));
         println!(
-            "{:<30}  {:>9.0}  {:>6.2}x  {:>11.0}%  {:>10.2}  {:>13}  {:>5.1}% ({:.1}-{:.1})",
+            "{:<30}  {:>9.0}  {:>6.2}x  {:>11.0}%  {:>10.2}  {:>13.1}  {:>13}  {:>5.1}% ({:.1}-{:.1})",
             variant.name,
             tokens(runs),
             tokens(runs) / tokens(&rows[0]),
             100.0 * median(runs.iter().map(|r| r.trainer_idle)),
             median(runs.iter().map(|r| r.cores_busy)),
+            median(runs.iter().map(|r| r.rows_per_step)),
             runs.iter().map(|r| r.dropped_stale).max().unwrap_or(0),
             100.0 * median(runs.iter().map(|r| r.accuracy)),
             100.0 * lo,

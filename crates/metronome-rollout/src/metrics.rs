@@ -15,6 +15,16 @@ metric_catalogue! {
         GENERATED_TOKENS =
             Metric::counter("metronome_rollout_generated_tokens_total", "tokens sampled, per worker")
                 .labels(&["worker"]),
+        DECODE_STEPS = Metric::counter(
+            "metronome_rollout_decode_steps_total",
+            "decode steps run (one per weight version a step's rows are on), per worker",
+        )
+        .labels(&["worker"]),
+        DECODE_ROWS = Metric::counter(
+            "metronome_rollout_decode_rows_total",
+            "rows computed by decode steps, padding included (over decode steps: the mean batch), per worker",
+        )
+        .labels(&["worker"]),
         GROUP_DURATION = Metric::seconds(
             "metronome_rollout_group_duration_seconds",
             "from the start of a group's first response to the end of its last",
@@ -49,6 +59,14 @@ metric_catalogue! {
 /// The handle a worker adds its sampled tokens to.
 pub(crate) fn generated_tokens(worker: usize) -> metrics::Counter {
     metrics::counter!(GENERATED_TOKENS.name, "worker" => worker.to_string())
+}
+
+/// The handles a worker counts its decode steps and their rows on.
+pub(crate) fn decode_steps(worker: &str) -> (metrics::Counter, metrics::Counter) {
+    (
+        metrics::counter!(DECODE_STEPS.name, "worker" => worker.to_owned()),
+        metrics::counter!(DECODE_ROWS.name, "worker" => worker.to_owned()),
+    )
 }
 
 /// The handle a worker sets its active slots on.

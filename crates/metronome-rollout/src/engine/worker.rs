@@ -106,6 +106,8 @@ pub(super) struct Worker<M: InferenceModel> {
     /// its group also sees its tokens counted.
     unflushed_tokens: u64,
     tokens_total: metrics::Counter,
+    /// The decode steps and their rows, for Prometheus (`WorkerStats` has them too).
+    steps_total: (metrics::Counter, metrics::Counter),
 }
 
 impl<M: InferenceModel> Worker<M> {
@@ -124,6 +126,7 @@ impl<M: InferenceModel> Worker<M> {
             max_seq_len,
             unflushed_tokens: 0,
             tokens_total: crate::metrics::generated_tokens(index),
+            steps_total: crate::metrics::decode_steps(&index.to_string()),
         }
     }
 
@@ -408,6 +411,8 @@ impl<M: InferenceModel> Worker<M> {
             let result = model.model.decode_step(&mut self.cache, &batch, &draws);
             self.counters().decode_steps.fetch_add(1, Ordering::Relaxed);
             self.counters().decode_rows.fetch_add(batch.len() as u64, Ordering::Relaxed);
+            self.steps_total.0.increment(1);
+            self.steps_total.1.increment(batch.len() as u64);
             match result {
                 Ok(rows) if rows.len() == batch.len() => {
                     for (&(slot, _), row) in batch.iter().zip(rows) {
