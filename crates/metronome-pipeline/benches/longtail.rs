@@ -96,13 +96,16 @@ impl Marks {
                 && let Some(cpu_s) = process_cpu_s()
             {
                 let (steps, rows) = this.decode_counters();
-                let mark = Mark { at: std::time::Instant::now(), cpu_s, steps, rows };
-                this.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(mark);
+                let mut marks = this.marks.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                let (before_steps, before_rows) = marks.last().map_or((0.0, 0.0), |m| (m.steps, m.rows));
+                let (steps, rows) = (before_steps + steps, before_rows + rows);
+                marks.push(Mark { at: std::time::Instant::now(), cpu_s, steps, rows });
             }
         })
     }
 
-    /// The decode steps and rows every engine of the process has counted so far.
+    /// The decode steps and rows every engine of the process has counted since the last
+    /// call (a snapshot of the debugging recorder takes its counters back to 0).
     fn decode_counters(&self) -> (f64, f64) {
         let (mut steps, mut rows) = (0.0, 0.0);
         for (key, _, _, value) in self.metrics.snapshot().into_vec() {
