@@ -145,18 +145,20 @@ impl Penalty<'_> {
     }
 }
 
-/// A token drawn by a decode step and its log-prob under the temperature-scaled
-/// (untruncated) distribution.
+/// A token drawn by a decode step and its log-prob under the penalised, temperature-scaled
+/// (untruncated) distribution, or under the raw one ([`Draw::raw_logprob`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Drawn {
     /// The token.
     pub token: u32,
-    /// `log_softmax(logits / T)[token]` (`T = 1` when greedy).
+    /// `log_softmax(penalised_logits / T)[token]` (`T = 1` when greedy), or
+    /// `log_softmax(logits)[token]` with [`Draw::raw_logprob`].
     pub logprob: f32,
 }
 
 /// What a decode step gives back for one row: its drawn token, or its logits `[vocab]`
-/// for the caller to sample (rows that were given no [`Draw`]).
+/// for the caller (rows that were given no [`Draw`], or whose logits have no finite
+/// maximum).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Next {
     /// Drawn by the step.

@@ -18,7 +18,7 @@
 
 use std::sync::OnceLock;
 
-/// The environment variable that caps [`dispatch`]'s instruction set.
+/// The environment variable that caps `dispatch`'s instruction set.
 pub const SIMD_ENV: &str = "METRONOME_SIMD";
 
 /// An instruction-set ceiling for the fused CPU kernels.

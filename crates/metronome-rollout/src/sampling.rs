@@ -16,7 +16,7 @@
 //! the same arithmetic on the host (`metronome_model::draw::draw_row`), for a row a
 //! step hands back as logits, so both give the same token and log-prob from the same
 //! logits.
-
+//!
 //! # Behaviour log-probs
 //! The log-prob recorded for a sampled token is taken from the log-softmax of the
 //! logits *after* the repetition penalty and the temperature, and *before* top-k,

@@ -1,7 +1,7 @@
 //! The `agent` backend: any program that calls an OpenAI-compatible chat API is the
 //! rollout, unchanged. For each prompt and sample, [`AgentEngine`] starts the
 //! configured command with `OPENAI_BASE_URL` set to an episode's own address on a
-//! recording proxy ([`proxy`]) and `OPENAI_API_KEY` to the episode's key, and gives
+//! recording proxy (`proxy`) and `OPENAI_API_KEY` to the episode's key, and gives
 //! it the task (the prompt's text) on stdin or in `METRONOME_TASK`. The proxy serves
 //! every call from the engine's current weights and records its rendered prompt,
 //! sampled tokens, behaviour log-probs and version. When the agent exits, its calls
