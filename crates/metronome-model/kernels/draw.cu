@@ -201,6 +201,20 @@ __device__ double block_sum_f64(double v, double *s) {
     return r;
 }
 
+// The block's largest value (NaN never wins: fmaxf takes the other operand).
+__device__ float block_max_f32(float v, float *s) {
+    const uint32_t t = threadIdx.x;
+    s[t] = v;
+    __syncthreads();
+    for (uint32_t stride = DRAW_THREADS / 2; stride > 0; stride >>= 1) {
+        if (t < stride) s[t] = fmaxf(s[t], s[t + stride]);
+        __syncthreads();
+    }
+    const float r = s[0];
+    __syncthreads();
+    return r;
+}
+
 __device__ uint64_t block_reduce_u64(uint64_t v, uint64_t *s, bool take_min) {
     const uint32_t t = threadIdx.x;
     s[t] = v;
@@ -238,14 +252,7 @@ __device__ void draw_truncated_row(const T *logits, uint32_t vocab, float inv, d
         const float x = load(logits, i) * inv;
         if (x > best) best = x;  // NaN compares false
     }
-    s_max[t] = best;
-    __syncthreads();
-    for (uint32_t stride = DRAW_THREADS / 2; stride > 0; stride >>= 1) {
-        if (t < stride) s_max[t] = fmaxf(s_max[t], s_max[t + stride]);
-        __syncthreads();
-    }
-    const float max = s_max[0];
-    __syncthreads();
+    const float max = block_max_f32(best, s_max);
     if (!isfinite(max)) {
         if (t == 0) {
             *token_out = NONE;
@@ -383,13 +390,7 @@ __device__ void raw_logprob_row(const T *logits, uint32_t vocab, uint32_t token,
         const float x = load(logits, i);
         if (x > best) best = x;  // NaN compares false
     }
-    s_max[t] = best;
-    __syncthreads();
-    for (uint32_t stride = DRAW_THREADS / 2; stride > 0; stride >>= 1) {
-        if (t < stride) s_max[t] = fmaxf(s_max[t], s_max[t + stride]);
-        __syncthreads();
-    }
-    const float max = s_max[0];
+    const float max = block_max_f32(best, s_max);
     double sum = 0.0;
     for (uint32_t i = begin; i < end; ++i) sum += weight(load(logits, i), max);
     const double total = block_sum_f64(sum, s_f64);
